@@ -1,0 +1,718 @@
+"""Fish Audio S2-Pro text-to-speech: the Dual-AR (RQ-Transformer) model and generation, one file.
+
+The slow transformer (Qwen3-shaped) reads the conversation and emits one semantic token per audio
+frame; the fast transformer then emits the other codebooks of that frame, one after another.
+Everything is written to give upstream fish-speech's codes for upstream's seed on CPU fp32.
+
+    python dualAR.py --text "Hello!" --prompt-audio voice.wav --prompt-text "what voice.wav says"
+"""
+import argparse
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+# The real fishaudio/s2-pro dimensions, with upstream's flat `dual_ar` key names.
+CONFIG = dict(
+    vocab_size=155776, n_layer=36, n_head=32, n_local_heads=8, head_dim=128, dim=2560,
+    intermediate_size=9728, rope_base=1e6, norm_eps=1e-6, max_seq_len=32768,
+    tie_word_embeddings=True, attention_qkv_bias=False, attention_o_bias=False, attention_qk_norm=True,
+    codebook_size=4096, num_codebooks=10, n_fast_layer=4, fast_dim=2560, fast_n_head=32,
+    fast_n_local_heads=8, fast_head_dim=128, fast_intermediate_size=9728, fast_attention_qkv_bias=False,
+    fast_attention_o_bias=False, fast_attention_qk_norm=True,
+    scale_codebook_embeddings=True, norm_fastlayer_input=True,
+)
+# upstream's BaseModelArgs defaults, used for keys a flat `dual_ar` config.json leaves out
+FLAT_DEFAULTS = dict(
+    vocab_size=32000, n_layer=32, n_head=32, n_local_heads=-1, head_dim=None, dim=4096,
+    intermediate_size=None, rope_base=10000, norm_eps=1e-5, max_seq_len=2048, tie_word_embeddings=True,
+    attention_qkv_bias=False, attention_o_bias=False, attention_qk_norm=False, codebook_size=160,
+    num_codebooks=4, n_fast_layer=4, scale_codebook_embeddings=False, norm_fastlayer_input=False,
+)
+FAST_KEYS = ["dim", "n_head", "n_local_heads", "head_dim", "intermediate_size",
+             "attention_qkv_bias", "attention_o_bias", "attention_qk_norm"]
+MAX_REFERENCES = 4
+RAS_WINDOW, RAS_TEMPERATURE, RAS_TOP_P = 10, 1.0, 0.9  # repetition-aware sampling, as upstream
+CONTEXT_RESERVE = 2048  # upstream refuses prompts longer than max_seq_len - 2048
+
+
+class UserError(ValueError):
+    """Bad input: the CLI prints the message as one line and writes nothing."""
+
+
+# ----------------------------------------------------------------------------- config
+def config_from_flat(flat: dict) -> dict:
+    """Upstream's flat `dual_ar` dict (defaults and fast-model fallbacks applied) -> our CONFIG shape."""
+    cfg = {k: flat.get(k, v) for k, v in FLAT_DEFAULTS.items()}
+    cfg = {k: (FLAT_DEFAULTS[k] if v is None and k in FLAT_DEFAULTS else v) for k, v in cfg.items()}
+    if cfg["n_local_heads"] == -1:
+        cfg["n_local_heads"] = cfg["n_head"]
+    cfg["head_dim"] = cfg["head_dim"] or cfg["dim"] // cfg["n_head"]
+    if cfg["intermediate_size"] is None:
+        hidden = int(2 * 4 * cfg["dim"] / 3)
+        cfg["intermediate_size"] = -(-hidden // 256) * 256
+    for key in FAST_KEYS:  # the fast transformer inherits every dimension it does not set
+        value = flat.get("fast_" + key)
+        cfg["fast_" + key] = cfg[key] if value is None else value
+    return cfg
+
+
+def read_config(path: Path) -> dict:
+    """config.json of the HF layout (`fish_qwen3_omni`) or upstream's flat `dual_ar` layout."""
+    data = json.loads(Path(path).read_text())
+    if data.get("model_type") == "dual_ar":
+        return config_from_flat(data)
+    if data.get("model_type") != "fish_qwen3_omni":
+        raise UserError(f"{path}: model_type {data.get('model_type')!r} is not fish_qwen3_omni or dual_ar")
+    text, audio = data["text_config"], data["audio_decoder_config"]
+    flat = {k: v for k, v in text.items() if k in FLAT_DEFAULTS}
+    flat.update({"fast_" + k: audio.get(k) for k in FAST_KEYS})
+    flat.update(codebook_size=audio["vocab_size"], num_codebooks=audio["num_codebooks"],
+                n_fast_layer=audio["n_layer"], scale_codebook_embeddings=True, norm_fastlayer_input=True)
+    return config_from_flat(flat)
+
+
+def block_config(cfg: dict, fast: bool) -> dict:
+    p = "fast_" if fast else ""
+    return dict({k: cfg[p + k] for k in FAST_KEYS}, norm_eps=cfg["norm_eps"])
+
+
+# ----------------------------------------------------------------------------- building blocks
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()  # normalised in fp32, as upstream
+        y = x32 * torch.rsqrt(torch.mean(x32 * x32, dim=-1, keepdim=True) + self.eps)
+        return y.type_as(x) * self.weight
+
+
+def rope_table(seq_len: int, head_dim: int, base: float) -> Tensor:
+    """(seq_len, head_dim/2, 2) cos/sin table, rounded to bf16 like upstream's, kept in fp32."""
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+    angles = torch.outer(torch.arange(seq_len), freqs)
+    cis = torch.polar(torch.ones_like(angles), angles)
+    return torch.stack([cis.real, cis.imag], dim=-1).to(torch.bfloat16).float()
+
+
+def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
+    """Rotate adjacent pairs (x[2j], x[2j+1]); x: (B, S, H, D), rope: (S, D/2, 2)."""
+    xp = x.float().reshape(*x.shape[:-1], -1, 2)
+    rope = rope.view(1, xp.size(1), 1, xp.size(3), 2)
+    out = torch.stack([xp[..., 0] * rope[..., 0] - xp[..., 1] * rope[..., 1],
+                       xp[..., 1] * rope[..., 0] + xp[..., 0] * rope[..., 1]], dim=-1)
+    return out.flatten(3).type_as(x)
+
+
+class KVCache(nn.Module):
+    def __init__(self, batch: int, seq_len: int, n_heads: int, head_dim: int, dtype, device):
+        super().__init__()
+        shape = (batch, n_heads, seq_len, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    def update(self, pos: Tensor, k: Tensor, v: Tensor):
+        self.k_cache.index_copy_(2, pos, k)
+        self.v_cache.index_copy_(2, pos, v)
+        return self.k_cache, self.v_cache
+
+
+class Attention(nn.Module):
+    def __init__(self, c: dict):
+        super().__init__()
+        self.n_head, self.n_kv, self.head_dim = c["n_head"], c["n_local_heads"], c["head_dim"]
+        qkv_dim = (self.n_head + 2 * self.n_kv) * self.head_dim
+        self.wqkv = nn.Linear(c["dim"], qkv_dim, bias=c["attention_qkv_bias"])
+        self.wo = nn.Linear(self.n_head * self.head_dim, c["dim"], bias=c["attention_o_bias"])
+        self.qk_norm = c["attention_qk_norm"]
+        if self.qk_norm:  # torch's own RMSNorm, per head, before RoPE (as upstream)
+            self.q_norm = nn.RMSNorm(self.head_dim, c["norm_eps"])
+            self.k_norm = nn.RMSNorm(self.head_dim, c["norm_eps"])
+        self.kv_cache = None
+
+    def forward(self, x: Tensor, rope: Tensor, mask: Tensor, pos: Tensor) -> Tensor:
+        B, S, _ = x.shape
+        q_dim, kv_dim = self.n_head * self.head_dim, self.n_kv * self.head_dim
+        q, k, v = self.wqkv(x).split([q_dim, kv_dim, kv_dim], dim=-1)
+        q = q.view(B, S, self.n_head, self.head_dim)
+        k = k.view(B, S, self.n_kv, self.head_dim)
+        v = v.view(B, S, self.n_kv, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
+        if self.kv_cache is not None:
+            k, v = self.kv_cache.update(pos, k, v)
+        k = k.repeat_interleave(self.n_head // self.n_kv, dim=1)  # query head h uses kv head h // group
+        v = v.repeat_interleave(self.n_head // self.n_kv, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.wo(y.transpose(1, 2).reshape(B, S, q_dim))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, c: dict):
+        super().__init__()
+        self.w1 = nn.Linear(c["dim"], c["intermediate_size"], bias=False)
+        self.w3 = nn.Linear(c["dim"], c["intermediate_size"], bias=False)
+        self.w2 = nn.Linear(c["intermediate_size"], c["dim"], bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, c: dict):
+        super().__init__()
+        self.attention = Attention(c)
+        self.feed_forward = FeedForward(c)
+        self.attention_norm = RMSNorm(c["dim"], c["norm_eps"])
+        self.ffn_norm = RMSNorm(c["dim"], c["norm_eps"])
+
+    def forward(self, x: Tensor, rope: Tensor, mask: Tensor, pos: Tensor) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, mask, pos)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+# ----------------------------------------------------------------------------- model
+class DualAR(nn.Module):
+    """Slow transformer over frames + fast transformer over the codebooks of one frame.
+
+    Parameter names are upstream's internal ones; `hf_name` maps them to the HF release's keys.
+    """
+
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.config = cfg
+        slow, fast = block_config(cfg, fast=False), block_config(cfg, fast=True)
+        self.embeddings = nn.Embedding(cfg["vocab_size"], cfg["dim"])
+        self.codebook_embeddings = nn.Embedding(cfg["codebook_size"] * cfg["num_codebooks"], cfg["dim"])
+        self.layers = nn.ModuleList(Block(slow) for _ in range(cfg["n_layer"]))
+        self.norm = RMSNorm(cfg["dim"], cfg["norm_eps"])
+        if not cfg["tie_word_embeddings"]:
+            self.output = nn.Linear(cfg["dim"], cfg["vocab_size"], bias=False)
+        if cfg["fast_dim"] != cfg["dim"]:
+            self.fast_project_in = nn.Linear(cfg["dim"], cfg["fast_dim"])
+        self.fast_embeddings = nn.Embedding(cfg["codebook_size"], cfg["fast_dim"])
+        self.fast_layers = nn.ModuleList(Block(fast) for _ in range(cfg["n_fast_layer"]))
+        self.fast_norm = RMSNorm(cfg["fast_dim"], cfg["norm_eps"])
+        self.fast_output = nn.Linear(cfg["fast_dim"], cfg["codebook_size"], bias=False)
+        self.cache_len = 0
+
+    def setup_caches(self, batch: int, seq_len: int):
+        """Allocate the static KV caches and RoPE tables (once; reused while big enough)."""
+        cfg, weight = self.config, self.embeddings.weight
+        seq_len = min(-(-seq_len // 256) * 256, cfg["max_seq_len"])
+        if self.cache_len >= seq_len and self.layers[0].attention.kv_cache.k_cache.size(0) == batch:
+            return
+        for layer in self.layers:
+            layer.attention.kv_cache = KVCache(batch, seq_len, cfg["n_local_heads"], cfg["head_dim"],
+                                               weight.dtype, weight.device)
+        for layer in self.fast_layers:
+            layer.attention.kv_cache = KVCache(batch, cfg["num_codebooks"], cfg["fast_n_local_heads"],
+                                               cfg["fast_head_dim"], weight.dtype, weight.device)
+        self.rope = rope_table(seq_len, cfg["head_dim"], cfg["rope_base"]).to(weight.device)
+        self.fast_rope = rope_table(cfg["num_codebooks"], cfg["fast_head_dim"], cfg["rope_base"])
+        self.fast_rope = self.fast_rope.to(weight.device)
+        self.cache_len = seq_len
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        """tokens (B, 1 + num_codebooks, S): row 0 token ids, rows 1.. codes at semantic positions."""
+        cfg = self.config
+        offsets = torch.arange(cfg["num_codebooks"], device=tokens.device) * cfg["codebook_size"]
+        codes = self.codebook_embeddings(tokens[:, 1:] + offsets[None, :, None]).sum(dim=1)
+        ids = tokens[:, 0]
+        semantic = ((ids >= cfg["semantic_begin_id"]) & (ids <= cfg["semantic_end_id"]))[..., None]
+        x = self.embeddings(ids) + torch.where(semantic, codes, 0.0)
+        if cfg["scale_codebook_embeddings"]:
+            x = torch.where(semantic, x / math.sqrt(cfg["num_codebooks"] + 1), x)
+        return x
+
+    def forward_slow(self, tokens: Tensor, pos: Tensor):
+        """Cached slow forward of positions `pos`; -> (logits, fast-model input) of the last one."""
+        x = self.embed(tokens)
+        mask = pos[:, None] >= torch.arange(self.cache_len, device=pos.device)  # causal over the cache
+        rope = self.rope[pos]
+        for layer in self.layers:
+            x = layer(x, rope, mask, pos)
+        x = x[:, -1]
+        h = self.norm(x)
+        head = self.embeddings if self.config["tie_word_embeddings"] else self.output
+        logits = F.linear(h, head.weight)
+        hidden = h if self.config["norm_fastlayer_input"] else x
+        if hasattr(self, "fast_project_in"):
+            hidden = self.fast_project_in(hidden)
+        return logits, hidden
+
+    def forward_fast(self, x: Tensor, pos: Tensor) -> Tensor:
+        """Cached fast forward of one codebook position; x (B, fast_dim) -> logits (B, codebook_size)."""
+        x = x.view(x.size(0), 1, -1)
+        mask = pos[:, None] >= torch.arange(self.config["num_codebooks"], device=pos.device)
+        rope = self.fast_rope[pos]
+        for layer in self.fast_layers:
+            x = layer(x, rope, mask, pos)
+        return self.fast_output(self.fast_norm(x))[:, -1]
+
+
+def hf_name(name: str) -> str:
+    """Our (upstream-internal) parameter name -> the key in the HF safetensors release."""
+    if name.startswith("codebook_embeddings."):
+        return "audio_decoder." + name
+    if name.startswith("fast_"):
+        return "audio_decoder." + name[len("fast_"):]
+    return "text_model.model." + name
+
+
+def internal_name(key: str) -> str:
+    """Inverse of `hf_name`; keys already in upstream's internal form pass through."""
+    if key.startswith("text_model.model."):
+        return key[len("text_model.model."):]
+    if key.startswith("audio_decoder.codebook_embeddings."):
+        return key[len("audio_decoder."):]
+    if key.startswith("audio_decoder."):
+        return "fast_" + key[len("audio_decoder."):]
+    return key
+
+
+# ----------------------------------------------------------------------------- loading
+def weight_files(ckpt: Path) -> list:
+    index = ckpt / "model.safetensors.index.json"
+    if index.exists():
+        files = [ckpt / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise UserError(f"{index} names shard {missing[0]}, which is not in {ckpt}")
+        return files
+    for name in ("model.safetensors", "model.pth"):
+        if (ckpt / name).exists():
+            return [ckpt / name]
+    raise UserError(f"checkpoint dir {ckpt} has no model.safetensors(.index.json) or model.pth"
+                    " — download fishaudio/s2-pro (see README)")
+
+
+def read_weights(files: list):
+    """Yield (name, tensor) one at a time from memory-mapped files, so that only one tensor is
+    ever held twice while it is cast to the target dtype and device."""
+    from safetensors import safe_open
+    for f in files:
+        if f.suffix == ".pth":
+            state = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+            state = state.get("state_dict", state)
+            yield from ((k.removeprefix("model."), v) for k, v in state.items())
+            continue
+        with safe_open(f, framework="pt", device="cpu") as st:
+            for key in st.keys():
+                yield internal_name(key), st.get_tensor(key)
+
+
+def load_weights(model: DualAR, ckpt: Path, device, dtype):
+    expected = {k: v.shape for k, v in model.state_dict().items()}
+    state = {}
+    for name, tensor in read_weights(weight_files(ckpt)):
+        if name not in expected:
+            raise UserError(f"{ckpt}: unexpected tensor {hf_name(name)!r} — not an S2-Pro checkpoint"
+                            " of this config.json?")
+        if tensor.shape != expected[name]:
+            raise UserError(f"{ckpt}: tensor {hf_name(name)!r} has shape {list(tensor.shape)},"
+                            f" config.json implies {list(expected[name])}")
+        state[name] = tensor.to(device=device, dtype=dtype)
+    missing = [k for k in expected if k not in state]
+    if missing:
+        raise UserError(f"{ckpt}: missing tensor {hf_name(missing[0])!r} ({len(missing)} missing)")
+    model.load_state_dict(state, assign=True)
+
+
+def special_ids(tokenizer, cfg: dict) -> dict:
+    """Ids the model needs, looked up by name in the tokenizer (never hard-coded)."""
+    semantic = [tokenizer.token_to_id(f"<|semantic:{i}|>") for i in range(cfg["codebook_size"])]
+    found = [i for i in semantic if i is not None]
+    if not found:
+        raise UserError("tokenizer.json has no <|semantic:i|> tokens — not an S2-Pro tokenizer")
+    begin, end = min(found), max(found)
+    if semantic != list(range(begin, begin + len(semantic))):
+        raise UserError("tokenizer.json: the <|semantic:i|> tokens are not one contiguous id range")
+    ids = dict(semantic_begin_id=begin, semantic_end_id=end)
+    for name in ("<|im_start|>", "<|im_end|>", "<|voice|>"):
+        if tokenizer.token_to_id(name) is None:
+            raise UserError(f"tokenizer.json has no {name} token — not an S2-Pro tokenizer")
+    ids["im_end_id"] = tokenizer.token_to_id("<|im_end|>")
+    return ids
+
+
+def load(checkpoint, device="cpu", dtype=torch.float32) -> DualAR:
+    """Load config.json, tokenizer.json and the weights of an S2-Pro checkpoint directory."""
+    from tokenizers import Tokenizer
+    ckpt = Path(checkpoint)
+    if not ckpt.is_dir():
+        raise UserError(f"checkpoint dir {ckpt} does not exist — download fishaudio/s2-pro (see README)")
+    for name in ("config.json", "tokenizer.json"):
+        if not (ckpt / name).is_file():
+            raise UserError(f"checkpoint dir {ckpt} has no {name} — download fishaudio/s2-pro (see README)")
+    cfg = read_config(ckpt / "config.json")
+    tokenizer = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    cfg.update(special_ids(tokenizer, cfg))
+    with torch.device("meta"):
+        model = DualAR(cfg)
+    load_weights(model, ckpt, device, dtype)
+    model.tokenizer = tokenizer
+    return model.eval()
+
+
+# ----------------------------------------------------------------------------- prompt
+SYSTEM_WITH_REFERENCES = "convert the provided text to speech reference to the following:\n\nText:\n"
+SYSTEM_PLAIN = "convert the provided text to speech"
+SPEAKER_TAG = re.compile(r"(<\|speaker:\d+\|>)")
+
+
+def split_turns(text: str) -> list:
+    """Split at <|speaker:N|> tags; like upstream, text before the first tag is dropped."""
+    parts = SPEAKER_TAG.split(text)
+    return [(parts[i].strip() + parts[i + 1]).strip() for i in range(1, len(parts), 2)]
+
+
+def text_batches(text: str, max_bytes: int, max_speakers: int = 5) -> list:
+    """Group turns greedily into batches of <= max_speakers turns and ~max_bytes UTF-8 bytes."""
+    turns = split_turns(text)
+    if not turns:
+        return [text]
+    batches, current, size = [], [], 0
+    for turn in turns:
+        n = len(turn.encode("utf-8"))
+        if current and (len(current) >= max_speakers or size + n > max_bytes):
+            batches.append("\n".join(current))
+            current, size = [], 0
+        current.append(turn)
+        size += n
+    return batches + ["\n".join(current)]
+
+
+def encode_pieces(model: DualAR, pieces: list) -> Tensor:
+    """Each str piece is tokenised on its own; each code matrix (num_codebooks, n) becomes a
+    semantic run. -> (1 + num_codebooks, T): row 0 token ids, rows 1.. codes (0 off semantic runs)."""
+    cfg, columns = model.config, []
+    for piece in pieces:
+        if isinstance(piece, str):
+            ids = torch.tensor(model.tokenizer.encode(piece, add_special_tokens=False).ids, dtype=torch.long)
+            column = torch.zeros(1 + cfg["num_codebooks"], len(ids), dtype=torch.long)
+            column[0] = ids
+        else:
+            codes = piece.long().cpu()
+            column = torch.cat([codes[:1] + cfg["semantic_begin_id"], codes])
+        columns.append(column)
+    return torch.cat(columns, dim=1)
+
+
+def build_prompt(model: DualAR, references: list, history: list, text: str) -> Tensor:
+    """references: [(codes, transcript)]; history: [(text, codes)] of the batches already spoken."""
+    pieces = ["<|im_start|>system\n"]
+    if references:
+        texts = [t for _, t in references]
+        tagged = [t if SPEAKER_TAG.search(t) else f"<|speaker:{i}|>{t}" for i, t in enumerate(texts)]
+        codes = torch.cat([c for c, _ in references], dim=1)
+        pieces += [SYSTEM_WITH_REFERENCES, "\n".join(tagged), "\n\nSpeech:\n", codes]
+    else:
+        pieces.append(SYSTEM_PLAIN)
+    pieces.append("<|im_end|>\n")
+    for turn_text, codes in history + [(text, None)]:
+        pieces += ["<|im_start|>user\n", turn_text, "<|im_end|>\n", "<|im_start|>assistant\n<|voice|>"]
+        if codes is not None:
+            pieces += [codes, "<|im_end|>\n"]
+    return encode_pieces(model, pieces)
+
+
+# ----------------------------------------------------------------------------- sampling
+def logits_to_probs(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: int) -> Tensor:
+    """Upstream's filter: top-k and top-p on the UNSCALED logits (the token that crosses top_p is
+    dropped too, unlike HF), the best token always kept, then the temperature."""
+    sorted_logits, order = torch.sort(logits, descending=True)
+    cum_probs = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1)
+    ranks = torch.arange(logits.size(-1), device=logits.device)
+    remove = (cum_probs > top_p) | (ranks >= top_k)
+    remove[0] = False
+    remove = remove.scatter(-1, order, remove)  # back to vocabulary order
+    logits = torch.where(remove, float("-inf"), logits)
+    return F.softmax(logits / torch.clip(temperature, min=1e-5), dim=-1)
+
+
+def sample(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: int) -> Tensor:
+    """One draw from a 1-D logit vector: argmax(p / -log u), u ~ U(0,1) in vocabulary order."""
+    probs = logits_to_probs(logits, temperature, top_p, top_k)
+    q = -torch.log(torch.rand_like(probs))
+    return torch.argmax(probs / q, dim=-1, keepdim=True)
+
+
+def sampling_params(model: DualAR, temperature: float, top_p: float, top_k: int) -> dict:
+    """0-d tensors in the model's dtype, as upstream (so bf16 runs round 0.7 like upstream does)."""
+    cfg, w = model.config, model.embeddings.weight
+    bias = torch.full((cfg["vocab_size"],), float("-inf"), device=w.device, dtype=w.dtype)
+    bias[cfg["semantic_begin_id"]: cfg["semantic_end_id"] + 1] = 0.0
+    bias[cfg["im_end_id"]] = 0.0  # the slow model may only say a semantic token or <|im_end|>
+    as_tensor = lambda v: torch.tensor(v, device=w.device, dtype=w.dtype)  # noqa: E731
+    return dict(temperature=as_tensor(temperature), top_p=as_tensor(top_p), top_k=top_k, bias=bias,
+                ras_temperature=as_tensor(RAS_TEMPERATURE), ras_top_p=as_tensor(RAS_TOP_P))
+
+
+# ----------------------------------------------------------------------------- one frame
+def fast_codes(model: DualAR, hidden: Tensor, main: Tensor, p: dict) -> Tensor:
+    """Codebook 0 follows from the main token; the fast model samples codebooks 1.. in turn."""
+    cfg, device = model.config, hidden.device
+    model.forward_fast(hidden, torch.tensor([0], device=device))  # fills the cache; output unused
+    code = torch.clamp(main - cfg["semantic_begin_id"], 0, cfg["codebook_size"] - 1)
+    codes = [code]
+    for i in range(1, cfg["num_codebooks"]):
+        logits = model.forward_fast(model.fast_embeddings(code), torch.tensor([i], device=device))
+        code = sample(logits[0], p["temperature"], p["top_p"], p["top_k"])
+        codes.append(code)
+    return torch.cat(codes)
+
+
+def decode_frame(model: DualAR, tokens: Tensor, pos: Tensor, window, p: dict) -> Tensor:
+    """tokens (1, 1 + num_codebooks, S) at positions pos -> the next frame (1 + num_codebooks,)."""
+    cfg = model.config
+    logits, hidden = model.forward_slow(tokens, pos)
+    logits = logits[0] + p["bias"]
+    main = sample(logits, p["temperature"], p["top_p"], p["top_k"])
+    high = sample(logits, p["ras_temperature"], p["ras_top_p"], p["top_k"])  # always drawn
+    if window is not None:  # repetition-aware sampling: a repeated semantic token is redrawn hotter
+        semantic = (main >= cfg["semantic_begin_id"]) & (main <= cfg["semantic_end_id"])
+        main = torch.where((window == main).any() & semantic, high, main)
+    return torch.cat([main, fast_codes(model, hidden, main, p)])
+
+
+# ----------------------------------------------------------------------------- generation
+@torch.inference_mode()
+def generate_frames(model: DualAR, prompt: Tensor, max_new_tokens: int, p: dict, progress=False) -> Tensor:
+    """Continue one prompt; -> every frame generated (1 + num_codebooks, N), <|im_end|> frame included."""
+    cfg, device = model.config, model.embeddings.weight.device
+    T = prompt.size(1)
+    budget = cfg["max_seq_len"] - T
+    n = min(max_new_tokens, budget) if max_new_tokens else budget
+    model.setup_caches(1, T + n)
+    from tqdm import tqdm
+    bar = tqdm(total=n, unit="frame", disable=not progress, leave=False)
+    frame = decode_frame(model, prompt[None].to(device), torch.arange(T, device=device), None, p)
+    frames = [frame]
+    bar.update()
+    window = torch.zeros(RAS_WINDOW, dtype=torch.long, device=device)  # excludes the prefill frame
+    for i in range(1, n):
+        pos = torch.tensor([T + i - 1], device=device)
+        frame = decode_frame(model, frame.view(1, -1, 1), pos, window, p)
+        window = torch.cat([window[1:], frame[:1]])
+        frames.append(frame)
+        bar.update()
+        if frame[0] == cfg["im_end_id"]:  # upstream tests this in the decode loop only
+            break
+    bar.close()
+    return torch.stack(frames, dim=1)
+
+
+def check_request(model: DualAR, text: str, references: list):
+    cfg = model.config
+    if not isinstance(text, str) or not text.strip():
+        raise UserError("the text to speak is empty")
+    if len(references) > MAX_REFERENCES:
+        raise UserError(f"{len(references)} references given; at most {MAX_REFERENCES} are supported")
+    for i, (codes, transcript) in enumerate(references, 1):
+        if not isinstance(transcript, str) or not transcript.strip():
+            raise UserError(f"reference {i} has no transcript (give --prompt-text for every reference)")
+        n_semantic = cfg["semantic_end_id"] - cfg["semantic_begin_id"] + 1
+        if codes.dim() != 2 or codes.size(0) != cfg["num_codebooks"] or codes.size(1) == 0:
+            raise UserError(f"reference {i} codes have shape {list(codes.shape)};"
+                            f" expected [{cfg['num_codebooks']}, frames]")
+        if codes.is_floating_point() or codes.min() < 0 or codes.max() >= cfg["codebook_size"] \
+                or codes[0].max() >= n_semantic:
+            raise UserError(f"reference {i} codes are not integer codes in [0, {cfg['codebook_size']})")
+
+
+@torch.inference_mode()
+def generate(model: DualAR, text: str, references=(), seed=None, temperature=0.7, top_p=0.7, top_k=30,
+             max_new_tokens=0, chunk_length=300, progress=False) -> Tensor:
+    """Speak `text` (optionally in the voice of references [(codes (10, n), transcript)]).
+
+    Text with <|speaker:N|> tags is split into turns and spoken batch by batch, each batch seeing the
+    codes of the ones before. -> codes (num_codebooks, frames). max_new_tokens=0: up to the context.
+    """
+    references = [(torch.as_tensor(c), t) for c, t in references]
+    check_request(model, text, references)
+    if seed is not None:
+        torch.manual_seed(seed)
+    p = sampling_params(model, temperature, top_p, top_k)
+    limit = model.config["max_seq_len"] - CONTEXT_RESERVE
+    history = []
+    for batch_text in text_batches(text, chunk_length):
+        prompt = build_prompt(model, references, history, batch_text)
+        if prompt.size(1) > limit:
+            raise UserError(f"the prompt is {prompt.size(1)} tokens; the context allows {limit}"
+                            f" ({CONTEXT_RESERVE} are kept for speech) — use shorter references or text")
+        frames = generate_frames(model, prompt, max_new_tokens, p, progress)
+        history.append((batch_text, frames[1:, :-1].cpu()))  # upstream always drops the last frame
+    return torch.cat([codes for _, codes in history], dim=1)
+
+
+# ----------------------------------------------------------------------------- CLI
+AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".mp3")
+
+
+def pick_device(name):
+    if name:
+        return name
+    if torch.cuda.is_available():
+        return "cuda"
+    return "mps" if torch.backends.mps.is_available() else "cpu"
+
+
+def default_references(folder=Path("prompt")) -> list:
+    """Every prompt/<stem>.npy (or audio file) that has a prompt/<stem>.txt transcript."""
+    refs = {}
+    for path in sorted(folder.glob("*")) if folder.is_dir() else []:
+        kind = "audio" if path.suffix.lower() in AUDIO_SUFFIXES else None
+        kind = "codes" if path.suffix == ".npy" else kind
+        if kind and path.with_suffix(".txt").is_file() and (path.stem not in refs or kind == "codes"):
+            refs[path.stem] = (kind, path, path.with_suffix(".txt").read_text(encoding="utf-8").strip())
+    return list(refs.values())
+
+
+def load_references(args, device) -> list:
+    """-> [(codes, transcript)] from --prompt-codes/--prompt-audio paired in order with --prompt-text."""
+    given = args.references or []
+    texts = args.prompt_text or []
+    if not given and not texts:
+        given = default_references()
+        texts = [t for _, _, t in given]
+        given = [(kind, path) for kind, path, _ in given]
+    if len(texts) != len(given):
+        raise UserError(f"{len(given)} reference clip(s) but {len(texts)} --prompt-text: give one transcript"
+                        " per --prompt-audio/--prompt-codes, in the same order")
+    if len(given) > MAX_REFERENCES:
+        raise UserError(f"{len(given)} references given; at most {MAX_REFERENCES} are supported")
+    import codec
+    refs = []
+    for (kind, path), text in zip(given, texts):
+        if kind == "codes":
+            codes = codec.read_codes(path)
+        else:
+            codes = codec.encode(codec_model(args, device), codec.load_audio(path))[0].cpu()
+        refs.append((codes, text))
+    return refs
+
+
+def codec_model(args, device):
+    if getattr(args, "_codec", None) is None:
+        import codec
+        args._codec = codec.load(args.checkpoint, device=device)
+    return args._codec
+
+
+def output_paths(args):
+    """-> (codes path, wav path or None), checked writable before any work is done."""
+    if args.out:
+        out = Path(args.out)
+    else:
+        Path("generate").mkdir(exist_ok=True)
+        n = 0
+        while Path(f"generate/{n}.wav").exists() or Path(f"generate/{n}.npy").exists():
+            n += 1
+        out = Path(f"generate/{n}.wav")
+    if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
+        raise UserError(f"cannot write {out}: folder {out.parent} does not exist or is not writable")
+    wav = None if args.codes_only else out.with_suffix(".wav")
+    return out.with_suffix(".npy"), wav
+
+
+def write_atomic(path: Path, write):
+    """Write through a temporary file in the same folder, so a failure leaves nothing half-written."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=path.suffix)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description="S2-Pro text-to-speech (Dual-AR): text -> codes -> wav.")
+    ap.add_argument("--checkpoint", default="./s2-pro", help="dir with config.json, model weights,"
+                    " tokenizer.json and codec.pth (default ./s2-pro)")
+    ap.add_argument("--text", help="the text to speak; <|speaker:N|> tags make a dialogue")
+    ap.add_argument("--text-file", help="read the text from this UTF-8 file instead")
+    ap.add_argument("--prompt-audio", dest="references", action="append", type=lambda p: ("audio", Path(p)),
+                    help="reference clip to clone (repeatable; encoded with codec.py)")
+    ap.add_argument("--prompt-codes", dest="references", action="append", type=lambda p: ("codes", Path(p)),
+                    help="reference codes .npy [10, T] from `codec.py encode` (repeatable)")
+    ap.add_argument("--prompt-text", action="append", help="transcript of each reference, in order"
+                    " (repeatable). Default references: prompt/<stem>.npy or audio + prompt/<stem>.txt")
+    ap.add_argument("--out", help="output .wav/.npy path (default generate/<n>.wav and .npy)")
+    ap.add_argument("--codes-only", action="store_true", help="write only the codes, skip the codec")
+    ap.add_argument("--seed", type=int, default=42, help="torch.manual_seed before generating (default 42)")
+    ap.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
+    ap.add_argument("--top-p", type=float, default=0.7, help="nucleus sampling threshold (default 0.7)")
+    ap.add_argument("--top-k", type=int, default=30, help="keep the k most likely tokens (default 30)")
+    ap.add_argument("--max-new-tokens", type=int, default=0,
+                    help="frames per text batch at most (default 0: until <|im_end|> or the context)")
+    ap.add_argument("--chunk-length", type=int, default=300,
+                    help="UTF-8 bytes of dialogue turns per batch (default 300, as upstream)")
+    ap.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: cuda > mps > cpu")
+    ap.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="default bf16 on CUDA, fp32 elsewhere")
+    ap.add_argument("--demo", action="store_true", 
+                    help="run on a tiny random checkpoint (noise, no download)")
+    return ap.parse_args(argv)
+
+
+def check_args(args):
+    if args.text_file:
+        try:
+            args.text = Path(args.text_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise UserError(f"cannot read --text-file {args.text_file}: {e}")
+    if not args.text or not args.text.strip():
+        raise UserError("no text to speak: give --text or --text-file")
+    if not 0 < args.top_p <= 1 or not 0 < args.temperature < 2 or args.top_k < 1:
+        raise UserError("need 0 < --top-p <= 1, 0 < --temperature < 2 and --top-k >= 1")
+    if args.max_new_tokens < 0 or args.chunk_length < 1:
+        raise UserError("--max-new-tokens must be >= 0 and --chunk-length >= 1")
+
+
+def run(args):
+    check_args(args)
+    device = pick_device(args.device)
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[
+        args.dtype or ("bf16" if device == "cuda" else "fp32")]
+    codes_path, wav_path = output_paths(args)
+    model = load(args.checkpoint, device, dtype)
+    references = load_references(args, device)
+    start = time.perf_counter()
+    codes = generate(model, args.text, references, seed=args.seed, temperature=args.temperature,
+                     top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
+                     chunk_length=args.chunk_length, progress=True)
+    wall = time.perf_counter() - start
+    import codec
+    import numpy as np
+    if wav_path is not None:
+        wave = codec.decode(codec_model(args, device), codes[None].to(device))[0]
+        write_atomic(wav_path, lambda tmp: codec.save_wav(tmp, wave))
+    write_atomic(codes_path, lambda tmp: np.save(tmp, codes.numpy()))
+    frames = codes.size(1)
+    seconds = frames * codec.HOP / codec.SAMPLE_RATE
+    print(f"wrote {codes_path}" + (f" and {wav_path}" if wav_path else ""))
+    print(f"{frames} frames, {seconds:.2f} s of audio in {wall:.2f} s: {frames / wall:.1f} frames/s,"
+          f" RTF {wall / max(seconds, 1e-9):.3f}")
+
+
+if __name__ == "__main__":
+    try:
+        run(parse_args())
+    except (UserError, OSError) as e:
+        sys.exit(f"error: {e}")

@@ -1,0 +1,234 @@
+"""dualAR.py against upstream fish-speech's goldens on the tiny S2-Pro checkpoint (CPU, fp32).
+
+See tests/fixtures/s2-tiny/README.md for what each golden is and how upstream produced it.
+"""
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import dualAR
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "tests/fixtures/s2-tiny"
+CKPT, GOLDEN = TINY / "checkpoint", TINY / "golden"
+CASES = json.loads((GOLDEN / "cases.json").read_text())
+REAL = json.loads((ROOT / "tests/fixtures/s2-pro-shapes.json").read_text())
+
+
+def golden(name):
+    return torch.from_numpy(np.load(GOLDEN / name))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return dualAR.load(CKPT)
+
+
+@pytest.fixture(scope="module")
+def eos_model(tmp_path_factory):
+    """checkpoint-eos stores only the files that differ from checkpoint/ (see the fixture README)."""
+    d = tmp_path_factory.mktemp("checkpoint-eos")
+    for src in (CKPT, TINY / "checkpoint-eos"):
+        for f in src.iterdir():
+            shutil.copy(f, d / f.name)
+    return dualAR.load(d)
+
+
+def references(call):
+    if not call["prompt_text"]:
+        return []
+    return [(golden("codec_codes.npy"), call["prompt_text"][0])]
+
+
+def run_case(model, call):
+    return dualAR.generate(model, call["text"], references(call), seed=call["torch_manual_seed"],
+                           temperature=call["temperature"], top_p=call["top_p"], top_k=call["top_k"],
+                           max_new_tokens=call["max_new_tokens"], chunk_length=call["chunk_length"])
+
+
+# ----------------------------------------------------------------------------- config and shapes
+def test_real_config_json_reads_as_CONFIG(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(REAL["real_config_json"]))
+    cfg = dualAR.read_config(tmp_path / "config.json")
+    assert cfg == dualAR.CONFIG
+    # the real audio_decoder_config has no attention_qk_norm: upstream inherits the slow model's True
+    assert cfg["fast_attention_qk_norm"] is True
+
+
+def test_model_at_real_config_has_the_real_checkpoint_names_and_shapes():
+    cfg = dict(dualAR.CONFIG, semantic_begin_id=0, semantic_end_id=0, im_end_id=0)
+    with torch.device("meta"):
+        model = dualAR.DualAR(cfg)
+    shapes = {dualAR.hf_name(k): list(v.shape) for k, v in model.state_dict().items()}
+    assert shapes == REAL["lm"]
+    assert len(shapes) == 366
+    assert sum(v.numel() for v in model.state_dict().values()) == REAL["lm_param_count"]
+    assert all(dualAR.internal_name(dualAR.hf_name(k)) == k for k in model.state_dict())
+
+
+def test_flat_dual_ar_config_falls_back_like_upstream():
+    cfg = dualAR.config_from_flat(dict(model_type="dual_ar", dim=64, n_head=4, codebook_size=32,
+                                       num_codebooks=3, fast_dim=48, fast_n_head=2))
+    assert (cfg["head_dim"], cfg["n_local_heads"], cfg["intermediate_size"]) == (16, 4, 256)
+    assert (cfg["fast_dim"], cfg["fast_n_head"], cfg["fast_head_dim"]) == (48, 2, 16)
+    assert cfg["scale_codebook_embeddings"] is False and cfg["norm_fastlayer_input"] is False
+
+
+def test_special_ids_come_from_the_tokenizer(model):
+    ids = CASES["token_ids"]
+    assert model.config["semantic_begin_id"] == ids["semantic_begin"]
+    assert model.config["semantic_end_id"] == ids["semantic_end"]
+    assert model.config["im_end_id"] == ids["specials"]["<|im_end|>"]
+
+
+# ----------------------------------------------------------------------------- prompts
+def test_voice_clone_prompt_matches_upstream(model):
+    call = CASES["seeded"]["call"]
+    prompt = dualAR.build_prompt(model, references(call), [], call["text"])
+    assert torch.equal(prompt, golden("prompt_tokens.npy"))
+
+
+def test_plain_tts_prompt_matches_upstream(model):
+    call = CASES["noref_greedy"]["call"]
+    prompt = dualAR.build_prompt(model, [], [], call["text"])
+    assert torch.equal(prompt, golden("prompt_tokens_noref.npy"))
+
+
+def test_dialogue_is_split_into_batches_like_upstream():
+    case = CASES["seeded_dialogue"]
+    assert dualAR.text_batches(case["call"]["text"], case["call"]["chunk_length"]) == case["batches"]
+    assert dualAR.text_batches(case["call"]["text"], 300) == ["\n".join(case["batches"])]
+    # text before the first tag is dropped, as upstream does; untagged text is one batch
+    assert dualAR.text_batches("intro <|speaker:1|> hi", 300) == ["<|speaker:1|> hi"]
+    assert dualAR.text_batches("no tags here", 5) == ["no tags here"]
+    six = "".join(f"<|speaker:{i}|>x" for i in range(6))
+    assert len(dualAR.text_batches(six, 300)) == 2  # at most 5 turns per batch
+
+
+def test_dialogue_prompts_match_upstream(model):
+    case = CASES["seeded_dialogue"]
+    refs = references(case["call"])
+    first, second = case["batches"]
+    assert torch.equal(dualAR.build_prompt(model, refs, [], first), golden("prompt_tokens_dialogue.npy"))
+    batch0_codes = golden("seeded_dialogue_codes.npy")[:, :23]
+    prompt1 = dualAR.build_prompt(model, refs, [(first, batch0_codes)], second)
+    assert torch.equal(prompt1, golden("prompt_tokens_dialogue_batch1.npy"))
+
+
+# ----------------------------------------------------------------------------- model math
+def prefill(model, prompt):
+    model.setup_caches(1, prompt.size(1) + 16)
+    return model.forward_slow(prompt[None], torch.arange(prompt.size(1)))
+
+
+@torch.inference_mode()
+def test_prefill_logits_and_hidden_match_upstream(model):
+    logits, hidden = prefill(model, golden("prompt_tokens.npy"))
+    torch.testing.assert_close(logits[0], golden("prefill_logits.npy"), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(hidden[0], golden("prefill_hidden.npy"), atol=1e-4, rtol=1e-4)
+
+
+@torch.inference_mode()
+def test_teacher_forced_step_logits_match_upstream(model):
+    prompt, frames = golden("prompt_tokens.npy"), golden("continuation_frames.npy")
+    prefill(model, prompt)
+    T = prompt.size(1)
+    for k in range(frames.size(1)):
+        logits, _ = model.forward_slow(frames[None, :, k:k + 1], torch.tensor([T + k]))
+        torch.testing.assert_close(logits[0], golden("step_logits.npy")[k], atol=1e-4, rtol=1e-4)
+
+
+@torch.inference_mode()
+def test_fast_codebook_logits_match_upstream(model):
+    _, hidden = prefill(model, golden("prompt_tokens.npy"))
+    frame = golden("fast_fixed_frame.npy")
+    rows = [model.forward_fast(hidden, torch.tensor([0]))[0]]
+    for i in range(1, model.config["num_codebooks"]):
+        x = model.fast_embeddings(frame[i:i + 1])  # codebook i-1 of the fixed frame
+        rows.append(model.forward_fast(x, torch.tensor([i]))[0])
+    torch.testing.assert_close(torch.stack(rows), golden("fast_logits.npy"), atol=1e-4, rtol=1e-4)
+
+
+def test_rope_table_is_rounded_to_bf16():
+    table = dualAR.rope_table(64, 16, 1e6)
+    assert torch.equal(table, table.to(torch.bfloat16).float())
+    assert not torch.equal(table[5, 0, 0], torch.cos(torch.tensor(5.0)))  # cos(5) is not a bf16 value
+
+
+# ----------------------------------------------------------------------------- sampling
+def test_sampler_drops_the_token_that_crosses_top_p():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    probs = dualAR.logits_to_probs(logits, torch.tensor(1.0), torch.tensor(0.7), 10)
+    # cumulative 0.5, 0.8 > 0.7: upstream keeps only the first token (HF would keep two)
+    torch.testing.assert_close(probs, torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    probs = dualAR.logits_to_probs(logits, torch.tensor(0.5), torch.tensor(0.9), 10)
+    expected = torch.softmax(logits[:2] / 0.5, dim=0)  # 0.95 > 0.9 drops the third
+    torch.testing.assert_close(probs[:2], expected)
+    assert probs[2:].sum() == 0
+
+
+# ----------------------------------------------------------------------------- generation
+@pytest.mark.parametrize("name", ["greedy", "seeded", "seeded_topp", "noref_greedy"])
+def test_generation_matches_upstream_codes(model, name):
+    case = CASES[name]
+    codes = run_case(model, case["call"])
+    assert torch.equal(codes, golden(case["codes_file"]))
+
+
+@pytest.mark.parametrize("name", ["greedy", "seeded", "seeded_topp", "noref_greedy"])
+def test_raw_frames_match_upstream(model, name):
+    """Every generated frame, including the last one that upstream drops from the returned codes."""
+    case = CASES[name]
+    call = case["call"]
+    torch.manual_seed(call["torch_manual_seed"])
+    prompt = dualAR.build_prompt(model, references(call), [], call["text"])
+    p = dualAR.sampling_params(model, call["temperature"], call["top_p"], call["top_k"])
+    frames = dualAR.generate_frames(model, prompt, call["max_new_tokens"], p)
+    assert torch.equal(frames, golden(case["raw_frames"][0]["file"]))
+
+
+def test_two_batch_dialogue_matches_upstream(model):
+    case = CASES["seeded_dialogue"]
+    codes = run_case(model, case["call"])
+    assert torch.equal(codes, golden("seeded_dialogue_codes.npy"))
+    raw0, raw1 = golden("seeded_dialogue_raw_frames.npy"), golden("seeded_dialogue_raw_frames_batch1.npy")
+    # each batch returns its frames minus the last one
+    assert torch.equal(codes, torch.cat([raw0[1:, :-1], raw1[1:, :-1]], dim=1))
+
+
+@pytest.mark.parametrize("name", ["eos", "eos_greedy"])
+def test_generation_stops_at_im_end_and_drops_that_frame(eos_model, name):
+    case = CASES["eos"][name]
+    codes = run_case(eos_model, case["call"])
+    assert torch.equal(codes, golden(case["codes_file"]))
+    raw = golden(case["raw_frames"][0]["file"])
+    assert raw[0, -1] == eos_model.config["im_end_id"]
+    assert codes.size(1) == raw.size(1) - 1
+
+
+def test_im_end_frame_is_sampled_in_full(eos_model):
+    case = CASES["eos"]["eos"]
+    call = case["call"]
+    torch.manual_seed(call["torch_manual_seed"])
+    prompt = dualAR.build_prompt(eos_model, references(call), [], call["text"])
+    p = dualAR.sampling_params(eos_model, call["temperature"], call["top_p"], call["top_k"])
+    frames = dualAR.generate_frames(eos_model, prompt, call["max_new_tokens"], p)
+    assert frames[:, -1].tolist() == case["im_end_frame"]
+
+
+def test_max_new_tokens_is_capped_by_the_context(model):
+    prompt = dualAR.build_prompt(model, [], [], "Hi.")
+    model.config["max_seq_len"], saved = prompt.size(1) + 3, model.config["max_seq_len"]
+    try:
+        p = dualAR.sampling_params(model, 0.7, 0.7, 1)
+        frames = dualAR.generate_frames(model, prompt, 100, p)
+    finally:
+        model.config["max_seq_len"] = saved
+        model.cache_len = 0
+    assert frames.size(1) == 3

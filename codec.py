@@ -1,0 +1,662 @@
+"""The S2-Pro audio codec: Fish Audio's modified DAC (44.1 kHz, hop 2048, 10 codebooks) in plain PyTorch.
+
+    model = codec.load("s2-pro")                       # folder with codec.pth, or the file itself
+    codes = codec.encode(model, codec.load_audio("ref.wav"))   # (B, 10, T) int64, ~21.53 frames/s
+    wave = codec.decode(model, codes)                  # (B, T * 2048) float32 in [-1, 1]
+
+CLI: `python codec.py encode|decode|bench --help`. Matches upstream fish-speech (3dd1f85) `modded_dac.DAC`
+with `rvq.DownsampleResidualVectorQuantize` as it runs at inference: codes exactly, waveforms to fp32 noise.
+"""
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+import soxr
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.utils import parametrize
+from torch.nn.utils.parametrizations import weight_norm
+
+CONFIG = dict(  # the real S2-Pro codec (upstream fish_speech/configs/modded_dac_vq.yaml)
+    sample_rate=44100,
+    encoder_dim=64,
+    encoder_rates=[2, 4, 8, 8],
+    encoder_transformer_layers=[0, 0, 0, 4],
+    encoder_window=512,  # upstream asks a functools.partial for `window_size`; it has none, so 512
+    latent_dim=1024,
+    decoder_dim=1536,
+    decoder_rates=[8, 8, 4, 2],
+    downsample_factor=[2, 2],
+    semantic_codebook_size=4096,
+    n_codebooks=9,  # residual codebooks after the semantic one
+    codebook_size=1024,
+    codebook_dim=8,
+    quantizer_layers=8,  # pre_module and post_module transformers (identical configs)
+    quantizer_heads=16,
+    quantizer_ffn=3072,
+    quantizer_window=128,
+    head_dim=64,
+    rope_base=10000,
+    norm_eps=1e-5,
+)
+FAST_VOCAB = 4096  # the LM's fast model samples every codebook from 4096 entries
+CHUNK_FRAMES = 256  # frames per decoder pass (~12 s): decoder memory stays flat on long inputs
+CONTEXT_FRAMES = 16  # left context re-decoded per chunk: the convs after post_module reach 10.2 frames back
+ATTN_BLOCK = 2048  # queries per attention call; inputs this short get upstream's single full-mask call
+STALE_BUFFERS = ("freqs_cis", "causal_mask")  # non-persistent buffers that older saves may still carry
+AUDIO_EXTENSIONS = {".wav", ".flac", ".ogg", ".mp3", ".opus", ".aiff", ".aif"}
+
+
+# ----------------------------------------------------------------------------- building blocks
+class Snake(nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.alpha = nn.Parameter(torch.ones(1, channels, 1))
+
+    def forward(self, x):
+        return x + (self.alpha + 1e-9).reciprocal() * torch.sin(self.alpha * x).pow(2)
+
+
+class CausalConv(nn.Module):
+    """Conv1d padded with zeros on the left only (upstream `CausalConvNet`), weight-normed unless wn=False."""
+
+    def __init__(self, cin, cout, kernel, stride=1, dilation=1, groups=1, wn=True):
+        super().__init__()
+        conv = nn.Conv1d(cin, cout, kernel, stride=stride, dilation=dilation, groups=groups)
+        self.conv = weight_norm(conv) if wn else conv
+        self.stride = stride
+        self.pad = (kernel - 1) * dilation + 1 - stride
+
+    def forward(self, x):  # (B, C, L) -> (B, C', ceil(L / stride))
+        extra = -x.shape[-1] % self.stride  # completes the last window; 0 on every inference path
+        return self.conv(F.pad(x, (self.pad, extra)))
+
+
+class CausalConvT(nn.Module):
+    """ConvTranspose1d that drops its last kernel - stride outputs: exactly L * stride samples."""
+
+    def __init__(self, cin, cout, kernel, stride, wn=True):
+        super().__init__()
+        conv = nn.ConvTranspose1d(cin, cout, kernel, stride=stride)
+        self.conv = weight_norm(conv) if wn else conv
+        self.trim = kernel - stride
+
+    def forward(self, x):
+        x = self.conv(x)
+        return x[..., : x.shape[-1] - self.trim]
+
+
+class Stack(nn.Module):
+    """nn.Sequential kept under `.block` (upstream's module names); residual=True adds the input back."""
+
+    def __init__(self, *layers, residual=False):
+        super().__init__()
+        self.block = nn.Sequential(*layers)
+        self.residual = residual
+
+    def forward(self, x):
+        return x + self.block(x) if self.residual else self.block(x)
+
+
+def residual_unit(dim, dilation):
+    return Stack(Snake(dim), CausalConv(dim, dim, 7, dilation=dilation), Snake(dim), CausalConv(dim, dim, 1),
+                 residual=True)
+
+
+class ConvNeXt(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.ones(dim))
+        self.dwconv = CausalConv(dim, dim, 7, groups=dim, wn=False)
+        self.norm = nn.LayerNorm(dim, eps=1e-6)
+        self.pwconv1 = nn.Linear(dim, 4 * dim)
+        self.pwconv2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x):  # (B, C, L)
+        y = self.pwconv2(F.gelu(self.pwconv1(self.norm(self.dwconv(x).transpose(1, 2)))))
+        return x + (self.gamma * y).transpose(1, 2)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()  # upstream normalises in fp32
+        xf = xf * torch.rsqrt(torch.mean(xf * xf, dim=-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+class LayerScale(nn.Module):
+    def __init__(self, dim):
+        super().__init__()
+        self.gamma = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        return x * self.gamma
+
+
+def rope_table(length, head_dim, base):  # (length, head_dim / 2, 2): cos, sin
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+    angles = torch.outer(torch.arange(length), freqs)
+    rot = torch.polar(torch.ones_like(angles), angles)
+    return torch.stack([rot.real, rot.imag], -1).to(torch.bfloat16).float()  # upstream rounds it to bf16
+
+
+def apply_rope(x, rope):  # x (B, T, H, hd), interleaved pairs (x[2j], x[2j+1])
+    xs = x.float().reshape(*x.shape[:-1], -1, 2)
+    cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]
+    out = torch.stack([xs[..., 0] * cos - xs[..., 1] * sin, xs[..., 1] * cos + xs[..., 0] * sin], -1)
+    return out.flatten(3).type_as(x)
+
+
+def windowed_attention(q, k, v, window):  # (B, H, T, hd); query t sees keys t-window+1..t
+    out = torch.empty_like(q)
+    length = q.shape[2]
+    for s in range(0, length, ATTN_BLOCK):
+        e = min(s + ATTN_BLOCK, length)
+        k0 = max(0, s - window + 1)
+        qpos = torch.arange(s, e, device=q.device)[:, None]
+        kpos = torch.arange(k0, e, device=q.device)[None]
+        mask = (kpos <= qpos) & (kpos > qpos - window)
+        out[:, :, s:e] = F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, k0:e], v[:, :, k0:e],
+                                                        attn_mask=mask[None, None])
+    return out
+
+
+class Attention(nn.Module):
+    def __init__(self, dim, n_head, head_dim):
+        super().__init__()
+        self.wqkv = nn.Linear(dim, 3 * n_head * head_dim, bias=False)
+        self.wo = nn.Linear(n_head * head_dim, dim, bias=False)
+        self.n_head, self.head_dim = n_head, head_dim
+
+    def forward(self, x, rope, window):  # (B, T, D)
+        B, T, _ = x.shape
+        q, k, v = self.wqkv(x).view(B, T, 3, self.n_head, self.head_dim).unbind(2)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        y = windowed_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, dim, n_head, ffn, cfg):
+        super().__init__()
+        self.attention = Attention(dim, n_head, cfg["head_dim"])
+        self.feed_forward = FeedForward(dim, ffn)
+        self.ffn_norm = RMSNorm(dim, cfg["norm_eps"])
+        self.attention_norm = RMSNorm(dim, cfg["norm_eps"])
+        self.attention_layer_scale = LayerScale(dim)
+        self.ffn_layer_scale = LayerScale(dim)
+
+    def forward(self, x, rope, window):
+        h = x + self.attention_layer_scale(self.attention(self.attention_norm(x), rope, window))
+        return h + self.ffn_layer_scale(self.feed_forward(self.ffn_norm(h)))
+
+
+class Transformer(nn.Module):
+    """Causal sliding-window transformer on (B, C, T) tensors (upstream `WindowLimitedTransformer`)."""
+
+    def __init__(self, dim, n_layer, n_head, ffn, window, cfg):
+        super().__init__()
+        self.layers = nn.ModuleList(Block(dim, n_head, ffn, cfg) for _ in range(n_layer))
+        self.norm = RMSNorm(dim, cfg["norm_eps"])
+        self.window, self.head_dim, self.rope_base = window, cfg["head_dim"], cfg["rope_base"]
+
+    def forward(self, x):
+        x = x.transpose(1, 2)  # (B, T, C)
+        rope = rope_table(x.shape[1], self.head_dim, self.rope_base).to(x.device)
+        for layer in self.layers:
+            x = layer(x, rope, self.window)
+        return self.norm(x).transpose(1, 2)
+
+
+class WNProj(nn.Module):
+    """1x1 conv with descript-audio-codec's legacy weight norm (the checkpoint's weight_g / weight_v)."""
+
+    def __init__(self, cin, cout):
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(cout))
+        self.weight_g = nn.Parameter(torch.ones(cout, 1, 1))
+        self.weight_v = nn.Parameter(torch.randn(cout, cin, 1))
+
+    def forward(self, x):
+        return F.conv1d(x, torch._weight_norm(self.weight_v, self.weight_g, 0), self.bias)
+
+
+class VQ(nn.Module):
+    """One codebook: project to 8 dims, nearest L2-normalised codebook row, project the raw row back."""
+
+    def __init__(self, dim, size, codebook_dim):
+        super().__init__()
+        self.in_proj = WNProj(dim, codebook_dim)
+        self.out_proj = WNProj(codebook_dim, dim)
+        self.codebook = nn.Embedding(size, codebook_dim)
+
+    def encode(self, residual):  # (B, D, T) -> codes (B, T), quantized (B, D, T)
+        e = self.in_proj(residual)
+        flat = F.normalize(e.transpose(1, 2).reshape(-1, e.shape[1]))
+        book = F.normalize(self.codebook.weight)
+        dist = flat.pow(2).sum(1, keepdim=True) - 2 * flat @ book.t() + book.pow(2).sum(1, keepdim=True).t()
+        codes = (-dist).max(1)[1].view(e.shape[0], -1)
+        q = self.codebook(codes).transpose(1, 2)
+        return codes, self.out_proj(e + (q - e))  # upstream's straight-through form, for bit-exact residuals
+
+    def decode(self, codes):  # (B, T) -> (B, D, T)
+        return self.out_proj(self.codebook(codes).transpose(1, 2))
+
+
+def rvq(n, size, cfg):  # upstream ResidualVectorQuantize: at inference only its list of quantizers matters
+    m = nn.Module()
+    m.quantizers = nn.ModuleList(VQ(cfg["latent_dim"], size, cfg["codebook_dim"]) for _ in range(n))
+    return m
+
+
+# ----------------------------------------------------------------------------- model
+class Quantizer(nn.Module):
+    """2x stride-2 downsampling, pre transformer, 1 semantic + n residual codebooks; the reverse to decode."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        d, factors = cfg["latent_dim"], cfg["downsample_factor"]
+        self.semantic_quantizer = rvq(1, cfg["semantic_codebook_size"], cfg)
+        self.quantizer = rvq(cfg["n_codebooks"], cfg["codebook_size"], cfg)
+        self.downsample = nn.Sequential(
+            *(nn.Sequential(CausalConv(d, d, f, stride=f, wn=False), ConvNeXt(d)) for f in factors))
+        self.upsample = nn.Sequential(
+            *(nn.Sequential(CausalConvT(d, d, f, f, wn=False), ConvNeXt(d)) for f in reversed(factors)))
+        dims = d, cfg["quantizer_layers"], cfg["quantizer_heads"], cfg["quantizer_ffn"]
+        self.pre_module = Transformer(*dims, cfg["quantizer_window"], cfg)
+        self.post_module = Transformer(*dims, cfg["quantizer_window"], cfg)
+
+    def encode(self, z):  # (B, D, 4T) latent -> codes (B, 1 + n_codebooks, T)
+        residual = self.pre_module(self.downsample(z))
+        codes = []
+        for vq in [*self.semantic_quantizer.quantizers, *self.quantizer.quantizers]:
+            c, q = vq.encode(residual)
+            codes.append(c)
+            residual = residual - q
+        return torch.stack(codes, 1)
+
+    def decode(self, codes):  # (B, 1 + n_codebooks, T) -> (B, D, T), still at frame rate
+        acoustic = sum(vq.decode(codes[:, i + 1]) for i, vq in enumerate(self.quantizer.quantizers))
+        return self.post_module(self.semantic_quantizer.quantizers[0].decode(codes[:, 0]) + acoustic)
+
+
+def build_encoder(cfg):
+    d = cfg["encoder_dim"]
+    layers = [CausalConv(1, d, 7)]
+    for stride, n_layer in zip(cfg["encoder_rates"], cfg["encoder_transformer_layers"]):
+        d *= 2
+        units = [residual_unit(d // 2, dilation) for dilation in (1, 3, 9)]
+        down = CausalConv(d // 2, d, 2 * stride, stride=stride)
+        heads, window = d // 64, cfg["encoder_window"]  # upstream: n_head = dim // 64, ffn = 3 * dim
+        attn = Transformer(d, n_layer, heads, 3 * d, window, cfg) if n_layer else nn.Identity()
+        layers.append(Stack(*units, Snake(d // 2), down, attn))
+    return Stack(*layers, Snake(d), CausalConv(d, cfg["latent_dim"], 3))
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        d = cfg["decoder_dim"]
+        layers = [CausalConv(cfg["latent_dim"], d, 7)]
+        for i, stride in enumerate(cfg["decoder_rates"]):
+            cin, cout = d // 2**i, d // 2 ** (i + 1)
+            units = [residual_unit(cout, dilation) for dilation in (1, 3, 9)]
+            layers.append(Stack(Snake(cin), CausalConvT(cin, cout, 2 * stride, stride), *units))
+        self.model = nn.Sequential(*layers, Snake(cout), CausalConv(cout, 1, 7), nn.Tanh())
+
+    def forward(self, x):
+        return self.model(x)
+
+
+def hop_length(cfg=CONFIG):  # samples per frame: 2048 for S2-Pro
+    return math.prod(cfg["encoder_rates"]) * math.prod(cfg["downsample_factor"])
+
+
+class DAC(nn.Module):
+    def __init__(self, cfg=CONFIG):
+        super().__init__()
+        self.config = dict(cfg)
+        self.encoder = build_encoder(cfg)
+        self.quantizer = Quantizer(cfg)
+        self.decoder = Decoder(cfg)
+        self.hop = hop_length(cfg)
+
+
+# ----------------------------------------------------------------------------- loading
+def read_config(path):
+    """CONFIG, overridden by codec_config.json if present (upstream's hydra yaml as json, or flat keys)."""
+    path = Path(path)
+    if not path.is_file():
+        return dict(CONFIG)
+    cfg = json.loads(path.read_text())
+    if "_target_" not in cfg:
+        return {**CONFIG, **cfg}
+    try:
+        q, general = cfg["quantizer"], cfg["transformer_general_config"]
+        t = q["post_module"]["config"]
+        return dict(
+            CONFIG, sample_rate=cfg["sample_rate"], encoder_dim=cfg["encoder_dim"],
+            encoder_rates=cfg["encoder_rates"], encoder_transformer_layers=cfg["encoder_transformer_layers"],
+            encoder_window=general.get("window_size", 512), latent_dim=q["input_dim"],
+            decoder_dim=cfg["decoder_dim"], decoder_rates=cfg["decoder_rates"],
+            downsample_factor=q["downsample_factor"], semantic_codebook_size=q["semantic_codebook_size"],
+            n_codebooks=q["n_codebooks"], codebook_size=q["codebook_size"], codebook_dim=q["codebook_dim"],
+            quantizer_layers=t["n_layer"], quantizer_heads=t["n_head"], quantizer_ffn=t["intermediate_size"],
+            quantizer_window=q["post_module"]["window_size"], head_dim=general["head_dim"],
+            rope_base=general["rope_base"], norm_eps=general["norm_eps"])
+    except KeyError as e:
+        raise ValueError(f"{path} has no key {e}: expected upstream's modded_dac_vq config as json") from None
+
+
+def _rename_weight_norm(key, wanted):
+    """Map legacy weight_g/weight_v onto parametrizations.weight.original0/1 and back, whichever we hold."""
+    for old, new in ((".weight_g", ".parametrizations.weight.original0"),
+                     (".weight_v", ".parametrizations.weight.original1")):
+        for a, b in ((old, new), (new, old)):
+            if key.endswith(a) and key[: -len(a)] + b in wanted:
+                return key[: -len(a)] + b
+    return key
+
+
+def load(path="s2-pro", device="cpu", dtype=torch.float32):
+    """Codec from a checkpoint folder (codec.pth + optional codec_config.json) or a codec.pth file."""
+    path = Path(path)
+    pth = path / "codec.pth" if path.is_dir() else path
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint {path} not found — download fishaudio/s2-pro (see README)")
+    if not pth.is_file():
+        raise FileNotFoundError(f"checkpoint dir {path} has no codec.pth — download fishaudio/s2-pro")
+    with torch.device("meta"):
+        model = DAC(read_config(pth.parent / "codec_config.json"))
+    try:
+        state = torch.load(pth, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise ValueError(f"cannot read {pth} as a state_dict ({type(e).__name__})") from None
+    state = state.get("state_dict", state)
+    if any(k.startswith("generator.") for k in state):  # a training checkpoint: keep the generator
+        state = {k[len("generator."):]: v for k, v in state.items() if k.startswith("generator.")}
+    wanted = model.state_dict()
+    tensors, unexpected = {}, []
+    for key, value in state.items():
+        key = _rename_weight_norm(key, wanted)
+        if key in wanted:
+            tensors[key] = value
+        elif key.rsplit(".", 1)[-1] not in STALE_BUFFERS:
+            unexpected.append(key)
+    missing = [k for k in wanted if k not in tensors]
+    wrong = [k for k in tensors if tensors[k].shape != wanted[k].shape]
+    hint = "codec_config.json does not match it, or it is not an S2-Pro codec"
+    if missing:
+        raise ValueError(f"{pth} lacks {len(missing)} tensors (first: {missing[0]}) — {hint}")
+    if unexpected:
+        first = unexpected[0]
+        raise ValueError(f"{pth} has {len(unexpected)} unexpected tensors (first: {first}) — {hint}")
+    for k in wrong:
+        got, want = list(tensors[k].shape), list(wanted[k].shape)
+        raise ValueError(f"{pth}: {k} has shape {got}, expected {want} — {hint}")
+    model.load_state_dict(tensors, assign=True)
+    return model.requires_grad_(False).eval().to(device=device, dtype=dtype)
+
+
+# ----------------------------------------------------------------------------- API
+@torch.inference_mode()
+def encode(model, wave):
+    """Waveform (N,), (B, N) or (B, 1, N) at 44.1 kHz -> codes (B, 10, ceil(N / 2048)) int64."""
+    p = next(model.parameters())
+    wave = torch.as_tensor(wave)
+    if wave.shape[-1] == 0:
+        raise ValueError("empty audio: nothing to encode")
+    x = wave.to(p.device, p.dtype).reshape(-1, 1, wave.shape[-1])
+    x = F.pad(x, (0, -x.shape[-1] % model.hop))  # upstream pads right with zeros to whole frames
+    with parametrize.cached():
+        return model.quantizer.encode(model.encoder(x))
+
+
+@torch.inference_mode()
+def decode(model, codes, chunk_frames=CHUNK_FRAMES):
+    """Codes (10, T) or (B, 10, T) -> waveform (B, T * 2048) float32; chunk_frames=None decodes in one pass.
+
+    Codes above a codebook's size are clamped (row 0 to 4095, rows 1..9 to 1023) exactly as upstream does;
+    upstream clamps in place on the caller's tensor, we clamp a copy.
+    """
+    cfg, p = model.config, next(model.parameters())
+    codes = torch.as_tensor(codes)
+    codes = codes[None] if codes.dim() == 2 else codes
+    rows = cfg["n_codebooks"] + 1
+    if codes.dim() != 3 or codes.shape[1] != rows or codes.shape[2] == 0:
+        raise ValueError(f"codes must have shape [{rows}, T] or [B, {rows}, T]; got {list(codes.shape)}")
+    if codes.min() < 0:
+        raise ValueError(f"codes must be >= 0, found {codes.min().item()}")
+    codes = codes.to(p.device, torch.long, copy=True)
+    codes[:, 0].clamp_(max=cfg["semantic_codebook_size"] - 1)
+    codes[:, 1:].clamp_(max=cfg["codebook_size"] - 1)
+    with parametrize.cached():
+        z = model.quantizer.decode(codes)  # (B, D, T)
+        chunk = chunk_frames or z.shape[-1]
+        pieces = []
+        for s in range(0, z.shape[-1], chunk):
+            ctx = min(s, CONTEXT_FRAMES)  # causal: re-decode a little history, keep only the new samples
+            y = model.decoder(model.quantizer.upsample(z[..., s - ctx: s + chunk]))
+            pieces.append(y[:, 0, ctx * model.hop:].float())
+    return torch.cat(pieces, -1)
+
+
+def load_audio(path, sample_rate=44100):
+    """Any file soundfile reads -> float32 mono tensor (N,) at sample_rate (channels averaged, soxr)."""
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"audio file {path} not found")
+    try:
+        data, rate = sf.read(str(path), dtype="float32", always_2d=True)
+    except Exception as e:
+        raise ValueError(f"{path} is not a readable audio file ({str(e).strip().splitlines()[-1]})") from None
+    if data.shape[0] == 0:
+        raise ValueError(f"{path} contains no audio samples")
+    mono = data.mean(1)
+    if rate != sample_rate:
+        mono = soxr.resample(mono, rate, sample_rate)
+    return torch.from_numpy(np.ascontiguousarray(mono, dtype=np.float32))
+
+
+def read_codes(path, rows=10, vocab=FAST_VOCAB):
+    """Codes (rows, T) int64 from a .npy, or a raw little-endian int16 .code file laid out as [rows, T]."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"codes file {path} not found")
+    if path.suffix == ".code":
+        codes = np.fromfile(path, dtype="<i2")
+        codes = codes.reshape(rows, -1) if codes.size % rows == 0 else codes
+    else:
+        try:
+            codes = np.load(path, allow_pickle=False)
+        except Exception as e:
+            raise ValueError(f"{path} is not a .npy array ({type(e).__name__})") from None
+    codes = codes[0] if codes.ndim == 3 and codes.shape[0] == 1 else codes
+    if codes.ndim != 2 or codes.shape[0] != rows or codes.shape[1] == 0:
+        raise ValueError(f"{path}: codes have shape {list(codes.shape)}, expected [{rows}, T] with T > 0")
+    if not np.issubdtype(codes.dtype, np.integer):
+        raise ValueError(f"{path}: codes must be integers, got {codes.dtype}")
+    if codes.min() < 0 or codes.max() >= vocab:
+        raise ValueError(f"{path}: codes must lie in 0..{vocab - 1}, found {codes.min()}..{codes.max()}")
+    return torch.from_numpy(codes.astype(np.int64))
+
+
+def _write_atomic(path, write):
+    """Write via a temp file in the same folder, so a failure never leaves a partial output behind."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.part")
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise ValueError(f"cannot write {path}: {e.strerror or e}") from None
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def save_wav(path, wave, sample_rate=44100):
+    """Mono float waveform -> PCM-16 .wav."""
+    data = torch.as_tensor(wave).detach().float().cpu().reshape(-1).clamp(-1, 1).numpy()
+    _write_atomic(path, lambda f: sf.write(f, data, sample_rate, format="WAV", subtype="PCM_16"))
+
+
+def save_codes(path, codes):
+    _write_atomic(path, lambda f: np.save(f, codes.cpu().numpy().astype(np.int64)))
+
+
+# ----------------------------------------------------------------------------- CLI
+def pick_device(name):
+    if name:
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("mps" if torch.backends.mps.is_available() else "cpu")
+
+
+def pick_dtype(name, device):
+    name = name or ("fp16" if device.type == "cuda" else "fp32")
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
+
+
+def output_paths(inputs, out, suffix):
+    if out is None:
+        outputs = [p.with_suffix(suffix) for p in inputs]
+    elif len(inputs) == 1 and not Path(out).is_dir():
+        outputs = [Path(out)]
+    else:
+        try:
+            Path(out).mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ValueError(f"cannot create output folder {out}: {e.strerror or e}") from None
+        outputs = [Path(out) / p.with_suffix(suffix).name for p in inputs]
+    for path in outputs:  # fail before any work is done
+        if not (path.parent.is_dir() and os.access(path.parent, os.W_OK)) or path.is_dir():
+            raise ValueError(f"cannot write {path}: not a writable file location")
+    return outputs
+
+
+def run_files(args):
+    encoding = args.command == "encode"
+    if args.paths:
+        inputs = [Path(p) for p in args.paths]
+    elif encoding:
+        inputs = sorted(p for p in Path("prompt").glob("*") if p.suffix.lower() in AUDIO_EXTENSIONS)
+    else:
+        inputs = sorted(Path("generate").glob("*.npy"))
+    if not inputs:
+        folder = "prompt" if encoding else "generate"
+        raise ValueError(f"no input files: pass paths, or put them in {folder}/")
+    data = [load_audio(p) if encoding else read_codes(p) for p in inputs]  # check every input before writing
+    outputs = output_paths(inputs, args.out, ".npy" if encoding else ".wav")
+    device = pick_device(args.device)
+    model = load(args.checkpoint, device, pick_dtype(args.dtype, device))
+    from tqdm import tqdm
+
+    start, seconds = time.perf_counter(), 0.0
+    for x, out in tqdm(list(zip(data, outputs)), desc=args.command, unit="file"):
+        if encoding:
+            save_codes(out, encode(model, x)[0])
+            seconds += len(x) / model.config["sample_rate"]
+        else:
+            wave = decode(model, x, args.chunk_frames or None)[0]
+            save_wav(out, wave, model.config["sample_rate"])
+            seconds += len(wave) / model.config["sample_rate"]
+    wall = time.perf_counter() - start
+    print(f"{args.command}d {len(inputs)} file(s): {seconds:.2f} s of audio in {wall:.2f} s, "
+          f"RTF {wall / seconds:.3f}")
+
+
+def peak_memory(device):
+    if device.type == "cuda":
+        return f"peak {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB allocated"
+    return f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB (process so far)"
+
+
+def bench(args):
+    """Encode / decode speed at the real codec size with random weights."""
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = DAC(CONFIG).requires_grad_(False).eval().to(dtype)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"codec: {n_params / 1e6:.1f} M parameters, {device}, {dtype}, {torch.get_num_threads()} threads")
+    wave = 0.1 * torch.randn(int(args.seconds * CONFIG["sample_rate"]))
+    decode(model, encode(model, wave[: CONFIG["sample_rate"]]))  # warm-up
+    codes = encode(model, wave)
+    runs = [("encode", lambda: encode(model, wave)),
+            (f"decode chunked ({args.chunk_frames} frames)", lambda: decode(model, codes, args.chunk_frames)),
+            ("decode one-shot", lambda: decode(model, codes, None))]
+    for name, fn in runs:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        fn().cpu()
+        wall = time.perf_counter() - start
+        print(f"{name:34s} {args.seconds:.1f} s of audio in {wall:.2f} s, RTF {wall / args.seconds:.3f}, "
+              f"{peak_memory(device)}")
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: cuda > mps > cpu")
+    common.add_argument("--dtype", choices=["fp32", "fp16", "bf16"],
+                        help="default: fp16 on CUDA, else fp32 (bf16 is audibly noisier in the decoder)")
+    files = argparse.ArgumentParser(add_help=False, parents=[common])
+    files.add_argument("--checkpoint", default="./s2-pro",
+                       help="folder with codec.pth (+ optional codec_config.json), or a codec.pth file "
+                            "(default: ./s2-pro)")
+    files.add_argument("--out", help="output file for one input, or a folder for several "
+                                     "(default: beside each input)")
+    enc = sub.add_parser("encode", parents=[files], help="audio -> <stem>.npy codes [10, T] (int64)")
+    enc.add_argument("paths", nargs="*", help="audio files soundfile reads (wav, flac, ogg, mp3; any rate, "
+                                              "channels averaged); default: every audio file in prompt/")
+    dec = sub.add_parser("decode", parents=[files], help="codes -> <stem>.wav (44.1 kHz PCM-16)")
+    dec.add_argument("paths", nargs="*", help=".npy codes [10, T] or raw int16 .code files laid out [10, T]; "
+                                              "default: every generate/*.npy")
+    dec.add_argument("--chunk-frames", type=int, default=CHUNK_FRAMES,
+                     help=f"frames per decoder pass, keeps memory flat (default {CHUNK_FRAMES}; 0: one pass)")
+    bn = sub.add_parser("bench", parents=[common], help="encode/decode RTF at the real size, random weights")
+    bn.add_argument("--seconds", type=float, default=5.0, help="seconds of audio to time (default 5)")
+    bn.add_argument("--chunk-frames", type=int, default=64, help="frames per chunked decoder pass (64)")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "bench":
+            bench(args)
+        else:
+            run_files(args)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

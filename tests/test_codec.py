@@ -1,0 +1,238 @@
+"""codec.py against the upstream goldens in tests/fixtures/s2-tiny (see its README) and the S2-Pro shapes."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import codec  # noqa: E402
+
+FIX = ROOT / "tests" / "fixtures"
+CKPT = FIX / "s2-tiny" / "checkpoint"
+GOLD = FIX / "s2-tiny" / "golden"
+WAVE_ATOL = 1e-4  # fixture README: codec waveforms in fp32
+
+
+@pytest.fixture(scope="module")
+def model():
+    return codec.load(CKPT)
+
+
+def gold(name):
+    return np.load(GOLD / name)
+
+
+def max_diff(a, b):
+    return np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)).max()
+
+
+def test_encode_matches_upstream_codes(model):
+    codes = codec.encode(model, codec.load_audio(GOLD / "audio_in.wav"))
+    assert codes.shape == (1, 10, 54) and codes.dtype == torch.int64
+    np.testing.assert_array_equal(codes[0].numpy(), gold("codec_codes.npy"))
+
+
+def test_encode_of_long_clip_pins_encoder_window_512(model):
+    wave = codec.load_audio(GOLD / "audio_in_long.wav")
+    np.testing.assert_array_equal(codec.encode(model, wave)[0].numpy(), gold("codec_codes_long.npy"))
+    attention = model.encoder.block[4].block[5]
+    attention.window = 511  # README: 511 changes 6 codes of this clip
+    try:
+        assert (codec.encode(model, wave)[0].numpy() != gold("codec_codes_long.npy")).sum() == 6
+    finally:
+        attention.window = 512
+
+
+def test_decode_matches_upstream_waveform(model):
+    wave = codec.decode(model, gold("codec_codes.npy"))
+    assert wave.shape == (1, 54 * 2048) and wave.dtype == torch.float32
+    assert max_diff(wave[0], gold("codec_decoded.npy")) <= WAVE_ATOL
+
+
+def test_decode_of_random_codes_matches_upstream(model):
+    wave = codec.decode(model, torch.from_numpy(gold("codes_random.npy"))[None])
+    assert max_diff(wave[0], gold("codec_decoded_from_given_codes.npy")) <= WAVE_ATOL
+
+
+def test_decode_clamps_wide_codes_like_upstream_without_touching_caller(model):
+    wide = torch.from_numpy(gold("codes_random_wide.npy"))
+    before = wide.clone()
+    wave = codec.decode(model, wide)
+    assert max_diff(wave[0], gold("codec_decoded_wide.npy")) <= WAVE_ATOL
+    clamped = before.clone()
+    clamped[1:] = clamped[1:].clamp(max=1023)
+    assert torch.equal(codec.decode(model, clamped), wave)  # upstream: bit-identical to pre-clamped codes
+    assert torch.equal(wide, before)  # upstream clamps the caller's tensor in place; we do not
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16])
+def test_chunked_decode_equals_one_shot(model, chunk):
+    codes = gold("codes_random.npy")  # 40 frames
+    one_shot = codec.decode(model, codes, chunk_frames=None)
+    assert max_diff(codec.decode(model, codes, chunk_frames=chunk), one_shot) <= 1e-5
+
+
+def test_real_config_on_meta_has_exact_s2_pro_tensor_names_and_shapes():
+    shapes = json.loads((FIX / "s2-pro-shapes.json").read_text())
+    with torch.device("meta"):
+        state = codec.DAC(codec.CONFIG).state_dict()
+    assert len(state) == 535
+    assert {k: list(v.shape) for k, v in state.items()} == shapes["codec"]
+    assert list(state) == list(shapes["codec"])
+    assert sum(v.numel() for v in state.values()) == shapes["codec_param_count"] == 391430530
+
+
+def test_tiny_codec_config_json_overrides_config():
+    cfg = codec.read_config(CKPT / "codec_config.json")
+    dims = cfg["encoder_dim"], cfg["latent_dim"], cfg["decoder_dim"], cfg["quantizer_window"]
+    assert dims == (4, 64, 64, 16)
+    assert cfg["encoder_window"] == 512 and codec.read_config(CKPT / "absent.json") == codec.CONFIG
+
+
+def swapped_weight_norm_checkpoint(tmp_path):
+    """codec.pth with both weight-norm formats swapped, plus stale buffers older saves carry."""
+    state = torch.load(CKPT / "codec.pth", weights_only=True)
+    swap = {".parametrizations.weight.original0": ".weight_g",
+            ".parametrizations.weight.original1": ".weight_v"}
+    swap.update({v: k for k, v in swap.items()})
+    out = {}
+    for key, value in state.items():
+        for a, b in swap.items():
+            if key.endswith(a):
+                key = key[: -len(a)] + b
+                break
+        out[key] = value
+    out["quantizer.pre_module.freqs_cis"] = torch.zeros(4, 32, 2)
+    out["quantizer.post_module.causal_mask"] = torch.ones(4, 4, dtype=torch.bool)
+    torch.save(out, tmp_path / "codec.pth")
+    (tmp_path / "codec_config.json").write_text((CKPT / "codec_config.json").read_text())
+    return out
+
+
+def test_both_weight_norm_key_formats_load_and_stale_buffers_are_ignored(model, tmp_path):
+    state = swapped_weight_norm_checkpoint(tmp_path)
+    assert "encoder.block.0.conv.weight_g" in state
+    assert "quantizer.quantizer.quantizers.0.in_proj.parametrizations.weight.original1" in state
+    other = codec.load(tmp_path)
+    codes = gold("codes_random.npy")
+    assert torch.equal(codec.decode(other, codes), codec.decode(model, codes))
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda s: s.pop("decoder.model.0.conv.bias"), "lacks 1 tensors (first: decoder.model.0.conv.bias)"),
+    (lambda s: s.update({"decoder.extra.weight": torch.zeros(1)}), "unexpected tensors (first: decoder.ex"),
+    (lambda s: s.update({"decoder.model.0.conv.bias": torch.zeros(3)}), "has shape [3], expected [64]"),
+])
+def test_checkpoint_with_wrong_tensors_fails_with_one_line_error(tmp_path, edit, message):
+    state = torch.load(CKPT / "codec.pth", weights_only=True)
+    edit(state)
+    torch.save(state, tmp_path / "codec.pth")
+    (tmp_path / "codec_config.json").write_text((CKPT / "codec_config.json").read_text())
+    with pytest.raises(ValueError) as err:
+        codec.load(tmp_path)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_missing_checkpoint_and_bad_codes_raise_clear_errors(model, tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        codec.load(tmp_path / "nope")
+    with pytest.raises(FileNotFoundError, match="has no codec.pth"):
+        codec.load(tmp_path)
+    (tmp_path / "codec.pth").write_text("not a torch file")
+    with pytest.raises(ValueError, match="cannot read"):
+        codec.load(tmp_path)
+    with pytest.raises(ValueError, match=r"shape \[10, T\]"):
+        codec.decode(model, torch.zeros(9, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match=">= 0"):
+        codec.decode(model, -torch.ones(10, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="empty audio"):
+        codec.encode(model, torch.zeros(0))
+
+
+# ----------------------------------------------------------------------------- CLI
+def run_cli(*args, cwd=ROOT):
+    cmd = [sys.executable, str(ROOT / "codec.py"), *map(str, args)]
+    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def test_cli_encode_and_decode_reproduce_goldens(tmp_path):
+    res = run_cli("encode", GOLD / "audio_in.wav", "--checkpoint", CKPT, "--out", tmp_path / "a.npy")
+    assert res.returncode == 0, res.stderr
+    assert "RTF" in res.stdout.splitlines()[-1]
+    codes = np.load(tmp_path / "a.npy")
+    assert codes.dtype == np.int64 and codes.shape == (10, 54)
+    np.testing.assert_array_equal(codes, gold("codec_codes.npy"))
+    res = run_cli("decode", tmp_path / "a.npy", "--checkpoint", CKPT, "--chunk-frames", 7)
+    assert res.returncode == 0, res.stderr
+    wave, rate = sf.read(tmp_path / "a.wav", dtype="float32")
+    assert rate == 44100 and sf.info(tmp_path / "a.wav").subtype == "PCM_16"
+    assert max_diff(wave, gold("codec_decoded.npy")) <= 1 / 32768 + WAVE_ATOL  # PCM-16 rounding
+
+
+def test_cli_defaults_read_prompt_and_generate_folders_and_any_audio(tmp_path):
+    # a stereo 22.05 kHz FLAC in prompt/: channels averaged, soxr-resampled to 44.1 kHz
+    (tmp_path / "prompt").mkdir()
+    stereo = np.stack([np.sin(np.arange(22050) * 0.05), np.cos(np.arange(22050) * 0.03)], 1) * 0.5
+    sf.write(tmp_path / "prompt" / "ref.flac", stereo, 22050)
+    (tmp_path / "generate").mkdir()
+    np.save(tmp_path / "generate" / "out.npy", gold("codes_random.npy"))
+    assert run_cli("encode", "--checkpoint", CKPT, cwd=tmp_path).returncode == 0
+    assert run_cli("decode", "--checkpoint", CKPT, cwd=tmp_path).returncode == 0
+    model = codec.load(CKPT)
+    expected = codec.encode(model, codec.load_audio(tmp_path / "prompt" / "ref.flac"))[0]
+    assert expected.shape == (10, 22)  # 44100 samples -> ceil(44100 / 2048) frames
+    np.testing.assert_array_equal(np.load(tmp_path / "prompt" / "ref.npy"), expected.numpy())
+    wave, rate = sf.read(tmp_path / "generate" / "out.wav")
+    assert rate == 44100 and wave.shape == (40 * 2048,)
+
+
+def test_cli_decodes_raw_int16_code_files(tmp_path):
+    gold("codes_random.npy").astype("<i2").tofile(tmp_path / "x.code")
+    np.save(tmp_path / "y.npy", gold("codes_random.npy"))
+    res = run_cli("decode", tmp_path / "x.code", tmp_path / "y.npy", "--checkpoint", CKPT,
+                  "--out", tmp_path / "o")
+    assert res.returncode == 0, res.stderr
+    assert np.array_equal(sf.read(tmp_path / "o" / "x.wav")[0], sf.read(tmp_path / "o" / "y.wav")[0])
+
+
+def bad_inputs(tmp_path):
+    (tmp_path / "noise.wav").write_text("this is not audio")
+    sf.write(tmp_path / "empty.wav", np.zeros(0, dtype=np.float32), 44100)
+    np.save(tmp_path / "rows9.npy", gold("codes_random.npy")[:9])
+    high = gold("codes_random.npy").copy()
+    high[3, 5] = 4096
+    np.save(tmp_path / "high.npy", high)
+    np.save(tmp_path / "negative.npy", -gold("codes_random.npy"))
+    (tmp_path / "afile").write_text("")
+    wav, codes = GOLD / "audio_in.wav", GOLD / "codes_random.npy"
+    return {
+        "no checkpoint dir": (["encode", wav, "--checkpoint", tmp_path / "nope", "--out", tmp_path / "o.npy"],
+                              "not found"),
+        "no codec.pth": (["decode", codes, "--checkpoint", tmp_path, "--out", tmp_path / "o.wav"],
+                         "has no codec.pth"),
+        "not audio": (["encode", tmp_path / "noise.wav"], "not a readable audio file"),
+        "empty audio": (["encode", tmp_path / "empty.wav"], "contains no audio samples"),
+        "wrong codebooks": (["decode", tmp_path / "rows9.npy"], "expected [10, T]"),
+        "code too high": (["decode", tmp_path / "high.npy"], "must lie in 0..4095"),
+        "negative code": (["decode", tmp_path / "negative.npy"], "must lie in 0..4095"),
+        "unwritable out": (["decode", codes, "--out", tmp_path / "afile" / "x.wav"], "cannot write"),
+    }
+
+
+@pytest.mark.parametrize("case", ["no checkpoint dir", "no codec.pth", "not audio", "empty audio",
+                                  "wrong codebooks", "code too high", "negative code", "unwritable out"])
+def test_cli_bad_input_gives_one_line_error_and_no_output(tmp_path, case):
+    args, message = bad_inputs(tmp_path)[case]
+    if "--checkpoint" not in args:
+        args += ["--checkpoint", CKPT]
+    before = set(tmp_path.rglob("*"))
+    res = run_cli(*args)
+    assert res.returncode == 2
+    assert res.stderr.count("\n") == 1 and res.stderr.startswith("error: ") and message in res.stderr
+    assert set(tmp_path.rglob("*")) == before

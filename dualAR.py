@@ -21,6 +21,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+import codec
+
 # The real fishaudio/s2-pro dimensions, with upstream's flat `dual_ar` key names.
 CONFIG = dict(
     vocab_size=155776, n_layer=36, n_head=32, n_local_heads=8, head_dim=128, dim=2560,
@@ -43,6 +45,7 @@ FAST_KEYS = ["dim", "n_head", "n_local_heads", "head_dim", "intermediate_size",
 MAX_REFERENCES = 4
 RAS_WINDOW, RAS_TEMPERATURE, RAS_TOP_P = 10, 1.0, 0.9  # repetition-aware sampling, as upstream
 CONTEXT_RESERVE = 2048  # upstream refuses prompts longer than max_seq_len - 2048
+DEFAULT_CHECKPOINT = "./s2-pro"
 
 
 class UserError(ValueError):
@@ -560,47 +563,90 @@ def generate(model: DualAR, text: str, references=(), seed=None, temperature=0.7
     return torch.cat([codes for _, codes in history], dim=1)
 
 
+# ----------------------------------------------------------------------------- demo checkpoint
+DEMO_DIMS = dict(dim=64, n_head=4, n_local_heads=2, head_dim=16, intermediate_size=128)
+DEMO_CODEC = dict(encoder_dim=4, encoder_transformer_layers=[0, 0, 0, 1], latent_dim=64, decoder_dim=64,
+                  quantizer_layers=1, quantizer_heads=1, quantizer_ffn=192, quantizer_window=16)
+
+
+def demo_tokenizer(n_semantic: int):
+    """Byte-level tokenizer (no merges) with the S2-Pro special tokens and <|semantic:i|> range."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>", "<|text|>", "<|voice|>"]
+    tokenizer.add_special_tokens(specials + [f"<|semantic:{i}|>" for i in range(n_semantic)])
+    return tokenizer
+
+
+def make_demo_checkpoint(folder: Path, seed: int = 0):
+    """A tiny random checkpoint in the real layout (config.json, tokenizer.json, model.safetensors,
+    codec.pth + codec_config.json). Its 'speech' is noise; it only exercises the pipeline."""
+    from safetensors.torch import save_file
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer = demo_tokenizer(CONFIG["codebook_size"])
+    tokenizer.save(str(folder / "tokenizer.json"))
+    semantic0 = tokenizer.token_to_id("<|semantic:0|>")
+    vocab_size = -(-tokenizer.get_vocab_size() // 64) * 64  # padded like the real vocabulary
+    text = dict(DEMO_DIMS, model_type="fish_qwen3", n_layer=2, vocab_size=vocab_size, rope_base=1e6,
+                norm_eps=1e-6, max_seq_len=4096, attention_qk_norm=True)
+    audio = dict(DEMO_DIMS, model_type="fish_qwen3_audio_decoder", n_layer=1,
+                 vocab_size=CONFIG["codebook_size"], num_codebooks=CONFIG["num_codebooks"])
+    config = dict(model_type="fish_qwen3_omni", semantic_start_token_id=semantic0,
+                  semantic_end_token_id=semantic0 + CONFIG["codebook_size"] - 1,
+                  text_config=text, audio_decoder_config=audio)
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    cfg = read_config(folder / "config.json")
+    cfg.update(special_ids(tokenizer, cfg))
+    torch.manual_seed(seed)
+    model = DualAR(cfg)
+    for name, param in model.named_parameters():
+        if not name.endswith("norm.weight"):
+            nn.init.normal_(param, std=0.2)
+    save_file({hf_name(k): v.to(torch.bfloat16) for k, v in model.state_dict().items()},
+              str(folder / "model.safetensors"))
+    codec_cfg = dict(codec.CONFIG, **DEMO_CODEC)
+    torch.save(codec.DAC(codec_cfg).state_dict(), folder / "codec.pth")
+    (folder / "codec_config.json").write_text(json.dumps(DEMO_CODEC, indent=2))
+
+
+def demo_reference(args, device):
+    """One second of a gliding tone, encoded by the demo codec, as the voice to 'clone'."""
+    t = torch.arange(codec.CONFIG["sample_rate"]) / codec.CONFIG["sample_rate"]
+    wave = 0.3 * torch.sin(2 * math.pi * (220 + 80 * t) * t)
+    return [(codec.encode(codec_model(args, device), wave)[0].cpu(), "A one second test tone.")]
+
+
 # ----------------------------------------------------------------------------- CLI
-AUDIO_SUFFIXES = (".wav", ".flac", ".ogg", ".mp3")
-
-
-def pick_device(name):
-    if name:
-        return name
-    if torch.cuda.is_available():
-        return "cuda"
-    return "mps" if torch.backends.mps.is_available() else "cpu"
-
-
 def default_references(folder=Path("prompt")) -> list:
     """Every prompt/<stem>.npy (or audio file) that has a prompt/<stem>.txt transcript."""
     refs = {}
     for path in sorted(folder.glob("*")) if folder.is_dir() else []:
-        kind = "audio" if path.suffix.lower() in AUDIO_SUFFIXES else None
+        kind = "audio" if path.suffix.lower() in codec.AUDIO_EXTENSIONS else None
         kind = "codes" if path.suffix == ".npy" else kind
         if kind and path.with_suffix(".txt").is_file() and (path.stem not in refs or kind == "codes"):
             refs[path.stem] = (kind, path, path.with_suffix(".txt").read_text(encoding="utf-8").strip())
     return list(refs.values())
 
 
-def load_references(args, device) -> list:
+def load_references(args, model: DualAR, device) -> list:
     """-> [(codes, transcript)] from --prompt-codes/--prompt-audio paired in order with --prompt-text."""
-    given = args.references or []
-    texts = args.prompt_text or []
+    given, texts = args.references or [], args.prompt_text or []
     if not given and not texts:
-        given = default_references()
-        texts = [t for _, _, t in given]
-        given = [(kind, path) for kind, path, _ in given]
+        found = default_references()
+        given, texts = [(kind, path) for kind, path, _ in found], [t for _, _, t in found]
     if len(texts) != len(given):
         raise UserError(f"{len(given)} reference clip(s) but {len(texts)} --prompt-text: give one transcript"
                         " per --prompt-audio/--prompt-codes, in the same order")
     if len(given) > MAX_REFERENCES:
         raise UserError(f"{len(given)} references given; at most {MAX_REFERENCES} are supported")
-    import codec
-    refs = []
+    cfg, refs = model.config, []
     for (kind, path), text in zip(given, texts):
         if kind == "codes":
-            codes = codec.read_codes(path)
+            codes = codec.read_codes(path, rows=cfg["num_codebooks"], vocab=cfg["codebook_size"])
         else:
             codes = codec.encode(codec_model(args, device), codec.load_audio(path))[0].cpu()
         refs.append((codes, text))
@@ -608,44 +654,29 @@ def load_references(args, device) -> list:
 
 
 def codec_model(args, device):
-    if getattr(args, "_codec", None) is None:
-        import codec
-        args._codec = codec.load(args.checkpoint, device=device)
-    return args._codec
+    if getattr(args, "codec", None) is None:
+        args.codec = codec.load(args.checkpoint, device=device)
+    return args.codec
 
 
 def output_paths(args):
     """-> (codes path, wav path or None), checked writable before any work is done."""
-    if args.out:
-        out = Path(args.out)
-    else:
-        Path("generate").mkdir(exist_ok=True)
+    out = Path(args.out) if args.out else None
+    if out is None:
         n = 0
         while Path(f"generate/{n}.wav").exists() or Path(f"generate/{n}.npy").exists():
             n += 1
         out = Path(f"generate/{n}.wav")
-    if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
+    folder = out.parent if out.parent.exists() or args.out else Path(".")  # generate/ is made on writing
+    if not folder.is_dir() or not os.access(folder, os.W_OK) or out.is_dir():
         raise UserError(f"cannot write {out}: folder {out.parent} does not exist or is not writable")
-    wav = None if args.codes_only else out.with_suffix(".wav")
-    return out.with_suffix(".npy"), wav
-
-
-def write_atomic(path: Path, write):
-    """Write through a temporary file in the same folder, so a failure leaves nothing half-written."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=path.suffix)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    return out.with_suffix(".npy"), None if args.codes_only else out.with_suffix(".wav")
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description="S2-Pro text-to-speech (Dual-AR): text -> codes -> wav.")
-    ap.add_argument("--checkpoint", default="./s2-pro", help="dir with config.json, model weights,"
-                    " tokenizer.json and codec.pth (default ./s2-pro)")
+    ap.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="dir with config.json, model weights,"
+                    " tokenizer.json and codec.pth (default ./s2-pro; if absent, the demo runs)")
     ap.add_argument("--text", help="the text to speak; <|speaker:N|> tags make a dialogue")
     ap.add_argument("--text-file", help="read the text from this UTF-8 file instead")
     ap.add_argument("--prompt-audio", dest="references", action="append", type=lambda p: ("audio", Path(p)),
@@ -666,8 +697,8 @@ def parse_args(argv=None):
                     help="UTF-8 bytes of dialogue turns per batch (default 300, as upstream)")
     ap.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: cuda > mps > cpu")
     ap.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="default bf16 on CUDA, fp32 elsewhere")
-    ap.add_argument("--demo", action="store_true", 
-                    help="run on a tiny random checkpoint (noise, no download)")
+    ap.add_argument("--demo", action="store_true",
+                    help="run on a tiny random checkpoint built on the fly (the audio is noise)")
     return ap.parse_args(argv)
 
 
@@ -677,6 +708,8 @@ def check_args(args):
             args.text = Path(args.text_file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as e:
             raise UserError(f"cannot read --text-file {args.text_file}: {e}")
+    if args.demo and not args.text:
+        args.text = "Hello from fishfast! This is the demo."
     if not args.text or not args.text.strip():
         raise UserError("no text to speak: give --text or --text-file")
     if not 0 < args.top_p <= 1 or not 0 < args.temperature < 2 or args.top_k < 1:
@@ -687,32 +720,43 @@ def check_args(args):
 
 def run(args):
     check_args(args)
-    device = pick_device(args.device)
+    device = codec.pick_device(args.device)
     dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[
-        args.dtype or ("bf16" if device == "cuda" else "fp32")]
+        args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     codes_path, wav_path = output_paths(args)
     model = load(args.checkpoint, device, dtype)
-    references = load_references(args, device)
+    references = demo_reference(args, device) if args.demo else load_references(args, model, device)
     start = time.perf_counter()
     codes = generate(model, args.text, references, seed=args.seed, temperature=args.temperature,
                      top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
                      chunk_length=args.chunk_length, progress=True)
     wall = time.perf_counter() - start
-    import codec
-    import numpy as np
+    codes_path.parent.mkdir(exist_ok=True)
     if wav_path is not None:
-        wave = codec.decode(codec_model(args, device), codes[None].to(device))[0]
-        write_atomic(wav_path, lambda tmp: codec.save_wav(tmp, wave))
-    write_atomic(codes_path, lambda tmp: np.save(tmp, codes.numpy()))
-    frames = codes.size(1)
-    seconds = frames * codec.HOP / codec.SAMPLE_RATE
+        codec.save_wav(wav_path, codec.decode(codec_model(args, device), codes.to(device))[0])
+    codec.save_codes(codes_path, codes)
+    frames, seconds = codes.size(1), codes.size(1) * codec.hop_length() / codec.CONFIG["sample_rate"]
     print(f"wrote {codes_path}" + (f" and {wav_path}" if wav_path else ""))
     print(f"{frames} frames, {seconds:.2f} s of audio in {wall:.2f} s: {frames / wall:.1f} frames/s,"
           f" RTF {wall / max(seconds, 1e-9):.3f}")
 
 
+def main(argv=None):
+    args = parse_args(argv)
+    args.demo = args.demo or (args.checkpoint == DEFAULT_CHECKPOINT and not Path(args.checkpoint).exists())
+    if not args.demo:
+        return run(args)
+    print(f"DEMO: no real checkpoint used — a tiny RANDOM model is built, so the audio is NOISE.\n"
+          f"For speech, download fishaudio/s2-pro into {DEFAULT_CHECKPOINT} (see README).", file=sys.stderr)
+    args.max_new_tokens = args.max_new_tokens or 64
+    with tempfile.TemporaryDirectory() as folder:
+        make_demo_checkpoint(Path(folder))
+        args.checkpoint = folder
+        run(args)
+
+
 if __name__ == "__main__":
     try:
-        run(parse_args())
-    except (UserError, OSError) as e:
+        main()
+    except (ValueError, OSError) as e:  # UserError and the codec's one-line errors
         sys.exit(f"error: {e}")

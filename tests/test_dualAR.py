@@ -232,3 +232,119 @@ def test_max_new_tokens_is_capped_by_the_context(model):
         model.config["max_seq_len"] = saved
         model.cache_len = 0
     assert frames.size(1) == 3
+
+
+# ----------------------------------------------------------------------------- CLI
+SEEDED = CASES["seeded"]["call"]
+CLONE_ARGS = ["--checkpoint", str(CKPT), "--text", SEEDED["text"], "--seed", "42", "--top-k", "30",
+              "--max-new-tokens", "24", "--device", "cpu", "--dtype", "fp32", "--codes-only"]
+
+
+def cli(args, cwd):
+    return subprocess.run([sys.executable, str(ROOT / "dualAR.py"), *args], cwd=cwd, capture_output=True,
+                          text=True, timeout=300)
+
+
+def test_cli_writes_upstreams_seeded_codes(tmp_path):
+    refs = ["--prompt-codes", str(GOLDEN / "codec_codes.npy"), "--prompt-text", SEEDED["prompt_text"][0]]
+    result = cli(CLONE_ARGS + refs + ["--out", "x.npy"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert np.array_equal(np.load(tmp_path / "x.npy"), np.load(GOLDEN / "seeded_codes.npy"))
+    assert "23 frames" in result.stdout and "frames/s" in result.stdout and "RTF" in result.stdout
+
+
+def test_cli_takes_references_from_prompt_folder_and_numbers_outputs(tmp_path):
+    (tmp_path / "prompt").mkdir()
+    shutil.copy(GOLDEN / "codec_codes.npy", tmp_path / "prompt/alice.npy")
+    (tmp_path / "prompt/alice.txt").write_text(SEEDED["prompt_text"][0] + "\n")
+    assert cli(CLONE_ARGS, tmp_path).returncode == 0
+    assert cli(CLONE_ARGS, tmp_path).returncode == 0
+    assert np.array_equal(np.load(tmp_path / "generate/0.npy"), np.load(GOLDEN / "seeded_codes.npy"))
+    assert np.array_equal(np.load(tmp_path / "generate/1.npy"), np.load(GOLDEN / "seeded_codes.npy"))
+
+
+def test_cli_encodes_prompt_audio_and_writes_a_wav(tmp_path):
+    args = ["--checkpoint", str(CKPT), "--text", "Hi there.", "--prompt-audio", str(GOLDEN / "audio_in.wav"),
+            "--prompt-text", SEEDED["prompt_text"][0], "--max-new-tokens", "6", "--out", "hi.wav"]
+    result = cli(args, tmp_path)
+    assert result.returncode == 0, result.stderr
+    codes = np.load(tmp_path / "hi.npy")
+    assert codes.shape == (10, 5)
+    info = __import__("soundfile").info(str(tmp_path / "hi.wav"))
+    assert (info.samplerate, info.frames, info.subtype) == (44100, 5 * 2048, "PCM_16")
+
+
+def test_demo_runs_the_whole_pipeline_and_says_it_is_noise(tmp_path):
+    result = cli(["--demo", "--max-new-tokens", "8", "--out", "demo.wav"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "DEMO" in result.stderr and "NOISE" in result.stderr
+    assert np.load(tmp_path / "demo.npy").shape == (10, 7)
+    assert (tmp_path / "demo.wav").stat().st_size > 7 * 2048 * 2
+
+
+def broken_checkpoint(tmp_path, drop=(), replace=None):  # a copy of the tiny checkpoint, damaged
+    d = tmp_path / "ckpt"
+    shutil.copytree(CKPT, d)
+    for name in drop:
+        (d / name).unlink()
+    if replace:
+        replace(d)
+    return d
+
+
+def no_semantic(d):
+    dualAR.demo_tokenizer(0).save(str(d / "tokenizer.json"))
+
+
+def fake_references(tmp_path, n, frames=54):
+    args = []
+    for i in range(n):
+        codes = np.load(GOLDEN / "codec_codes.npy")
+        np.save(tmp_path / f"r{i}.npy", np.tile(codes, (1, -(-frames // codes.shape[1])))[:, :frames])
+        args += ["--prompt-codes", str(tmp_path / f"r{i}.npy"), "--prompt-text", f"reference {i}"]
+    return args
+
+
+SHARD2 = "model-00002-of-00002.safetensors"
+BAD_INPUTS = {
+    "no checkpoint dir": (lambda t: ["--checkpoint", str(t / "nope"), "--text", "Hi"], "does not exist"),
+    "no tokenizer.json": (lambda t: ["--checkpoint", str(broken_checkpoint(t, ["tokenizer.json"])),
+                                     "--text", "Hi"], "has no tokenizer.json"),
+    "missing shard": (lambda t: ["--checkpoint", str(broken_checkpoint(t, [SHARD2])), "--text", "Hi"],
+                      SHARD2),
+    "no semantic tokens": (lambda t: ["--checkpoint", str(broken_checkpoint(t, replace=no_semantic)),
+                                      "--text", "Hi"], "no <|semantic:i|> tokens"),
+    "empty text": (lambda t: ["--checkpoint", str(CKPT), "--text", "  \n"], "no text to speak"),
+    "five references": (lambda t: ["--checkpoint", str(CKPT), "--text", "Hi"] + fake_references(t, 5),
+                        "at most 4"),
+    "codes of the wrong shape": (lambda t: ["--checkpoint", str(CKPT), "--text", "Hi", "--prompt-codes",
+                                            str(GOLDEN / "prefill_logits.npy"), "--prompt-text", "x"],
+                                 "expected [10, T]"),
+    "transcript missing": (lambda t: ["--checkpoint", str(CKPT), "--text", "Hi", "--prompt-codes",
+                                      str(GOLDEN / "codec_codes.npy")],
+                           "1 reference clip(s) but 0 --prompt-text"),
+    "prompt longer than the context": (lambda t: ["--checkpoint", str(CKPT), "--text", "Hi"]
+                                       + fake_references(t, 1, frames=2100), "the context allows 2048"),
+    "unwritable output": (lambda t: ["--checkpoint", str(CKPT), "--text", "Hi", "--out",
+                                     str(t / "missing/dir/x.wav")], "cannot write"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_INPUTS))
+def test_bad_input_gives_one_line_error_and_writes_nothing(tmp_path, case):
+    make_args, message = BAD_INPUTS[case]
+    work = tmp_path / "work"
+    work.mkdir()
+    result = cli(make_args(tmp_path) + ["--max-new-tokens", "4"], work)
+    assert result.returncode != 0
+    assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
+    assert message in result.stderr
+    assert list(work.rglob("*")) == [] or case == "unwritable output"
+    assert not (tmp_path / "missing").exists()
+
+
+def test_api_rejects_a_reference_without_transcript(model):
+    with pytest.raises(dualAR.UserError, match="reference 1 has no transcript"):
+        dualAR.generate(model, "Hi", [(golden("codec_codes.npy"), None)], max_new_tokens=2)
+    with pytest.raises(dualAR.UserError, match="expected \\[10, frames\\]"):
+        dualAR.generate(model, "Hi", [(golden("codec_codes.npy")[:9], "x")], max_new_tokens=2)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import codec
+from codec import FeedForward, RMSNorm, apply_rope, rope_table  # the same upstream arithmetic as the LM
 
 # The real fishaudio/s2-pro dimensions, with upstream's flat `dual_ar` key names.
 CONFIG = dict(
@@ -35,7 +36,7 @@ CONFIG = dict(
 )
 # upstream's BaseModelArgs defaults, used for keys a flat `dual_ar` config.json leaves out
 FLAT_DEFAULTS = dict(
-    vocab_size=32000, n_layer=32, n_head=32, n_local_heads=-1, head_dim=None, dim=4096,
+    vocab_size=32000, n_layer=32, n_head=32, n_local_heads=-1, head_dim=64, dim=4096,
     intermediate_size=None, rope_base=10000, norm_eps=1e-5, max_seq_len=2048, tie_word_embeddings=True,
     attention_qkv_bias=False, attention_o_bias=False, attention_qk_norm=False, codebook_size=160,
     num_codebooks=4, n_fast_layer=4, scale_codebook_embeddings=False, norm_fastlayer_input=False,
@@ -46,6 +47,7 @@ MAX_REFERENCES = 4
 RAS_WINDOW, RAS_TEMPERATURE, RAS_TOP_P = 10, 1.0, 0.9  # repetition-aware sampling, as upstream
 CONTEXT_RESERVE = 2048  # upstream refuses prompts longer than max_seq_len - 2048
 DEFAULT_CHECKPOINT = "./s2-pro"
+SEMANTIC_TOKEN = re.compile(r"<\|semantic:\d+\|>")  # codebook-0 code k is token <|semantic:0|> + k
 
 
 class UserError(ValueError):
@@ -56,10 +58,10 @@ class UserError(ValueError):
 def config_from_flat(flat: dict) -> dict:
     """Upstream's flat `dual_ar` dict (defaults and fast-model fallbacks applied) -> our CONFIG shape."""
     cfg = {k: flat.get(k, v) for k, v in FLAT_DEFAULTS.items()}
-    cfg = {k: (FLAT_DEFAULTS[k] if v is None and k in FLAT_DEFAULTS else v) for k, v in cfg.items()}
     if cfg["n_local_heads"] == -1:
         cfg["n_local_heads"] = cfg["n_head"]
-    cfg["head_dim"] = cfg["head_dim"] or cfg["dim"] // cfg["n_head"]
+    if cfg["head_dim"] is None:
+        cfg["head_dim"] = cfg["dim"] // cfg["n_head"]
     if cfg["intermediate_size"] is None:
         hidden = int(2 * 4 * cfg["dim"] / 3)
         cfg["intermediate_size"] = -(-hidden // 256) * 256
@@ -77,7 +79,7 @@ def read_config(path: Path) -> dict:
     if data.get("model_type") != "fish_qwen3_omni":
         raise UserError(f"{path}: model_type {data.get('model_type')!r} is not fish_qwen3_omni or dual_ar")
     text, audio = data["text_config"], data["audio_decoder_config"]
-    flat = {k: v for k, v in text.items() if k in FLAT_DEFAULTS}
+    flat = {k: v for k, v in text.items() if k in FLAT_DEFAULTS and v is not None}  # as upstream
     flat.update({"fast_" + k: audio.get(k) for k in FAST_KEYS})
     flat.update(codebook_size=audio["vocab_size"], num_codebooks=audio["num_codebooks"],
                 n_fast_layer=audio["n_layer"], scale_codebook_embeddings=True, norm_fastlayer_input=True)
@@ -90,35 +92,6 @@ def block_config(cfg: dict, fast: bool) -> dict:
 
 
 # ----------------------------------------------------------------------------- building blocks
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        x32 = x.float()  # normalised in fp32, as upstream
-        y = x32 * torch.rsqrt(torch.mean(x32 * x32, dim=-1, keepdim=True) + self.eps)
-        return y.type_as(x) * self.weight
-
-
-def rope_table(seq_len: int, head_dim: int, base: float) -> Tensor:
-    """(seq_len, head_dim/2, 2) cos/sin table, rounded to bf16 like upstream's, kept in fp32."""
-    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
-    angles = torch.outer(torch.arange(seq_len), freqs)
-    cis = torch.polar(torch.ones_like(angles), angles)
-    return torch.stack([cis.real, cis.imag], dim=-1).to(torch.bfloat16).float()
-
-
-def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
-    """Rotate adjacent pairs (x[2j], x[2j+1]); x: (B, S, H, D), rope: (S, D/2, 2)."""
-    xp = x.float().reshape(*x.shape[:-1], -1, 2)
-    rope = rope.view(1, xp.size(1), 1, xp.size(3), 2)
-    out = torch.stack([xp[..., 0] * rope[..., 0] - xp[..., 1] * rope[..., 1],
-                       xp[..., 1] * rope[..., 0] + xp[..., 0] * rope[..., 1]], dim=-1)
-    return out.flatten(3).type_as(x)
-
-
 class KVCache(nn.Module):
     def __init__(self, batch: int, seq_len: int, n_heads: int, head_dim: int, dtype, device):
         super().__init__()
@@ -164,22 +137,11 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, S, q_dim))
 
 
-class FeedForward(nn.Module):
-    def __init__(self, c: dict):
-        super().__init__()
-        self.w1 = nn.Linear(c["dim"], c["intermediate_size"], bias=False)
-        self.w3 = nn.Linear(c["dim"], c["intermediate_size"], bias=False)
-        self.w2 = nn.Linear(c["intermediate_size"], c["dim"], bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class Block(nn.Module):
     def __init__(self, c: dict):
         super().__init__()
         self.attention = Attention(c)
-        self.feed_forward = FeedForward(c)
+        self.feed_forward = FeedForward(c["dim"], c["intermediate_size"])
         self.attention_norm = RMSNorm(c["dim"], c["norm_eps"])
         self.ffn_norm = RMSNorm(c["dim"], c["norm_eps"])
 
@@ -338,19 +300,17 @@ def load_weights(model: DualAR, ckpt: Path, device, dtype):
 
 def special_ids(tokenizer, cfg: dict) -> dict:
     """Ids the model needs, looked up by name in the tokenizer (never hard-coded)."""
-    semantic = [tokenizer.token_to_id(f"<|semantic:{i}|>") for i in range(cfg["codebook_size"])]
-    found = [i for i in semantic if i is not None]
-    if not found:
+    vocab = tokenizer.get_vocab(with_added_tokens=True)
+    semantic = sorted(i for t, i in vocab.items() if SEMANTIC_TOKEN.fullmatch(t))
+    if not semantic:
         raise UserError("tokenizer.json has no <|semantic:i|> tokens — not an S2-Pro tokenizer")
-    begin, end = min(found), max(found)
-    if semantic != list(range(begin, begin + len(semantic))):
-        raise UserError("tokenizer.json: the <|semantic:i|> tokens are not one contiguous id range")
-    ids = dict(semantic_begin_id=begin, semantic_end_id=end)
+    begin, end = semantic[0], semantic[-1]
+    if any(vocab.get(f"<|semantic:{k}|>") != begin + k for k in range(len(semantic))):
+        raise UserError("tokenizer.json: <|semantic:k|> is not token <|semantic:0|> + k for every k")
     for name in ("<|im_start|>", "<|im_end|>", "<|voice|>"):
-        if tokenizer.token_to_id(name) is None:
+        if name not in vocab:
             raise UserError(f"tokenizer.json has no {name} token — not an S2-Pro tokenizer")
-    ids["im_end_id"] = tokenizer.token_to_id("<|im_end|>")
-    return ids
+    return dict(semantic_begin_id=begin, semantic_end_id=end, im_end_id=vocab["<|im_end|>"])
 
 
 def load(checkpoint, device="cpu", dtype=torch.float32) -> DualAR:

@@ -75,9 +75,11 @@ def test_model_at_real_config_has_the_real_checkpoint_names_and_shapes():
 def test_flat_dual_ar_config_falls_back_like_upstream():
     cfg = dualAR.config_from_flat(dict(model_type="dual_ar", dim=64, n_head=4, codebook_size=32,
                                        num_codebooks=3, fast_dim=48, fast_n_head=2))
-    assert (cfg["head_dim"], cfg["n_local_heads"], cfg["intermediate_size"]) == (16, 4, 256)
-    assert (cfg["fast_dim"], cfg["fast_n_head"], cfg["fast_head_dim"]) == (48, 2, 16)
+    # head_dim defaults to upstream's 64, not dim // n_head; intermediate = 2/3 * 4 * dim rounded up to 256
+    assert (cfg["head_dim"], cfg["n_local_heads"], cfg["intermediate_size"]) == (64, 4, 256)
+    assert (cfg["fast_dim"], cfg["fast_n_head"], cfg["fast_head_dim"]) == (48, 2, 64)
     assert cfg["scale_codebook_embeddings"] is False and cfg["norm_fastlayer_input"] is False
+    assert dualAR.config_from_flat(dict(dim=64, n_head=4, head_dim=None))["head_dim"] == 16
 
 
 def test_special_ids_come_from_the_tokenizer(model):
@@ -85,6 +87,51 @@ def test_special_ids_come_from_the_tokenizer(model):
     assert model.config["semantic_begin_id"] == ids["semantic_begin"]
     assert model.config["semantic_end_id"] == ids["semantic_end"]
     assert model.config["im_end_id"] == ids["specials"]["<|im_end|>"]
+
+
+def flat_checkpoint(model, folder, layout):
+    """The tiny checkpoint re-saved as one model.safetensors (HF names) or as upstream's model.pth
+    (Lightning-style {'state_dict': {'model.<internal name>': ...}}) with a flat dual_ar config.json."""
+    from safetensors.torch import save_file
+    folder.mkdir()
+    shutil.copy(CKPT / "tokenizer.json", folder)
+    state = model.state_dict()
+    if layout == "safetensors":
+        shutil.copy(CKPT / "config.json", folder)
+        save_file({dualAR.hf_name(k): v.to(torch.bfloat16) for k, v in state.items()},
+                  str(folder / "model.safetensors"))
+    else:
+        flat = {k: v for k, v in model.config.items() if not k.endswith("_id")}
+        (folder / "config.json").write_text(json.dumps(dict(flat, model_type="dual_ar")))
+        torch.save({"state_dict": {"model." + k: v for k, v in state.items()}}, folder / "model.pth")
+    return folder
+
+
+@pytest.mark.parametrize("layout", ["safetensors", "pth"])
+@torch.inference_mode()
+def test_other_checkpoint_layouts_give_the_same_logits(model, tmp_path, layout):
+    other = dualAR.load(flat_checkpoint(model, tmp_path / layout, layout))
+    assert other.config == model.config
+    logits, _ = prefill(other, golden("prompt_tokens.npy"))
+    torch.testing.assert_close(logits[0], golden("prefill_logits.npy"), atol=1e-4, rtol=1e-4)
+
+
+def test_unexpected_or_misshapen_tensors_are_named(model, tmp_path):
+    from safetensors.torch import save_file
+    folder = flat_checkpoint(model, tmp_path / "x", "safetensors")
+    state = {dualAR.hf_name(k): v for k, v in model.state_dict().items()}
+    extra = {"text_model.model.extra.weight": torch.zeros(2)}
+    save_file(dict(state, **extra), str(folder / "model.safetensors"))
+    with pytest.raises(dualAR.UserError, match="unexpected tensor 'text_model.model.extra.weight'"):
+        dualAR.load(folder)
+    state["audio_decoder.output.weight"] = torch.zeros(3, 3)
+    save_file(state, str(folder / "model.safetensors"))
+    with pytest.raises(dualAR.UserError, match="'audio_decoder.output.weight' has shape \\[3, 3\\]"):
+        dualAR.load(folder)
+    del state["audio_decoder.output.weight"]
+    save_file(state, str(folder / "model.safetensors"))
+    with pytest.raises(dualAR.UserError, match="missing tensor 'audio_decoder.output.weight'"):
+        dualAR.load(folder)
 
 
 # ----------------------------------------------------------------------------- prompts
@@ -122,7 +169,7 @@ def test_dialogue_prompts_match_upstream(model):
 
 
 # ----------------------------------------------------------------------------- model math
-def prefill(model, prompt):
+def prefill(model, prompt):  # KV-cached forward of a whole prompt
     model.setup_caches(1, prompt.size(1) + 16)
     return model.forward_slow(prompt[None], torch.arange(prompt.size(1)))
 

@@ -635,7 +635,7 @@ def output_paths(args):
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description="S2-Pro text-to-speech (Dual-AR): text -> codes -> wav.")
-    ap.add_argument("--checkpoint", default=DEFAULT_CHECKPOINT, help="dir with config.json, model weights,"
+    ap.add_argument("--checkpoint", help="dir with config.json, model weights,"
                     " tokenizer.json and codec.pth (default ./s2-pro; if absent, the demo runs)")
     ap.add_argument("--text", help="the text to speak; <|speaker:N|> tags make a dialogue")
     ap.add_argument("--text-file", help="read the text from this UTF-8 file instead")
@@ -685,6 +685,9 @@ def run(args):
         args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     codes_path, wav_path = output_paths(args)
     model = load(args.checkpoint, device, dtype)
+    if wav_path is not None and not (Path(args.checkpoint) / "codec.pth").is_file():
+        print(f"note: {args.checkpoint} has no codec.pth, so only the codes are written", file=sys.stderr)
+        wav_path = None
     references = demo_reference(args, device) if args.demo else load_references(args, model, device)
     start = time.perf_counter()
     codes = generate(model, args.text, references, seed=args.seed, temperature=args.temperature,
@@ -703,7 +706,8 @@ def run(args):
 
 def main(argv=None):
     args = parse_args(argv)
-    args.demo = args.demo or (args.checkpoint == DEFAULT_CHECKPOINT and not Path(args.checkpoint).exists())
+    args.demo = args.demo or (args.checkpoint is None and not Path(DEFAULT_CHECKPOINT).exists())
+    args.checkpoint = args.checkpoint or DEFAULT_CHECKPOINT
     if not args.demo:
         return run(args)
     print(f"DEMO: no real checkpoint used — a tiny RANDOM model is built, so the audio is NOISE.\n"

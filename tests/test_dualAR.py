@@ -395,3 +395,13 @@ def test_api_rejects_a_reference_without_transcript(model):
         dualAR.generate(model, "Hi", [(golden("codec_codes.npy"), None)], max_new_tokens=2)
     with pytest.raises(dualAR.UserError, match="expected \\[10, frames\\]"):
         dualAR.generate(model, "Hi", [(golden("codec_codes.npy")[:9], "x")], max_new_tokens=2)
+
+
+def test_cli_without_codec_pth_writes_only_the_codes(tmp_path):
+    folder = broken_checkpoint(tmp_path, ["codec.pth"])
+    args = ["--checkpoint", str(folder), "--text", "Hi", "--max-new-tokens", "3", "--out", "z.wav"]
+    result = cli(args, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "has no codec.pth" in result.stderr
+    assert np.load(tmp_path / "z.npy").shape == (10, 2)
+    assert not (tmp_path / "z.wav").exists()

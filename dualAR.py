@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from tqdm import tqdm
 
 import codec
 from codec import FeedForward, RMSNorm, apply_rope, rope_table  # the same upstream arithmetic as the LM
@@ -421,9 +422,9 @@ def sampling_params(model: DualAR, temperature: float, top_p: float, top_k: int)
     bias = torch.full((cfg["vocab_size"],), float("-inf"), device=w.device, dtype=w.dtype)
     bias[cfg["semantic_begin_id"]: cfg["semantic_end_id"] + 1] = 0.0
     bias[cfg["im_end_id"]] = 0.0  # the slow model may only say a semantic token or <|im_end|>
-    as_tensor = lambda v: torch.tensor(v, device=w.device, dtype=w.dtype)  # noqa: E731
-    return dict(temperature=as_tensor(temperature), top_p=as_tensor(top_p), top_k=top_k, bias=bias,
-                ras_temperature=as_tensor(RAS_TEMPERATURE), ras_top_p=as_tensor(RAS_TOP_P))
+    scalars = dict(temperature=temperature, top_p=top_p, ras_temperature=RAS_TEMPERATURE, ras_top_p=RAS_TOP_P)
+    p = {k: torch.tensor(v, device=w.device, dtype=w.dtype) for k, v in scalars.items()}
+    return dict(p, top_k=top_k, bias=bias)
 
 
 # ----------------------------------------------------------------------------- one frame
@@ -462,7 +463,6 @@ def generate_frames(model: DualAR, prompt: Tensor, max_new_tokens: int, p: dict,
     budget = cfg["max_seq_len"] - T
     n = min(max_new_tokens, budget) if max_new_tokens else budget
     model.setup_caches(1, T + n)
-    from tqdm import tqdm
     bar = tqdm(total=n, unit="frame", disable=not progress, leave=False)
     frame = decode_frame(model, prompt[None].to(device), torch.arange(T, device=device), None, p)
     frames = [frame]

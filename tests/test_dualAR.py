@@ -232,11 +232,8 @@ def test_generation_matches_upstream_codes(model, name):
 def test_raw_frames_match_upstream(model, name):
     """Every generated frame, including the last one that upstream drops from the returned codes."""
     case = CASES[name]
-    call = case["call"]
-    torch.manual_seed(call["torch_manual_seed"])
-    prompt = dualAR.build_prompt(model, references(call), [], call["text"])
-    p = dualAR.sampling_params(model, call["temperature"], call["top_p"], call["top_k"])
-    frames = dualAR.generate_frames(model, prompt, call["max_new_tokens"], p)
+    prompt = dualAR.build_prompt(model, references(case["call"]), [], case["call"]["text"])
+    (frames,) = raw_frames(model, case["call"], [prompt])
     assert torch.equal(frames, golden(case["raw_frames"][0]["file"]))
 
 
@@ -259,14 +256,39 @@ def test_generation_stops_at_im_end_and_drops_that_frame(eos_model, name):
     assert codes.size(1) == raw.size(1) - 1
 
 
-def test_im_end_frame_is_sampled_in_full(eos_model):
-    case = CASES["eos"]["eos"]
-    call = case["call"]
+def raw_frames(model, call, prompts):
+    """generate_frames on each prompt in turn, under one seed (as upstream's generate_long)."""
     torch.manual_seed(call["torch_manual_seed"])
-    prompt = dualAR.build_prompt(eos_model, references(call), [], call["text"])
-    p = dualAR.sampling_params(eos_model, call["temperature"], call["top_p"], call["top_k"])
-    frames = dualAR.generate_frames(eos_model, prompt, call["max_new_tokens"], p)
-    assert frames[:, -1].tolist() == case["im_end_frame"]
+    p = dualAR.sampling_params(model, call["temperature"], call["top_p"], call["top_k"])
+    return [dualAR.generate_frames(model, prompt, call["max_new_tokens"], p) for prompt in prompts]
+
+
+def test_dialogue_raw_frames_match_upstream_in_both_batches(model):
+    prompts = [golden("prompt_tokens_dialogue.npy"), golden("prompt_tokens_dialogue_batch1.npy")]
+    frames0, frames1 = raw_frames(model, CASES["seeded_dialogue"]["call"], prompts)
+    assert torch.equal(frames0, golden("seeded_dialogue_raw_frames.npy"))
+    assert torch.equal(frames1, golden("seeded_dialogue_raw_frames_batch1.npy"))
+
+
+@pytest.mark.parametrize("name", ["eos", "eos_greedy"])
+def test_im_end_frame_is_sampled_in_full(eos_model, name):
+    case = CASES["eos"][name]
+    (frames,) = raw_frames(eos_model, case["call"], [golden("prompt_tokens.npy")])
+    assert torch.equal(frames, golden(case["raw_frames"][0]["file"]))
+    if name == "eos":
+        assert frames[:, -1].tolist() == case["im_end_frame"]  # c0 = 0, c1.. still sampled
+
+
+def test_im_end_on_the_prefill_frame_does_not_stop(tmp_path):
+    """Upstream tests for <|im_end|> in its decode loop only (fixture README, 'Not stored')."""
+    model = dualAR.load(CKPT)
+    with torch.no_grad():  # make <|im_end|> the slow model's only sensible answer
+        model.embeddings.weight[model.config["im_end_id"]] *= 50
+    call = dict(torch_manual_seed=0, temperature=0.7, top_p=0.7, top_k=1, max_new_tokens=10)
+    (frames,) = raw_frames(model, call, [dualAR.build_prompt(model, [], [], "Hi.")])
+    assert frames[0].tolist() == [model.config["im_end_id"]] * 2  # frame 1 stops, frame 0 did not
+    codes = dualAR.generate(model, "Hi.", [], seed=0, top_k=1, max_new_tokens=10)
+    assert torch.equal(codes, frames[1:, :1]) and codes[0, 0] == 0  # the <|im_end|> frame 0, c0 = 0
 
 
 def test_max_new_tokens_is_capped_by_the_context(model):

@@ -615,7 +615,7 @@ def load_references(args, model: DualAR, device) -> list:
 
 def codec_model(args, device):
     if getattr(args, "codec", None) is None:
-        args.codec = codec.load(args.checkpoint, device=device)
+        args.codec = codec.load(args.checkpoint, device, codec.pick_dtype(None, device))
     return args.codec
 
 

@@ -147,6 +147,20 @@ def test_plain_tts_prompt_matches_upstream(model):
     assert torch.equal(prompt, golden("prompt_tokens_noref.npy"))
 
 
+def test_several_references_are_tagged_joined_and_one_semantic_run(model):
+    codes = golden("codec_codes.npy")
+    refs = [(codes[:, :3], "first voice"), (codes[:, 3:5], "<|speaker:7|>second voice")]
+    prompt = dualAR.build_prompt(model, refs, [], "Hi.")
+    text = model.tokenizer.decode(prompt[0].tolist(), skip_special_tokens=False)
+    semantic = "".join(f"<|semantic:{c}|>" for c in codes[0, :5].tolist())
+    assert text == ("<|im_start|>system\nconvert the provided text to speech reference to the following:\n\n"
+                    "Text:\n<|speaker:0|>first voice\n<|speaker:7|>second voice\n\nSpeech:\n" + semantic +
+                    "<|im_end|>\n<|im_start|>user\nHi.<|im_end|>\n<|im_start|>assistant\n<|voice|>")
+    run = prompt[0] >= model.config["semantic_begin_id"]
+    assert torch.equal(prompt[1:, run], codes[:, :5])
+    assert prompt[1:, ~run].abs().sum() == 0
+
+
 def test_dialogue_is_split_into_batches_like_upstream():
     case = CASES["seeded_dialogue"]
     assert dualAR.text_batches(case["call"]["text"], case["call"]["chunk_length"]) == case["batches"]
@@ -332,15 +346,16 @@ def test_cli_takes_references_from_prompt_folder_and_numbers_outputs(tmp_path):
     assert np.array_equal(np.load(tmp_path / "generate/1.npy"), np.load(GOLDEN / "seeded_codes.npy"))
 
 
-def test_cli_encodes_prompt_audio_and_writes_a_wav(tmp_path):
-    args = ["--checkpoint", str(CKPT), "--text", "Hi there.", "--prompt-audio", str(GOLDEN / "audio_in.wav"),
-            "--prompt-text", SEEDED["prompt_text"][0], "--max-new-tokens", "6", "--out", "hi.wav"]
+def test_cli_dialogue_from_prompt_audio_matches_upstream_and_writes_a_wav(tmp_path):
+    call = CASES["seeded_dialogue"]["call"]
+    args = ["--checkpoint", str(CKPT), "--text", call["text"], "--prompt-audio", str(GOLDEN / "audio_in.wav"),
+            "--prompt-text", call["prompt_text"][0], "--seed", "147", "--max-new-tokens", "24",
+            "--chunk-length", "60", "--out", "dialogue.wav"]
     result = cli(args, tmp_path)
     assert result.returncode == 0, result.stderr
-    codes = np.load(tmp_path / "hi.npy")
-    assert codes.shape == (10, 5)
-    info = __import__("soundfile").info(str(tmp_path / "hi.wav"))
-    assert (info.samplerate, info.frames, info.subtype) == (44100, 5 * 2048, "PCM_16")
+    assert np.array_equal(np.load(tmp_path / "dialogue.npy"), np.load(GOLDEN / "seeded_dialogue_codes.npy"))
+    info = __import__("soundfile").info(str(tmp_path / "dialogue.wav"))
+    assert (info.samplerate, info.frames, info.subtype) == (44100, 46 * 2048, "PCM_16")
 
 
 def test_demo_runs_the_whole_pipeline_and_says_it_is_noise(tmp_path):

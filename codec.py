@@ -30,7 +30,7 @@ CONFIG = dict(  # the real S2-Pro codec (upstream fish_speech/configs/modded_dac
     encoder_dim=64,
     encoder_rates=[2, 4, 8, 8],
     encoder_transformer_layers=[0, 0, 0, 4],
-    encoder_window=512,  # upstream asks a functools.partial for `window_size`; it has none, so 512
+    encoder_window=512,  # upstream asks a functools.partial for `window_size`: it has none, so 512
     latent_dim=1024,
     decoder_dim=1536,
     decoder_rates=[8, 8, 4, 2],
@@ -50,7 +50,7 @@ CONFIG = dict(  # the real S2-Pro codec (upstream fish_speech/configs/modded_dac
 FAST_VOCAB = 4096  # the LM's fast model samples every codebook from 4096 entries
 CHUNK_FRAMES = 256  # frames per decoder pass (~12 s): decoder memory stays flat on long inputs
 CONTEXT_FRAMES = 16  # left context re-decoded per chunk: the convs after post_module reach 10.2 frames back
-ATTN_BLOCK = 2048  # queries per attention call; inputs this short get upstream's single full-mask call
+ATTN_BLOCK = 2048  # queries per attention call (shorter inputs: upstream's one full-mask call)
 STALE_BUFFERS = ("freqs_cis", "causal_mask")  # non-persistent buffers that older saves may still carry
 AUDIO_EXTENSIONS = {".wav", ".flac", ".ogg", ".mp3", ".opus", ".aiff", ".aif"}
 
@@ -76,7 +76,7 @@ class CausalConv(nn.Module):
         self.pad = (kernel - 1) * dilation + 1 - stride
 
     def forward(self, x):  # (B, C, L) -> (B, C', ceil(L / stride))
-        extra = -x.shape[-1] % self.stride  # completes the last window; 0 on every inference path
+        extra = -x.shape[-1] % self.stride  # completes the last window, 0 on every inference path
         return self.conv(F.pad(x, (self.pad, extra)))
 
 
@@ -95,7 +95,7 @@ class CausalConvT(nn.Module):
 
 
 class Stack(nn.Module):
-    """nn.Sequential kept under `.block` (upstream's module names); residual=True adds the input back."""
+    """nn.Sequential kept under `.block` (upstream's module names), residual=True adds the input back."""
 
     def __init__(self, *layers, residual=False):
         super().__init__()
@@ -160,7 +160,7 @@ def apply_rope(x, rope):  # x (B, T, H, hd), interleaved pairs (x[2j], x[2j+1])
     return out.flatten(3).type_as(x)
 
 
-def windowed_attention(q, k, v, window):  # (B, H, T, hd); query t sees keys t-window+1..t
+def windowed_attention(q, k, v, window):  # (B, H, T, hd), query t sees keys t-window+1..t
     out = torch.empty_like(q)
     length = q.shape[2]
     for s in range(0, length, ATTN_BLOCK):
@@ -275,7 +275,7 @@ def rvq(n, size, cfg):  # upstream ResidualVectorQuantize: at inference only its
 
 # ----------------------------------------------------------------------------- model
 class Quantizer(nn.Module):
-    """2x stride-2 downsampling, pre transformer, 1 semantic + n residual codebooks; the reverse to decode."""
+    """2x stride-2 downsampling, pre transformer, 1 semantic + n residual codebooks, the reverse to decode."""
 
     def __init__(self, cfg):
         super().__init__()
@@ -438,7 +438,7 @@ def encode(model, wave):
 
 @torch.inference_mode()
 def decode(model, codes, chunk_frames=CHUNK_FRAMES):
-    """Codes (10, T) or (B, 10, T) -> waveform (B, T * 2048) float32; chunk_frames=None decodes in one pass.
+    """Codes (10, T) or (B, 10, T) -> waveform (B, T * 2048) float32, chunk_frames=None decodes in one pass.
 
     Codes above a codebook's size are clamped (row 0 to 4095, rows 1..9 to 1023) exactly as upstream does;
     upstream clamps in place on the caller's tensor, we clamp a copy.
@@ -448,7 +448,7 @@ def decode(model, codes, chunk_frames=CHUNK_FRAMES):
     codes = codes[None] if codes.dim() == 2 else codes
     rows = cfg["n_codebooks"] + 1
     if codes.dim() != 3 or codes.shape[1] != rows or codes.shape[2] == 0:
-        raise ValueError(f"codes must have shape [{rows}, T] or [B, {rows}, T]; got {list(codes.shape)}")
+        raise ValueError(f"codes must have shape [{rows}, T] or [B, {rows}, T]. Got {list(codes.shape)}")
     if codes.min() < 0:
         raise ValueError(f"codes must be >= 0, found {codes.min().item()}")
     codes = codes.to(p.device, torch.long, copy=True)
@@ -637,13 +637,13 @@ def main(argv=None):
     files.add_argument("--out", help="output file for one input, or a folder for several "
                                      "(default: beside each input)")
     enc = sub.add_parser("encode", parents=[files], help="audio -> <stem>.npy codes [10, T] (int64)")
-    enc.add_argument("paths", nargs="*", help="audio files soundfile reads (wav, flac, ogg, mp3; any rate, "
-                                              "channels averaged); default: every audio file in prompt/")
+    enc.add_argument("paths", nargs="*", help="audio files soundfile reads (wav, flac, ogg, mp3 at any rate, "
+                                              "channels averaged). Default: every audio file in prompt/")
     dec = sub.add_parser("decode", parents=[files], help="codes -> <stem>.wav (44.1 kHz PCM-16)")
-    dec.add_argument("paths", nargs="*", help=".npy codes [10, T] or raw int16 .code files laid out [10, T]; "
-                                              "default: every generate/*.npy")
+    dec.add_argument("paths", nargs="*", help=".npy codes [10, T] or raw int16 .code files laid out [10, T]. "
+                                              "Default: every generate/*.npy")
     dec.add_argument("--chunk-frames", type=int, default=CHUNK_FRAMES,
-                     help=f"frames per decoder pass, keeps memory flat (default {CHUNK_FRAMES}; 0: one pass)")
+                     help=f"frames per decoder pass, keeps memory flat (default {CHUNK_FRAMES}. 0: one pass)")
     bn = sub.add_parser("bench", parents=[common], help="encode/decode RTF at the real size, random weights")
     bn.add_argument("--seconds", type=float, default=5.0, help="seconds of audio to time (default 5)")
     bn.add_argument("--chunk-frames", type=int, default=64, help="frames per chunked decoder pass (64)")

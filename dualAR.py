@@ -1,7 +1,7 @@
 """Fish Audio S2-Pro text-to-speech: the Dual-AR (RQ-Transformer) model and generation, one file.
 
 The slow transformer (Qwen3-shaped) reads the conversation and emits one semantic token per audio
-frame; the fast transformer then emits the other codebooks of that frame, one after another.
+frame. The fast transformer then emits the other codebooks of that frame, one after another.
 Everything is written to give upstream fish-speech's codes for upstream's seed on CPU fp32.
 
     python dualAR.py --text "Hello!" --prompt-audio voice.wav --prompt-text "what voice.wav says"
@@ -155,7 +155,7 @@ class Block(nn.Module):
 class DualAR(nn.Module):
     """Slow transformer over frames + fast transformer over the codebooks of one frame.
 
-    Parameter names are upstream's internal ones; `hf_name` maps them to the HF release's keys.
+    Parameter names are upstream's internal ones. `hf_name` maps them to the HF release's keys.
     """
 
     def __init__(self, cfg: dict):
@@ -177,7 +177,7 @@ class DualAR(nn.Module):
         self.cache_len = 0
 
     def setup_caches(self, batch: int, seq_len: int):
-        """Allocate the static KV caches and RoPE tables (once; reused while big enough)."""
+        """Allocate the static KV caches and RoPE tables (once, reused while big enough)."""
         cfg, weight = self.config, self.embeddings.weight
         seq_len = min(-(-seq_len // 256) * 256, cfg["max_seq_len"])
         if self.cache_len >= seq_len and self.layers[0].attention.kv_cache.k_cache.size(0) == batch:
@@ -206,7 +206,7 @@ class DualAR(nn.Module):
         return x
 
     def forward_slow(self, tokens: Tensor, pos: Tensor):
-        """Cached slow forward of positions `pos`; -> (logits, fast-model input) of the last one."""
+        """Cached slow forward of positions `pos` -> (logits, fast-model input) of the last one."""
         x = self.embed(tokens)
         mask = pos[:, None] >= torch.arange(self.cache_len, device=pos.device)  # causal over the cache
         rope = self.rope[pos]
@@ -222,7 +222,7 @@ class DualAR(nn.Module):
         return logits, hidden
 
     def forward_fast(self, x: Tensor, pos: Tensor) -> Tensor:
-        """Cached fast forward of one codebook position; x (B, fast_dim) -> logits (B, codebook_size)."""
+        """Cached fast forward of one codebook position: x (B, fast_dim) -> logits (B, codebook_size)."""
         x = x.view(x.size(0), 1, -1)
         mask = pos[:, None] >= torch.arange(self.config["num_codebooks"], device=pos.device)
         rope = self.fast_rope[pos]
@@ -241,7 +241,7 @@ def hf_name(name: str) -> str:
 
 
 def internal_name(key: str) -> str:
-    """Inverse of `hf_name`; keys already in upstream's internal form pass through."""
+    """Inverse of `hf_name`. Keys already in upstream's internal form pass through."""
     if key.startswith("text_model.model."):
         return key[len("text_model.model."):]
     if key.startswith("audio_decoder.codebook_embeddings."):
@@ -340,7 +340,7 @@ SPEAKER_TAG = re.compile(r"(<\|speaker:\d+\|>)")
 
 
 def split_turns(text: str) -> list:
-    """Split at <|speaker:N|> tags; like upstream, text before the first tag is dropped."""
+    """Split at <|speaker:N|> tags. Like upstream, text before the first tag is dropped."""
     parts = SPEAKER_TAG.split(text)
     return [(parts[i].strip() + parts[i + 1]).strip() for i in range(1, len(parts), 2)]
 
@@ -362,7 +362,7 @@ def text_batches(text: str, max_bytes: int, max_speakers: int = 5) -> list:
 
 
 def encode_pieces(model: DualAR, pieces: list) -> Tensor:
-    """Each str piece is tokenised on its own; each code matrix (num_codebooks, n) becomes a
+    """Each str piece is tokenised on its own, each code matrix (num_codebooks, n) becomes a
     semantic run. -> (1 + num_codebooks, T): row 0 token ids, rows 1.. codes (0 off semantic runs)."""
     cfg, columns = model.config, []
     for piece in pieces:
@@ -378,7 +378,7 @@ def encode_pieces(model: DualAR, pieces: list) -> Tensor:
 
 
 def build_prompt(model: DualAR, references: list, history: list, text: str) -> Tensor:
-    """references: [(codes, transcript)]; history: [(text, codes)] of the batches already spoken."""
+    """references: [(codes, transcript)], history: [(text, codes)] of the batches already spoken."""
     pieces = ["<|im_start|>system\n"]
     if references:
         texts = [t for _, t in references]
@@ -429,9 +429,9 @@ def sampling_params(model: DualAR, temperature: float, top_p: float, top_k: int)
 
 # ----------------------------------------------------------------------------- one frame
 def fast_codes(model: DualAR, hidden: Tensor, main: Tensor, p: dict) -> Tensor:
-    """Codebook 0 follows from the main token; the fast model samples codebooks 1.. in turn."""
+    """Codebook 0 follows from the main token. The fast model samples codebooks 1.. in turn."""
     cfg, device = model.config, hidden.device
-    model.forward_fast(hidden, torch.tensor([0], device=device))  # fills the cache; output unused
+    model.forward_fast(hidden, torch.tensor([0], device=device))  # fills the cache, output unused
     code = torch.clamp(main - cfg["semantic_begin_id"], 0, cfg["codebook_size"] - 1)
     codes = [code]
     for i in range(1, cfg["num_codebooks"]):
@@ -457,7 +457,7 @@ def decode_frame(model: DualAR, tokens: Tensor, pos: Tensor, window, p: dict) ->
 # ----------------------------------------------------------------------------- generation
 @torch.inference_mode()
 def generate_frames(model: DualAR, prompt: Tensor, max_new_tokens: int, p: dict, progress=False) -> Tensor:
-    """Continue one prompt; -> every frame generated (1 + num_codebooks, N), <|im_end|> frame included."""
+    """Continue one prompt -> every frame generated (1 + num_codebooks, N), <|im_end|> frame included."""
     cfg, device = model.config, model.embeddings.weight.device
     T = prompt.size(1)
     budget = cfg["max_seq_len"] - T
@@ -485,13 +485,13 @@ def check_request(model: DualAR, text: str, references: list):
     if not isinstance(text, str) or not text.strip():
         raise UserError("the text to speak is empty")
     if len(references) > MAX_REFERENCES:
-        raise UserError(f"{len(references)} references given; at most {MAX_REFERENCES} are supported")
+        raise UserError(f"{len(references)} references given, but at most {MAX_REFERENCES} are supported")
     for i, (codes, transcript) in enumerate(references, 1):
         if not isinstance(transcript, str) or not transcript.strip():
             raise UserError(f"reference {i} has no transcript (give --prompt-text for every reference)")
         n_semantic = cfg["semantic_end_id"] - cfg["semantic_begin_id"] + 1
         if codes.dim() != 2 or codes.size(0) != cfg["num_codebooks"] or codes.size(1) == 0:
-            raise UserError(f"reference {i} codes have shape {list(codes.shape)};"
+            raise UserError(f"reference {i} codes have shape {list(codes.shape)},"
                             f" expected [{cfg['num_codebooks']}, frames]")
         if codes.is_floating_point() or codes.min() < 0 or codes.max() >= cfg["codebook_size"] \
                 or codes[0].max() >= n_semantic:
@@ -516,7 +516,7 @@ def generate(model: DualAR, text: str, references=(), seed=None, temperature=0.7
     for batch_text in text_batches(text, chunk_length):
         prompt = build_prompt(model, references, history, batch_text)
         if prompt.size(1) > limit:
-            raise UserError(f"the prompt is {prompt.size(1)} tokens; the context allows {limit}"
+            raise UserError(f"the prompt is {prompt.size(1)} tokens, the context allows {limit}"
                             f" ({CONTEXT_RESERVE} are kept for speech) — use shorter references or text")
         frames = generate_frames(model, prompt, max_new_tokens, p, progress)
         history.append((batch_text, frames[1:, :-1].cpu()))  # upstream always drops the last frame
@@ -544,7 +544,7 @@ def demo_tokenizer(n_semantic: int):
 
 def make_demo_checkpoint(folder: Path, seed: int = 0):
     """A tiny random checkpoint in the real layout (config.json, tokenizer.json, model.safetensors,
-    codec.pth + codec_config.json). Its 'speech' is noise; it only exercises the pipeline."""
+    codec.pth + codec_config.json). Its 'speech' is noise: it only exercises the pipeline."""
     from safetensors.torch import save_file
     folder.mkdir(parents=True, exist_ok=True)
     tokenizer = demo_tokenizer(CONFIG["codebook_size"])
@@ -602,7 +602,7 @@ def load_references(args, model: DualAR, device) -> list:
         raise UserError(f"{len(given)} reference clip(s) but {len(texts)} --prompt-text: give one transcript"
                         " per --prompt-audio/--prompt-codes, in the same order")
     if len(given) > MAX_REFERENCES:
-        raise UserError(f"{len(given)} references given; at most {MAX_REFERENCES} are supported")
+        raise UserError(f"{len(given)} references given, but at most {MAX_REFERENCES} are supported")
     cfg, refs = model.config, []
     for (kind, path), text in zip(given, texts):
         if kind == "codes":
@@ -636,11 +636,11 @@ def output_paths(args):
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description="S2-Pro text-to-speech (Dual-AR): text -> codes -> wav.")
     ap.add_argument("--checkpoint", help="dir with config.json, model weights,"
-                    " tokenizer.json and codec.pth (default ./s2-pro; if absent, the demo runs)")
-    ap.add_argument("--text", help="the text to speak; <|speaker:N|> tags make a dialogue")
+                    " tokenizer.json and codec.pth (default ./s2-pro, or the demo if that is absent)")
+    ap.add_argument("--text", help="the text to speak (<|speaker:N|> tags make a dialogue)")
     ap.add_argument("--text-file", help="read the text from this UTF-8 file instead")
     ap.add_argument("--prompt-audio", dest="references", action="append", type=lambda p: ("audio", Path(p)),
-                    help="reference clip to clone (repeatable; encoded with codec.py)")
+                    help="reference clip to clone (repeatable, encoded with codec.py)")
     ap.add_argument("--prompt-codes", dest="references", action="append", type=lambda p: ("codes", Path(p)),
                     help="reference codes .npy [10, T] from `codec.py encode` (repeatable)")
     ap.add_argument("--prompt-text", action="append", help="transcript of each reference, in order"

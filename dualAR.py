@@ -482,6 +482,7 @@ def generate_frames(model: DualAR, prompt: Tensor, max_new_tokens: int, p: dict,
 
 def check_request(model: DualAR, text: str, references: list):
     cfg = model.config
+    n_semantic = cfg["semantic_end_id"] - cfg["semantic_begin_id"] + 1
     if not isinstance(text, str) or not text.strip():
         raise UserError("the text to speak is empty")
     if len(references) > MAX_REFERENCES:
@@ -489,7 +490,6 @@ def check_request(model: DualAR, text: str, references: list):
     for i, (codes, transcript) in enumerate(references, 1):
         if not isinstance(transcript, str) or not transcript.strip():
             raise UserError(f"reference {i} has no transcript (give --prompt-text for every reference)")
-        n_semantic = cfg["semantic_end_id"] - cfg["semantic_begin_id"] + 1
         if codes.dim() != 2 or codes.size(0) != cfg["num_codebooks"] or codes.size(1) == 0:
             raise UserError(f"reference {i} codes have shape {list(codes.shape)},"
                             f" expected [{cfg['num_codebooks']}, frames]")

@@ -531,6 +531,9 @@ def save_codes(path, codes):
 
 # ----------------------------------------------------------------------------- CLI
 def pick_device(name):
+    available = dict(cpu=True, cuda=torch.cuda.is_available(), mps=torch.backends.mps.is_available())
+    if name and not available[name]:
+        raise ValueError(f"--device {name}: no {name} device on this machine")
     if name:
         return torch.device(name)
     if torch.cuda.is_available():
@@ -544,23 +547,26 @@ def pick_dtype(name, device):
 
 
 def output_paths(inputs, out, suffix):
+    """One output per input: beside it, the --out file, or in the --out folder (made on writing)."""
+    folder = out is not None and (len(inputs) > 1 or Path(out).is_dir())
     if out is None:
         outputs = [p.with_suffix(suffix) for p in inputs]
-    elif len(inputs) == 1 and not Path(out).is_dir():
+    elif not folder:
         outputs = [Path(out)]
     else:
-        try:
-            Path(out).mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ValueError(f"cannot create output folder {out}: {e.strerror or e}") from None
         outputs = [Path(out) / p.with_suffix(suffix).name for p in inputs]
+    if len(set(outputs)) < len(outputs):
+        raise ValueError(f"two inputs would write the same {suffix} file: rename one, or give --out per file")
     for path in outputs:  # fail before any work is done
-        if not (path.parent.is_dir() and os.access(path.parent, os.W_OK)) or path.is_dir():
+        parent = path.parent.parent if folder and not path.parent.exists() else path.parent  # made later
+        if not (parent.is_dir() and os.access(parent, os.W_OK)) or path.is_dir():
             raise ValueError(f"cannot write {path}: not a writable file location")
     return outputs
 
 
 def run_files(args):
+    if getattr(args, "chunk_frames", 0) < 0:
+        raise ValueError("--chunk-frames must be >= 0")
     encoding = args.command == "encode"
     if args.paths:
         inputs = [Path(p) for p in args.paths]
@@ -579,6 +585,7 @@ def run_files(args):
 
     start, seconds = time.perf_counter(), 0.0
     for x, out in tqdm(list(zip(data, outputs)), desc=args.command, unit="file"):
+        out.parent.mkdir(exist_ok=True)
         if encoding:
             save_codes(out, encode(model, x)[0])
             seconds += len(x) / model.config["sample_rate"]
@@ -622,9 +629,15 @@ def bench(args):
               f"{peak_memory(device)}")
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse that reports a bad command line as one `error: ...` line, like every other error."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message}\n")
+
+
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: cuda > mps > cpu")

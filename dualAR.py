@@ -55,6 +55,13 @@ class UserError(ValueError):
     """Bad input: the CLI prints the message as one line and writes nothing."""
 
 
+def unreadable(path, error: Exception) -> UserError:
+    """One line for a file that exists but cannot be parsed."""
+    lines = str(error).strip().splitlines()
+    detail = f"no key {error}" if isinstance(error, KeyError) else lines[0] if lines else type(error).__name__
+    return UserError(f"cannot read {path}: {detail}")
+
+
 # ----------------------------------------------------------------------------- config
 def config_from_flat(flat: dict) -> dict:
     """Upstream's flat `dual_ar` dict (defaults and fast-model fallbacks applied) -> our CONFIG shape."""
@@ -72,19 +79,28 @@ def config_from_flat(flat: dict) -> dict:
     return cfg
 
 
-def read_config(path: Path) -> dict:
-    """config.json of the HF layout (`fish_qwen3_omni`) or upstream's flat `dual_ar` layout."""
-    data = json.loads(Path(path).read_text())
-    if data.get("model_type") == "dual_ar":
-        return config_from_flat(data)
-    if data.get("model_type") != "fish_qwen3_omni":
-        raise UserError(f"{path}: model_type {data.get('model_type')!r} is not fish_qwen3_omni or dual_ar")
+def flatten_omni(data: dict) -> dict:
+    """The HF layout (`fish_qwen3_omni`: text_config + audio_decoder_config) -> upstream's flat dict."""
     text, audio = data["text_config"], data["audio_decoder_config"]
     flat = {k: v for k, v in text.items() if k in FLAT_DEFAULTS and v is not None}  # as upstream
     flat.update({"fast_" + k: audio.get(k) for k in FAST_KEYS})
     flat.update(codebook_size=audio["vocab_size"], num_codebooks=audio["num_codebooks"],
                 n_fast_layer=audio["n_layer"], scale_codebook_embeddings=True, norm_fastlayer_input=True)
-    return config_from_flat(flat)
+    return flat
+
+
+def read_config(path: Path) -> dict:
+    """config.json of the HF layout (`fish_qwen3_omni`) or upstream's flat `dual_ar` layout."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        kind = data.get("model_type")
+        if kind not in ("dual_ar", "fish_qwen3_omni"):
+            raise UserError(f"{path}: model_type {kind!r} is not fish_qwen3_omni or dual_ar")
+        return config_from_flat(data if kind == "dual_ar" else flatten_omni(data))
+    except UserError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise unreadable(path, e) from None
 
 
 def block_config(cfg: dict, fast: bool) -> dict:
@@ -132,9 +148,8 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(pos, k, v)
-        k = k.repeat_interleave(self.n_head // self.n_kv, dim=1)  # query head h uses kv head h // group
-        v = v.repeat_interleave(self.n_head // self.n_kv, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        # query head h uses kv head h // (n_head // n_kv), as upstream's repeat_interleave
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_kv)
         return self.wo(y.transpose(1, 2).reshape(B, S, q_dim))
 
 
@@ -272,14 +287,17 @@ def read_weights(files: list):
     ever held twice while it is cast to the target dtype and device."""
     from safetensors import safe_open
     for f in files:
-        if f.suffix == ".pth":
-            state = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
-            state = state.get("state_dict", state)
-            yield from ((k.removeprefix("model."), v) for k, v in state.items())
-            continue
-        with safe_open(f, framework="pt", device="cpu") as st:
-            for key in st.keys():
-                yield internal_name(key), st.get_tensor(key)
+        try:
+            if f.suffix == ".pth":
+                state = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+                state = state.get("state_dict", state)
+                yield from ((k.removeprefix("model."), v) for k, v in state.items())
+                continue
+            with safe_open(f, framework="pt", device="cpu") as st:
+                for key in st.keys():
+                    yield internal_name(key), st.get_tensor(key)
+        except Exception as e:  # a truncated or foreign file: say which one
+            raise unreadable(f, e) from None
 
 
 def load_weights(model: DualAR, ckpt: Path, device, dtype):
@@ -324,13 +342,16 @@ def load(checkpoint, device="cpu", dtype=torch.float32) -> DualAR:
         if not (ckpt / name).is_file():
             raise UserError(f"checkpoint dir {ckpt} has no {name} — download fishaudio/s2-pro (see README)")
     cfg = read_config(ckpt / "config.json")
-    tokenizer = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    try:
+        tokenizer = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    except Exception as e:
+        raise unreadable(ckpt / "tokenizer.json", e) from None
     cfg.update(special_ids(tokenizer, cfg))
     with torch.device("meta"):
         model = DualAR(cfg)
     load_weights(model, ckpt, device, dtype)
     model.tokenizer = tokenizer
-    return model.eval()
+    return model.requires_grad_(False).eval()
 
 
 # ----------------------------------------------------------------------------- prompt
@@ -480,11 +501,13 @@ def generate_frames(model: DualAR, prompt: Tensor, max_new_tokens: int, p: dict,
     return torch.stack(frames, dim=1)
 
 
-def check_request(model: DualAR, text: str, references: list):
+def check_request(model: DualAR, text: str, references: list, max_new_tokens: int):
     cfg = model.config
     n_semantic = cfg["semantic_end_id"] - cfg["semantic_begin_id"] + 1
     if not isinstance(text, str) or not text.strip():
         raise UserError("the text to speak is empty")
+    if max_new_tokens == 1 or max_new_tokens < 0:  # 1 frame would leave none: the last one is dropped
+        raise UserError("max_new_tokens must be 0 (no cap) or at least 2")
     if len(references) > MAX_REFERENCES:
         raise UserError(f"{len(references)} references given, but at most {MAX_REFERENCES} are supported")
     for i, (codes, transcript) in enumerate(references, 1):
@@ -493,8 +516,10 @@ def check_request(model: DualAR, text: str, references: list):
         if codes.dim() != 2 or codes.size(0) != cfg["num_codebooks"] or codes.size(1) == 0:
             raise UserError(f"reference {i} codes have shape {list(codes.shape)},"
                             f" expected [{cfg['num_codebooks']}, frames]")
-        if codes.is_floating_point() or codes.min() < 0 or codes.max() >= cfg["codebook_size"] \
-                or codes[0].max() >= n_semantic:
+        if codes.is_floating_point():
+            raise UserError(f"reference {i} codes are floats, not integer codes")
+        codes = codes.long()
+        if codes.min() < 0 or codes.max() >= cfg["codebook_size"] or codes[0].max() >= n_semantic:
             raise UserError(f"reference {i} codes are not integer codes in [0, {cfg['codebook_size']})")
 
 
@@ -507,7 +532,8 @@ def generate(model: DualAR, text: str, references=(), seed=None, temperature=0.7
     codes of the ones before. -> codes (num_codebooks, frames). max_new_tokens=0: up to the context.
     """
     references = [(torch.as_tensor(c), t) for c, t in references]
-    check_request(model, text, references)
+    check_request(model, text, references, max_new_tokens)
+    references = [(c.long(), t) for c, t in references]
     if seed is not None:
         torch.manual_seed(seed)
     p = sampling_params(model, temperature, top_p, top_k)
@@ -581,6 +607,16 @@ def demo_reference(args, device):
 
 
 # ----------------------------------------------------------------------------- CLI
+def read_transcript(path: Path) -> str:
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise unreadable(path, e) from None
+    if not text:
+        raise UserError(f"transcript {path} is empty")
+    return text
+
+
 def default_references(folder=Path("prompt")) -> list:
     """Every prompt/<stem>.npy (or audio file) that has a prompt/<stem>.txt transcript."""
     refs = {}
@@ -588,16 +624,19 @@ def default_references(folder=Path("prompt")) -> list:
         kind = "audio" if path.suffix.lower() in codec.AUDIO_EXTENSIONS else None
         kind = "codes" if path.suffix == ".npy" else kind
         if kind and path.with_suffix(".txt").is_file() and (path.stem not in refs or kind == "codes"):
-            refs[path.stem] = (kind, path, path.with_suffix(".txt").read_text(encoding="utf-8").strip())
+            refs[path.stem] = (kind, path)
     return list(refs.values())
 
 
 def load_references(args, model: DualAR, device) -> list:
-    """-> [(codes, transcript)] from --prompt-codes/--prompt-audio paired in order with --prompt-text."""
+    """-> [(codes, transcript)] from --prompt-codes/--prompt-audio paired in order with --prompt-text,
+    or else from prompt/ (unless --no-prompt)."""
     given, texts = args.references or [], args.prompt_text or []
-    if not given and not texts:
-        found = default_references()
-        given, texts = [(kind, path) for kind, path, _ in found], [t for _, _, t in found]
+    if not given and not texts and not args.no_prompt:
+        given = default_references()
+        texts = [read_transcript(path.with_suffix(".txt")) for _, path in given]
+        if given:
+            print("references from prompt/: " + ", ".join(p.name for _, p in given), file=sys.stderr)
     if len(texts) != len(given):
         raise UserError(f"{len(given)} reference clip(s) but {len(texts)} --prompt-text: give one transcript"
                         " per --prompt-audio/--prompt-codes, in the same order")
@@ -627,14 +666,16 @@ def output_paths(args):
         while Path(f"generate/{n}.wav").exists() or Path(f"generate/{n}.npy").exists():
             n += 1
         out = Path(f"generate/{n}.wav")
+    if out.is_dir():
+        raise UserError(f"--out {out} is a folder: give a file name such as {out / 'speech.wav'}")
     folder = out.parent if out.parent.exists() or args.out else Path(".")  # generate/ is made on writing
-    if not folder.is_dir() or not os.access(folder, os.W_OK) or out.is_dir():
+    if not folder.is_dir() or not os.access(folder, os.W_OK):
         raise UserError(f"cannot write {out}: folder {out.parent} does not exist or is not writable")
     return out.with_suffix(".npy"), None if args.codes_only else out.with_suffix(".wav")
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description="S2-Pro text-to-speech (Dual-AR): text -> codes -> wav.")
+    ap = codec.ArgumentParser(description="S2-Pro text-to-speech (Dual-AR): text -> codes -> wav.")
     ap.add_argument("--checkpoint", help="dir with config.json, model weights,"
                     " tokenizer.json and codec.pth (default ./s2-pro, or the demo if that is absent)")
     ap.add_argument("--text", help="the text to speak (<|speaker:N|> tags make a dialogue)")
@@ -645,14 +686,15 @@ def parse_args(argv=None):
                     help="reference codes .npy [10, T] from `codec.py encode` (repeatable)")
     ap.add_argument("--prompt-text", action="append", help="transcript of each reference, in order"
                     " (repeatable). Default references: prompt/<stem>.npy or audio + prompt/<stem>.txt")
+    ap.add_argument("--no-prompt", action="store_true", help="ignore prompt/: plain TTS, no voice cloning")
     ap.add_argument("--out", help="output .wav/.npy path (default generate/<n>.wav and .npy)")
     ap.add_argument("--codes-only", action="store_true", help="write only the codes, skip the codec")
     ap.add_argument("--seed", type=int, default=42, help="torch.manual_seed before generating (default 42)")
     ap.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
     ap.add_argument("--top-p", type=float, default=0.7, help="nucleus sampling threshold (default 0.7)")
     ap.add_argument("--top-k", type=int, default=30, help="keep the k most likely tokens (default 30)")
-    ap.add_argument("--max-new-tokens", type=int, default=0,
-                    help="frames per text batch at most (default 0: until <|im_end|> or the context)")
+    ap.add_argument("--max-new-tokens", type=int, default=0, help="frames per text batch at most, >= 2"
+                    " (default 0: until <|im_end|> or the context)")
     ap.add_argument("--chunk-length", type=int, default=300,
                     help="UTF-8 bytes of dialogue turns per batch (default 300, as upstream)")
     ap.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: cuda > mps > cpu")
@@ -665,17 +707,17 @@ def parse_args(argv=None):
 def check_args(args):
     if args.text_file:
         try:
-            args.text = Path(args.text_file).read_text(encoding="utf-8")
+            args.text = Path(args.text_file).read_text(encoding="utf-8").strip()
         except (OSError, UnicodeDecodeError) as e:
-            raise UserError(f"cannot read --text-file {args.text_file}: {e}")
+            raise unreadable(args.text_file, e) from None
     if args.demo and not args.text:
         args.text = "Hello from fishfast! This is the demo."
     if not args.text or not args.text.strip():
         raise UserError("no text to speak: give --text or --text-file")
     if not 0 < args.top_p <= 1 or not 0 < args.temperature < 2 or args.top_k < 1:
         raise UserError("need 0 < --top-p <= 1, 0 < --temperature < 2 and --top-k >= 1")
-    if args.max_new_tokens < 0 or args.chunk_length < 1:
-        raise UserError("--max-new-tokens must be >= 0 and --chunk-length >= 1")
+    if args.chunk_length < 1:
+        raise UserError("--chunk-length must be >= 1")
 
 
 def run(args):
@@ -688,7 +730,11 @@ def run(args):
     if wav_path is not None and not (Path(args.checkpoint) / "codec.pth").is_file():
         print(f"note: {args.checkpoint} has no codec.pth, so only the codes are written", file=sys.stderr)
         wav_path = None
-    references = demo_reference(args, device) if args.demo else load_references(args, model, device)
+    if wav_path is not None:
+        codec_model(args, device)  # a broken codec.pth fails now, not after the generation
+    references = load_references(args, model, device)
+    if args.demo and not references:
+        references = demo_reference(args, device)
     start = time.perf_counter()
     codes = generate(model, args.text, references, seed=args.seed, temperature=args.temperature,
                      top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
@@ -706,6 +752,8 @@ def run(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.demo and args.checkpoint:
+        raise UserError("--demo builds its own tiny checkpoint: drop --checkpoint")
     args.demo = args.demo or (args.checkpoint is None and not Path(DEFAULT_CHECKPOINT).exists())
     args.checkpoint = args.checkpoint or DEFAULT_CHECKPOINT
     if not args.demo:

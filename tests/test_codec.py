@@ -201,6 +201,9 @@ def test_cli_decodes_raw_int16_code_files(tmp_path):
     assert np.array_equal(sf.read(tmp_path / "o" / "x.wav")[0], sf.read(tmp_path / "o" / "y.wav")[0])
 
 
+MISSING_DEVICE = "cuda" if not torch.cuda.is_available() else "mps"
+
+
 def bad_inputs(tmp_path):
     (tmp_path / "noise.wav").write_text("this is not audio")
     sf.write(tmp_path / "empty.wav", np.zeros(0, dtype=np.float32), 44100)
@@ -222,11 +225,18 @@ def bad_inputs(tmp_path):
         "code too high": (["decode", tmp_path / "high.npy"], "must lie in 0..4095"),
         "negative code": (["decode", tmp_path / "negative.npy"], "must lie in 0..4095"),
         "unwritable out": (["decode", codes, "--out", tmp_path / "afile" / "x.wav"], "cannot write"),
+        "two outputs collide": (["decode", codes, GOLD / "codec_codes.npy", GOLD / "codes_random.npy",
+                                 "--out", tmp_path / "new"], "would write the same .wav"),
+        "negative chunk": (["decode", codes, "--chunk-frames", "-5"], "--chunk-frames must be >= 0"),
+        "bad flag value": (["decode", codes, "--chunk-frames", "many"], "invalid int value"),
+        "unavailable device": (["decode", codes, "--device", MISSING_DEVICE], f"no {MISSING_DEVICE} device"),
     }
 
 
 @pytest.mark.parametrize("case", ["no checkpoint dir", "no codec.pth", "not audio", "empty audio",
-                                  "wrong codebooks", "code too high", "negative code", "unwritable out"])
+                                  "wrong codebooks", "code too high", "negative code", "unwritable out",
+                                  "two outputs collide", "negative chunk", "bad flag value",
+                                  "unavailable device"])
 def test_cli_bad_input_gives_one_line_error_and_no_output(tmp_path, case):
     args, message = bad_inputs(tmp_path)[case]
     if "--checkpoint" not in args:

@@ -358,6 +358,29 @@ def test_cli_dialogue_from_prompt_audio_matches_upstream_and_writes_a_wav(tmp_pa
     assert (info.samplerate, info.frames, info.subtype) == (44100, 46 * 2048, "PCM_16")
 
 
+def test_cli_text_file_and_no_prompt_give_upstreams_plain_tts(tmp_path):
+    call = CASES["noref_greedy"]["call"]
+    (tmp_path / "prompt").mkdir()
+    shutil.copy(GOLDEN / "codec_codes.npy", tmp_path / "prompt/alice.npy")
+    (tmp_path / "prompt/alice.txt").write_text(SEEDED["prompt_text"][0])
+    (tmp_path / "text.txt").write_text(call["text"] + "\n")  # the file's newline is not spoken
+    args = ["--checkpoint", str(CKPT), "--text-file", "text.txt", "--no-prompt", "--top-k", "1",
+            "--max-new-tokens", "24", "--codes-only", "--out", "plain.npy"]
+    result = cli(args, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert np.array_equal(np.load(tmp_path / "plain.npy"), np.load(GOLDEN / "noref_greedy_codes.npy"))
+
+
+def test_cli_names_an_empty_transcript_in_the_prompt_folder(tmp_path):
+    (tmp_path / "prompt").mkdir()
+    shutil.copy(GOLDEN / "codec_codes.npy", tmp_path / "prompt/alice.npy")
+    (tmp_path / "prompt/alice.txt").write_text("\n")
+    result = cli(["--checkpoint", str(CKPT), "--text", "Hi", "--max-new-tokens", "4"], tmp_path)
+    assert result.returncode != 0
+    assert result.stderr == "error: transcript prompt/alice.txt is empty\n"
+    assert not (tmp_path / "generate").exists()
+
+
 def test_demo_runs_the_whole_pipeline_and_says_it_is_noise(tmp_path):
     result = cli(["--demo", "--max-new-tokens", "8", "--out", "demo.wav"], tmp_path)
     assert result.returncode == 0, result.stderr
@@ -389,7 +412,22 @@ def fake_references(tmp_path, n, frames=54):
     return args
 
 
+def drop_config_key(d):
+    config = json.loads((d / "config.json").read_text())
+    del config["audio_decoder_config"]["num_codebooks"]
+    (d / "config.json").write_text(json.dumps(config))
+
+
+def damaged(name, content):  # -> a `replace` for broken_checkpoint that overwrites one file
+    return lambda d: (d / name).write_bytes(content(d / name))
+
+
+def ckpt_args(t, drop=(), replace=None):
+    return ["--checkpoint", str(broken_checkpoint(t, drop, replace)), "--text", "Hi"]
+
+
 SHARD2 = "model-00002-of-00002.safetensors"
+MISSING_DEVICE = "cuda" if not torch.cuda.is_available() else "mps"
 BAD_INPUTS = {
     "no checkpoint dir": (lambda t: ["--checkpoint", str(t / "nope"), "--text", "Hi"], "does not exist"),
     "no tokenizer.json": (lambda t: ["--checkpoint", str(broken_checkpoint(t, ["tokenizer.json"])),
@@ -411,6 +449,22 @@ BAD_INPUTS = {
                                        + fake_references(t, 1, frames=2100), "the context allows 2048"),
     "unwritable output": (lambda t: ["--checkpoint", str(CKPT), "--text", "Hi", "--out",
                                      str(t / "missing/dir/x.wav")], "cannot write"),
+    "output is a folder": (lambda t: ["--checkpoint", str(CKPT), "--text", "Hi", "--out", str(t)],
+                           "is a folder"),
+    "corrupt tokenizer.json": (lambda t: ckpt_args(t, replace=damaged("tokenizer.json", lambda f: b"{x")),
+                               "tokenizer.json"),
+    "config.json without a key": (lambda t: ckpt_args(t, replace=drop_config_key), "no key 'num_codebooks'"),
+    "truncated shard": (lambda t: ckpt_args(t, replace=damaged(SHARD2, lambda f: f.read_bytes()[:100])),
+                        f"{SHARD2}: Error while deserializing header"),
+    "broken codec.pth": (lambda t: ckpt_args(t, replace=damaged("codec.pth", lambda f: b"junk")),
+                         "cannot read"),
+    "unavailable device": (lambda t: ["--checkpoint", str(CKPT), "--text", "Hi", "--device",
+                                      MISSING_DEVICE], f"no {MISSING_DEVICE} device"),
+    "one frame": (lambda t: ["--checkpoint", str(CKPT), "--text", "Hi", "--max-new-tokens", "1"],
+                  "at least 2"),
+    "bad flag value": (lambda t: ["--checkpoint", str(CKPT), "--text", "Hi", "--top-k", "many"],
+                       "invalid int value"),
+    "demo with a checkpoint": (lambda t: ["--demo", "--checkpoint", str(CKPT)], "drop --checkpoint"),
 }
 
 
@@ -419,11 +473,11 @@ def test_bad_input_gives_one_line_error_and_writes_nothing(tmp_path, case):
     make_args, message = BAD_INPUTS[case]
     work = tmp_path / "work"
     work.mkdir()
-    result = cli(make_args(tmp_path) + ["--max-new-tokens", "4"], work)
+    result = cli(["--max-new-tokens", "4"] + make_args(tmp_path), work)
     assert result.returncode != 0
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
     assert message in result.stderr
-    assert list(work.rglob("*")) == [] or case == "unwritable output"
+    assert list(work.rglob("*")) == []
     assert not (tmp_path / "missing").exists()
 
 

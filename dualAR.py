@@ -48,6 +48,7 @@ MAX_REFERENCES = 4
 RAS_WINDOW, RAS_TEMPERATURE, RAS_TOP_P = 10, 1.0, 0.9  # repetition-aware sampling, as upstream
 CONTEXT_RESERVE = 2048  # upstream refuses prompts longer than max_seq_len - 2048
 DEFAULT_CHECKPOINT = "./s2-pro"
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SEMANTIC_TOKEN = re.compile(r"<\|semantic:\d+\|>")  # codebook-0 code k is token <|semantic:0|> + k
 
 
@@ -606,6 +607,69 @@ def demo_reference(args, device):
     return [(codec.encode(codec_model(args, device), wave)[0].cpu(), "A one second test tone.")]
 
 
+# ----------------------------------------------------------------------------- benchmark
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def copy_bandwidth(device, gib=1, repeats=5) -> float:
+    """Measured memory bandwidth in GB/s (read + write of a big copy): the ceiling for decoding."""
+    src = torch.ones(gib * 2**28, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    synchronize(device)
+    return 2 * src.nbytes * repeats / (time.perf_counter() - start) / 1e9
+
+
+def weight_bytes(*modules) -> int:
+    return sum(p.nbytes for m in modules for p in m.parameters())
+
+
+def timed_frames(model, frames, device):
+    """(raw frames made, seconds) of one generation capped at `frames`."""
+    synchronize(device)
+    start = time.perf_counter()
+    codes = generate(model, "The quick brown fox jumps over the lazy dog.", [], seed=0, max_new_tokens=frames)
+    synchronize(device)
+    return codes.size(1) + 1, time.perf_counter() - start
+
+
+def bench(args):
+    """Decode speed at the real S2-Pro size with random (torch.rand) weights."""
+    device = codec.pick_device(args.device)
+    dtype = DTYPES[args.dtype or "bf16"]
+    tokenizer = demo_tokenizer(CONFIG["codebook_size"])
+    with torch.device("meta"):
+        model = DualAR(dict(CONFIG, **special_ids(tokenizer, CONFIG)))
+    torch.manual_seed(0)
+    model.load_state_dict({k: (torch.rand(v.shape, dtype=dtype, device=device) - 0.5) * 0.1
+                           for k, v in model.state_dict().items()}, assign=True)
+    model.tokenizer = tokenizer
+    model.requires_grad_(False)
+    # weights read per frame: the slow model (its tied head reads the whole embedding table) once,
+    # the fast model once per codebook
+    per_frame = weight_bytes(model.layers, model.norm, model.embeddings) \
+        + CONFIG["num_codebooks"] * weight_bytes(model.fast_layers, model.fast_norm, model.fast_output)
+    timed_frames(model, 2, device)  # warm-up
+    n = args.max_new_tokens or 8
+    short, t_short = timed_frames(model, 2, device)
+    long, t_long = timed_frames(model, 2 + n, device)
+    fps = (long - short) / (t_long - t_short)  # decode only: the prefill cancels out
+    gbs, peak = per_frame * fps / 1e9, copy_bandwidth(device)
+    seconds_per_frame = codec.hop_length() / codec.CONFIG["sample_rate"]
+    print(f"S2-Pro size ({sum(p.numel() for p in model.parameters()) / 1e9:.2f} G params), {dtype}, {device}:"
+          f" prefill {t_short - (short - 1) / fps:.2f} s, decode {fps:.2f} frames/s,"
+          f" {gbs:.1f} GB/s = {100 * gbs / peak:.0f}% of the measured {peak:.1f} GB/s,"
+          f" RTF {1 / fps / seconds_per_frame:.2f}")
+
+
 # ----------------------------------------------------------------------------- CLI
 def read_transcript(path: Path) -> str:
     try:
@@ -701,6 +765,8 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="default bf16 on CUDA, fp32 elsewhere")
     ap.add_argument("--demo", action="store_true",
                     help="run on a tiny random checkpoint built on the fly (the audio is noise)")
+    ap.add_argument("--bench", action="store_true", help="time decoding at the real S2-Pro size with random"
+                    " weights (default bf16, --max-new-tokens frames, default 8): frames/s, GB/s, RTF")
     return ap.parse_args(argv)
 
 
@@ -723,8 +789,7 @@ def check_args(args):
 def run(args):
     check_args(args)
     device = codec.pick_device(args.device)
-    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[
-        args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     codes_path, wav_path = output_paths(args)
     model = load(args.checkpoint, device, dtype)
     if wav_path is not None and not (Path(args.checkpoint) / "codec.pth").is_file():
@@ -752,6 +817,8 @@ def run(args):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.bench:
+        return bench(args)
     if args.demo and args.checkpoint:
         raise UserError("--demo builds its own tiny checkpoint: drop --checkpoint")
     args.demo = args.demo or (args.checkpoint is None and not Path(DEFAULT_CHECKPOINT).exists())

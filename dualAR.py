@@ -271,7 +271,11 @@ def internal_name(key: str) -> str:
 def weight_files(ckpt: Path) -> list:
     index = ckpt / "model.safetensors.index.json"
     if index.exists():
-        files = [ckpt / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+        try:
+            shards = json.loads(index.read_text())["weight_map"].values()
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise unreadable(index, e) from None
+        files = [ckpt / f for f in sorted(set(shards))]
         missing = [f.name for f in files if not f.exists()]
         if missing:
             raise UserError(f"{index} names shard {missing[0]}, which is not in {ckpt}")
@@ -318,7 +322,7 @@ def load_weights(model: DualAR, ckpt: Path, device, dtype):
     model.load_state_dict(state, assign=True)
 
 
-def special_ids(tokenizer, cfg: dict) -> dict:
+def special_ids(tokenizer) -> dict:
     """Ids the model needs, looked up by name in the tokenizer (never hard-coded)."""
     vocab = tokenizer.get_vocab(with_added_tokens=True)
     semantic = sorted(i for t, i in vocab.items() if SEMANTIC_TOKEN.fullmatch(t))
@@ -347,7 +351,7 @@ def load(checkpoint, device="cpu", dtype=torch.float32) -> DualAR:
         tokenizer = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
     except Exception as e:
         raise unreadable(ckpt / "tokenizer.json", e) from None
-    cfg.update(special_ids(tokenizer, cfg))
+    cfg.update(special_ids(tokenizer))
     with torch.device("meta"):
         model = DualAR(cfg)
     load_weights(model, ckpt, device, dtype)
@@ -587,7 +591,7 @@ def make_demo_checkpoint(folder: Path, seed: int = 0):
                   text_config=text, audio_decoder_config=audio)
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     cfg = read_config(folder / "config.json")
-    cfg.update(special_ids(tokenizer, cfg))
+    cfg.update(special_ids(tokenizer))
     torch.manual_seed(seed)
     model = DualAR(cfg)
     for name, param in model.named_parameters():
@@ -647,7 +651,7 @@ def bench(args):
     dtype = DTYPES[args.dtype or "bf16"]
     tokenizer = demo_tokenizer(CONFIG["codebook_size"])
     with torch.device("meta"):
-        model = DualAR(dict(CONFIG, **special_ids(tokenizer, CONFIG)))
+        model = DualAR(dict(CONFIG, **special_ids(tokenizer)))
     torch.manual_seed(0)
     model.load_state_dict({k: (torch.rand(v.shape, dtype=dtype, device=device) - 0.5) * 0.1
                            for k, v in model.state_dict().items()}, assign=True)

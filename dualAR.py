@@ -760,7 +760,8 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=42, help="torch.manual_seed before generating (default 42)")
     ap.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
     ap.add_argument("--top-p", type=float, default=0.7, help="nucleus sampling threshold (default 0.7)")
-    ap.add_argument("--top-k", type=int, default=30, help="keep the k most likely tokens (default 30)")
+    ap.add_argument("--top-k", type=int, default=30,
+                    help="keep the k most likely tokens (default 30, 0 or 1: greedy, as upstream)")
     ap.add_argument("--max-new-tokens", type=int, default=0, help="frames per text batch at most, >= 2"
                     " (default 0: until <|im_end|> or the context)")
     ap.add_argument("--chunk-length", type=int, default=300,
@@ -784,8 +785,8 @@ def check_args(args):
         args.text = "Hello from fishfast! This is the demo."
     if not args.text or not args.text.strip():
         raise UserError("no text to speak: give --text or --text-file")
-    if not 0 < args.top_p <= 1 or not 0 < args.temperature < 2 or args.top_k < 1:
-        raise UserError("need 0 < --top-p <= 1, 0 < --temperature < 2 and --top-k >= 1")
+    if not 0 < args.top_p <= 1 or not 0 < args.temperature < 2 or args.top_k < 0:
+        raise UserError("need 0 < --top-p <= 1, 0 < --temperature < 2 and --top-k >= 0 (upstream's ranges)")
     if args.chunk_length < 1:
         raise UserError("--chunk-length must be >= 1")
 

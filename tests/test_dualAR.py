@@ -251,6 +251,12 @@ def test_raw_frames_match_upstream(model, name):
     assert torch.equal(frames, golden(case["raw_frames"][0]["file"]))
 
 
+def test_top_k_0_is_greedy_as_upstream(model):
+    """Upstream drops sorted ranks >= top_k but always keeps the first: 0 behaves like 1."""
+    call = dict(CASES["greedy"]["call"], top_k=0)
+    assert torch.equal(run_case(model, call), golden("greedy_codes.npy"))
+
+
 def test_two_batch_dialogue_matches_upstream(model):
     case = CASES["seeded_dialogue"]
     codes = run_case(model, case["call"])

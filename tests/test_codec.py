@@ -9,10 +9,9 @@ import pytest
 import soundfile as sf
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-import codec  # noqa: E402
+import codec
 
+ROOT = Path(__file__).resolve().parents[1]
 FIX = ROOT / "tests" / "fixtures"
 CKPT = FIX / "s2-tiny" / "checkpoint"
 GOLD = FIX / "s2-tiny" / "golden"

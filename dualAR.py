@@ -506,6 +506,11 @@ def generate_frames(model: DualAR, prompt: Tensor, max_new_tokens: int, p: dict,
     return torch.stack(frames, dim=1)
 
 
+def check_reference_count(n: int):
+    if n > MAX_REFERENCES:
+        raise UserError(f"{n} references given, but at most {MAX_REFERENCES} are supported")
+
+
 def check_request(model: DualAR, text: str, references: list, max_new_tokens: int):
     cfg = model.config
     n_semantic = cfg["semantic_end_id"] - cfg["semantic_begin_id"] + 1
@@ -513,8 +518,7 @@ def check_request(model: DualAR, text: str, references: list, max_new_tokens: in
         raise UserError("the text to speak is empty")
     if max_new_tokens == 1 or max_new_tokens < 0:  # 1 frame would leave none: the last one is dropped
         raise UserError("max_new_tokens must be 0 (no cap) or at least 2")
-    if len(references) > MAX_REFERENCES:
-        raise UserError(f"{len(references)} references given, but at most {MAX_REFERENCES} are supported")
+    check_reference_count(len(references))
     for i, (codes, transcript) in enumerate(references, 1):
         if not isinstance(transcript, str) or not transcript.strip():
             raise UserError(f"reference {i} has no transcript (give --prompt-text for every reference)")
@@ -708,8 +712,7 @@ def load_references(args, model: DualAR, device) -> list:
     if len(texts) != len(given):
         raise UserError(f"{len(given)} reference clip(s) but {len(texts)} --prompt-text: give one transcript"
                         " per --prompt-audio/--prompt-codes, in the same order")
-    if len(given) > MAX_REFERENCES:
-        raise UserError(f"{len(given)} references given, but at most {MAX_REFERENCES} are supported")
+    check_reference_count(len(given))  # before any clip is encoded
     cfg, refs = model.config, []
     for (kind, path), text in zip(given, texts):
         if kind == "codes":

@@ -153,9 +153,9 @@ def rope_table(length, head_dim, base):  # (length, head_dim / 2, 2): cos, sin
     return torch.stack([rot.real, rot.imag], -1).to(torch.bfloat16).float()  # upstream rounds it to bf16
 
 
-def apply_rope(x, rope):  # x (B, T, H, hd), interleaved pairs (x[2j], x[2j+1])
+def apply_rope(x, rope):  # x (B, T, H, hd), rope (T or B, T, ...): interleaved pairs (x[2j], x[2j+1])
     xs = x.float().reshape(*x.shape[:-1], -1, 2)
-    cos, sin = rope[None, :, None, :, 0], rope[None, :, None, :, 1]
+    cos, sin = rope[..., None, :, 0], rope[..., None, :, 1]  # broadcast over heads
     out = torch.stack([xs[..., 0] * cos - xs[..., 1] * sin, xs[..., 1] * cos + xs[..., 0] * sin], -1)
     return out.flatten(3).type_as(x)
 

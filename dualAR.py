@@ -7,12 +7,15 @@ Everything is written to give upstream fish-speech's codes for upstream's seed o
     python dualAR.py --text "Hello!" --prompt-audio voice.wav --prompt-text "what voice.wav says"
 """
 import argparse
+import collections
 import json
 import math
 import os
+import queue
 import re
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -20,6 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from tqdm import tqdm
 
 import codec
@@ -47,6 +51,8 @@ FAST_KEYS = ["dim", "n_head", "n_local_heads", "head_dim", "intermediate_size",
 MAX_REFERENCES = 4
 RAS_WINDOW, RAS_TEMPERATURE, RAS_TOP_P = 10, 1.0, 0.9  # repetition-aware sampling, as upstream
 CONTEXT_RESERVE = 2048  # upstream refuses prompts longer than max_seq_len - 2048
+DEFAULT_CONTEXT = 4096  # KV cache positions a request may use unless told otherwise (32k is 4.8 GB a row)
+CHUNK_FRAMES = 8  # frames per streamed codes chunk
 DEFAULT_CHECKPOINT = "./s2-pro"
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SEMANTIC_TOKEN = re.compile(r"<\|semantic:\d+\|>")  # codebook-0 code k is token <|semantic:0|> + k
@@ -54,6 +60,10 @@ SEMANTIC_TOKEN = re.compile(r"<\|semantic:\d+\|>")  # codebook-0 code k is token
 
 class UserError(ValueError):
     """Bad input: the CLI prints the message as one line and writes nothing."""
+
+
+class QueueFull(RuntimeError):
+    """Every slot is busy and the waiting queue is full."""
 
 
 def unreadable(path, error: Exception) -> UserError:
@@ -111,16 +121,13 @@ def block_config(cfg: dict, fast: bool) -> dict:
 
 # ----------------------------------------------------------------------------- building blocks
 class KVCache(nn.Module):
+    """Static K/V buffers (batch, kv heads, seq_len, head_dim). Row b of the batch belongs to one request."""
+
     def __init__(self, batch: int, seq_len: int, n_heads: int, head_dim: int, dtype, device):
         super().__init__()
         shape = (batch, n_heads, seq_len, head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-
-    def update(self, pos: Tensor, k: Tensor, v: Tensor):
-        self.k_cache.index_copy_(2, pos, k)
-        self.v_cache.index_copy_(2, pos, v)
-        return self.k_cache, self.v_cache
 
 
 class Attention(nn.Module):
@@ -135,8 +142,10 @@ class Attention(nn.Module):
             self.q_norm = nn.RMSNorm(self.head_dim, c["norm_eps"])
             self.k_norm = nn.RMSNorm(self.head_dim, c["norm_eps"])
         self.kv_cache = None
+        self.flex = False  # flex-decoding: set by `compile_model` (eager flex_attention is slow)
 
-    def forward(self, x: Tensor, rope: Tensor, mask: Tensor, pos: Tensor) -> Tensor:
+    def project(self, x: Tensor, rope: Tensor):
+        """x (B, S, dim) -> q (B, H, S, D), k and v (B, KV, S, D), normed and rotated."""
         B, S, _ = x.shape
         q_dim, kv_dim = self.n_head * self.head_dim, self.n_kv * self.head_dim
         q, k, v = self.wqkv(x).split([q_dim, kv_dim, kv_dim], dim=-1)
@@ -146,12 +155,60 @@ class Attention(nn.Module):
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, H, S, D)
-        if self.kv_cache is not None:
-            k, v = self.kv_cache.update(pos, k, v)
-        # query head h uses kv head h // (n_head // n_kv), as upstream's repeat_interleave
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_head != self.n_kv)
-        return self.wo(y.transpose(1, 2).reshape(B, S, q_dim))
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def forward(self, x: Tensor, rope: Tensor, pos=None, row: int = 0) -> Tensor:
+        """x (B, S, dim). `pos` says how to attend:
+        None: causal attention within x from position 0 (prefill, training); a cache keeps k, v in row `row`.
+        int: every row at this one position, over cache positions 0..pos (the fast model's codebooks).
+        Tensor (B,): one step per row, each at its own position over its own cache (the slow model's frames).
+        """
+        B, S, _ = x.shape
+        q, k, v = self.project(x, rope)
+        gqa = self.n_head != self.n_kv  # query head h uses kv head h // (n_head // n_kv), as upstream
+        cache = self.kv_cache
+        if pos is None:
+            if cache is not None:
+                cache.k_cache[row, :, :S] = k[0]
+                cache.v_cache[row, :, :S] = v[0]
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        elif isinstance(pos, int):
+            cache.k_cache[:B, :, pos] = k[:, :, 0]
+            cache.v_cache[:B, :, pos] = v[:, :, 0]
+            keys, values = cache.k_cache[:B, :, : pos + 1], cache.v_cache[:B, :, : pos + 1]
+            y = F.scaled_dot_product_attention(q, keys, values, enable_gqa=gqa)
+        else:
+            rows = torch.arange(B, device=x.device)
+            cache.k_cache[rows, :, pos] = k[:, :, 0]
+            cache.v_cache[rows, :, pos] = v[:, :, 0]
+            y = decode_attention(q, cache.k_cache, cache.v_cache, pos, self.flex)
+        return self.wo(y.transpose(1, 2).reshape(B, S, -1))
+
+
+FLEX_BLOCK = 128  # cache positions per flex-attention block
+
+
+def decode_attention(q: Tensor, keys: Tensor, values: Tensor, pos: Tensor, flex: bool) -> Tensor:
+    """q (B, H, 1, D) of row b at position pos[b] over keys/values (B, KV, S, D) at positions <= pos[b]."""
+    B, S = q.size(0), keys.size(2)
+    if not flex:
+        mask = torch.arange(S, device=q.device) <= pos[:, None]
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None, None],
+                                              enable_gqa=q.size(1) != keys.size(1))
+    # flex-decoding: a block mask built from the positions, so a row reads only the blocks it has filled
+    n_blocks = S // FLEX_BLOCK
+    filled = (pos // FLEX_BLOCK + 1).to(torch.int32).view(B, 1, 1)
+    order = torch.arange(n_blocks, device=q.device, dtype=torch.int32).expand(B, 1, 1, n_blocks)
+
+    def up_to_pos(b, h, q_idx, kv_idx):
+        return kv_idx <= pos[b]
+
+    mask = BlockMask.from_kv_blocks(filled, order, BLOCK_SIZE=FLEX_BLOCK, mask_mod=up_to_pos,
+                                    seq_lengths=(1, S))
+    # q scaled here with scale=1: flex compiles on CPU only if q is not a view of the RoPE output
+    scale = q.size(-1) ** -0.5
+    return flex_attention(q * scale, keys, values, block_mask=mask, scale=1.0,
+                          enable_gqa=q.size(1) != keys.size(1))
 
 
 class Block(nn.Module):
@@ -162,8 +219,8 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(c["dim"], c["norm_eps"])
         self.ffn_norm = RMSNorm(c["dim"], c["norm_eps"])
 
-    def forward(self, x: Tensor, rope: Tensor, mask: Tensor, pos: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, mask, pos)
+    def forward(self, x: Tensor, rope: Tensor, pos=None, row: int = 0) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, pos, row)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -190,24 +247,39 @@ class DualAR(nn.Module):
         self.fast_layers = nn.ModuleList(Block(fast) for _ in range(cfg["n_fast_layer"]))
         self.fast_norm = RMSNorm(cfg["fast_dim"], cfg["norm_eps"])
         self.fast_output = nn.Linear(cfg["fast_dim"], cfg["codebook_size"], bias=False)
-        self.cache_len = 0
+        if "semantic_begin_id" in cfg:
+            self.head_window = sampling_window(cfg)
+        self.make_rope()
+
+    def make_rope(self):
+        """RoPE tables as buffers (they follow .to()); `load` rebuilds them on the meta-built model."""
+        cfg, device = self.config, self.embeddings.weight.device
+        self.register_buffer("rope", rope_table(cfg["max_seq_len"], cfg["head_dim"], cfg["rope_base"])
+                             .to(device), persistent=False)
+        self.register_buffer("fast_rope", rope_table(cfg["num_codebooks"], cfg["fast_head_dim"],
+                                                     cfg["rope_base"]).to(device), persistent=False)
 
     def setup_caches(self, batch: int, seq_len: int):
-        """Allocate the static KV caches and RoPE tables (once, reused while big enough)."""
+        """Static KV caches: `batch` rows of `seq_len` slow positions. Caches that grow keep their contents."""
         cfg, weight = self.config, self.embeddings.weight
-        seq_len = min(-(-seq_len // 256) * 256, cfg["max_seq_len"])
-        if self.cache_len >= seq_len and self.layers[0].attention.kv_cache.k_cache.size(0) == batch:
-            return
         for layer in self.layers:
-            layer.attention.kv_cache = KVCache(batch, seq_len, cfg["n_local_heads"], cfg["head_dim"],
-                                               weight.dtype, weight.device)
-        for layer in self.fast_layers:
+            old = layer.attention.kv_cache
+            new = KVCache(batch, seq_len, cfg["n_local_heads"], cfg["head_dim"], weight.dtype, weight.device)
+            if old is not None and old.k_cache.shape[0] == batch and old.k_cache.dtype == weight.dtype \
+                    and old.k_cache.device == weight.device and old.k_cache.size(2) <= seq_len:
+                if old.k_cache.size(2) == seq_len:
+                    continue
+                new.k_cache[:, :, : old.k_cache.size(2)] = old.k_cache
+                new.v_cache[:, :, : old.v_cache.size(2)] = old.v_cache
+            layer.attention.kv_cache = new
+        for layer in self.fast_layers:  # scratch: rewritten from position 0 every frame
             layer.attention.kv_cache = KVCache(batch, cfg["num_codebooks"], cfg["fast_n_local_heads"],
                                                cfg["fast_head_dim"], weight.dtype, weight.device)
-        self.rope = rope_table(seq_len, cfg["head_dim"], cfg["rope_base"]).to(weight.device)
-        self.fast_rope = rope_table(cfg["num_codebooks"], cfg["fast_head_dim"], cfg["rope_base"])
-        self.fast_rope = self.fast_rope.to(weight.device)
-        self.cache_len = seq_len
+
+    @property
+    def cache_len(self) -> int:
+        cache = self.layers[0].attention.kv_cache
+        return 0 if cache is None else cache.k_cache.size(2)
 
     def embed(self, tokens: Tensor) -> Tensor:
         """tokens (B, 1 + num_codebooks, S): row 0 token ids, rows 1.. codes at semantic positions."""
@@ -221,30 +293,41 @@ class DualAR(nn.Module):
             x = torch.where(semantic, x / math.sqrt(cfg["num_codebooks"] + 1), x)
         return x
 
-    def forward_slow(self, tokens: Tensor, pos: Tensor):
-        """Cached slow forward of positions `pos` -> (logits, fast-model input) of the last one."""
-        x = self.embed(tokens)
-        mask = pos[:, None] >= torch.arange(self.cache_len, device=pos.device)  # causal over the cache
-        rope = self.rope[pos]
-        for layer in self.layers:
-            x = layer(x, rope, mask, pos)
-        x = x[:, -1]
+    def head(self, x: Tensor, full: bool = False):
+        """Last slow hidden state x (B, dim) -> (logits, fast-model input). The logits cover only the
+        rows sampling can pick (HEAD_WINDOW) unless `full`."""
         h = self.norm(x)
-        head = self.embeddings if self.config["tie_word_embeddings"] else self.output
-        logits = F.linear(h, head.weight)
+        weight = (self.embeddings if self.config["tie_word_embeddings"] else self.output).weight
+        logits = F.linear(h, weight if full else weight[slice(*self.head_window)])
         hidden = h if self.config["norm_fastlayer_input"] else x
         if hasattr(self, "fast_project_in"):
             hidden = self.fast_project_in(hidden)
         return logits, hidden
 
-    def forward_fast(self, x: Tensor, pos: Tensor) -> Tensor:
-        """Cached fast forward of one codebook position: x (B, fast_dim) -> logits (B, codebook_size)."""
-        x = x.view(x.size(0), 1, -1)
-        mask = pos[:, None] >= torch.arange(self.config["num_codebooks"], device=pos.device)
-        rope = self.fast_rope[pos]
+    def prefill(self, tokens: Tensor, row: int = 0, full: bool = False):
+        """A whole prompt (1 + num_codebooks, T) into cache row `row` -> (logits, fast input) of its last
+        position, each with a batch dimension of 1."""
+        x = self.embed(tokens[None])
+        rope = self.rope[: tokens.size(1)]
+        for layer in self.layers:
+            x = layer(x, rope, None, row)
+        return self.head(x[:, -1], full)
+
+    def forward_slow(self, frames: Tensor, pos: Tensor, full: bool = False):
+        """One frame per row, frames (B, 1 + num_codebooks) at positions pos (B,) -> (logits, fast input)."""
+        x = self.embed(frames[:, :, None])
+        rope = self.rope[pos][:, None]  # (B, 1, head_dim / 2, 2): each row at its own position
+        for layer in self.layers:
+            x = layer(x, rope, pos)
+        return self.head(x[:, -1], full)
+
+    def forward_fast(self, x: Tensor, i: int, logits: bool = True):
+        """Fast position i for every row: x (B, fast_dim) -> logits (B, codebook_size)."""
+        x = x[:, None]
+        rope = self.fast_rope[i: i + 1]
         for layer in self.fast_layers:
-            x = layer(x, rope, mask, pos)
-        return self.fast_output(self.fast_norm(x))[:, -1]
+            x = layer(x, rope, i)
+        return self.fast_output(self.fast_norm(x[:, 0])) if logits else None
 
 
 def hf_name(name: str) -> str:
@@ -355,6 +438,7 @@ def load(checkpoint, device="cpu", dtype=torch.float32) -> DualAR:
     with torch.device("meta"):
         model = DualAR(cfg)
     load_weights(model, ckpt, device, dtype)
+    model.make_rope()
     model.tokenizer = tokenizer
     return model.requires_grad_(False).eval()
 
@@ -422,88 +506,93 @@ def build_prompt(model: DualAR, references: list, history: list, text: str) -> T
 
 
 # ----------------------------------------------------------------------------- sampling
-def logits_to_probs(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: int) -> Tensor:
-    """Upstream's filter: top-k and top-p on the UNSCALED logits (the token that crosses top_p is
-    dropped too, unlike HF), the best token always kept, then the temperature."""
-    sorted_logits, order = torch.sort(logits, descending=True)
+def sampling_window(cfg: dict) -> tuple:
+    """The vocabulary rows the slow sampler can pick (semantic tokens and <|im_end|>, widened to whole
+    64-row blocks): the head reads ~4 k rows instead of 155,776, and the draw is bit for bit the full
+    head's, since every other row is -inf after the bias (the tests check it)."""
+    first = min(cfg["semantic_begin_id"], cfg["im_end_id"])
+    last = max(cfg["semantic_end_id"], cfg["im_end_id"])
+    return first // 64 * 64, min(-(-(last + 1) // 64) * 64, cfg["vocab_size"])
+
+
+def logits_to_probs(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:
+    """Upstream's filter, one row per request: top-k and top-p on the UNSCALED logits (the token that
+    crosses top_p is dropped too, unlike HF), the best token always kept, then the temperature."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
     cum_probs = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1)
     ranks = torch.arange(logits.size(-1), device=logits.device)
-    remove = (cum_probs > top_p) | (ranks >= top_k)
-    remove[0] = False
+    remove = (cum_probs > top_p[:, None]) | (ranks >= top_k[:, None])
+    remove[:, 0] = False
     remove = remove.scatter(-1, order, remove)  # back to vocabulary order
     logits = torch.where(remove, float("-inf"), logits)
-    return F.softmax(logits / torch.clip(temperature, min=1e-5), dim=-1)
+    return F.softmax(logits / torch.clip(temperature, min=1e-5)[:, None], dim=-1)
 
 
-def sample(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: int) -> Tensor:
-    """One draw from a 1-D logit vector: argmax(p / -log u), u ~ U(0,1) in vocabulary order."""
-    probs = logits_to_probs(logits, temperature, top_p, top_k)
-    q = -torch.log(torch.rand_like(probs))
-    return torch.argmax(probs / q, dim=-1, keepdim=True)
+def sample(logits: Tensor, noise: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:
+    """One draw per row: argmax(p / noise), noise = -log(u), u ~ U(0,1) in vocabulary order (upstream's
+    exponential race). Always in fp32: bf16 probabilities tie and the lowest id would win."""
+    probs = logits_to_probs(logits.float(), temperature, top_p, top_k)
+    return torch.argmax(probs / noise, dim=-1)
 
 
-def sampling_params(model: DualAR, temperature: float, top_p: float, top_k: int) -> dict:
-    """0-d tensors in the model's dtype, as upstream (so bf16 runs round 0.7 like upstream does)."""
-    cfg, w = model.config, model.embeddings.weight
-    bias = torch.full((cfg["vocab_size"],), float("-inf"), device=w.device, dtype=w.dtype)
-    bias[cfg["semantic_begin_id"]: cfg["semantic_end_id"] + 1] = 0.0
-    bias[cfg["im_end_id"]] = 0.0  # the slow model may only say a semantic token or <|im_end|>
-    scalars = dict(temperature=temperature, top_p=top_p, ras_temperature=RAS_TEMPERATURE, ras_top_p=RAS_TOP_P)
-    p = {k: torch.tensor(v, device=w.device, dtype=w.dtype) for k, v in scalars.items()}
-    return dict(p, top_k=top_k, bias=bias)
+def draw_noise(generator: torch.Generator, model: DualAR) -> tuple:
+    """The random numbers of one frame, drawn as upstream draws them (rand_like over the whole vocabulary
+    for the main and the repetition-aware sample, then over the codebook for codebooks 1..) from one
+    request's own generator -> (-log u) for the sampling window (2, window) and the codebooks (n - 1, size)."""
+    cfg = model.config
+    vocab, size, (start, stop) = cfg["vocab_size"], cfg["codebook_size"], model.head_window
+    u = torch.rand(2 * vocab + (cfg["num_codebooks"] - 1) * size, generator=generator,
+                   device=generator.device, dtype=torch.float32)  # one call gives the same numbers as upstream's 11 calls
+    slow = torch.stack([u[start:stop], u[vocab + start: vocab + stop]])
+    return -torch.log(slow), -torch.log(u[2 * vocab:].view(-1, size))
 
 
 # ----------------------------------------------------------------------------- one frame
-def fast_codes(model: DualAR, hidden: Tensor, main: Tensor, p: dict) -> Tensor:
-    """Codebook 0 follows from the main token. The fast model samples codebooks 1.. in turn."""
-    cfg, device = model.config, hidden.device
-    model.forward_fast(hidden, torch.tensor([0], device=device))  # fills the cache, output unused
-    code = torch.clamp(main - cfg["semantic_begin_id"], 0, cfg["codebook_size"] - 1)
-    codes = [code]
-    for i in range(1, cfg["num_codebooks"]):
-        logits = model.forward_fast(model.fast_embeddings(code), torch.tensor([i], device=device))
-        code = sample(logits[0], p["temperature"], p["top_p"], p["top_k"])
-        codes.append(code)
-    return torch.cat(codes)
-
-
-def decode_frame(model: DualAR, tokens: Tensor, pos: Tensor, window, p: dict) -> Tensor:
-    """tokens (1, 1 + num_codebooks, S) at positions pos -> the next frame (1 + num_codebooks,)."""
+def sample_frame(model: DualAR, logits: Tensor, hidden: Tensor, window: Tensor, p: dict,
+                 slow_noise: Tensor, fast_noise: Tensor) -> Tensor:
+    """Slow logits (B, window) and fast input (B, fast_dim) -> the frames (B, 1 + num_codebooks):
+    the main token (repetition-aware), then codebook 0 from it and codebooks 1.. from the fast model."""
     cfg = model.config
-    logits, hidden = model.forward_slow(tokens, pos)
-    logits = logits[0] + p["bias"]
-    main = sample(logits, p["temperature"], p["top_p"], p["top_k"])
-    high = sample(logits, p["ras_temperature"], p["ras_top_p"], p["top_k"])  # always drawn
-    if window is not None:  # repetition-aware sampling: a repeated semantic token is redrawn hotter
-        semantic = (main >= cfg["semantic_begin_id"]) & (main <= cfg["semantic_end_id"])
-        main = torch.where((window == main).any() & semantic, high, main)
-    return torch.cat([main, fast_codes(model, hidden, main, p)])
+    start = model.head_window[0]
+    logits = logits.float() + p["bias"]
+    main = start + sample(logits, slow_noise[:, 0], p["temperature"], p["top_p"], p["top_k"])
+    high = start + sample(logits, slow_noise[:, 1], p["ras_temperature"], p["ras_top_p"], p["top_k"])
+    # repetition-aware sampling: a semantic token repeated within the window is replaced by the hotter draw
+    semantic = (main >= cfg["semantic_begin_id"]) & (main <= cfg["semantic_end_id"])
+    main = torch.where((window == main[:, None]).any(-1) & semantic, high, main)
+    model.forward_fast(hidden, 0, logits=False)  # fills the fast cache, output unused (as upstream)
+    code = torch.clamp(main - cfg["semantic_begin_id"], 0, cfg["codebook_size"] - 1)
+    codes = [main, code]
+    for i in range(1, cfg["num_codebooks"]):
+        fast_logits = model.forward_fast(model.fast_embeddings(code), i)
+        code = sample(fast_logits, fast_noise[:, i - 1], p["temperature"], p["top_p"], p["top_k"])
+        codes.append(code)
+    return torch.stack(codes, dim=1)
 
 
-# ----------------------------------------------------------------------------- generation
-@torch.inference_mode()
-def generate_frames(model: DualAR, prompt: Tensor, max_new_tokens: int, p: dict, progress=False) -> Tensor:
-    """Continue one prompt -> every frame generated (1 + num_codebooks, N), <|im_end|> frame included."""
+def decode_step(model: DualAR, frames: Tensor, pos: Tensor, window: Tensor, p: dict,
+                slow_noise: Tensor, fast_noise: Tensor) -> Tensor:
+    """One frame for every row: the last frames (B, 1 + num_codebooks) at positions pos (B,) -> the next.
+    Static shapes, no host sync: this is the function `compile_model` compiles."""
+    logits, hidden = model.forward_slow(frames, pos)
+    return sample_frame(model, logits, hidden, window, p, slow_noise, fast_noise)
+
+
+def sampling_params(model: DualAR, sampling: list) -> dict:
+    """Per-row [(temperature, top_p, top_k)] -> fp32 device tensors (B,), and the bias that lets the slow
+    model say only a semantic token or <|im_end|> (over the sampling window)."""
     cfg, device = model.config, model.embeddings.weight.device
-    T = prompt.size(1)
-    budget = cfg["max_seq_len"] - T
-    n = min(max_new_tokens, budget) if max_new_tokens else budget
-    model.setup_caches(1, T + n)
-    bar = tqdm(total=n, unit="frame", disable=not progress, leave=False)
-    frame = decode_frame(model, prompt[None].to(device), torch.arange(T, device=device), None, p)
-    frames = [frame]
-    bar.update()
-    window = torch.zeros(RAS_WINDOW, dtype=torch.long, device=device)  # excludes the prefill frame
-    for i in range(1, n):
-        pos = torch.tensor([T + i - 1], device=device)
-        frame = decode_frame(model, frame.view(1, -1, 1), pos, window, p)
-        window = torch.cat([window[1:], frame[:1]])
-        frames.append(frame)
-        bar.update()
-        if frame[0] == cfg["im_end_id"]:  # upstream tests this in the decode loop only
-            break
-    bar.close()
-    return torch.stack(frames, dim=1)
+    ids = torch.arange(*model.head_window)
+    allowed = (ids >= cfg["semantic_begin_id"]) & (ids <= cfg["semantic_end_id"]) | (ids == cfg["im_end_id"])
+    temperature, top_p, top_k = zip(*sampling)
+    rows = len(sampling)
+
+    def floats(values):
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
+    return dict(bias=torch.where(allowed, 0.0, float("-inf")).to(device), temperature=floats(temperature),
+                top_p=floats(top_p), top_k=torch.tensor(top_k, device=device),
+                ras_temperature=floats([RAS_TEMPERATURE] * rows), ras_top_p=floats([RAS_TOP_P] * rows))
 
 
 def check_reference_count(n: int):
@@ -511,13 +600,25 @@ def check_reference_count(n: int):
         raise UserError(f"{n} references given, but at most {MAX_REFERENCES} are supported")
 
 
-def check_request(model: DualAR, text: str, references: list, max_new_tokens: int):
+def check_sampling(temperature, top_p, top_k, max_new_tokens, chunk_length, chunk_frames=1):
+    """Upstream's ranges, one message for the CLI and the API alike."""
+    numbers = (temperature, top_p, top_k, max_new_tokens, chunk_length, chunk_frames)
+    if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in numbers):
+        raise UserError("temperature, top_p, top_k, max_new_tokens, chunk_length must be numbers")
+    if not (0 < top_p <= 1 and 0 < temperature < 2 and top_k >= 0 and int(top_k) == top_k):
+        raise UserError("need 0 < top_p <= 1, 0 < temperature < 2 and an integer top_k >= 0"
+                        " (upstream's ranges)")
+    if max_new_tokens == 1 or max_new_tokens < 0 or int(max_new_tokens) != max_new_tokens:
+        raise UserError("max_new_tokens must be 0 (no cap) or at least 2")  # 1 frame is dropped: none left
+    if chunk_length < 1 or chunk_frames < 1:
+        raise UserError("chunk_length and chunk_frames must be >= 1")
+
+
+def check_request(model: DualAR, text: str, references: list):
     cfg = model.config
     n_semantic = cfg["semantic_end_id"] - cfg["semantic_begin_id"] + 1
     if not isinstance(text, str) or not text.strip():
         raise UserError("the text to speak is empty")
-    if max_new_tokens == 1 or max_new_tokens < 0:  # 1 frame would leave none: the last one is dropped
-        raise UserError("max_new_tokens must be 0 (no cap) or at least 2")
     check_reference_count(len(references))
     for i, (codes, transcript) in enumerate(references, 1):
         if not isinstance(transcript, str) or not transcript.strip():
@@ -530,32 +631,288 @@ def check_request(model: DualAR, text: str, references: list, max_new_tokens: in
         codes = codes.long()
         if codes.min() < 0 or codes.max() >= cfg["codebook_size"] or codes[0].max() >= n_semantic:
             raise UserError(f"reference {i} codes are not integer codes in [0, {cfg['codebook_size']})")
+# ----------------------------------------------------------------------------- requests
+class Request:
+    """One request: its text batches, sampling parameters, random stream, row, and the frames made.
+    Iterating it yields its codes chunks (num_codebooks, n) as the engine makes them."""
+
+    def __init__(self, model: DualAR, text: str, references=(), seed=None, temperature=0.7, top_p=0.7,
+                 top_k=30, max_new_tokens=0, chunk_length=300, chunk_frames=CHUNK_FRAMES, max_context=None):
+        references = [(torch.as_tensor(c), t) for c, t in references]
+        check_sampling(temperature, top_p, top_k, max_new_tokens, chunk_length, chunk_frames)
+        check_request(model, text, references)
+        self.model, self.references = model, [(c.long(), t) for c, t in references]
+        self.texts, self.history = text_batches(text, chunk_length), []
+        self.sampling = (temperature, top_p, top_k)
+        self.max_new_tokens, self.chunk_frames = max_new_tokens, chunk_frames
+        self.max_context = min(max_context or DEFAULT_CONTEXT, model.config["max_seq_len"])
+        if seed is None:  # no seed: one from the global generator, so torch.manual_seed still decides
+            seed = int(torch.randint(2**62, ()))
+        device = model.embeddings.weight.device
+        self.generator = torch.Generator(device).manual_seed(seed)
+        self.prompt = self.next_prompt()  # a prompt that cannot fit fails here, before any work
+        self.frames, self.raw_frames, self.pending, self.row = [], [], [], None
+        self.out, self.done, self.cancelled = queue.SimpleQueue(), False, False
+        self.submitted = time.perf_counter()
+
+    def next_prompt(self) -> Tensor:
+        prompt = build_prompt(self.model, self.references, self.history, self.texts[len(self.history)])
+        limit = min(self.model.config["max_seq_len"] - CONTEXT_RESERVE, self.max_context - 1)
+        if prompt.size(1) > limit:
+            raise UserError(f"the prompt is {prompt.size(1)} tokens, the context allows {limit}"
+                            f" ({CONTEXT_RESERVE} are kept for speech) — use shorter references or text")
+        return prompt
+
+    def frame_budget(self) -> int:
+        """Frames this text batch may make: max_new_tokens, or up to the end of the context."""
+        room = self.max_context - self.prompt.size(1)
+        return min(self.max_new_tokens, room) if self.max_new_tokens else room
+
+    def add_frame(self, frame: Tensor) -> bool:
+        """Record one frame (1 + num_codebooks,) -> whether this text batch is over. Every frame but the
+        last of each batch is speech (upstream drops the last): hold one back, hand out the rest."""
+        self.frames.append(frame)
+        over = frame[0] == self.model.config["im_end_id"] and len(self.frames) > 1  # not the prefill frame
+        over = over or len(self.frames) >= self.frame_budget()
+        if len(self.frames) > 1:
+            self.pending.append(self.frames[-2][1:])
+        if len(self.pending) >= self.chunk_frames or (over and self.pending):
+            self.out.put(torch.stack(self.pending, dim=1))
+            self.pending = []
+        return over
+
+    def end_batch(self) -> bool:
+        """Close the current text batch -> whether the request has another one to speak."""
+        frames = torch.stack(self.frames, dim=1)
+        self.raw_frames.append(frames)  # kept for inspection: upstream's generate() output per batch
+        self.history.append((self.texts[len(self.history)], frames[1:, :-1]))
+        self.frames = []
+        if len(self.history) < len(self.texts):
+            self.prompt = self.next_prompt()
+            return True
+        return False
+
+    def finish(self, error=None):
+        self.done = True
+        self.out.put(error)  # None ends the iteration, an exception is raised to the reader
+
+    def cancel(self):
+        """Stop this request: its row is freed before the next frame."""
+        self.cancelled = True
+
+    def __iter__(self):
+        while True:
+            item = self.out.get()
+            if item is None:
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    def codes(self) -> Tensor:
+        """Every chunk, concatenated: (num_codebooks, frames)."""
+        chunks = list(self)
+        if not chunks:
+            return torch.zeros(self.model.config["num_codebooks"], 0, dtype=torch.long)
+        return torch.cat(chunks, dim=1)
+
+
+# ----------------------------------------------------------------------------- engine
+class Engine:
+    """`slots` rows of KV cache and one (compiled) frame step for all of them. Requests are admitted into
+    free rows between two frames, prefilled alone, then join the batched step; they leave when they end.
+    Each row samples with its own parameters and random stream, so its codes do not depend on the others.
+
+    Synchronous use: `add` requests, call `step()` until `busy` is false (what `generate_many` does).
+    Threaded use: `start()`, then `submit()` from any thread and iterate the returned request; `close()`.
+    """
+
+    def __init__(self, model: DualAR, slots: int = 1, context: int = None, max_queue: int = 64):
+        cfg, device = model.config, model.embeddings.weight.device
+        self.model, self.slots, self.max_queue = model, slots, max_queue
+        self.fixed_context = context
+        model.setup_caches(slots, context or cache_bucket(1, cfg))
+        self.rows, self.waiting = [None] * slots, collections.deque()
+        self.frames = torch.zeros(slots, 1 + cfg["num_codebooks"], dtype=torch.long, device=device)
+        self.pos = torch.zeros(slots, dtype=torch.long, device=device)
+        self.window = torch.zeros(slots, RAS_WINDOW, dtype=torch.long, device=device)
+        self.params = sampling_params(model, [(0.7, 0.7, 30)] * slots)
+        start, stop = model.head_window
+        self.idle_noise = (torch.ones(2, stop - start, device=device),
+                           torch.ones(cfg["num_codebooks"] - 1, cfg["codebook_size"], device=device))
+        self.lock, self.wake, self.thread = threading.Lock(), threading.Event(), None
+
+    @property
+    def busy(self) -> bool:
+        return any(self.rows) or bool(self.waiting)
+
+    def add(self, request: Request) -> Request:
+        with self.lock:
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting already: try again later")
+            self.waiting.append(request)
+        self.wake.set()
+        return request
+
+    def stats(self) -> dict:
+        busy = sum(r is not None for r in self.rows)
+        return dict(slots=self.slots, busy=busy, free=self.slots - busy, queued=len(self.waiting))
+
+    def prefill(self, row: int, request: Request):
+        """Prompt of the request's current text batch into `row`, and its first frame (no repetition window,
+        as upstream: the window starts empty after the prefill frame)."""
+        model, prompt = self.model, request.prompt
+        self.ensure_context(prompt.size(1) + request.frame_budget())
+        logits, hidden = model.prefill(prompt.to(self.pos.device), row)
+        params = sampling_params(model, [request.sampling])
+        slow_noise, fast_noise = draw_noise(request.generator, model)
+        no_window = torch.full_like(self.window[:1], -1)
+        frame = sample_frame(model, logits, hidden, no_window, params, slow_noise[None], fast_noise[None])
+        for key in ("temperature", "top_p", "top_k"):
+            self.params[key][row] = params[key][0]
+        self.frames[row], self.pos[row] = frame[0], prompt.size(1)
+        self.window[row] = 0
+        self.rows[row], request.row = request, row
+        self.collect(row, frame[0].cpu())
+
+    def ensure_context(self, needed: int):
+        """Grow the KV caches (keeping their contents) when a row needs more positions than they hold."""
+        if needed <= self.model.cache_len:
+            return
+        if self.fixed_context:
+            raise UserError(f"this request needs {needed} positions, the engine's context is"
+                            f" {self.fixed_context}: use shorter text, references or max_new_tokens")
+        self.model.setup_caches(self.slots, cache_bucket(needed, self.model.config))
+
+    def admit(self):
+        for row in range(self.slots):
+            if self.rows[row] is not None or not self.waiting:
+                continue
+            with self.lock:
+                request = self.waiting.popleft()
+            if request.cancelled:
+                request.finish()
+                continue
+            try:
+                self.prefill(row, request)
+            except UserError as e:
+                request.finish(e)
+
+    def collect(self, row: int, frame: Tensor):
+        """Hand a new frame to the row's request; start its next text batch or retire it when it ends."""
+        request = self.rows[row]
+        if not request.add_frame(frame):
+            return
+        self.rows[row] = None
+        try:
+            if request.end_batch():
+                return self.prefill(row, request)
+        except UserError as e:
+            return request.finish(e)
+        request.finish()
+
+    def step(self):
+        """Admit waiting requests, then one frame for every row."""
+        for row, request in enumerate(self.rows):
+            if request is not None and request.cancelled:
+                self.rows[row] = None
+                request.finish()
+        self.admit()
+        active = [r for r, request in enumerate(self.rows) if request is not None]
+        if not active:
+            return
+        noise = [draw_noise(self.rows[r].generator, self.model) if r in active else self.idle_noise
+                 for r in range(self.slots)]
+        slow_noise, fast_noise = (torch.stack(n) for n in zip(*noise))
+        step = getattr(self.model, "compiled_step", decode_step)
+        frames = step(self.model, self.frames, self.pos, self.window, self.params, slow_noise, fast_noise)
+        self.frames.copy_(frames)
+        self.pos += 1
+        self.pos.clamp_(max=self.model.cache_len - 1)  # idle rows must stay inside the cache
+        self.window = torch.cat([self.window[:, 1:], frames[:, :1]], dim=1)
+        frames = frames.cpu()  # the one host sync per frame: who has said <|im_end|>
+        for row in active:
+            self.collect(row, frames[row])
+
+    def run(self):
+        while self.busy:
+            self.step()
+
+    # threaded use
+    def start(self) -> "Engine":
+        self.closed = False
+        self.thread = threading.Thread(target=self.loop, name="fishfast-engine", daemon=True)
+        self.thread.start()
+        return self
+
+    def submit(self, request: dict) -> Request:
+        """Validate and enqueue a request (generate's keyword arguments) -> the request to iterate."""
+        return self.add(Request(self.model, **request))
+
+    def loop(self):
+        with torch.inference_mode():
+            while not self.closed:
+                if not self.busy:
+                    self.wake.wait(0.1)
+                    self.wake.clear()
+                    continue
+                self.step()
+
+    def close(self):
+        self.closed = True
+        self.wake.set()
+        if self.thread is not None:
+            self.thread.join()
+        for request in [*self.rows, *self.waiting]:
+            if request is not None and not request.done:
+                request.finish(UserError("the engine was closed"))
+
+
+def cache_bucket(needed: int, cfg: dict) -> int:
+    """KV cache length for `needed` positions: a power of two >= 256 (few compiled shapes), at most the
+    model's context."""
+    return min(max(256, 1 << (needed - 1).bit_length()), cfg["max_seq_len"])
+
+
+# ----------------------------------------------------------------------------- generation
+@torch.inference_mode()
+def stream(model: DualAR, text: str, **kwargs):
+    """Speak `text` (same arguments as `generate`), yielding codes chunks (num_codebooks, n) as they are
+    made: the first after `chunk_frames` frames of speech, then every `chunk_frames`."""
+    engine = Engine(model, slots=1)
+    request = engine.add(Request(model, text, **kwargs))
+    while not request.done:
+        engine.step()
+        while not request.out.empty() and (chunk := request.out.get()) is not None:
+            if isinstance(chunk, Exception):
+                raise chunk
+            yield chunk
 
 
 @torch.inference_mode()
+def generate_many(model: DualAR, requests: list, slots: int = None) -> list:
+    """Several requests (dicts of `generate`'s keyword arguments), batched -> their codes, in order.
+    Each request's codes are the ones it gets alone."""
+    made = [Request(model, **r) for r in requests]  # every request is checked before any work
+    engine = Engine(model, slots=slots or len(made), max_queue=len(made))
+    for request in made:
+        engine.add(request)
+    engine.run()
+    return [request.codes() for request in made]
+
+
 def generate(model: DualAR, text: str, references=(), seed=None, temperature=0.7, top_p=0.7, top_k=30,
-             max_new_tokens=0, chunk_length=300, progress=False) -> Tensor:
+             max_new_tokens=0, chunk_length=300, max_context=None) -> Tensor:
     """Speak `text` (optionally in the voice of references [(codes (10, n), transcript)]).
 
     Text with <|speaker:N|> tags is split into turns and spoken batch by batch, each batch seeing the
     codes of the ones before. -> codes (num_codebooks, frames). max_new_tokens=0: up to the context.
     """
-    references = [(torch.as_tensor(c), t) for c, t in references]
-    check_request(model, text, references, max_new_tokens)
-    references = [(c.long(), t) for c, t in references]
-    if seed is not None:
-        torch.manual_seed(seed)
-    p = sampling_params(model, temperature, top_p, top_k)
-    limit = model.config["max_seq_len"] - CONTEXT_RESERVE
-    history = []
-    for batch_text in text_batches(text, chunk_length):
-        prompt = build_prompt(model, references, history, batch_text)
-        if prompt.size(1) > limit:
-            raise UserError(f"the prompt is {prompt.size(1)} tokens, the context allows {limit}"
-                            f" ({CONTEXT_RESERVE} are kept for speech) — use shorter references or text")
-        frames = generate_frames(model, prompt, max_new_tokens, p, progress)
-        history.append((batch_text, frames[1:, :-1].cpu()))  # upstream always drops the last frame
-    return torch.cat([codes for _, codes in history], dim=1)
+    chunks = list(stream(model, text, references=references, seed=seed, temperature=temperature,
+                         top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, chunk_length=chunk_length,
+                         max_context=max_context, chunk_frames=1 << 30))
+    return torch.cat(chunks, dim=1) if chunks else torch.zeros(model.config["num_codebooks"], 0,
+                                                               dtype=torch.long)
 
 
 # ----------------------------------------------------------------------------- demo checkpoint
@@ -788,10 +1145,7 @@ def check_args(args):
         args.text = "Hello from fishfast! This is the demo."
     if not args.text or not args.text.strip():
         raise UserError("no text to speak: give --text or --text-file")
-    if not 0 < args.top_p <= 1 or not 0 < args.temperature < 2 or args.top_k < 0:
-        raise UserError("need 0 < --top-p <= 1, 0 < --temperature < 2 and --top-k >= 0 (upstream's ranges)")
-    if args.chunk_length < 1:
-        raise UserError("--chunk-length must be >= 1")
+    check_sampling(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.chunk_length)
 
 
 def run(args):
@@ -811,7 +1165,7 @@ def run(args):
     start = time.perf_counter()
     codes = generate(model, args.text, references, seed=args.seed, temperature=args.temperature,
                      top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
-                     chunk_length=args.chunk_length, progress=True)
+                     chunk_length=args.chunk_length)
     wall = time.perf_counter() - start
     codes_path.parent.mkdir(exist_ok=True)
     if wav_path is not None:

@@ -183,9 +183,9 @@ def test_dialogue_prompts_match_upstream(model):
 
 
 # ----------------------------------------------------------------------------- model math
-def prefill(model, prompt):  # KV-cached forward of a whole prompt
-    model.setup_caches(1, prompt.size(1) + 16)
-    return model.forward_slow(prompt[None], torch.arange(prompt.size(1)))
+def prefill(model, prompt):  # KV-cached forward of a whole prompt, logits over the whole vocabulary
+    model.setup_caches(1, 256)
+    return model.prefill(prompt, full=True)
 
 
 @torch.inference_mode()
@@ -201,7 +201,7 @@ def test_teacher_forced_step_logits_match_upstream(model):
     prefill(model, prompt)
     T = prompt.size(1)
     for k in range(frames.size(1)):
-        logits, _ = model.forward_slow(frames[None, :, k:k + 1], torch.tensor([T + k]))
+        logits, _ = model.forward_slow(frames[None, :, k], torch.tensor([T + k]), full=True)
         torch.testing.assert_close(logits[0], golden("step_logits.npy")[k], atol=1e-4, rtol=1e-4)
 
 
@@ -209,10 +209,10 @@ def test_teacher_forced_step_logits_match_upstream(model):
 def test_fast_codebook_logits_match_upstream(model):
     _, hidden = prefill(model, golden("prompt_tokens.npy"))
     frame = golden("fast_fixed_frame.npy")
-    rows = [model.forward_fast(hidden, torch.tensor([0]))[0]]
+    rows = [model.forward_fast(hidden, 0)[0]]
     for i in range(1, model.config["num_codebooks"]):
         x = model.fast_embeddings(frame[i:i + 1])  # codebook i-1 of the fixed frame
-        rows.append(model.forward_fast(x, torch.tensor([i]))[0])
+        rows.append(model.forward_fast(x, i)[0])
     torch.testing.assert_close(torch.stack(rows), golden("fast_logits.npy"), atol=1e-4, rtol=1e-4)
 
 
@@ -222,16 +222,87 @@ def test_rope_table_is_rounded_to_bf16():
     assert not torch.equal(table[5, 0, 0], torch.cos(torch.tensor(5.0)))  # cos(5) is not a bf16 value
 
 
+def test_rope_tables_are_buffers_that_follow_the_model(model):
+    assert {"rope", "fast_rope"} <= {name for name, _ in model.named_buffers()}
+    moved = dualAR.load(CKPT).to(torch.float64)
+    assert moved.rope.dtype == torch.float64 and torch.equal(moved.rope.float(), model.rope)
+
+
 # ----------------------------------------------------------------------------- sampling
+def probs(logits, temperature, top_p, top_k):  # one row through the batched filter
+    rows = [torch.tensor([v]) for v in (temperature, top_p, top_k)]
+    return dualAR.logits_to_probs(logits[None], *rows)[0]
+
+
 def test_sampler_drops_the_token_that_crosses_top_p():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    probs = dualAR.logits_to_probs(logits, torch.tensor(1.0), torch.tensor(0.7), 10)
     # cumulative 0.5, 0.8 > 0.7: upstream keeps only the first token (HF would keep two)
-    torch.testing.assert_close(probs, torch.tensor([1.0, 0.0, 0.0, 0.0]))
-    probs = dualAR.logits_to_probs(logits, torch.tensor(0.5), torch.tensor(0.9), 10)
-    expected = torch.softmax(logits[:2] / 0.5, dim=0)  # 0.95 > 0.9 drops the third
-    torch.testing.assert_close(probs[:2], expected)
-    assert probs[2:].sum() == 0
+    torch.testing.assert_close(probs(logits, 1.0, 0.7, 10), torch.tensor([1.0, 0.0, 0.0, 0.0]))
+    p = probs(logits, 0.5, 0.9, 10)
+    torch.testing.assert_close(p[:2], torch.softmax(logits[:2] / 0.5, dim=0))  # 0.95 > 0.9 drops the third
+    assert p[2:].sum() == 0
+
+
+def test_top_p_threshold_is_strictly_greater():
+    """[.5, .25, .125, .125] at p = 0.75: the cumulative 0.75 equals p, so upstream's `>` keeps the second
+    token (`>=` would drop it) and drops the third (0.875 > 0.75)."""
+    logits = torch.log(torch.tensor([0.5, 0.25, 0.125, 0.125]))
+    p = probs(logits, 1.0, 0.75, 10)
+    torch.testing.assert_close(p, torch.tensor([2 / 3, 1 / 3, 0.0, 0.0]))
+
+
+def test_each_row_samples_with_its_own_parameters():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]] * 3))
+    rows = dualAR.logits_to_probs(logits, torch.tensor([1.0, 1.0, 1.0]), torch.tensor([0.7, 1.0, 1.0]),
+                                  torch.tensor([10, 10, 2]))
+    assert rows[0].tolist() == [1.0, 0.0, 0.0, 0.0]
+    torch.testing.assert_close(rows[1], torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    torch.testing.assert_close(rows[2], torch.tensor([0.625, 0.375, 0.0, 0.0]))
+
+
+def test_trimmed_head_draws_what_the_full_head_draws():
+    """Logits over the sampling window only (semantic tokens + <|im_end|>) give the full vocabulary's
+    probabilities bit for bit, so every draw is the same. At the real vocabulary size, random logits."""
+    cfg = dict(vocab_size=155776, semantic_begin_id=151678, semantic_end_id=155773, im_end_id=151645)
+    start, stop = dualAR.sampling_window(cfg)
+    assert (start, stop) == (151616, 155776)
+    ids = torch.arange(cfg["vocab_size"])
+    allowed = (ids >= 151678) & (ids <= 155773) | (ids == 151645)
+    generator = torch.Generator().manual_seed(0)
+    for scale, top_p, top_k in [(0.5, 0.7, 30), (2.0, 0.9, 4096), (4.0, 1.0, 200000), (1.0, 0.3, 1)]:
+        logits = torch.rand(8, cfg["vocab_size"], generator=generator) * 10 * scale
+        logits = torch.where(allowed, logits, float("-inf"))
+        noise = -torch.log(torch.rand(8, cfg["vocab_size"], generator=generator))
+        params = torch.full((8,), 0.7), torch.full((8,), top_p), torch.full((8,), top_k)
+        full = dualAR.logits_to_probs(logits, *params)
+        trimmed = dualAR.logits_to_probs(logits[:, start:stop], *params)
+        assert torch.equal(full[:, start:stop], trimmed)
+        draws = start + torch.argmax(trimmed / noise[:, start:stop], dim=-1)
+        assert torch.equal(torch.argmax(full / noise, dim=-1), draws)
+
+
+def test_bf16_model_samples_without_bias():
+    """Sampling runs in fp32 whatever the model dtype: in bf16 the probabilities and the noise tie often
+    and the lowest code wins (the mean drawn code was ~45 % of the range instead of 50 %)."""
+    model = dualAR.load(CKPT, dtype=torch.bfloat16)
+    with torch.no_grad():
+        model.fast_output.weight.zero_()  # every codebook 1.. is then uniform over its 4096 codes
+    requests = [dict(text="Hi.", seed=seed, top_p=1.0, top_k=4096, max_new_tokens=41) for seed in range(6)]
+    draws = torch.cat([codes[1:].flatten() for codes in dualAR.generate_many(model, requests)]).float()
+    assert draws.numel() >= 360  # uniform draws: mean 2047.5, standard error 1182 / sqrt(n) <= 62
+    assert abs(draws.mean().item() - 2047.5) < 3 * 1182 / draws.numel() ** 0.5
+
+
+def test_one_noise_call_equals_upstreams_eleven_rand_like_calls(model):
+    """Upstream draws rand_like over the vocabulary twice, then over the codebook 9 times, per frame."""
+    cfg = model.config
+    torch.manual_seed(7)
+    calls = [torch.rand(cfg["vocab_size"]) for _ in range(2)] + [torch.rand(cfg["codebook_size"])
+                                                                 for _ in range(cfg["num_codebooks"] - 1)]
+    slow, fast = dualAR.draw_noise(torch.Generator().manual_seed(7), model)
+    start, stop = model.head_window
+    assert torch.equal(slow, -torch.log(torch.stack([c[start:stop] for c in calls[:2]])))
+    assert torch.equal(fast, -torch.log(torch.stack(calls[2:])))
 
 
 # ----------------------------------------------------------------------------- generation
@@ -242,12 +313,22 @@ def test_generation_matches_upstream_codes(model, name):
     assert torch.equal(codes, golden(case["codes_file"]))
 
 
+def run_request(model, call):  # -> the request, with every raw frame of every text batch
+    request = dualAR.Request(model, call["text"], references(call), seed=call["torch_manual_seed"],
+                             temperature=call["temperature"], top_p=call["top_p"], top_k=call["top_k"],
+                             max_new_tokens=call["max_new_tokens"], chunk_length=call["chunk_length"])
+    engine = dualAR.Engine(model)
+    engine.add(request)
+    with torch.inference_mode():
+        engine.run()
+    return request
+
+
 @pytest.mark.parametrize("name", ["greedy", "seeded", "seeded_topp", "noref_greedy"])
 def test_raw_frames_match_upstream(model, name):
     """Every generated frame, including the last one that upstream drops from the returned codes."""
     case = CASES[name]
-    prompt = dualAR.build_prompt(model, references(case["call"]), [], case["call"]["text"])
-    (frames,) = raw_frames(model, case["call"], [prompt])
+    (frames,) = run_request(model, case["call"]).raw_frames
     assert torch.equal(frames, golden(case["raw_frames"][0]["file"]))
 
 
@@ -276,16 +357,8 @@ def test_generation_stops_at_im_end_and_drops_that_frame(eos_model, name):
     assert codes.size(1) == raw.size(1) - 1
 
 
-def raw_frames(model, call, prompts):
-    """generate_frames on each prompt in turn, under one seed (as upstream's generate_long)."""
-    torch.manual_seed(call["torch_manual_seed"])
-    p = dualAR.sampling_params(model, call["temperature"], call["top_p"], call["top_k"])
-    return [dualAR.generate_frames(model, prompt, call["max_new_tokens"], p) for prompt in prompts]
-
-
 def test_dialogue_raw_frames_match_upstream_in_both_batches(model):
-    prompts = [golden("prompt_tokens_dialogue.npy"), golden("prompt_tokens_dialogue_batch1.npy")]
-    frames0, frames1 = raw_frames(model, CASES["seeded_dialogue"]["call"], prompts)
+    frames0, frames1 = run_request(model, CASES["seeded_dialogue"]["call"]).raw_frames
     assert torch.equal(frames0, golden("seeded_dialogue_raw_frames.npy"))
     assert torch.equal(frames1, golden("seeded_dialogue_raw_frames_batch1.npy"))
 
@@ -293,19 +366,20 @@ def test_dialogue_raw_frames_match_upstream_in_both_batches(model):
 @pytest.mark.parametrize("name", ["eos", "eos_greedy"])
 def test_im_end_frame_is_sampled_in_full(eos_model, name):
     case = CASES["eos"][name]
-    (frames,) = raw_frames(eos_model, case["call"], [golden("prompt_tokens.npy")])
+    (frames,) = run_request(eos_model, case["call"]).raw_frames
     assert torch.equal(frames, golden(case["raw_frames"][0]["file"]))
     if name == "eos":
         assert frames[:, -1].tolist() == case["im_end_frame"]  # c0 = 0, c1.. still sampled
 
 
-def test_im_end_on_the_prefill_frame_does_not_stop(tmp_path):
+def test_im_end_on_the_prefill_frame_does_not_stop():
     """Upstream tests for <|im_end|> in its decode loop only (fixture README, 'Not stored')."""
     model = dualAR.load(CKPT)
     with torch.no_grad():  # make <|im_end|> the slow model's only sensible answer
         model.embeddings.weight[model.config["im_end_id"]] *= 50
-    call = dict(torch_manual_seed=0, temperature=0.7, top_p=0.7, top_k=1, max_new_tokens=10)
-    (frames,) = raw_frames(model, call, [dualAR.build_prompt(model, [], [], "Hi.")])
+    call = dict(text="Hi.", prompt_text=[], torch_manual_seed=0, temperature=0.7, top_p=0.7, top_k=1,
+                max_new_tokens=10, chunk_length=300)
+    (frames,) = run_request(model, call).raw_frames
     assert frames[0].tolist() == [model.config["im_end_id"]] * 2  # frame 1 stops, frame 0 did not
     codes = dualAR.generate(model, "Hi.", [], seed=0, top_k=1, max_new_tokens=10)
     assert torch.equal(codes, frames[1:, :1]) and codes[0, 0] == 0  # the <|im_end|> frame 0, c0 = 0
@@ -313,14 +387,8 @@ def test_im_end_on_the_prefill_frame_does_not_stop(tmp_path):
 
 def test_max_new_tokens_is_capped_by_the_context(model):
     prompt = dualAR.build_prompt(model, [], [], "Hi.")
-    model.config["max_seq_len"], saved = prompt.size(1) + 3, model.config["max_seq_len"]
-    try:
-        p = dualAR.sampling_params(model, 0.7, 0.7, 1)
-        frames = dualAR.generate_frames(model, prompt, 100, p)
-    finally:
-        model.config["max_seq_len"] = saved
-        model.cache_len = 0
-    assert frames.size(1) == 3
+    codes = dualAR.generate(model, "Hi.", top_k=1, max_new_tokens=100, max_context=prompt.size(1) + 3)
+    assert codes.size(1) == 2  # 3 frames fit, the last one is dropped
 
 
 # ----------------------------------------------------------------------------- CLI

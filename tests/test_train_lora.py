@@ -1,0 +1,431 @@
+"""train_lora.py against upstream fish-speech's LoRA goldens on the tiny S2-Pro checkpoint (CPU, fp32),
+plus tiny end-to-end runs: prepare, train, resume, merge, export, and every bad input's one-line error.
+
+See tests/fixtures/s2-tiny/README.md, section LoRA, for what each golden is and how upstream made it.
+"""
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+from safetensors.torch import load_file, save_file
+
+import codec
+import dualAR
+import train_lora
+from dualAR import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "tests/fixtures/s2-tiny"
+CKPT, GOLDEN = TINY / "checkpoint", TINY / "golden"
+LORA = json.loads((GOLDEN / "cases.json").read_text())["lora"]
+LOSSES = json.loads((GOLDEN / "lora_loss.json").read_text())
+SAMPLES = [(s["text"], torch.tensor(s["codes"])) for s in LORA["batch"]["samples"]]
+TEXTS = ["Hello there, how are you?", "The quick brown fox jumps.", "Thank you very much!",
+         "Good morning, world.", "This is a small test.", "Please read this slowly."]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """The tiny model's ops are too small to share: one thread trains several times faster on 2 busy cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def golden(name):
+    return torch.from_numpy(np.load(GOLDEN / name))
+
+
+def golden_batch():
+    names = ("lora_batch_inputs.npy", "lora_batch_labels.npy", "lora_batch_attention_masks.npy")
+    return tuple(golden(name) for name in names)
+
+
+def upstream_figures(case):
+    logged = LOSSES[case]["logged"]
+    stage = "val" if "val/loss" in logged else "train"
+    return {k: logged[f"{stage}/{k}"] for k in ("loss", "base_loss", "semantic_loss")}
+
+
+def assert_losses(result, case):
+    for key, want in upstream_figures(case).items():
+        assert result[key].item() == pytest.approx(want, rel=1e-5), key
+
+
+def lora_model():
+    """The base checkpoint with upstream's golden LoRA (dropout 0), in train mode as upstream's golden."""
+    model = dualAR.load(CKPT)
+    train_lora.load_lora(model, GOLDEN / "lora_weights.safetensors")
+    return model.train()
+
+
+def tree(root: Path) -> dict:
+    """Every path under root with its size and mtime: equal before and after = nothing was written."""
+    return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(root.rglob("*"))}
+
+
+def write_codes_data(folder: Path, n=6, seed=0):
+    """n prepared samples (codes .npy + .lab) in two speaker folders. Codes use few values, so that a
+    tiny LoRA can learn something about them in a few steps."""
+    rng = np.random.default_rng(seed)
+    for i in range(n):
+        speaker = folder / f"spk{i % 2}"
+        speaker.mkdir(parents=True, exist_ok=True)
+        np.save(speaker / f"s{i}.npy", rng.integers(0, 16, size=(10, 12 + i)))
+        (speaker / f"s{i}.lab").write_text(TEXTS[i % len(TEXTS)])
+    return folder
+
+
+def write_audio(path: Path, seconds=0.3, rate=16000, channels=1, text="Hello there."):
+    t = np.arange(int(seconds * rate)) / rate
+    wave = 0.3 * np.sin(2 * np.pi * 220 * t)
+    sf.write(path, np.stack([wave] * channels, 1) if channels > 1 else wave, rate)
+    if text is not None:
+        path.with_suffix(".lab").write_text(text)
+
+
+def train(data, out, *extra):
+    train_lora.main(["train", str(data), "--checkpoint", str(CKPT), "--out", str(out), "--batch-size", "2",
+                     "--val-size", "2", *extra])
+
+
+def metrics(run: Path) -> list:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+# ----------------------------------------------------------------------------- upstream's numbers
+def test_batch_from_cases_matches_upstreams_golden_batch():
+    inputs, labels, padding = train_lora.make_batch(dualAR.load(CKPT), SAMPLES)
+    want_inputs, want_labels, want_padding = golden_batch()
+    assert torch.equal(inputs, want_inputs)
+    assert torch.equal(labels, want_labels)
+    assert torch.equal(padding, want_padding)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_training_loss_with_golden_lora_matches_upstream(checkpointing, monkeypatch):
+    monkeypatch.setattr(train_lora, "HEAD_CHUNK", 5)  # 18 scored positions: the head runs in 4 slices
+    result = train_lora.training_loss(lora_model(), *golden_batch(), checkpointing=checkpointing)
+    assert_losses(result, "train_mode_dropout0")
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(monkeypatch):
+    monkeypatch.setattr(train_lora, "HEAD_CHUNK", 5)
+    grads = []
+    for checkpointing in (False, True):
+        model = lora_model()
+        train_lora.training_loss(model, *golden_batch(), checkpointing=checkpointing)["loss"].backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
+    assert len(grads[0]) == 38 and grads[0].keys() == grads[1].keys()
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_base_model_training_loss_matches_upstream():
+    assert_losses(train_lora.training_loss(dualAR.load(CKPT), *golden_batch()), "base_no_lora_train_mode")
+
+
+def test_training_embedding_has_no_inference_scale():
+    """Upstream's training embed() sums token and codebook embeddings at semantic positions and, unlike
+    inference, does not divide by sqrt(num_codebooks + 1)."""
+    model = dualAR.load(CKPT)
+    inputs = golden_batch()[0][:1]
+    x = train_lora.embed(model, inputs)[0]
+    semantic_pos = 36  # first code column of sample 0 (the golden batch's layout)
+    ids, codes = inputs[0, 0], inputs[0, 1:, semantic_pos]
+    assert model.config["semantic_begin_id"] <= ids[semantic_pos] <= model.config["semantic_end_id"]
+    rows = codes + torch.arange(10) * model.config["codebook_size"]
+    want = model.embeddings.weight[ids[semantic_pos]] + model.codebook_embeddings.weight[rows].sum(0)
+    torch.testing.assert_close(x[semantic_pos], want, rtol=0, atol=1e-6)
+    assert torch.equal(x[0], model.embeddings.weight[ids[0]])  # a text position: its codes are ignored
+
+
+def test_merged_model_loss_matches_upstream_and_only_base_loss_moves():
+    """After merging, the tied head reads the merged embedding table, so base_loss changes while the
+    semantic loss stays (upstream's eval_mode_merged vs train_mode_dropout0)."""
+    model = lora_model()
+    before = train_lora.training_loss(model, *golden_batch())
+    merged = train_lora.training_loss(train_lora.merge_lora(model), *golden_batch())
+    assert_losses(merged, "eval_mode_merged")
+    assert not train_lora.lora_modules(model)
+    assert merged["semantic_loss"].item() == pytest.approx(before["semantic_loss"].item(), rel=1e-5)
+    assert abs(merged["base_loss"].item() - before["base_loss"].item()) > 1e-2
+
+
+def upstream_torch_lora(tmp_path):
+    """Upstream's LoRA as its Lightning checkpoint holds it: a torch file with state_dict."""
+    path = tmp_path / "step_000000010.ckpt"
+    torch.save({"state_dict": load_file(GOLDEN / "lora_weights.safetensors")}, path)
+    return path
+
+
+@pytest.mark.parametrize("source", ["safetensors", "torch file"])
+def test_merge_dual_ar_writes_upstreams_merged_weights(tmp_path, source):
+    lora = GOLDEN / "lora_weights.safetensors" if source == "safetensors" else upstream_torch_lora(tmp_path)
+    out = tmp_path / "merged"
+    train_lora.main(["merge", "--checkpoint", str(CKPT), "--lora", str(lora), "--out", str(out),
+                     "--format", "dual_ar"])
+    written = torch.load(out / "model.pth", weights_only=True)  # upstream's torch.save of the state_dict
+    want = load_file(GOLDEN / "merged_model.safetensors")
+    assert sorted(written) == sorted(want)
+    for key, tensor in want.items():
+        assert written[key].dtype == tensor.dtype, key  # LoRA-wrapped fp32, norms bf16 as loaded
+        assert torch.equal(written[key], tensor), key
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "dual_ar" and config["n_layer"] == 2
+    reloaded = dualAR.load(out)  # the flat config + model.pth load in dualAR.py too
+    assert torch.equal(reloaded.fast_output.weight, want["fast_output.weight"])
+
+
+def test_merge_hf_shards_a_big_checkpoint_with_an_index(tmp_path, monkeypatch):
+    monkeypatch.setattr(train_lora, "SHARD_BYTES", 2**20)
+    out = tmp_path / "merged-hf"
+    train_lora.main(["merge", "--checkpoint", str(CKPT), "--lora", str(GOLDEN / "lora_weights.safetensors"),
+                     "--out", str(out)])
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 2 and not (out / "model.safetensors").exists()
+    want = load_file(GOLDEN / "merged_model.safetensors")
+    model = dualAR.load(out, "cpu", None)
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, want[name]) and tensor.dtype == want[name].dtype, name
+
+
+def test_merge_hf_gives_a_checkpoint_dualAR_loads_and_generates_with(tmp_path):
+    out = tmp_path / "merged-hf"
+    train_lora.main(["merge", "--checkpoint", str(CKPT), "--lora", str(GOLDEN / "lora_weights.safetensors"),
+                     "--out", str(out)])
+    files = {f.name for f in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "codec.pth"} <= files
+    assert "text_model.model.embeddings.weight" in load_file(out / "model.safetensors")
+    model = dualAR.load(out)
+    want = load_file(GOLDEN / "merged_model.safetensors")["layers.1.attention.wqkv.weight"]
+    assert torch.equal(model.layers[1].attention.wqkv.weight, want)
+    codes = dualAR.generate(model, "Hello world.", seed=42, max_new_tokens=6)
+    assert codes.shape == (10, 5)
+
+
+# ----------------------------------------------------------------------------- tiny training runs
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """30 steps of rank-8 LoRA on 4 tiny samples (2 held out), lr 1e-3."""
+    root = tmp_path_factory.mktemp("run")
+    data = write_codes_data(root / "data")
+    train(data, root / "run", "--max-steps", "30", "--lr", "1e-3", "--val-every", "10")
+    return root / "run"
+
+
+def test_thirty_steps_lower_the_validation_loss(trained_run):
+    records = metrics(trained_run)
+    steps = [r for r in records if "loss" in r]
+    vals = {r["step"]: r["val_loss"] for r in records if "val_loss" in r}
+    assert [r["step"] for r in steps] == list(range(1, 31))
+    assert set(steps[0]) == {"step", "loss", "lr"}
+    assert steps[0]["lr"] == pytest.approx(1e-4)  # 10 warm-up steps
+    assert steps[-1]["lr"] == pytest.approx(1e-3)
+    assert sorted(vals) == [0, 10, 20, 30]
+    assert vals[30] < vals[0] - 1.0  # measured: 22.37 -> 19.33
+    run = json.loads((trained_run / "run.json").read_text())
+    assert (run["rank"], run["alpha"], len(run["samples"])) == (8, 16, 6)
+
+
+def test_exported_lora_changes_the_generated_codes(trained_run, tmp_path):
+    train_lora.main(["merge", "--checkpoint", str(CKPT), "--lora", str(trained_run),
+                     "--out", str(tmp_path / "m")])
+    base = dualAR.generate(dualAR.load(CKPT), "Hello world.", seed=7, max_new_tokens=8)
+    tuned = dualAR.generate(dualAR.load(tmp_path / "m"), "Hello world.", seed=7, max_new_tokens=8)
+    assert not torch.equal(base, tuned)
+
+
+def test_resumed_run_ends_with_the_same_lora_as_an_uninterrupted_one(tmp_path):
+    """Same seed, 6 steps: once straight, once stopped after 3 and resumed. Dropout is on (0.01), so
+    the random state in the checkpoint matters."""
+    data = write_codes_data(tmp_path / "data")
+    common = ["--val-every", "2", "--save-every", "2", "--lr", "1e-3"]
+    train(data, tmp_path / "straight", "--max-steps", "6", *common)
+    train(data, tmp_path / "resumed", "--max-steps", "3", *common)
+    train(data, tmp_path / "resumed", "--max-steps", "6", "--resume", *common)
+    straight = load_file(tmp_path / "straight/lora.safetensors")
+    resumed = load_file(tmp_path / "resumed/lora.safetensors")
+    assert sorted(straight) == sorted(resumed) and len(straight) == 38
+    for key in straight:
+        assert torch.equal(straight[key], resumed[key]), key
+    straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
+    assert [r for r in straight if "loss" in r] == [r for r in resumed if "loss" in r]
+    resumed_vals = [r for r in resumed if "val_loss" in r and r["step"] != 3]  # it also validated at its stop
+    assert [r for r in straight if "val_loss" in r] == resumed_vals
+
+
+def test_resume_drops_metrics_logged_after_the_last_checkpoint(tmp_path):
+    data = write_codes_data(tmp_path / "data")
+    train(data, tmp_path / "run", "--max-steps", "2")
+    with open(tmp_path / "run/metrics.jsonl", "a") as f:  # a crash after step 3 was logged, then cut short
+        f.write(json.dumps(dict(step=3, loss=1.0, lr=0.0)) + '\n{"step": 4, "lo')
+    train(data, tmp_path / "run", "--max-steps", "3", "--resume")
+    assert [r["step"] for r in metrics(tmp_path / "run") if "loss" in r] == [1, 2, 3]
+    assert [r for r in metrics(tmp_path / "run") if "loss" in r][-1]["loss"] != 1.0
+
+
+def test_batches_visit_every_training_sample_once_per_epoch():
+    batches = [train_lora.batch_indices(5, 2, seed=3, k=k) for k in range(6)]
+    assert [len(b) for b in batches] == [2, 2, 1, 2, 2, 1]
+    assert sorted(sum(batches[:3], [])) == sorted(sum(batches[3:], [])) == list(range(5))
+    assert batches[:3] != batches[3:]  # a new order each epoch
+
+
+# ----------------------------------------------------------------------------- prepare
+def test_prepare_encodes_each_audio_once_next_to_it(tmp_path, capsys):
+    data = tmp_path / "data"
+    (data / "alice").mkdir(parents=True)
+    (data / "bob").mkdir()
+    write_audio(data / "alice/a.wav", rate=16000)  # resampled by the codec's loader
+    write_audio(data / "bob/b.flac", rate=44100, channels=2, text=None)
+    (data / "bob/b.txt").write_text("A transcript in a .txt file.")
+    train_lora.main(["prepare", str(data), "--checkpoint", str(CKPT)])
+    assert "prepared 2 of 2 audio files" in capsys.readouterr().out
+    dac = codec.load(CKPT)
+    for audio in (data / "alice/a.wav", data / "bob/b.flac"):
+        codes = np.load(audio.with_suffix(".npy"))
+        assert codes.shape == (10, math.ceil(0.3 * 44100 / 2048))
+        assert np.array_equal(codes, codec.encode(dac, codec.load_audio(audio))[0].numpy())
+    before = tree(data)
+    train_lora.main(["prepare", str(data), "--checkpoint", str(CKPT)])
+    assert "0 encoded" in capsys.readouterr().out and tree(data) == before  # cached codes are reused
+    write_audio(data / "alice/a.wav", seconds=0.5)  # newer audio: encoded again
+    train_lora.main(["prepare", str(data), "--checkpoint", str(CKPT)])
+    assert "1 encoded" in capsys.readouterr().out
+    assert np.load(data / "alice/a.npy").shape == (10, math.ceil(0.5 * 44100 / 2048))
+
+
+def test_audio_without_transcript_is_listed_and_skipped(tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    write_audio(data / "a.wav")
+    write_audio(data / "lonely.wav", text=None)
+    train_lora.main(["prepare", str(data), "--checkpoint", str(CKPT)])
+    out, err = capsys.readouterr()
+    assert "warning: skipped 1 file(s) without a .lab/.txt transcript:" in err and "lonely.wav" in err
+    assert "1 skipped (no transcript)" in out
+    assert (data / "a.npy").exists() and not (data / "lonely.npy").exists()
+
+
+# ----------------------------------------------------------------------------- bad input
+def renamed_lora(tmp_path, old, new):
+    tensors = {k.replace(old, new): v for k, v in load_file(GOLDEN / "lora_weights.safetensors").items()}
+    save_file(tensors, str(tmp_path / "lora.safetensors"))
+    return tmp_path / "lora.safetensors"
+
+
+def reshaped_lora(tmp_path):
+    tensors = load_file(GOLDEN / "lora_weights.safetensors")
+    tensors["model.layers.0.attention.wo.lora_A"] = torch.zeros(8, 32)  # wo reads 64 features
+    save_file(tensors, str(tmp_path / "lora.safetensors"))
+    return tmp_path / "lora.safetensors"
+
+
+def audio_folder(tmp_path, *names, transcript="Hi."):
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in names:
+        write_audio(data / name, text=transcript)
+    return data
+
+
+def garbage_audio(tmp_path):
+    data = audio_folder(tmp_path, "a.wav")
+    (data / "bad.wav").write_bytes(b"RIFF but not really a wav file")
+    (data / "bad.lab").write_text("Hi.")
+    return data
+
+
+def run_folder(tmp_path, content):
+    data = write_codes_data(tmp_path / "data")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / content).write_text("{}")
+    return data
+
+
+def merge_args(t, lora=GOLDEN / "lora_weights.safetensors", out=None):
+    return ["merge", "--checkpoint", str(CKPT), "--lora", str(lora), "--out", str(out or t / "merged")]
+
+
+def train_args(t, data, out=None, *extra):
+    return ["train", str(data), "--checkpoint", str(CKPT), "--out", str(out or t / "out"), *extra]
+
+
+def untranscribed(tmp_path):
+    data = audio_folder(tmp_path, "a.wav")
+    write_audio(data / "b.wav", text=None)
+    return data
+
+
+def into_non_empty_folder(tmp_path):
+    (tmp_path / "merged").mkdir()
+    (tmp_path / "merged/keep.txt").write_text("mine")
+    return merge_args(tmp_path)
+
+
+BAD = {  # name: (setup(tmp_path) -> argv, words the error must contain)
+    "prepare: empty data folder": (lambda t: ["prepare", str(audio_folder(t))], "no audio files"),
+    "prepare: missing transcript with --strict": (lambda t: ["prepare", "--strict", str(untranscribed(t))],
+                                                  "have no .lab/.txt transcript (--strict): "),
+    "prepare: unreadable audio": (lambda t: ["prepare", str(garbage_audio(t))],
+                                  "bad.wav is not a readable audio"),
+    "prepare: empty transcript": (lambda t: ["prepare", str(audio_folder(t, "a.wav", transcript=" \n"))],
+                                  "a.lab is empty"),
+    "train: empty data folder": (lambda t: train_args(t, audio_folder(t)), "no audio files or .npy codes"),
+    "train: audio not prepared": (lambda t: train_args(t, audio_folder(t, "a.wav")), "train_lora.py prepare"),
+    "train: --out not writable": (lambda t: train_args(t, write_codes_data(t / "data"),
+                                                       t / "data/spk0/s0.lab/run"), "is not writable"),
+    "train: --out holds another run": (lambda t: train_args(t, run_folder(t, "run.json")),
+                                       "holds another run"),
+    "train: --out holds other files": (lambda t: train_args(t, run_folder(t, "notes.txt")),
+                                       "holds other files"),
+    "train: --resume without a run": (lambda t: train_args(t, write_codes_data(t / "data"), None, "--resume"),
+                                      "holds no run"),
+    "merge: LoRA names the base lacks": (lambda t: merge_args(t, renamed_lora(t, "layers.1.", "layers.7.")),
+                                         "LoRA for 'layers.7.attention."),
+    "merge: LoRA shapes do not fit": (lambda t: merge_args(t, reshaped_lora(t)),
+                                      "layers.0.attention.wo.lora_A"),
+    "merge: LoRA file is not LoRA": (lambda t: merge_args(t, CKPT / "model-00001-of-00002.safetensors"),
+                                     "holds no LoRA weights"),
+    "merge: --out not empty": (into_non_empty_folder, "not empty"),
+    "merge: --out not writable": (lambda t: merge_args(t, out=CKPT / "config.json/merged"), "not writable"),
+}
+
+
+@pytest.mark.parametrize("case", BAD, ids=list(BAD))
+def test_bad_input_gives_one_line_error_and_writes_nothing(tmp_path, case):
+    setup, words = BAD[case]
+    argv = setup(tmp_path)
+    before, before_ckpt = tree(tmp_path), tree(CKPT)
+    with pytest.raises(UserError) as error:
+        train_lora.main(argv)
+    message = str(error.value)
+    assert words in message and "\n" not in message
+    assert tree(tmp_path) == before and tree(CKPT) == before_ckpt
+
+
+def test_cli_prints_one_error_line_and_exits_2(tmp_path):
+    (tmp_path / "empty").mkdir()
+    run = subprocess.run([sys.executable, str(ROOT / "train_lora.py"), "prepare", str(tmp_path / "empty")],
+                         capture_output=True, text=True, cwd=tmp_path)
+    assert run.returncode == 2
+    assert run.stderr.startswith("error: no audio files under") and run.stderr.count("\n") == 1
+    assert run.stdout == ""
+
+
+def test_bench_reports_steps_per_second_with_and_without_checkpointing(capsys):
+    train_lora.main(["bench", "--device", "cpu", "--config", str(CKPT / "config.json"), "--seq-len", "160",
+                     "--steps", "1"])
+    out = capsys.readouterr().out
+    assert "batch 4 x 160 tokens" in out
+    assert "gradient checkpointing on : " in out and "gradient checkpointing off: " in out
+    assert out.count("steps/s") == 2

@@ -1,0 +1,897 @@
+"""LoRA fine-tuning of S2-Pro's Dual-AR model: data, LoRA, training loop, merge and export, one file.
+
+Samples, loss and merged weights are upstream fish-speech's (commit 3dd1f85), so a LoRA trained here
+merges into a checkpoint upstream serves, and upstream's LoRA weights merge here.
+
+    python train_lora.py prepare data/                  # audio + .lab/.txt -> cached .npy codes
+    python train_lora.py train data/ --out runs/me      # -> runs/me/lora.safetensors, metrics.jsonl
+    python train_lora.py merge --lora runs/me --out s2-pro-me    # a checkpoint dualAR.py loads
+"""
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from pathlib import Path
+
+import soundfile as sf
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+from tqdm import tqdm
+
+import codec
+import dualAR
+from dualAR import UserError
+
+SYSTEM_PROMPT = "Speak out the provided text."  # upstream's training system turn
+IGNORE = -100  # label of positions without loss (cross_entropy's ignore_index)
+RANK, ALPHA, DROPOUT = 8, 16, 0.01  # upstream's lora config r_8_alpha_16
+LR, WARMUP, BETAS, EPS, CLIP = 1e-4, 10, (0.9, 0.95), 1e-5, 1.0  # upstream's text2semantic_finetune
+HEAD_CHUNK = 1024  # positions per slice of the slow logits (positions x vocabulary: the largest activation)
+SHARD_BYTES = 4 * 2**30  # per exported safetensors file: saving one holds a copy of its bytes in memory
+TRANSCRIPT_SUFFIXES = (".lab", ".txt")
+LORA_FILE, STATE_FILE, RUN_FILE, METRICS_FILE = "lora.safetensors", "state.pt", "run.json", "metrics.jsonl"
+COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "codec.pth",
+                "codec_config.json")
+# what upstream's flat `dual_ar` config.json holds (its DualARModelArgs fields that we know)
+FLAT_KEYS = list(dualAR.FLAT_DEFAULTS) + ["fast_" + k for k in dualAR.FAST_KEYS] + [
+    "semantic_begin_id", "semantic_end_id"]
+
+
+# ----------------------------------------------------------------------------- LoRA
+class LoRALinear(nn.Module):
+    """x W^T + dropout(x) A^T B^T * alpha / rank, W frozen (loralib's Linear, as upstream wraps it)."""
+
+    def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float):
+        super().__init__()
+        self.weight, self.bias = base.weight, base.bias
+        device = base.weight.device
+        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, device=device))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=device))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # loralib's init: B = 0, so W' = W at first
+        self.scaling = alpha / rank
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        lora = self.dropout(x) @ self.lora_A.T @ self.lora_B.T
+        return F.linear(x, self.weight, self.bias) + lora * self.scaling
+
+    def delta(self) -> Tensor:
+        return (self.lora_B @ self.lora_A) * self.scaling
+
+
+class LoRAEmbedding(nn.Module):
+    """W[ids] + A^T[ids] B^T * alpha / rank, W frozen (loralib's Embedding: no dropout)."""
+
+    def __init__(self, base: nn.Embedding, rank: int, alpha: float, dropout: float = 0.0):
+        super().__init__()
+        self.weight = base.weight
+        device = base.weight.device
+        self.lora_A = nn.Parameter(torch.zeros(rank, base.num_embeddings, device=device))
+        self.lora_B = nn.Parameter(torch.randn(base.embedding_dim, rank, device=device))  # loralib's init
+        self.scaling = alpha / rank
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return F.embedding(ids, self.weight) + F.embedding(ids, self.lora_A.T) @ self.lora_B.T * self.scaling
+
+    def delta(self) -> Tensor:
+        return (self.lora_B @ self.lora_A).T * self.scaling  # the embedding table is (num, dim)
+
+
+def lora_targets(model: dualAR.DualAR) -> list:
+    """What upstream's target_modules [attention, mlp, embeddings, output] wrap: wqkv, wo, w1, w2, w3 of
+    every slow and fast layer, the three embeddings and the fast output (the LM head is tied)."""
+    names = ["embeddings", "codebook_embeddings", "fast_embeddings", "fast_output"]
+    names += ["output"] if hasattr(model, "output") else []
+    for prefix, layers in (("layers", model.layers), ("fast_layers", model.fast_layers)):
+        for i in range(len(layers)):
+            names += [f"{prefix}.{i}.attention.wqkv", f"{prefix}.{i}.attention.wo"]
+            names += [f"{prefix}.{i}.feed_forward.{w}" for w in ("w1", "w2", "w3")]
+    return names
+
+
+def lora_modules(model: nn.Module) -> dict:
+    return {n: m for n, m in model.named_modules() if isinstance(m, (LoRALinear, LoRAEmbedding))}
+
+
+def set_module(model: nn.Module, name: str, module: nn.Module):
+    parent, _, child = name.rpartition(".")
+    setattr(model.get_submodule(parent) if parent else model, child, module)
+
+
+def add_lora(model: dualAR.DualAR, rank=RANK, alpha=ALPHA, dropout=DROPOUT, names=None) -> list:
+    """Wrap the target modules in LoRA (fp32 A and B, the only trainable parameters) -> those parameters."""
+    model.requires_grad_(False)
+    for name in names or lora_targets(model):
+        base = model.get_submodule(name)
+        wrap = LoRAEmbedding if isinstance(base, nn.Embedding) else LoRALinear
+        set_module(model, name, wrap(base, rank, alpha, dropout))
+    return [p for m in lora_modules(model).values() for p in (m.lora_A, m.lora_B)]
+
+
+def lora_state_dict(model: nn.Module) -> dict:
+    """LoRA weights under upstream's keys (its Lightning state_dict): model.<module>.lora_A / lora_B."""
+    return {f"model.{n}.{ab}": getattr(m, ab).detach().float().cpu().contiguous()
+            for n, m in lora_modules(model).items() for ab in ("lora_A", "lora_B")}
+
+
+def read_lora_file(path: Path) -> tuple:
+    """-> ({module: {lora_A, lora_B}}, metadata) from our safetensors or upstream's torch file."""
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+            with safe_open(str(path), framework="pt") as f:
+                tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
+        else:
+            tensors, meta = torch.load(path, map_location="cpu", weights_only=True), {}
+            tensors = tensors.get("state_dict", tensors)
+    except Exception as e:
+        raise UserError(f"cannot read LoRA weights {path}: {str(e).strip().splitlines()[0]}") from None
+    modules = {}
+    for key, value in tensors.items():
+        name, _, ab = key.removeprefix("model.").rpartition(".")
+        if ab in ("lora_A", "lora_B") and isinstance(value, Tensor):
+            modules.setdefault(name, {})[ab] = value
+    if not modules:
+        raise UserError(f"{path} holds no LoRA weights (no keys ending in .lora_A / .lora_B)")
+    return modules, meta
+
+
+def load_lora(model: dualAR.DualAR, path, alpha=None, dropout=0.0) -> list:
+    """LoRA weights from one of our runs (folder or lora.safetensors) or upstream's (keys
+    model.<module>.lora_A / lora_B; safetensors or a torch file with `state_dict`). Wraps the modules the
+    file names if the model has no LoRA yet. alpha: from the file's metadata, else this, else 16."""
+    path = Path(path)
+    path = path / LORA_FILE if path.is_dir() else path
+    if not path.is_file():
+        raise UserError(f"LoRA weights {path} not found")
+    modules, meta = read_lora_file(path)
+    alpha = float(meta.get("alpha", alpha or ALPHA))
+    targets = set(lora_targets(model))
+    for name, ab in modules.items():
+        if name not in targets:
+            raise UserError(f"{path}: LoRA for {name!r}, a module the base checkpoint does not have (or that"
+                            " is not a LoRA target) — weights for another model?")
+        if len(ab) != 2:
+            raise UserError(f"{path}: {name} has {list(ab)[0]} but not its pair")
+    rank = next(iter(modules.values()))["lora_A"].shape[0]
+    if not lora_modules(model):
+        add_lora(model, rank, alpha, dropout, names=[n for n in lora_targets(model) if n in modules])
+    have = lora_modules(model)
+    if set(have) != set(modules):
+        raise UserError(f"{path} has LoRA for {len(modules)} modules, the model for {len(have)}")
+    for name, m in have.items():
+        for ab in ("lora_A", "lora_B"):
+            want, got = getattr(m, ab), modules[name][ab]
+            if got.shape != want.shape:
+                raise UserError(f"{path}: {name}.{ab} has shape {list(got.shape)}, the base checkpoint needs"
+                                f" {list(want.shape)} — weights for another model or rank?")
+            with torch.no_grad():
+                want.copy_(got)
+    return [p for m in have.values() for p in (m.lora_A, m.lora_B)]
+
+
+@torch.no_grad()
+def merge_lora(model: dualAR.DualAR) -> dualAR.DualAR:
+    """Fold every LoRA into its weight as upstream does: W' = W + B A alpha/r (embeddings: transposed),
+    computed in fp32 and kept in fp32 (upstream's LoRA modules are fp32); other weights keep their dtype."""
+    for name, m in lora_modules(model).items():
+        weight = nn.Parameter(m.weight.float() + m.delta(), requires_grad=False)
+        if isinstance(m, LoRAEmbedding):
+            plain = nn.Embedding.from_pretrained(weight, freeze=True)
+        else:
+            with torch.device("meta"):
+                plain = nn.Linear(weight.shape[1], weight.shape[0], bias=m.bias is not None)
+            plain.weight, plain.bias = weight, m.bias
+        set_module(model, name, plain)
+    return model
+
+
+# ----------------------------------------------------------------------------- samples
+def sample_tokens(model: dualAR.DualAR, text: str, codes) -> tuple:
+    """One training sample as upstream packs it -> (inputs, labels), each (1 + num_codebooks, T).
+
+    system and user turns and the assistant role header carry no loss; `<|voice|>`, the codes and
+    `<|im_end|>\\n` do. Labels are the tokens shifted by one; their code rows hold the codes where the
+    label is semantic, -100 elsewhere."""
+    cfg = model.config
+    turns = ["<|im_start|>system\n", SYSTEM_PROMPT, "<|im_end|>\n",
+             "<|im_start|>user\n", text, "<|im_end|>\n"]
+    prompt = dualAR.encode_pieces(model, turns + ["<|im_start|>assistant\n"])
+    target = dualAR.encode_pieces(model, ["<|voice|>", torch.as_tensor(codes), "<|im_end|>\n"])
+    tokens = torch.cat([prompt, target], dim=1)
+    ids = tokens[0]
+    semantic = (ids >= cfg["semantic_begin_id"]) & (ids <= cfg["semantic_end_id"])
+    labels = torch.where(semantic, tokens, IGNORE)
+    labels[0] = torch.cat([torch.full_like(prompt[0], IGNORE), target[0]])
+    labels = labels[:, 1:].clone()
+    labels[1:, -1] = 0  # upstream sets the codebook labels of the last column to its pad code 0
+    return tokens[:, :-1], labels
+
+
+def collate(encoded: list) -> tuple:
+    """[(inputs, labels)] -> right-padded batch (inputs, labels, padding_mask): tokens and codes are
+    padded with 0 (upstream's collator asks the tokenizer for a pad token it lacks, and gets 0), labels
+    with -100; padding_mask is True at padding."""
+    length = max(x.size(1) for x, _ in encoded)
+    inputs = torch.stack([F.pad(x, (0, length - x.size(1)), value=0) for x, _ in encoded])
+    labels = torch.stack([F.pad(y, (0, length - y.size(1)), value=IGNORE) for _, y in encoded])
+    padding = torch.stack([torch.arange(length) >= x.size(1) for x, _ in encoded])
+    return inputs, labels, padding
+
+
+def make_batch(model: dualAR.DualAR, samples: list) -> tuple:
+    """[(text, codes (num_codebooks, n))] -> (inputs, labels, padding_mask), as upstream's dataset and
+    collator build them: inputs and labels (B, 1 + num_codebooks, T), padding_mask (B, T)."""
+    return collate([sample_tokens(model, text, codes) for text, codes in samples])
+
+
+# ----------------------------------------------------------------------------- training forward
+def embed(model: dualAR.DualAR, inputs: Tensor) -> Tensor:
+    """Upstream's training embedding: token + summed codebook embeddings at semantic positions, WITHOUT
+    the 1/sqrt(num_codebooks + 1) scale that inference applies (upstream's training embed() lacks it)."""
+    cfg = model.config
+    offsets = torch.arange(cfg["num_codebooks"], device=inputs.device) * cfg["codebook_size"]
+    codes = model.codebook_embeddings(inputs[:, 1:] + offsets[None, :, None]).sum(dim=1)  # (B, S, dim)
+    ids = inputs[:, 0]
+    semantic = (ids >= cfg["semantic_begin_id"]) & (ids <= cfg["semantic_end_id"])
+    return model.embeddings(ids) + torch.where(semantic[..., None], codes, 0.0)
+
+
+def block(layer: nn.Module, x: Tensor, rope: Tensor) -> Tensor:
+    """One slow or fast block over x (B, S, dim): causal attention within x, no KV cache."""
+    causal = torch.ones(x.size(1), x.size(1), dtype=torch.bool, device=x.device).tril()
+    return layer(x, rope, causal, None)
+
+
+def blocks(layers: nn.ModuleList, x: Tensor, rope: Tensor, checkpointing: bool) -> Tensor:
+    for layer in layers:
+        if checkpointing:  # keep only each block's input, recompute the rest in the backward pass
+            x = checkpoint(block, layer, x, rope, use_reentrant=False)
+        else:
+            x = block(layer, x, rope)
+    return x
+
+
+def rope_tables(model: dualAR.DualAR, length: int) -> tuple:
+    """Upstream's bf16-rounded RoPE tables: `length` slow positions, num_codebooks fast positions."""
+    cfg, device = model.config, model.embeddings.weight.device
+    slow = dualAR.rope_table(length, cfg["head_dim"], cfg["rope_base"]).to(device)
+    fast = dualAR.rope_table(cfg["num_codebooks"], cfg["fast_head_dim"], cfg["rope_base"]).to(device)
+    return slow, fast
+
+
+def head_loss_sum(model: dualAR.DualAR, h: Tensor, labels: Tensor) -> Tensor:
+    if model.config["tie_word_embeddings"]:  # the raw table: the embeddings' LoRA does not reach the head
+        logits = F.linear(h, model.embeddings.weight)
+    else:
+        logits = model.output(h)
+    return F.cross_entropy(logits.float(), labels, reduction="sum")
+
+
+def head_loss(model: dualAR.DualAR, h: Tensor, labels: Tensor, checkpointing: bool) -> Tensor:
+    """Mean cross-entropy of the slow logits at h (N, dim). With checkpointing, HEAD_CHUNK positions at a
+    time, each slice recomputed in the backward pass, so only one slice of logits is ever held."""
+    if not checkpointing:
+        return head_loss_sum(model, h, labels) / len(h)
+    total = sum(checkpoint(head_loss_sum, model, h[i:i + HEAD_CHUNK], labels[i:i + HEAD_CHUNK],
+                           use_reentrant=False) for i in range(0, len(h), HEAD_CHUNK))
+    return total / len(h)
+
+
+def training_loss(model: dualAR.DualAR, inputs: Tensor, labels: Tensor, padding_mask=None,
+                  checkpointing=False) -> dict:
+    """Upstream's loss: cross-entropy of the slow logits (full vocabulary) on label row 0, plus that of
+    the fast logits on the codes, at positions whose label is semantic. The fast model reads the
+    final-normed slow hidden state there, then the label codes 0..8, and predicts codes 0..9.
+
+    Right padding (as make_batch builds it) never reaches a real position through causal attention,
+    so padding_mask changes nothing where labels are and only its shape is checked."""
+    cfg = model.config
+    if padding_mask is not None and (padding_mask[:, :-1] & ~padding_mask[:, 1:]).any():
+        raise ValueError("padding_mask: padding must be at the end of each row (right padding)")
+    slow_rope, fast_rope = rope_tables(model, inputs.size(-1))
+    x = blocks(model.layers, embed(model, inputs), slow_rope, checkpointing)
+    h = model.norm(x)
+    token_labels = labels[:, 0]
+    scored = token_labels != IGNORE
+    base_loss = head_loss(model, h[scored], token_labels[scored], checkpointing)
+
+    semantic = (token_labels >= cfg["semantic_begin_id"]) & (token_labels <= cfg["semantic_end_id"])
+    hidden = (h if cfg["norm_fastlayer_input"] else x)[semantic]  # (N, dim)
+    if hasattr(model, "fast_project_in"):
+        hidden = model.fast_project_in(hidden)
+    codes = labels[:, 1:].transpose(1, 2)[semantic]  # (N, num_codebooks)
+    y = torch.cat([hidden[:, None], model.fast_embeddings(codes[:, :-1])], dim=1)  # (N, num_codebooks, dim)
+    y = blocks(model.fast_layers, y, fast_rope, checkpointing)
+    codebook_logits = model.fast_output(model.fast_norm(y))
+    semantic_loss = F.cross_entropy(codebook_logits.flatten(0, 1).float(), codes.flatten())
+    return dict(loss=base_loss + semantic_loss, base_loss=base_loss, semantic_loss=semantic_loss)
+
+
+# ----------------------------------------------------------------------------- data
+def listing(paths: list, n=5) -> str:
+    names = ", ".join(str(p) for p in paths[:n])
+    return names + (f" and {len(paths) - n} more" if len(paths) > n else "")
+
+
+def find_items(data_dir: Path) -> dict:
+    """Audio files and .npy codes under data_dir (any sub-folder), by path without suffix ->
+    dict(audio=, codes=, text=) with the same-stem .lab (else .txt) transcript or None."""
+    if not data_dir.is_dir():
+        raise UserError(f"data folder {data_dir} does not exist")
+    items = {}
+    for path in sorted(data_dir.rglob("*")):
+        suffix = path.suffix.lower()
+        kind = "audio" if suffix in codec.AUDIO_EXTENSIONS else "codes" if suffix == ".npy" else None
+        if kind is None or not path.is_file():
+            continue
+        item = items.setdefault(path.with_suffix(""), {})
+        if kind in item:
+            raise UserError(f"{item[kind]} and {path} share the codes file {path.with_suffix('.npy')}:"
+                            " keep one of them")
+        item[kind] = path
+    for stem, item in items.items():
+        texts = [Path(f"{stem}{s}") for s in TRANSCRIPT_SUFFIXES if Path(f"{stem}{s}").is_file()]
+        item["text"] = texts[0] if texts else None
+    return items
+
+
+def without_transcript(items: dict, strict: bool) -> dict:
+    """Drop the items that have no transcript: a warning listing them, or an error with --strict."""
+    missing = [item.get("audio") or item["codes"] for item in items.values() if item["text"] is None]
+    if missing and strict:
+        raise UserError(f"{len(missing)} file(s) have no .lab/.txt transcript (--strict): {listing(missing)}")
+    if missing:
+        print(f"warning: skipped {len(missing)} file(s) without a .lab/.txt transcript: {listing(missing)}",
+              file=sys.stderr)
+    return {stem: item for stem, item in items.items() if item["text"] is not None}
+
+
+def read_text(path: Path) -> str:
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"cannot read transcript {path}: {e}") from None
+    if not text:
+        raise UserError(f"transcript {path} is empty: write what the audio says, or remove the pair")
+    return text
+
+
+def audio_seconds(path: Path) -> float:
+    try:
+        info = sf.info(str(path))
+    except Exception as e:
+        raise UserError(f"{path} is not a readable audio file ({str(e).strip().splitlines()[-1]})") from None
+    if info.frames == 0:
+        raise UserError(f"{path} contains no audio samples")
+    return info.frames / info.samplerate
+
+
+def up_to_date(item: dict) -> bool:
+    codes = item.get("codes")
+    return codes is not None and codes.stat().st_mtime >= item["audio"].stat().st_mtime
+
+
+def prepare(args):
+    """Encode every audio file that has a transcript into <stem>.npy codes next to it, once."""
+    data_dir = Path(args.data_dir)
+    items = {s: it for s, it in find_items(data_dir).items() if "audio" in it}
+    if not items:
+        kinds = " ".join(sorted(codec.AUDIO_EXTENSIONS))
+        raise UserError(f"no audio files under {data_dir} (looked for {kinds})")
+    n_found = len(items)
+    items = without_transcript(items, args.strict)
+    for item in items.values():  # check everything before writing anything
+        read_text(item["text"])
+        item["seconds"] = audio_seconds(item["audio"])
+        if not os.access(item["audio"].parent, os.W_OK):
+            raise UserError(f"cannot write codes next to {item['audio']}: the folder is not writable")
+    todo = [item for item in items.values() if not up_to_date(item)]
+    start = time.perf_counter()
+    if todo:
+        device = codec.pick_device(args.device)
+        try:
+            dac = codec.load(args.checkpoint, device, codec.pick_dtype(None, device))
+        except (ValueError, OSError) as e:
+            raise UserError(str(e)) from None
+        for item in tqdm(todo, desc="encode", unit="file"):
+            try:
+                codes = codec.encode(dac, codec.load_audio(item["audio"]).to(device))[0]
+                codec.save_codes(item["audio"].with_suffix(".npy"), codes)
+            except (ValueError, OSError) as e:
+                raise UserError(str(e)) from None
+    wall = time.perf_counter() - start
+    hours = sum(item["seconds"] for item in items.values()) / 3600
+    print(f"prepared {len(items)} of {n_found} audio files ({hours:.3f} h): {len(todo)} encoded in"
+          f" {wall:.1f} s, {len(items) - len(todo)} already had codes, {n_found - len(items)} skipped"
+          " (no transcript)")
+
+
+def load_samples(data_dir: Path, model: dualAR.DualAR, strict=False, max_length=None) -> list:
+    """Every prepared (codes + transcript) pair under data_dir -> [(name, text, codes)]."""
+    cfg = model.config
+    items = find_items(data_dir)
+    if not items:
+        raise UserError(f"no audio files or .npy codes under {data_dir}")
+    items = without_transcript(items, strict)
+    stale = [it["audio"] for it in items.values() if "audio" in it and not up_to_date(it)]
+    if stale:
+        raise UserError(f"{len(stale)} audio file(s) have no up-to-date codes ({listing(stale, 2)}):"
+                        f" run `python train_lora.py prepare {data_dir}` first")
+    samples, too_long = [], []
+    for stem, item in items.items():
+        try:
+            codes = codec.read_codes(item["codes"], rows=cfg["num_codebooks"], vocab=cfg["codebook_size"])
+        except (ValueError, OSError) as e:
+            raise UserError(str(e)) from None
+        name, text = str(stem.relative_to(data_dir)), read_text(item["text"])
+        if max_length and sample_tokens(model, text, codes)[0].size(1) > max_length:
+            too_long.append(name)
+            continue
+        samples.append((name, text, codes))
+    if too_long:
+        print(f"warning: skipped {len(too_long)} sample(s) longer than --max-length {max_length} tokens:"
+              f" {listing(too_long)}", file=sys.stderr)
+    if not samples:
+        raise UserError(f"no usable samples under {data_dir}")
+    return samples
+
+
+# ----------------------------------------------------------------------------- training loop
+def lr_at(step: int, lr: float, warmup: int) -> float:
+    """Linear warm-up over `warmup` optimizer steps, then constant (upstream's schedule, 1-based)."""
+    return lr * min(1.0, (step + 1) / max(1, warmup))
+
+
+def batch_indices(n: int, batch_size: int, seed: int, k: int) -> list:
+    """Sample indices of micro-batch k: every epoch visits the samples in an order drawn from (seed,
+    epoch) alone, so a resumed run sees the same batches without storing the data order."""
+    per_epoch = -(-n // batch_size)
+    epoch, j = divmod(k, per_epoch)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch)).tolist()
+    return order[j * batch_size:(j + 1) * batch_size]
+
+
+def autocast(device):
+    """bf16 autocast on CUDA (LoRA weights stay fp32), plain fp32 elsewhere."""
+    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+
+
+@torch.no_grad()
+def validation_loss(model, samples: list, batch_size: int, device) -> float:
+    model.eval()
+    losses = []
+    for i in range(0, len(samples), batch_size):
+        inputs, labels, _ = make_batch(model, [(t, c) for _, t, c in samples[i:i + batch_size]])
+        with autocast(device):
+            losses.append(training_loss(model, inputs.to(device), labels.to(device))["loss"].item())
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def write_atomic(path: Path, write):
+    """Write through a temp file in the same folder: a crash never leaves a half-written file."""
+    tmp = path.with_name(f".{path.name}.part")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror or e}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def save_lora(path: Path, model: nn.Module):
+    """Our LoRA file: upstream's keys, fp32, with rank and alpha as metadata."""
+    from safetensors.torch import save_file
+    m = next(iter(lora_modules(model).values()))
+    meta = dict(rank=str(m.lora_A.shape[0]), alpha=str(m.scaling * m.lora_A.shape[0]))
+    write_atomic(path, lambda tmp: save_file(lora_state_dict(model), str(tmp), metadata=meta))
+
+
+def save_state(out: Path, model, optimizer, step: int):
+    """Everything a resumed run needs to continue bit for bit: LoRA, AdamW, step, random states."""
+    rng = dict(torch=torch.get_rng_state())
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    state = dict(step=step, lora=lora_state_dict(model), optimizer=optimizer.state_dict(), rng=rng)
+    write_atomic(out / STATE_FILE, lambda tmp: torch.save(state, tmp))
+    save_lora(out / LORA_FILE, model)
+
+
+def load_state(out: Path, model, optimizer) -> int:
+    try:
+        state = torch.load(out / STATE_FILE, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise UserError(f"cannot read {out / STATE_FILE}: {str(e).strip().splitlines()[0]}") from None
+    with torch.no_grad():
+        for name, m in lora_modules(model).items():
+            m.lora_A.copy_(state["lora"][f"model.{name}.lora_A"])
+            m.lora_B.copy_(state["lora"][f"model.{name}.lora_B"])
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"]["torch"])
+    if "cuda" in state["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    return state["step"]
+
+
+RUN_SETTINGS = ("checkpoint", "rank", "alpha", "dropout", "lr", "warmup", "batch_size", "grad_accum",
+                "max_length", "val_size", "seed", "checkpointing")
+
+
+def check_out(args) -> dict:
+    """--out must be a new or empty folder we can write, or (with --resume) one of our runs.
+    -> the run's settings: the command line's, or with --resume the stored ones."""
+    out = Path(args.out)
+    existing = out.exists() and (not out.is_dir() or any(out.iterdir()))
+    if args.resume:
+        if not (out / RUN_FILE).is_file() or not (out / STATE_FILE).is_file():
+            raise UserError(f"--resume: {out} holds no run with a checkpoint ({RUN_FILE} + {STATE_FILE})")
+        try:
+            return json.loads((out / RUN_FILE).read_text())
+        except ValueError as e:
+            raise UserError(f"cannot read {out / RUN_FILE}: {e}") from None
+    if existing:
+        what = "another run" if (out / RUN_FILE).exists() else "other files"
+        raise UserError(f"--out {out} already holds {what}: pass --resume to continue it, or another --out")
+    parent = out
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise UserError(f"--out {out} is not writable ({parent} is not a writable folder)")
+    return {k: getattr(args, k) for k in RUN_SETTINGS}
+
+
+def split(samples: list, val_size, seed: int) -> tuple:
+    n_val = max(1, round(0.05 * len(samples))) if val_size is None else val_size
+    if n_val >= len(samples):
+        raise UserError(f"{len(samples)} sample(s) and --val-size {n_val}: need at least one training sample")
+    order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
+    held_out = sorted((samples[i] for i in order[:n_val]), key=lambda s: s[0])
+    return [samples[i] for i in order[n_val:]], held_out
+
+
+def log_metrics(out: Path, record: dict):
+    with open(out / METRICS_FILE, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def keep_metrics_up_to(out: Path, step: int):
+    """On resume: drop metrics logged after the checkpoint (they will be logged again)."""
+    path = out / METRICS_FILE
+    lines = path.read_text().splitlines() if path.exists() else []
+    kept = []
+    for line in lines:
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line cut short by a crash
+            continue
+        if record["step"] <= step:
+            kept.append(line + "\n")
+    write_atomic(path, lambda tmp: tmp.write_text("".join(kept)))
+
+
+def start_run(args) -> tuple:
+    """-> (run settings, model with LoRA, its LoRA parameters, AdamW, training and validation samples,
+    step), the run folder set up (fresh) or read back (--resume)."""
+    run = check_out(args)
+    out, device = Path(args.out), codec.pick_device(args.device)
+    model = dualAR.load(run["checkpoint"], device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    samples = load_samples(Path(args.data_dir), model, args.strict, run["max_length"])
+    names = [name for name, _, _ in samples]
+    if args.resume and names != run["samples"]:
+        raise UserError(f"the samples under {args.data_dir} changed since {out} started:"
+                        " resume with the same data, or start a new run")
+    train_set, val_set = split(samples, run["val_size"], run["seed"])
+    torch.manual_seed(run["seed"])
+    params = add_lora(model, run["rank"], run["alpha"], run["dropout"])
+    optimizer = torch.optim.AdamW(params, lr=run["lr"], betas=BETAS, eps=EPS, weight_decay=0.0)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.resume:
+        step = load_state(out, model, optimizer)
+        keep_metrics_up_to(out, step)
+    else:
+        step = 0
+        run.update(samples=names, checkpoint=str(run["checkpoint"]))
+        write_atomic(out / RUN_FILE, lambda tmp: tmp.write_text(json.dumps(run, indent=1)))
+        save_state(out, model, optimizer, step)  # resumable from the start
+    n_params = sum(p.numel() for p in params) / 1e6
+    print(f"{len(train_set)} training + {len(val_set)} validation samples, {n_params:.2f} M LoRA parameters"
+          f" (rank {run['rank']}), {device}", file=sys.stderr)
+    return run, model.train(), params, optimizer, train_set, val_set, step
+
+
+def optimizer_step(model, params, optimizer, run: dict, train_set: list, step: int) -> tuple:
+    """Optimizer step `step` (0-based): grad_accum micro-batches -> (mean loss, lr, real tokens seen)."""
+    device = params[0].device
+    lr = lr_at(step, run["lr"], run["warmup"])
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    loss, tokens = 0.0, 0
+    for micro in range(run["grad_accum"]):
+        k = step * run["grad_accum"] + micro
+        batch = [train_set[i] for i in batch_indices(len(train_set), run["batch_size"], run["seed"], k)]
+        inputs, labels, padding = make_batch(model, [(text, codes) for _, text, codes in batch])
+        with autocast(device):
+            result = training_loss(model, inputs.to(device), labels.to(device),
+                                   checkpointing=run["checkpointing"])
+        (result["loss"] / run["grad_accum"]).backward()
+        loss += result["loss"].item() / run["grad_accum"]
+        tokens += int((~padding).sum())
+    torch.nn.utils.clip_grad_norm_(params, CLIP)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss, lr, tokens
+
+
+def train(args):
+    run, model, params, optimizer, train_set, val_set, step = start_run(args)
+    out, device, first_step = Path(args.out), params[0].device, step
+    vals = []
+    if not args.resume and val_set:
+        vals.append(validation_loss(model, val_set, run["batch_size"], device))
+        log_metrics(out, dict(step=0, val_loss=vals[-1]))
+    losses, tokens, start = [], 0, time.perf_counter()
+    bar = tqdm(total=args.max_steps, initial=step, unit="step", desc="train")
+    try:
+        while step < args.max_steps:
+            t0 = time.perf_counter()
+            loss, lr, n = optimizer_step(model, params, optimizer, run, train_set, step)
+            step, tokens = step + 1, tokens + n
+            losses.append(loss)
+            log_metrics(out, dict(step=step, loss=loss, lr=lr))
+            bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", s_step=f"{time.perf_counter() - t0:.2f}")
+            bar.update()
+            if val_set and (step % args.val_every == 0 or step == args.max_steps):
+                vals.append(validation_loss(model, val_set, run["batch_size"], device))
+                log_metrics(out, dict(step=step, val_loss=vals[-1]))
+                bar.write(f"step {step}: val_loss {vals[-1]:.4f}")
+            if step % args.save_every == 0 or step == args.max_steps:
+                save_state(out, model, optimizer, step)
+    except KeyboardInterrupt:
+        bar.close()
+        raise UserError(f"interrupted at step {step}: continue from the last checkpoint with --resume") \
+            from None
+    bar.close()
+    if not losses:
+        print(f"{out} is already at step {step} (--max-steps {args.max_steps}): nothing to do")
+        return
+    wall = time.perf_counter() - start
+    val = f", val_loss {vals[0]:.4f} -> {vals[-1]:.4f}" if len(vals) > 1 else ""
+    steps = step - first_step
+    print(f"{steps} steps in {wall:.1f} s: {steps / wall:.2f} steps/s, {tokens / wall:.0f} tokens/s,"
+          f" loss {losses[0]:.4f} -> {losses[-1]:.4f}{val}; wrote {out / LORA_FILE}")
+
+
+# ----------------------------------------------------------------------------- merge and export
+def flat_config(model: dualAR.DualAR) -> dict:
+    """Upstream's own `dual_ar` config.json (flat), which both upstream and dualAR.py read."""
+    cfg = model.config
+    return dict(model_type="dual_ar", **{k: cfg[k] for k in FLAT_KEYS if k in cfg})
+
+
+def merged_state(model: dualAR.DualAR) -> dict:
+    return {name: p.detach().cpu().contiguous() for name, p in model.named_parameters()}
+
+
+def save_hf_weights(state: dict, folder: Path):
+    """model.safetensors with the HF key names, or shards of <= SHARD_BYTES + model.safetensors.index.json."""
+    from safetensors.torch import save_file
+    shards, size = [[]], 0
+    for name, tensor in state.items():
+        if shards[-1] and size + tensor.nbytes > SHARD_BYTES:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += tensor.nbytes
+    files = ["model.safetensors"] if len(shards) == 1 else \
+        [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    for file, names in zip(files, shards):
+        save_file({dualAR.hf_name(k): state[k] for k in names}, str(folder / file))
+    if len(shards) > 1:
+        weight_map = {dualAR.hf_name(k): file for file, names in zip(files, shards) for k in names}
+        index = dict(metadata=dict(total_size=sum(t.nbytes for t in state.values())), weight_map=weight_map)
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+
+
+def export(model: dualAR.DualAR, base: Path, folder: Path, fmt: str):
+    """hf: config.json as the base + model.safetensors with the HF key names. dual_ar: upstream's
+    save_pretrained form, a flat config.json + model.pth (torch.save of the state_dict, internal names).
+    Both get the tokenizer and codec files of the base."""
+    state = merged_state(model)
+    if fmt == "hf":
+        shutil.copy(base / "config.json", folder / "config.json")
+        save_hf_weights(state, folder)
+    else:
+        (folder / "config.json").write_text(json.dumps(flat_config(model), indent=4, sort_keys=True))
+        torch.save(state, folder / "model.pth")
+    for name in COPIED_FILES:
+        if (base / name).is_file():
+            shutil.copy(base / name, folder / name)
+
+
+def merge(args):
+    out, base = Path(args.out), Path(args.checkpoint)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise UserError(f"--out {out} already exists and is not empty: choose a new folder")
+    parent = out.parent if out.parent != Path("") else Path(".")
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise UserError(f"--out {out} is not writable ({parent} is not a writable folder)")
+    model = dualAR.load(base, "cpu", None)  # dtype None: every tensor as stored (upstream's merge dtypes)
+    lora = Path(args.lora)
+    load_lora(model, lora, args.alpha)
+    n = len(lora_modules(model))
+    merge_lora(model)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
+    try:
+        export(model, base, tmp, args.format)
+        os.replace(tmp, out)
+    except OSError as e:
+        raise UserError(f"cannot write {out}: {e.strerror or e}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    size = sum(f.stat().st_size for f in out.iterdir()) / 2**30
+    print(f"merged {n} LoRA modules of {lora} into {base}: wrote {out} ({args.format}, {size:.2f} GiB)")
+
+
+# ----------------------------------------------------------------------------- benchmark
+def random_model(cfg: dict, device, dtype) -> dualAR.DualAR:
+    """A DualAR of these dimensions with torch.rand weights, built without an fp32 copy on the way."""
+    tokenizer = dualAR.demo_tokenizer(cfg["codebook_size"])
+    with torch.device("meta"):
+        model = dualAR.DualAR(dict(cfg, **dualAR.special_ids(tokenizer)))
+    torch.manual_seed(0)
+    model.load_state_dict({k: (torch.rand(v.shape, dtype=dtype, device=device) - 0.5) * 0.1
+                           for k, v in model.state_dict().items()}, assign=True)
+    model.tokenizer = tokenizer
+    return model
+
+
+def peak_memory(device) -> str:
+    if device.type == "cuda":
+        return f"peak {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB allocated"
+    import resource
+    return f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB (process so far)"
+
+
+def bench(args):
+    """Training steps/s and peak memory at the real S2-Pro size (or --config) with random weights."""
+    device = codec.pick_device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    cfg = dict(dualAR.read_config(Path(args.config)) if args.config else dualAR.CONFIG)
+    if args.n_layer:
+        cfg["n_layer"] = args.n_layer
+    model = random_model(cfg, device, dtype)
+    params = add_lora(model, RANK, ALPHA, DROPOUT)
+    optimizer = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
+    model.train()
+    text = "The quick brown fox jumps over the lazy dog."
+    frames = args.seq_len - sample_tokens(model, text, torch.zeros(cfg["num_codebooks"], 1))[0].size(1) + 1
+    if frames < 1:
+        raise UserError(f"--seq-len {args.seq_len} leaves no room for codes after the text prompt")
+    codes = torch.randint(0, cfg["codebook_size"], (args.batch_size, cfg["num_codebooks"], frames))
+    inputs, labels, _ = make_batch(model, [(text, c) for c in codes])
+    inputs, labels = inputs.to(device), labels.to(device)
+    n_params = sum(p.numel() for p in model.parameters()) / 1e9
+    print(f"S2-Pro-shaped model ({n_params:.2f} G params, {cfg['n_layer']} slow layers), {dtype}, {device},"
+          f" LoRA rank {RANK} ({sum(p.numel() for p in params) / 1e6:.1f} M), batch {args.batch_size} x"
+          f" {inputs.size(-1)} tokens")
+    for checkpointing in (True, False):
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        try:
+            for i in range(args.steps + 1):  # the first step warms up
+                if i == 1:
+                    dualAR.synchronize(device)
+                    start = time.perf_counter()
+                with autocast(device):
+                    loss = training_loss(model, inputs, labels, checkpointing=checkpointing)["loss"]
+                loss.backward()
+                optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+            dualAR.synchronize(device)
+            rate = args.steps / (time.perf_counter() - start)
+            figures = f"{rate:.3f} steps/s, {rate * inputs[:, 0].numel():.0f} tokens/s, {peak_memory(device)}"
+        except torch.OutOfMemoryError:
+            optimizer.zero_grad(set_to_none=True)
+            figures = f"out of memory ({peak_memory(device)})"
+        print(f"gradient checkpointing {'on ' if checkpointing else 'off'}: {figures}")
+
+
+# ----------------------------------------------------------------------------- CLI
+def parse_args(argv=None):
+    ap = codec.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    device = argparse.ArgumentParser(add_help=False)
+    device.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: cuda > mps > cpu")
+    data = argparse.ArgumentParser(add_help=False, parents=[device])
+    data.add_argument("data_dir", help="folder of audio files (any format soundfile reads, any rate), each"
+                      " with a same-stem .lab or .txt transcript, in any sub-folders")
+    data.add_argument("--checkpoint", default=dualAR.DEFAULT_CHECKPOINT,
+                      help=f"base S2-Pro checkpoint folder (default {dualAR.DEFAULT_CHECKPOINT})")
+    data.add_argument("--strict", action="store_true",
+                      help="a file without transcript is an error (default: a warning, the file is skipped)")
+
+    p = sub.add_parser("prepare", parents=[data], help="encode the audio once into <stem>.npy codes")
+    p.set_defaults(run=prepare)
+
+    t = sub.add_parser("train", parents=[data], help="train a LoRA on the prepared data")
+    t.set_defaults(run=train)
+    t.add_argument("--out", required=True,
+                   help="run folder: run.json, metrics.jsonl, lora.safetensors, state.pt")
+    t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint"
+                   " (its stored settings are used; --max-steps, --val-every and --save-every may change)")
+    t.add_argument("--rank", type=int, default=RANK, help=f"LoRA rank (default {RANK})")
+    t.add_argument("--alpha", type=float, default=ALPHA,
+                   help=f"LoRA alpha, scaling alpha/rank (default {ALPHA})")
+    t.add_argument("--dropout", type=float, default=DROPOUT, help=f"LoRA dropout (default {DROPOUT})")
+    t.add_argument("--lr", type=float, default=LR, help=f"AdamW learning rate (default {LR})")
+    t.add_argument("--warmup", type=int, default=WARMUP, help=f"linear warm-up steps (default {WARMUP})")
+    t.add_argument("--batch-size", type=int, default=4, help="samples per micro-batch (default 4)")
+    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    t.add_argument("--max-steps", type=int, default=1000, help="optimizer steps in all (default 1000)")
+    t.add_argument("--max-length", type=int, default=4096,
+                   help="skip samples longer than this many tokens (default 4096, upstream's)")
+    t.add_argument("--val-size", type=int, help="samples held out for validation (default 5%%, at least 1)")
+    t.add_argument("--val-every", type=int, default=100, help="validate every N steps (default 100)")
+    t.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (default 100)")
+    t.add_argument("--seed", type=int, default=42, help="seeds the LoRA init, data order, split, dropout")
+    t.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
+                   help="keep every activation (faster, much more memory) instead of gradient checkpointing")
+
+    m = sub.add_parser("merge", help="fold a LoRA into the base weights -> a checkpoint folder")
+    m.set_defaults(run=merge)
+    m.add_argument("--checkpoint", default=dualAR.DEFAULT_CHECKPOINT,
+                   help=f"base S2-Pro checkpoint folder (default {dualAR.DEFAULT_CHECKPOINT})")
+    m.add_argument("--lora", required=True, help="one of our run folders, or a LoRA file: ours, or upstream's"
+                   " (keys model.<module>.lora_A / lora_B, safetensors or a torch file with state_dict)")
+    m.add_argument("--out", required=True, help="new folder for the merged checkpoint")
+    m.add_argument("--format", choices=["hf", "dual_ar"], default="hf",
+                   help="hf: config.json + model.safetensors with HF names, as fishaudio/s2-pro (default)."
+                   " dual_ar: upstream's own flat config.json + model.pth")
+    m.add_argument("--alpha", type=float,
+                   help=f"LoRA alpha of a file that does not store it (upstream's; default {ALPHA})")
+
+    b = sub.add_parser("bench", parents=[device], help="training steps/s and peak memory, random weights")
+    b.set_defaults(run=bench)
+    b.add_argument("--config", help="a config.json for smaller dimensions (default: the real S2-Pro)")
+    b.add_argument("--n-layer", type=int, help="override the number of slow layers")
+    b.add_argument("--batch-size", type=int, default=4, help="default 4")
+    b.add_argument("--seq-len", type=int, default=1024, help="tokens per sample (default 1024)")
+    b.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step (default 3)")
+    return ap.parse_args(argv)
+
+
+def check_args(args):
+    positive = ["rank", "batch_size", "grad_accum", "max_steps", "max_length", "val_every", "save_every",
+                "seq_len", "steps", "warmup"]
+    for name in positive:
+        if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
+            raise UserError(f"--{name.replace('_', '-')} must be >= 1")
+    if getattr(args, "val_size", None) is not None and args.val_size < 0:
+        raise UserError("--val-size must be >= 0")
+    if not 0 <= getattr(args, "dropout", 0) < 1:
+        raise UserError("--dropout must be in [0, 1)")
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    check_args(args)
+    args.run(args)
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)

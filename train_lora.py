@@ -245,27 +245,14 @@ def embed(model: dualAR.DualAR, inputs: Tensor) -> Tensor:
     return model.embeddings(ids) + torch.where(semantic[..., None], codes, 0.0)
 
 
-def block(layer: nn.Module, x: Tensor, rope: Tensor) -> Tensor:
-    """One slow or fast block over x (B, S, dim): causal attention within x, no KV cache."""
-    causal = torch.ones(x.size(1), x.size(1), dtype=torch.bool, device=x.device).tril()
-    return layer(x, rope, causal, None)
-
-
 def blocks(layers: nn.ModuleList, x: Tensor, rope: Tensor, checkpointing: bool) -> Tensor:
+    """Slow or fast blocks over x (B, S, dim): causal attention within x (no position: no KV cache)."""
     for layer in layers:
         if checkpointing:  # keep only each block's input, recompute the rest in the backward pass
-            x = checkpoint(block, layer, x, rope, use_reentrant=False)
+            x = checkpoint(layer, x, rope, use_reentrant=False)
         else:
-            x = block(layer, x, rope)
+            x = layer(x, rope)
     return x
-
-
-def rope_tables(model: dualAR.DualAR, length: int) -> tuple:
-    """Upstream's bf16-rounded RoPE tables: `length` slow positions, num_codebooks fast positions."""
-    cfg, device = model.config, model.embeddings.weight.device
-    slow = dualAR.rope_table(length, cfg["head_dim"], cfg["rope_base"]).to(device)
-    fast = dualAR.rope_table(cfg["num_codebooks"], cfg["fast_head_dim"], cfg["rope_base"]).to(device)
-    return slow, fast
 
 
 def head_loss_sum(model: dualAR.DualAR, h: Tensor, labels: Tensor) -> Tensor:
@@ -297,8 +284,7 @@ def training_loss(model: dualAR.DualAR, inputs: Tensor, labels: Tensor, padding_
     cfg = model.config
     if padding_mask is not None and (padding_mask[:, :-1] & ~padding_mask[:, 1:]).any():
         raise ValueError("padding_mask: padding must be at the end of each row (right padding)")
-    slow_rope, fast_rope = rope_tables(model, inputs.size(-1))
-    x = blocks(model.layers, embed(model, inputs), slow_rope, checkpointing)
+    x = blocks(model.layers, embed(model, inputs), model.rope[: inputs.size(-1)], checkpointing)
     h = model.norm(x)
     token_labels = labels[:, 0]
     scored = token_labels != IGNORE
@@ -310,7 +296,7 @@ def training_loss(model: dualAR.DualAR, inputs: Tensor, labels: Tensor, padding_
         hidden = model.fast_project_in(hidden)
     codes = labels[:, 1:].transpose(1, 2)[semantic]  # (N, num_codebooks)
     y = torch.cat([hidden[:, None], model.fast_embeddings(codes[:, :-1])], dim=1)  # (N, num_codebooks, dim)
-    y = blocks(model.fast_layers, y, fast_rope, checkpointing)
+    y = blocks(model.fast_layers, y, model.fast_rope, checkpointing)
     codebook_logits = model.fast_output(model.fast_norm(y))
     semantic_loss = F.cross_entropy(codebook_logits.flatten(0, 1).float(), codes.flatten())
     return dict(loss=base_loss + semantic_loss, base_loss=base_loss, semantic_loss=semantic_loss)
@@ -751,6 +737,7 @@ def random_model(cfg: dict, device, dtype) -> dualAR.DualAR:
     torch.manual_seed(0)
     model.load_state_dict({k: (torch.rand(v.shape, dtype=dtype, device=device) - 0.5) * 0.1
                            for k, v in model.state_dict().items()}, assign=True)
+    model.make_rope()  # the RoPE buffers were built on the meta device too
     model.tokenizer = tokenizer
     return model
 

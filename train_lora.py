@@ -13,7 +13,6 @@ import math
 import os
 import shutil
 import sys
-import tempfile
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -35,6 +34,7 @@ IGNORE = -100  # label of positions without loss (cross_entropy's ignore_index)
 RANK, ALPHA, DROPOUT = 8, 16, 0.01  # upstream's lora config r_8_alpha_16
 LR, WARMUP, BETAS, EPS, CLIP = 1e-4, 10, (0.9, 0.95), 1e-5, 1.0  # upstream's text2semantic_finetune
 HEAD_CHUNK = 1024  # positions per slice of the slow logits (positions x vocabulary: the largest activation)
+FAST_CHUNK = 1024  # semantic positions per slice of the fast model (each is a sequence of num_codebooks)
 SHARD_BYTES = 4 * 2**30  # per exported safetensors file: saving one holds a copy of its bytes in memory
 TRANSCRIPT_SUFFIXES = (".lab", ".txt")
 LORA_FILE, STATE_FILE, RUN_FILE, METRICS_FILE = "lora.safetensors", "state.pt", "run.json", "metrics.jsonl"
@@ -167,15 +167,16 @@ def load_lora(model: dualAR.DualAR, path, alpha=None, dropout=0.0) -> list:
     have = lora_modules(model)
     if set(have) != set(modules):
         raise UserError(f"{path} has LoRA for {len(modules)} modules, the model for {len(have)}")
-    for name, m in have.items():
-        for ab in ("lora_A", "lora_B"):
-            want, got = getattr(m, ab), modules[name][ab]
-            if got.shape != want.shape:
-                raise UserError(f"{path}: {name}.{ab} has shape {list(got.shape)}, the base checkpoint needs"
-                                f" {list(want.shape)} — weights for another model or rank?")
-            with torch.no_grad():
-                want.copy_(got)
-    return [p for m in have.values() for p in (m.lora_A, m.lora_B)]
+    pairs = [(getattr(m, ab), modules[name][ab], f"{name}.{ab}") for name, m in have.items()
+             for ab in ("lora_A", "lora_B")]
+    for want, got, key in pairs:
+        if got.shape != want.shape:
+            raise UserError(f"{path}: {key} has shape {list(got.shape)}, the base checkpoint needs"
+                            f" {list(want.shape)} — weights for another model or rank?")
+    with torch.no_grad():
+        for want, got, _ in pairs:
+            want.copy_(got)
+    return [want for want, _, _ in pairs]
 
 
 @torch.no_grad()
@@ -245,17 +246,20 @@ def embed(model: dualAR.DualAR, inputs: Tensor) -> Tensor:
     return model.embeddings(ids) + torch.where(semantic[..., None], codes, 0.0)
 
 
+def call(fn, *args, checkpointing: bool):
+    """fn(*args). With checkpointing only the arguments are kept: the backward pass runs fn again."""
+    return checkpoint(fn, *args, use_reentrant=False) if checkpointing else fn(*args)
+
+
 def blocks(layers: nn.ModuleList, x: Tensor, rope: Tensor, checkpointing: bool) -> Tensor:
     """Slow or fast blocks over x (B, S, dim): causal attention within x (no position: no KV cache)."""
     for layer in layers:
-        if checkpointing:  # keep only each block's input, recompute the rest in the backward pass
-            x = checkpoint(layer, x, rope, use_reentrant=False)
-        else:
-            x = layer(x, rope)
+        x = call(layer, x, rope, checkpointing=checkpointing)
     return x
 
 
 def head_loss_sum(model: dualAR.DualAR, h: Tensor, labels: Tensor) -> Tensor:
+    """Summed cross-entropy of the slow logits at final-normed hidden states h (N, dim)."""
     if model.config["tie_word_embeddings"]:  # the raw table: the embeddings' LoRA does not reach the head
         logits = F.linear(h, model.embeddings.weight)
     else:
@@ -263,14 +267,10 @@ def head_loss_sum(model: dualAR.DualAR, h: Tensor, labels: Tensor) -> Tensor:
     return F.cross_entropy(logits.float(), labels, reduction="sum")
 
 
-def head_loss(model: dualAR.DualAR, h: Tensor, labels: Tensor, checkpointing: bool) -> Tensor:
-    """Mean cross-entropy of the slow logits at h (N, dim). With checkpointing, HEAD_CHUNK positions at a
-    time, each slice recomputed in the backward pass, so only one slice of logits is ever held."""
-    if not checkpointing:
-        return head_loss_sum(model, h, labels) / len(h)
-    total = sum(checkpoint(head_loss_sum, model, h[i:i + HEAD_CHUNK], labels[i:i + HEAD_CHUNK],
-                           use_reentrant=False) for i in range(0, len(h), HEAD_CHUNK))
-    return total / len(h)
+def fast_loss_sum(model: dualAR.DualAR, y: Tensor, codes: Tensor) -> Tensor:
+    """Summed cross-entropy of the fast logits at the fast model's outputs y (N, num_codebooks, fast_dim)."""
+    logits = model.fast_output(model.fast_norm(y))
+    return F.cross_entropy(logits.flatten(0, 1).float(), codes.flatten(), reduction="sum")
 
 
 def training_loss(model: dualAR.DualAR, inputs: Tensor, labels: Tensor, padding_mask=None,
@@ -279,8 +279,10 @@ def training_loss(model: dualAR.DualAR, inputs: Tensor, labels: Tensor, padding_
     the fast logits on the codes, at positions whose label is semantic. The fast model reads the
     final-normed slow hidden state there, then the label codes 0..8, and predicts codes 0..9.
 
+    With checkpointing, every block and slices of HEAD_CHUNK head positions and FAST_CHUNK fast
+    sequences run again in the backward pass, so that only one slice's activations are held at a time.
     Right padding (as make_batch builds it) never reaches a real position through causal attention,
-    so padding_mask changes nothing where labels are and only its shape is checked."""
+    so padding_mask changes nothing where labels are: it is only checked to be right padding."""
     cfg = model.config
     if padding_mask is not None and (padding_mask[:, :-1] & ~padding_mask[:, 1:]).any():
         raise ValueError("padding_mask: padding must be at the end of each row (right padding)")
@@ -288,17 +290,22 @@ def training_loss(model: dualAR.DualAR, inputs: Tensor, labels: Tensor, padding_
     h = model.norm(x)
     token_labels = labels[:, 0]
     scored = token_labels != IGNORE
-    base_loss = head_loss(model, h[scored], token_labels[scored], checkpointing)
+    h_scored, n = h[scored], int(scored.sum())
+    chunk = HEAD_CHUNK if checkpointing else n
+    base_loss = sum(call(head_loss_sum, model, h_scored[i:i + chunk], token_labels[scored][i:i + chunk],
+                         checkpointing=checkpointing) for i in range(0, n, chunk)) / n
 
     semantic = (token_labels >= cfg["semantic_begin_id"]) & (token_labels <= cfg["semantic_end_id"])
     hidden = (h if cfg["norm_fastlayer_input"] else x)[semantic]  # (N, dim)
     if hasattr(model, "fast_project_in"):
         hidden = model.fast_project_in(hidden)
     codes = labels[:, 1:].transpose(1, 2)[semantic]  # (N, num_codebooks)
-    y = torch.cat([hidden[:, None], model.fast_embeddings(codes[:, :-1])], dim=1)  # (N, num_codebooks, dim)
-    y = blocks(model.fast_layers, y, model.fast_rope, checkpointing)
-    codebook_logits = model.fast_output(model.fast_norm(y))
-    semantic_loss = F.cross_entropy(codebook_logits.flatten(0, 1).float(), codes.flatten())
+    chunk, total = FAST_CHUNK if checkpointing else len(codes), 0.0
+    for i in range(0, len(codes), chunk):
+        y = torch.cat([hidden[i:i + chunk, None], model.fast_embeddings(codes[i:i + chunk, :-1])], dim=1)
+        y = blocks(model.fast_layers, y, model.fast_rope, checkpointing)  # (chunk, num_codebooks, dim)
+        total = total + call(fast_loss_sum, model, y, codes[i:i + chunk], checkpointing=checkpointing)
+    semantic_loss = total / codes.numel()
     return dict(loss=base_loss + semantic_loss, base_loss=base_loss, semantic_loss=semantic_loss)
 
 
@@ -433,7 +440,8 @@ def load_samples(data_dir: Path, model: dualAR.DualAR, strict=False, max_length=
 
 # ----------------------------------------------------------------------------- training loop
 def lr_at(step: int, lr: float, warmup: int) -> float:
-    """Linear warm-up over `warmup` optimizer steps, then constant (upstream's schedule, 1-based)."""
+    """Linear warm-up over `warmup` optimizer steps, then constant: upstream's schedule, counted from 1
+    so that the first step does not run at lr 0."""
     return lr * min(1.0, (step + 1) / max(1, warmup))
 
 
@@ -463,11 +471,19 @@ def validation_loss(model, samples: list, batch_size: int, device) -> float:
     return sum(losses) / len(losses)
 
 
+def usual_permissions(path: Path):
+    """safetensors creates files only their owner can read: give them the permissions of any new file."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
+
+
 def write_atomic(path: Path, write):
     """Write through a temp file in the same folder: a crash never leaves a half-written file."""
     tmp = path.with_name(f".{path.name}.part")
     try:
         write(tmp)
+        usual_permissions(tmp)
         os.replace(tmp, path)
     except OSError as e:
         raise UserError(f"cannot write {path}: {e.strerror or e}") from None
@@ -539,7 +555,8 @@ def check_out(args) -> dict:
 def split(samples: list, val_size, seed: int) -> tuple:
     n_val = max(1, round(0.05 * len(samples))) if val_size is None else val_size
     if n_val >= len(samples):
-        raise UserError(f"{len(samples)} sample(s) and --val-size {n_val}: need at least one training sample")
+        raise UserError(f"{len(samples)} sample(s), {n_val} held out for validation: none left to train on"
+                        " (add samples, or give a smaller --val-size, 0: no validation)")
     order = torch.randperm(len(samples), generator=torch.Generator().manual_seed(seed)).tolist()
     held_out = sorted((samples[i] for i in order[:n_val]), key=lambda s: s[0])
     return [samples[i] for i in order[n_val:]], held_out
@@ -682,6 +699,7 @@ def save_hf_weights(state: dict, folder: Path):
         [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     for file, names in zip(files, shards):
         save_file({dualAR.hf_name(k): state[k] for k in names}, str(folder / file))
+        usual_permissions(folder / file)
     if len(shards) > 1:
         weight_map = {dualAR.hf_name(k): file for file, names in zip(files, shards) for k in names}
         index = dict(metadata=dict(total_size=sum(t.nbytes for t in state.values())), weight_map=weight_map)
@@ -708,7 +726,7 @@ def merge(args):
     out, base = Path(args.out), Path(args.checkpoint)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out} already exists and is not empty: choose a new folder")
-    parent = out.parent if out.parent != Path("") else Path(".")
+    parent = out.parent
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         raise UserError(f"--out {out} is not writable ({parent} is not a writable folder)")
     model = dualAR.load(base, "cpu", None)  # dtype None: every tensor as stored (upstream's merge dtypes)
@@ -716,8 +734,10 @@ def merge(args):
     load_lora(model, lora, args.alpha)
     n = len(lora_modules(model))
     merge_lora(model)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=parent))
+    tmp = parent / f".{out.name}.part"  # written in full, then renamed to --out
+    shutil.rmtree(tmp, ignore_errors=True)
     try:
+        tmp.mkdir()
         export(model, base, tmp, args.format)
         os.replace(tmp, out)
     except OSError as e:

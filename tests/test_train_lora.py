@@ -5,6 +5,8 @@ See tests/fixtures/s2-tiny/README.md, section LoRA, for what each golden is and 
 """
 import json
 import math
+import os
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -112,12 +114,14 @@ def test_batch_from_cases_matches_upstreams_golden_batch():
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_training_loss_with_golden_lora_matches_upstream(checkpointing, monkeypatch):
     monkeypatch.setattr(train_lora, "HEAD_CHUNK", 5)  # 18 scored positions: the head runs in 4 slices
+    monkeypatch.setattr(train_lora, "FAST_CHUNK", 5)  # 12 semantic positions: the fast model in 3
     result = train_lora.training_loss(lora_model(), *golden_batch(), checkpointing=checkpointing)
     assert_losses(result, "train_mode_dropout0")
 
 
 def test_gradient_checkpointing_gives_the_same_gradients(monkeypatch):
     monkeypatch.setattr(train_lora, "HEAD_CHUNK", 5)
+    monkeypatch.setattr(train_lora, "FAST_CHUNK", 5)
     grads = []
     for checkpointing in (False, True):
         model = lora_model()
@@ -204,6 +208,9 @@ def test_merge_hf_gives_a_checkpoint_dualAR_loads_and_generates_with(tmp_path):
                      "--out", str(out)])
     files = {f.name for f in out.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "codec.pth"} <= files
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o666 & ~umask  # not owner-only
     assert "text_model.model.embeddings.weight" in load_file(out / "model.safetensors")
     model = dualAR.load(out)
     want = load_file(GOLDEN / "merged_model.safetensors")["layers.1.attention.wqkv.weight"]

@@ -373,6 +373,13 @@ def up_to_date(item: dict) -> bool:
     return codes is not None and codes.stat().st_mtime >= item["audio"].stat().st_mtime
 
 
+def pick_device(name):
+    try:
+        return codec.pick_device(name)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+
+
 def prepare(args):
     """Encode every audio file that has a transcript into <stem>.npy codes next to it, once."""
     data_dir = Path(args.data_dir)
@@ -390,7 +397,7 @@ def prepare(args):
     todo = [item for item in items.values() if not up_to_date(item)]
     start = time.perf_counter()
     if todo:
-        device = codec.pick_device(args.device)
+        device = pick_device(args.device)
         try:
             dac = codec.load(args.checkpoint, device, codec.pick_dtype(None, device))
         except (ValueError, OSError) as e:
@@ -463,7 +470,7 @@ def autocast(device):
 def validation_loss(model, samples: list, batch_size: int, device) -> float:
     model.eval()
     losses = []
-    for i in range(0, len(samples), batch_size):
+    for i in tqdm(range(0, len(samples), batch_size), desc="validate", unit="batch", leave=False):
         inputs, labels, _ = make_batch(model, [(t, c) for _, t, c in samples[i:i + batch_size]])
         with autocast(device):
             losses.append(training_loss(model, inputs.to(device), labels.to(device))["loss"].item())
@@ -586,7 +593,7 @@ def start_run(args) -> tuple:
     """-> (run settings, model with LoRA, its LoRA parameters, AdamW, training and validation samples,
     step), the run folder set up (fresh) or read back (--resume)."""
     run = check_out(args)
-    out, device = Path(args.out), codec.pick_device(args.device)
+    out, device = Path(args.out), pick_device(args.device)
     model = dualAR.load(run["checkpoint"], device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     samples = load_samples(Path(args.data_dir), model, args.strict, run["max_length"])
     names = [name for name, _, _ in samples]
@@ -771,7 +778,7 @@ def peak_memory(device) -> str:
 
 def bench(args):
     """Training steps/s and peak memory at the real S2-Pro size (or --config) with random weights."""
-    device = codec.pick_device(args.device)
+    device = pick_device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     cfg = dict(dualAR.read_config(Path(args.config)) if args.config else dualAR.CONFIG)
     if args.n_layer:
@@ -787,8 +794,8 @@ def bench(args):
     codes = torch.randint(0, cfg["codebook_size"], (args.batch_size, cfg["num_codebooks"], frames))
     inputs, labels, _ = make_batch(model, [(text, c) for c in codes])
     inputs, labels = inputs.to(device), labels.to(device)
-    n_params = sum(p.numel() for p in model.parameters()) / 1e9
-    print(f"S2-Pro-shaped model ({n_params:.2f} G params, {cfg['n_layer']} slow layers), {dtype}, {device},"
+    n_params = sum(p.numel() for p in model.parameters()) / 1e6
+    print(f"S2-Pro-shaped model ({n_params:.1f} M params, {cfg['n_layer']} slow layers), {dtype}, {device},"
           f" LoRA rank {RANK} ({sum(p.numel() for p in params) / 1e6:.1f} M), batch {args.batch_size} x"
           f" {inputs.size(-1)} tokens")
     for checkpointing in (True, False):
@@ -880,12 +887,14 @@ def parse_args(argv=None):
 
 def check_args(args):
     positive = ["rank", "batch_size", "grad_accum", "max_steps", "max_length", "val_every", "save_every",
-                "seq_len", "steps", "warmup"]
+                "seq_len", "steps"]
     for name in positive:
         if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
-    if getattr(args, "val_size", None) is not None and args.val_size < 0:
-        raise UserError("--val-size must be >= 0")
+    if getattr(args, "val_size", None) is not None and args.val_size < 0 or getattr(args, "warmup", 0) < 0:
+        raise UserError("--val-size and --warmup must be >= 0")
+    if getattr(args, "lr", 1) <= 0:
+        raise UserError("--lr must be > 0")
     if not 0 <= getattr(args, "dropout", 0) < 1:
         raise UserError("--dropout must be in [0, 1)")
 

@@ -858,7 +858,8 @@ def parse_args(argv=None):
     t.add_argument("--val-size", type=int, help="samples held out for validation (default 5%%, at least 1)")
     t.add_argument("--val-every", type=int, default=100, help="validate every N steps (default 100)")
     t.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (default 100)")
-    t.add_argument("--seed", type=int, default=42, help="seeds the LoRA init, data order, split, dropout")
+    t.add_argument("--seed", type=int, default=42,
+                   help="seeds the LoRA init, split, data order and dropout (default 42)")
     t.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
                    help="keep every activation (faster, much more memory) instead of gradient checkpointing")
 

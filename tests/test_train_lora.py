@@ -142,10 +142,10 @@ def test_training_embedding_has_no_inference_scale():
     model = dualAR.load(CKPT)
     inputs = golden_batch()[0][:1]
     x = train_lora.embed(model, inputs)[0]
-    semantic_pos = 36  # first code column of sample 0 (the golden batch's layout)
-    ids, codes = inputs[0, 0], inputs[0, 1:, semantic_pos]
-    assert model.config["semantic_begin_id"] <= ids[semantic_pos] <= model.config["semantic_end_id"]
-    rows = codes + torch.arange(10) * model.config["codebook_size"]
+    ids, cfg = inputs[0, 0], model.config
+    semantic_pos = int(torch.nonzero((ids >= cfg["semantic_begin_id"]) & (ids <= cfg["semantic_end_id"]))[0])
+    codes = inputs[0, 1:, semantic_pos]
+    rows = codes + torch.arange(cfg["num_codebooks"]) * cfg["codebook_size"]
     want = model.embeddings.weight[ids[semantic_pos]] + model.codebook_embeddings.weight[rows].sum(0)
     torch.testing.assert_close(x[semantic_pos], want, rtol=0, atol=1e-6)
     assert torch.equal(x[0], model.embeddings.weight[ids[0]])  # a text position: its codes are ignored

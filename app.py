@@ -1,0 +1,936 @@
+"""fishfast's web demo and speech server: one page, an OpenAI-compatible API and upstream fish-speech's
+/v1/tts, on the standard library's HTTP server.
+
+    python app.py            # -> http://127.0.0.1:7560 (the tiny demo model, noise, if ./s2-pro is absent)
+    curl -s localhost:7560/v1/audio/speech -H 'Content-Type: application/json' \
+        -d '{"input": "Hello!", "response_format": "wav"}' -o hello.wav
+
+One engine thread owns the model (dualAR.Engine: --slots rows, continuous batching). Each HTTP request runs
+in its own thread: it validates, submits, and turns the codes into audio through the codec as they come.
+"""
+import base64
+import binascii
+import email.parser
+import email.policy
+import hmac
+import inspect
+import io
+import json
+import math
+import os
+import re
+import select
+import shutil
+import socket
+import struct
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import numpy as np
+import soundfile as sf
+import soxr
+import torch
+
+import codec
+import dualAR
+
+# ----------------------------------------------------------------------------- limits and validation
+MAX_TEXT = 4096  # characters of text to speak (OpenAI's limit)
+MAX_TRANSCRIPT = 2000  # characters of a reference transcript
+MAX_CLIP_SECONDS = 30
+MAX_BODY = 48 << 20  # bytes: four 30 s 16-bit clips, base64 in JSON, fit with room
+VOICE_NAME = re.compile(r"[A-Za-z0-9_ -]{1,64}")  # upstream's rule for reference ids, at most 64 characters
+SAMPLE_RATE = codec.CONFIG["sample_rate"]
+STREAMABLE = ("wav", "pcm")  # written piece by piece; the others are encoded from the whole waveform
+# response_format -> (soundfile format, subtype, sample rate); opus exists only at 8/12/16/24/48 kHz
+SOUNDFILE_FORMATS = dict(flac=("FLAC", "PCM_16", SAMPLE_RATE), mp3=("MP3", "MPEG_LAYER_III", SAMPLE_RATE),
+                         opus=("OGG", "OPUS", 48000))
+FORMATS = [*STREAMABLE, *(name for name, (f, sub, _) in SOUNDFILE_FORMATS.items() if sf.check_format(f, sub))]
+MEDIA_TYPES = dict(wav="audio/wav", pcm="audio/pcm", flac="audio/flac", mp3="audio/mpeg", opus="audio/ogg")
+ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 500: "server_error", 503: "server_busy"}
+OPENAI_DEFAULTS = dict(temperature=0.7, top_p=0.7, top_k=30, max_new_tokens=0, chunk_length=300)  # the CLI's
+FISH_DEFAULTS = dict(temperature=0.8, top_p=0.8, top_k=30, max_new_tokens=512, chunk_length=200)  # upstream's
+
+
+class HTTPError(Exception):
+    def __init__(self, status: int, message: str, headers=None):
+        super().__init__(message)
+        self.status, self.headers = status, headers or {}
+
+
+def check_voice_name(name) -> str:
+    """The one gate before any path is built from a voice name: no separators, dots or odd characters."""
+    if not isinstance(name, str) or not VOICE_NAME.fullmatch(name) or name.strip() != name:
+        raise dualAR.UserError(f"voice name {str(name)[:80]!r} is not allowed: use 1-64 letters, digits, '_',"
+                               " '-' or inner spaces")
+    return name
+
+
+def check_text(text, what="input", limit=MAX_TEXT) -> str:
+    if not isinstance(text, str) or not text.strip():
+        raise dualAR.UserError(f"{what} is empty: give the text as a non-empty string")
+    if len(text) > limit:
+        raise dualAR.UserError(f"{what} has {len(text)} characters, at most {limit} are allowed")
+    return text
+
+
+def parse_json(body: bytes) -> dict:
+    def no_constant(name):
+        raise ValueError(f"{name} is not a JSON number")
+
+    try:
+        data = json.loads(body, parse_constant=no_constant)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise dualAR.UserError(f"malformed JSON body: {e}") from None
+    if not isinstance(data, dict):
+        raise dualAR.UserError("the JSON body must be an object")
+    return data
+
+
+def parse_form(content_type: str, body: bytes) -> dict:
+    """multipart/form-data -> {field: bytes}, parsed by the standard library's email parser."""
+    message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
+        b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n" + body)
+    if not message.is_multipart():
+        raise dualAR.UserError("malformed multipart/form-data body")
+    fields = {}
+    for part in message.iter_parts():
+        name = part.get_param("name", header="content-disposition")
+        if name:
+            fields[name] = part.get_payload(decode=True) or b""
+    return fields
+
+
+def decode_base64(value, what: str) -> bytes:
+    if not isinstance(value, str) or not value:
+        raise dualAR.UserError(f"{what} must be a base64 string of an audio file")
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise dualAR.UserError(f"{what} is not valid base64") from None
+
+
+def number(body: dict, key: str, default, integer=False, low=None):
+    value = body.get(key, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise dualAR.UserError(f"{key} must be a number, got {json.dumps(value)[:40]}")
+    if integer and value != int(value):
+        raise dualAR.UserError(f"{key} must be an integer, got {value}")
+    if low is not None and value < low:
+        raise dualAR.UserError(f"{key} must be >= {low}, got {value}")
+    return int(value) if integer else float(value)
+
+
+def sampling(body: dict, defaults: dict) -> dict:
+    """The types are checked here, the ranges by dualAR when the request is submitted."""
+    seed = number(body, "seed", None, integer=True, low=0)
+    if seed is not None and seed >= 2**63:
+        raise dualAR.UserError("seed must be < 2**63")
+    return dict(seed=seed, temperature=number(body, "temperature", defaults["temperature"]),
+                top_p=number(body, "top_p", defaults["top_p"]),
+                top_k=number(body, "top_k", defaults["top_k"], integer=True),
+                max_new_tokens=number(body, "max_new_tokens", defaults["max_new_tokens"], integer=True),
+                chunk_length=number(body, "chunk_length", defaults["chunk_length"], integer=True))
+
+
+def clips(items, what="references") -> list:
+    """[{audio: base64, text}] -> [(audio bytes, transcript)]."""
+    if not isinstance(items, list):
+        raise dualAR.UserError(f"{what} must be a list of {{audio, text}} objects")
+    dualAR.check_reference_count(len(items))
+    out = []
+    for i, item in enumerate(items, 1):
+        if not isinstance(item, dict):
+            raise dualAR.UserError(f"{what}[{i}] must be an object {{audio, text}}")
+        text = check_text(item.get("text"), f"reference {i} transcript (text)", MAX_TRANSCRIPT)
+        out.append((decode_base64(item.get("audio"), f"reference {i} audio"), text))
+    return out
+
+
+def response_format(fmt) -> str:
+    if fmt not in FORMATS:
+        raise dualAR.UserError(f"response format {str(fmt)[:20]!r} is not supported here: use one of"
+                               f" {', '.join(FORMATS)}")
+    return fmt
+
+
+def openai_job(body: dict) -> dict:
+    """POST /v1/audio/speech (OpenAI's fields and our extras) -> a job: what to say, how, how to send it."""
+    speed = body.get("speed", 1.0)
+    if isinstance(speed, bool) or speed != 1:
+        raise dualAR.UserError("speed: only 1.0 is supported")
+    stream = body.get("stream_format", "audio")
+    if stream not in ("audio", "sse"):
+        raise dualAR.UserError("stream_format must be 'audio' or 'sse'")
+    voice = body.get("voice")
+    voice = voice.get("id") if isinstance(voice, dict) else voice  # OpenAI's custom voice object {id}
+    references = clips(body.get("references", []))
+    if "ref_audio" in body or "ref_text" in body:
+        references += clips([dict(audio=body.get("ref_audio"), text=body.get("ref_text"))], "ref_audio")
+    fmt = response_format(body.get("response_format", "wav"))
+    return dict(text=check_text(body.get("input")), voice=check_voice_name(voice) if voice else None,
+                clips=references, sampling=sampling(body, OPENAI_DEFAULTS), format=fmt,
+                send="sse" if stream == "sse" else "chunked" if fmt in STREAMABLE else "whole")
+
+
+def fish_job(body: dict) -> dict:
+    """POST /v1/tts, upstream fish-speech's ServeTTSRequest: its defaults, reference_id = a saved voice."""
+    streaming = body.get("streaming", False)
+    if not isinstance(streaming, bool):
+        raise dualAR.UserError("streaming must be true or false")
+    fmt = response_format(body.get("format", "wav"))
+    voice = body.get("reference_id")
+    return dict(text=check_text(body.get("text"), "text"), voice=check_voice_name(voice) if voice else None,
+                clips=clips(body.get("references") or []), sampling=sampling(body, FISH_DEFAULTS), format=fmt,
+                send="chunked" if streaming and fmt in STREAMABLE else "whole")
+
+
+# ----------------------------------------------------------------------------- audio bytes
+def wav_header(data_bytes=0xFFFFFFFF) -> bytes:
+    """16-bit mono PCM WAV header. Streamed, the length is unknown: 0xFFFFFFFF sizes, which players accept."""
+    riff = 0xFFFFFFFF if data_bytes == 0xFFFFFFFF else 36 + data_bytes
+    return (b"RIFF" + struct.pack("<I", riff) + b"WAVEfmt "
+            + struct.pack("<IHHIIHH", 16, 1, 1, SAMPLE_RATE, 2 * SAMPLE_RATE, 2, 16)
+            + b"data" + struct.pack("<I", data_bytes))
+
+
+def pcm16(wave: torch.Tensor) -> bytes:
+    return (wave.float().cpu().clamp(-1, 1) * 32767).round().to(torch.int16).numpy().astype("<i2").tobytes()
+
+
+def audio_file(wave: torch.Tensor, fmt: str) -> bytes:
+    """A whole waveform -> the bytes of one file in `fmt`."""
+    if fmt == "pcm":
+        return pcm16(wave)
+    if fmt == "wav":
+        data = pcm16(wave)
+        return wav_header(len(data)) + data
+    kind, subtype, rate = SOUNDFILE_FORMATS[fmt]
+    samples = np.frombuffer(pcm16(wave), dtype="<i2")  # the wav's very samples: flac is lossless of them
+    if rate != SAMPLE_RATE:
+        samples = soxr.resample(samples, SAMPLE_RATE, rate)
+    out = io.BytesIO()
+    sf.write(out, samples, rate, format=kind, subtype=subtype)
+    return out.getvalue()
+
+
+# ----------------------------------------------------------------------------- the model side
+class App:
+    """The models, the engine and the voices folder; shared by every request thread."""
+
+    def __init__(self, args):
+        self.demo_dir = None
+        if args.checkpoint is None and not Path(dualAR.DEFAULT_CHECKPOINT).exists():
+            self.demo_dir = tempfile.mkdtemp(prefix="fishfast-demo-")
+            dualAR.make_demo_checkpoint(Path(self.demo_dir))
+        self.checkpoint = self.demo_dir or args.checkpoint or dualAR.DEFAULT_CHECKPOINT
+        self.device = codec.pick_device(args.device)
+        dtype = dualAR.DTYPES[args.dtype or ("bf16" if self.device.type == "cuda" else "fp32")]
+        self.model = load_model(self.checkpoint, self.device, dtype, args.quant, args.compile)
+        self.dac = codec.load(self.checkpoint, self.device, torch.float32)  # references encode in fp32
+        self.engine = dualAR.Engine(self.model, slots=args.slots, max_queue=args.queue).start()
+        self.voices, self.api_key = Path(args.voices), args.api_key
+        self.voices_lock = threading.Lock()
+        self.name = "s2-pro" if self.demo_dir is None else "fishfast-demo"
+        self.info = dict(model=self.name, checkpoint=str(self.checkpoint), device=str(self.device),
+                         dtype=str(dtype).replace("torch.", ""), demo=self.demo_dir is not None)
+
+    def close(self):
+        self.engine.close()
+        if self.demo_dir:
+            shutil.rmtree(self.demo_dir, ignore_errors=True)
+
+    def health(self) -> dict:
+        note = dict(note="DEMO: a tiny random model, the audio is noise") if self.demo_dir else {}
+        return dict(status="ok", **self.info, **note, **self.engine.stats())
+
+    # voices: prompt/<name>.npy (codes) or an audio file, + prompt/<name>.txt, the layout the CLI reads
+    def voice_files(self) -> dict:
+        found = dualAR.default_references(self.voices)
+        return {path.stem: path for _, path in found if VOICE_NAME.fullmatch(path.stem)}
+
+    def voice_reference(self, name: str) -> tuple:
+        path = self.voice_files().get(check_voice_name(name))
+        if path is None:
+            known = ", ".join(sorted(self.voice_files())) or "none yet"
+            raise dualAR.UserError(f"unknown voice {name!r} (saved voices: {known}). Save one with"
+                                   " POST /v1/audio/voices, or send no voice for plain text-to-speech")
+        cfg = self.model.config
+        try:
+            if path.suffix == ".npy":
+                codes = codec.read_codes(path, rows=cfg["num_codebooks"], vocab=cfg["codebook_size"])
+            else:
+                codes = codec.encode(self.dac, codec.load_audio(path))[0].cpu()
+            return codes, dualAR.read_transcript(path.with_suffix(".txt"))
+        except (OSError, ValueError) as e:
+            raise HTTPError(500, f"voice {name!r} cannot be read: {e}") from None
+
+    def clip_codes(self, data: bytes, what: str) -> torch.Tensor:
+        """Uploaded audio bytes (any format soundfile reads) -> codes (10, T)."""
+        if not data:
+            raise dualAR.UserError(f"{what} is empty")
+        with tempfile.NamedTemporaryFile(suffix=".clip") as f:  # soundfile tells the format from the bytes
+            f.write(data)
+            f.flush()
+            try:
+                wave = codec.load_audio(f.name)
+            except ValueError:
+                raise dualAR.UserError(f"{what} is not an audio file soundfile can read"
+                                       " (wav, flac, ogg, mp3)") from None
+        if len(wave) > MAX_CLIP_SECONDS * SAMPLE_RATE:
+            raise dualAR.UserError(f"{what} is {len(wave) / SAMPLE_RATE:.1f} s long, at most"
+                                   f" {MAX_CLIP_SECONDS} s are allowed")
+        return codec.encode(self.dac, wave)[0].cpu()
+
+    def references(self, job: dict) -> list:
+        given = [self.voice_reference(job["voice"])] if job["voice"] else []
+        dualAR.check_reference_count(len(given) + len(job["clips"]))  # before any clip is encoded
+        return given + [(self.clip_codes(audio, f"reference {i} audio"), text)
+                        for i, (audio, text) in enumerate(job["clips"], 1)]
+
+    def save_voice(self, name: str, audio: bytes, text: str) -> dict:
+        codes = self.clip_codes(audio, "audio")  # everything is checked before anything is written
+        npy, txt = self.voices / f"{name}.npy", self.voices / f"{name}.txt"
+        with self.voices_lock:
+            if name in self.voice_files():
+                raise HTTPError(409, f"voice {name!r} exists already: delete it first")
+            self.voices.mkdir(parents=True, exist_ok=True)
+            try:
+                codec.save_codes(npy, codes)
+                part = txt.with_name(f".{txt.name}.part")
+                part.write_text(text.strip() + "\n", encoding="utf-8")
+                os.replace(part, txt)  # the voice appears (listed and usable) only once both files exist
+            except (OSError, ValueError) as e:
+                for path in (npy, txt.with_name(f".{txt.name}.part")):
+                    path.unlink(missing_ok=True)
+                raise HTTPError(500, f"cannot save voice {name!r}: {e}") from None
+        return dict(name=name, frames=codes.size(1), seconds=round(codes.size(1) / frame_rate(), 2))
+
+    def delete_voice(self, name: str):
+        with self.voices_lock:
+            if name not in self.voice_files():
+                raise HTTPError(404, f"no voice named {name!r}")
+            for path in self.voices.iterdir():
+                if path.stem == name and path.suffix.lower() in {".npy", ".txt", *codec.AUDIO_EXTENSIONS}:
+                    path.unlink()
+
+    def waves(self, request):
+        """A submitted request's codes chunks -> their waveforms (n * 2048,), decoded as they come."""
+        chunks = (chunk.to(self.device) for chunk in request)
+        for wave in codec.decode_stream(self.dac, chunks):
+            yield wave[0]
+
+    def whole_wave(self, request) -> torch.Tensor:
+        codes = request.codes()
+        return codec.decode(self.dac, codes.to(self.device))[0] if codes.size(1) else torch.zeros(0)
+
+
+def load_model(checkpoint, device, dtype, quant=None, compile=False):
+    """dualAR.load, with --quant/--compile passed on to a dualAR.py that has them."""
+    extra = {key: value for key, value in (("quant", quant), ("compile", compile)) if value}
+    for key in extra:
+        if key not in inspect.signature(dualAR.load).parameters:
+            raise dualAR.UserError(f"--{key}: this dualAR.py has no {key} option yet")
+    return dualAR.load(checkpoint, device, dtype, **extra)
+
+
+def frame_rate() -> float:
+    return SAMPLE_RATE / codec.hop_length()
+
+
+# ----------------------------------------------------------------------------- HTTP
+class Handler(BaseHTTPRequestHandler):
+    """Routes -> validate -> submit -> stream the answer. Every error leaves through `send_json_error`."""
+    protocol_version = "HTTP/1.1"
+    server_version = "fishfast"
+    timeout = 120  # seconds a silent client may hold its thread
+    routes = {"/": dict(GET="page"), "/health": dict(GET="health"), "/v1/models": dict(GET="models"),
+              "/v1/audio/speech": dict(POST="speech"), "/v1/tts": dict(POST="tts"),
+              "/v1/audio/voices": dict(GET="list_voices", POST="save_voice"),
+              "/v1/audio/voices/{name}": dict(DELETE="delete_voice")}
+
+    @property
+    def app(self) -> App:
+        return self.server.app
+
+    def dispatch(self):
+        path = urlsplit(self.path).path
+        route, self.name, self.started = path, None, False
+        if path.startswith("/v1/audio/voices/"):
+            route, self.name = "/v1/audio/voices/{name}", unquote(path[len("/v1/audio/voices/"):])
+        try:
+            methods = self.routes.get(route)
+            if methods is None:
+                raise HTTPError(404, f"no route {path[:100]}: see README for the API")
+            if self.command not in methods:
+                raise HTTPError(405, f"{self.command} is not allowed on {route}: use {', '.join(methods)}",
+                                {"Allow": ", ".join(methods)})
+            if path.startswith("/v1/"):
+                self.authorize()
+            getattr(self, methods[self.command])()
+        except HTTPError as e:
+            self.send_json_error(e.status, str(e), e.headers)
+        except dualAR.UserError as e:
+            self.send_json_error(400, str(e))
+        except dualAR.QueueFull as e:
+            self.send_json_error(503, f"the server is busy: {e}", {"Retry-After": "2"})
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+        except Exception:
+            traceback.print_exc()
+            self.send_json_error(500, "internal error: see the server's log")
+
+    do_GET = do_POST = do_DELETE = do_PUT = do_PATCH = dispatch
+
+    def authorize(self):
+        if self.app.api_key is None:
+            return
+        given = self.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {self.app.api_key}".encode()):
+            raise HTTPError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                            {"WWW-Authenticate": "Bearer"})
+
+    # --- reading
+    def body(self) -> bytes:
+        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
+            raise HTTPError(411, "chunked request bodies are not supported: send Content-Length")
+        try:
+            length = int(self.headers.get("Content-Length", 0))
+        except ValueError:
+            length = -1
+        if not 0 <= length <= MAX_BODY:
+            raise HTTPError(413, f"the request body must be 0 to {MAX_BODY >> 20} MiB")
+        return self.rfile.read(length)
+
+    def content_type(self, *allowed) -> str:
+        kind = self.headers.get_content_type()
+        if kind not in allowed:
+            raise HTTPError(415, f"Content-Type {kind} is not supported here: send {' or '.join(allowed)}")
+        return kind
+
+    def json_body(self) -> dict:
+        self.content_type("application/json")
+        return parse_json(self.body())
+
+    # --- writing
+    def send_json(self, data, status=200, headers=None):
+        body = json.dumps(data).encode()
+        self.send_response(status)
+        for key, value in {"Content-Type": "application/json", **(headers or {})}.items():
+            self.send_header(key, value)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def end_headers(self):
+        self.started = True
+        super().end_headers()
+
+    def send_json_error(self, status: int, message: str, headers=None):
+        self.close_connection = True  # the request's body may be left unread
+        if getattr(self, "started", False):  # too late for a status: the client sees a cut-off body
+            return
+        kind = ERROR_TYPES.get(status, "invalid_request_error")
+        headers = {"Connection": "close", **(headers or {})}
+        self.send_json(dict(error=dict(message=message, type=kind)), status, headers)
+
+    def send_error(self, code, message=None, explain=None):
+        """The base class's own errors (bad request line, oversized headers) as JSON too."""
+        self.send_json_error(code, message or self.responses.get(code, ("error",))[0])
+
+    def send_bytes(self, body: bytes, media_type: str):
+        self.send_response(200)
+        self.send_header("Content-Type", media_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def write_chunk(self, data: bytes):
+        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
+
+    # --- routes
+    def page(self):
+        self.send_bytes(render_page(self.app).encode(), "text/html; charset=utf-8")
+
+    def health(self):
+        self.send_json(self.app.health())
+
+    def models(self):
+        self.send_json(dict(object="list", data=[dict(id=self.app.name, object="model", created=0,
+                                                      owned_by="fishaudio")]))
+
+    def list_voices(self):
+        self.send_json(dict(voices=sorted(self.app.voice_files())))
+
+    def save_voice(self):
+        kind = self.content_type("application/json", "multipart/form-data")
+        body = self.body()
+        if kind == "application/json":
+            data = parse_json(body)
+        else:
+            data = parse_form(self.headers["Content-Type"], body)
+            data = {key: value if key == "audio" else value.decode("utf-8", "replace")
+                    for key, value in data.items()}
+        name = check_voice_name(data.get("name"))
+        text = check_text(data.get("text"), "text (the clip's transcript)", MAX_TRANSCRIPT)
+        audio = decode_base64(data.get("audio"), "audio") if kind == "application/json" else data.get("audio")
+        self.send_json(self.app.save_voice(name, audio, text), 201)
+
+    def delete_voice(self):
+        name = check_voice_name(self.name)
+        self.app.delete_voice(name)
+        self.send_json(dict(deleted=name))
+
+    def speech(self):
+        self.answer(openai_job(self.json_body()))
+
+    def tts(self):
+        self.answer(fish_job(self.json_body()))
+
+    def answer(self, job: dict):
+        """Submit the job, then send its audio: whole, as raw chunked bytes, or as server-sent events."""
+        references = self.app.references(job)
+        request = self.app.engine.submit(dict(text=job["text"], references=references, **job["sampling"]))
+        start, prompt_tokens = time.perf_counter(), request.prompt.size(1)
+        self.watch(request)
+        try:
+            if job["send"] == "whole":
+                wave = self.app.whole_wave(request)  # a late error is still a clean 400
+                self.send_bytes(audio_file(wave, job["format"]), MEDIA_TYPES[job["format"]])
+                samples = len(wave)
+            else:
+                samples = self.stream(request, job, prompt_tokens)
+        except (BrokenPipeError, ConnectionResetError):
+            self.close_connection = True
+            return
+        finally:
+            request.cancel()  # a no-op once it has finished; frees the row if the client is gone
+        self.log_figures(start, samples)
+
+    def stream(self, request, job: dict, prompt_tokens: int) -> int:
+        fmt, sse = job["format"], job["send"] == "sse"
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream" if sse else MEDIA_TYPES[fmt])
+        self.send_header("Cache-Control", "no-cache")
+        self.send_header("Transfer-Encoding", "chunked")
+        self.end_headers()
+
+        def send(data: bytes):
+            if sse:
+                data = b"data: " + json.dumps({"type": "speech.audio.delta",
+                                               "audio": base64.b64encode(data).decode()}).encode() + b"\n\n"
+            self.write_chunk(data)
+
+        samples = 0
+        try:
+            if fmt == "wav":
+                send(wav_header())
+            if fmt in STREAMABLE:
+                for wave in self.app.waves(request):
+                    send(pcm16(wave))
+                    samples += len(wave)
+            else:  # sse of a format that is encoded whole: one delta
+                wave = self.app.whole_wave(request)
+                send(audio_file(wave, fmt))
+                samples = len(wave)
+        except dualAR.UserError as e:  # failed after the 200 went out: an error event, or a cut-off body
+            self.close_connection = True
+            if sse:
+                self.write_chunk(b"data: " + json.dumps({"type": "error", "error": dict(
+                    message=str(e), type="invalid_request_error")}).encode() + b"\n\n")
+                self.write_chunk(b"")
+            return samples
+        if request.cancelled:  # the client hung up
+            return samples
+        if sse:
+            frames = round(samples / codec.hop_length())
+            usage = dict(input_tokens=prompt_tokens, output_tokens=frames,
+                         total_tokens=prompt_tokens + frames)
+            self.write_chunk(b"data: " + json.dumps({"type": "speech.audio.done", "usage": usage}).encode()
+                             + b"\n\n")
+        self.write_chunk(b"")
+        return samples
+
+    def watch(self, request):
+        """Cancel `request` as soon as the client hangs up, even while it waits in the queue: a thread that
+        peeks at the socket until the request is done."""
+        sock = self.connection
+
+        def run():
+            while not request.done:
+                if select.select([sock], [], [], 0.05)[0]:
+                    try:
+                        gone = not sock.recv(1, socket.MSG_PEEK)
+                    except OSError:
+                        gone = True
+                    if gone:
+                        request.cancel()
+                    return  # bytes from the client (a next request): it is still there
+
+        threading.Thread(target=run, name="fishfast-watch", daemon=True).start()
+
+    def log_figures(self, start: float, samples: int):
+        wall, seconds = time.perf_counter() - start, samples / SAMPLE_RATE
+        frames = samples / codec.hop_length()
+        self.log_message("%s: %d frames, %.2f s of audio in %.2f s: %.1f frames/s, RTF %.3f", self.path,
+                         frames, seconds, wall, frames / max(wall, 1e-9), wall / max(seconds, 1e-9))
+
+
+class Server(ThreadingHTTPServer):
+    def __init__(self, address, app: App):
+        self.app = app
+        super().__init__(address, Handler)
+
+
+# ----------------------------------------------------------------------------- the page
+def render_page(app: App) -> str:
+    banner = ""
+    if app.info["demo"]:
+        banner = ('<p class="demo">DEMO: no checkpoint found, so a tiny RANDOM model is running and the audio'
+                  f' is NOISE. For speech, download fishaudio/s2-pro into {dualAR.DEFAULT_CHECKPOINT}'
+                  ' (see README).</p>')
+    config = dict(sampleRate=SAMPLE_RATE, hop=codec.hop_length(), auth=app.api_key is not None,
+                  model=f"{app.info['model']} on {app.info['device']} ({app.info['dtype']})",
+                  maxReferences=dualAR.MAX_REFERENCES)
+    config = json.dumps(config).replace("<", "\\u003c")  # nothing in it can close the <script>
+    return PAGE.replace("{{banner}}", banner).replace("{{config}}", config)
+
+
+PAGE = r"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>fishfast: S2-Pro text-to-speech</title>
+<style>
+body { font: 15px/1.45 system-ui, sans-serif; color: #1d2330; background: #f4f6f9; max-width: 860px;
+       margin: 1.2rem auto; padding: 0 1rem; }
+[hidden] { display: none !important; }
+h1 { font-size: 1.35rem; margin: 0; } .sub { color: #5b6475; margin: .1rem 0 .8rem; }
+.demo { background: #b3261e; color: #fff; padding: .6rem .8rem; border-radius: 6px; font-weight: 600; }
+section { background: #fff; border: 1px solid #d9dee7; border-radius: 8px; padding: .8rem 1rem;
+          margin: .7rem 0; }
+textarea { width: 100%; box-sizing: border-box; min-height: 5.5rem; font: inherit; padding: .4rem; }
+input, select { font: inherit; padding: .2rem .3rem; }
+.hint { font-size: .82rem; color: #6b7385; }
+code { background: #eef1f6; padding: 0 .2rem; border-radius: 3px; }
+.row { display: flex; gap: .7rem; flex-wrap: wrap; align-items: end; margin: .3rem 0; }
+.row label { display: flex; flex-direction: column; font-size: .85rem; color: #434b5c; }
+input[type=number] { width: 5.5rem; }
+.clip { display: grid; grid-template-columns: 13rem 1fr 9rem auto auto; gap: .4rem; margin: .4rem 0; }
+button { font: inherit; padding: .3rem .8rem; border-radius: 6px; border: 1px solid #9aa3b5; background: #fff;
+         cursor: pointer; }
+button.primary { background: #1f5fd1; border-color: #1f5fd1; color: #fff; font-weight: 600; }
+button:disabled { opacity: .5; cursor: default; }
+audio { width: 100%; margin: .5rem 0 .2rem; }
+#figures { font-variant-numeric: tabular-nums; color: #2b3342; }
+#error { color: #b3261e; white-space: pre-wrap; } #message { color: #1d7a3a; }
+</style></head>
+<body>
+<h1>fishfast</h1>
+<p class="sub">Fish Audio S2-Pro text-to-speech &middot; <span id="model"></span></p>
+{{banner}}
+<section>
+  <textarea id="text" placeholder="Type what to say. Hello! This is my cloned voice."></textarea>
+  <div class="hint">A dialogue: <code>&lt;|speaker:0|&gt;Hi, Bob.&lt;|speaker:1|&gt;Hi, Alice!</code>
+    &mdash; speaker N speaks in the Nth voice below (the saved voice first, then the clips).</div>
+</section>
+<section>
+  <div class="row">
+    <label>Voice <select id="voice"><option value="">none: plain text-to-speech</option></select></label>
+    <button id="delete-voice" type="button">Delete voice</button>
+    <label id="key-label" hidden>API key <input id="api-key" type="password" autocomplete="off"></label>
+  </div>
+  <div id="clips"></div>
+  <button id="add-clip" type="button">+ reference clip</button>
+  <span class="hint">1&ndash;4 clips of a few seconds (wav, flac, ogg, mp3), each with its transcript;
+    a clip can be saved as a voice.</span>
+</section>
+<section>
+  <div class="row">
+    <label>temperature
+      <input id="temperature" type="number" value="0.7" min="0.05" max="1.95" step="0.05"></label>
+    <label>top-p <input id="top_p" type="number" value="0.7" min="0.05" max="1" step="0.05"></label>
+    <label>top-k <input id="top_k" type="number" value="30" min="0" step="1"></label>
+    <label>seed <input id="seed" type="number" placeholder="random" min="0" step="1"></label>
+    <label>max frames <input id="max_new_tokens" type="number" value="0" min="0" step="1"></label>
+    <span class="hint">max frames: 0 = until the model stops; 21.5 frames = 1 s</span>
+  </div>
+</section>
+<section>
+  <div class="row">
+    <button id="generate" class="primary" type="button">Generate</button>
+    <button id="stop" type="button" disabled>Stop</button>
+    <a id="download" download="fishfast.wav" hidden>Download WAV</a>
+  </div>
+  <audio id="audio" controls></audio>
+  <div id="figures"></div>
+  <div id="message"></div>
+  <div id="error" role="alert"></div>
+</section>
+<script>
+const CONFIG = {{config}};
+const $ = id => document.getElementById(id);
+const player = window.player = {state: 'idle'};  // read by the browser test
+
+function say(error, message) {
+  $('error').textContent = error || '';
+  $('message').textContent = message || '';
+}
+function headers(json) {
+  const h = json ? {'Content-Type': 'application/json'} : {};
+  if ($('api-key').value) h.Authorization = 'Bearer ' + $('api-key').value;
+  return h;
+}
+async function errorOf(res) {
+  try { return (await res.json()).error.message; } catch (e) { return res.status + ' ' + res.statusText; }
+}
+
+async function loadVoices(select) {
+  const res = await fetch('/v1/audio/voices', {headers: headers()});
+  if (!res.ok) return say(await errorOf(res));
+  const voices = (await res.json()).voices, box = $('voice'), keep = select ?? box.value;
+  box.length = 1;
+  for (const name of voices) box.add(new Option(name, name));
+  box.value = voices.includes(keep) ? keep : '';
+}
+
+function addClip() {
+  if ($('clips').children.length >= CONFIG.maxReferences) return say('at most 4 reference clips');
+  const row = document.createElement('div');
+  row.className = 'clip';
+  row.innerHTML = '<input type="file" accept="audio/*" class="clip-file">'
+    + '<input class="clip-text" placeholder="transcript: exactly what the clip says">'
+    + '<input class="clip-name" placeholder="name to save as"><button type="button" class="clip-save">'
+    + 'Save as voice</button><button type="button" class="clip-remove" title="remove">&#x2715;</button>';
+  row.querySelector('.clip-remove').onclick = () => row.remove();
+  row.querySelector('.clip-save').onclick = () => saveVoice(row);
+  $('clips').append(row);
+}
+
+async function saveVoice(row) {
+  say();
+  const file = row.querySelector('.clip-file').files[0], name = row.querySelector('.clip-name').value.trim();
+  if (!file) return say('choose an audio file first');
+  const form = new FormData();
+  form.append('name', name);
+  form.append('text', row.querySelector('.clip-text').value);
+  form.append('audio', file);
+  const res = await fetch('/v1/audio/voices', {method: 'POST', body: form, headers: headers()});
+  if (!res.ok) return say(await errorOf(res));
+  await loadVoices(name);
+  say('', 'saved voice ' + name);
+}
+
+async function deleteVoice() {
+  const name = $('voice').value;
+  if (!name || !confirm('Delete voice ' + name + '?')) return;
+  const res = await fetch('/v1/audio/voices/' + encodeURIComponent(name),
+                          {method: 'DELETE', headers: headers()});
+  if (!res.ok) return say(await errorOf(res));
+  await loadVoices();
+  say('', 'deleted voice ' + name);
+}
+
+function base64(file) {
+  return new Promise((ok, fail) => {
+    const reader = new FileReader();
+    reader.onload = () => ok(reader.result.split(',')[1]);
+    reader.onerror = () => fail(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
+
+function wavHeader(samples) {  // the whole file's header: 16-bit mono PCM, the sizes known now
+  const view = new DataView(new ArrayBuffer(44));
+  const ascii = (at, text) => [...text].forEach((c, i) => view.setUint8(at + i, c.charCodeAt(0)));
+  ascii(0, 'RIFF');
+  view.setUint32(4, 36 + 2 * samples, true);
+  ascii(8, 'WAVEfmt ');
+  view.setUint32(16, 16, true);
+  view.setUint16(20, 1, true);
+  view.setUint16(22, 1, true);
+  view.setUint32(24, CONFIG.sampleRate, true);
+  view.setUint32(28, 2 * CONFIG.sampleRate, true);
+  view.setUint16(32, 2, true);
+  view.setUint16(34, 16, true);
+  ascii(36, 'data');
+  view.setUint32(40, 2 * samples, true);
+  return view.buffer;
+}
+
+function showFigures(t0) {
+  const wall = (performance.now() - t0) / 1000, seconds = player.samples / CONFIG.sampleRate;
+  const frames = player.samples / CONFIG.hop;
+  $('figures').textContent = (player.state === 'generating' ? 'generating\u2026 ' : '')
+    + 'first audio after ' + player.firstAudio.toFixed(2) + ' s \u00b7 ' + frames.toFixed(0) + ' frames in '
+    + wall.toFixed(2) + ' s = ' + (frames / wall).toFixed(1) + ' frames/s \u00b7 RTF '
+    + (wall / seconds).toFixed(2) + ' (' + seconds.toFixed(2) + ' s of audio)';
+}
+
+// 16-bit PCM arrives as the server makes it; each piece is scheduled on the Web Audio clock right after the
+// one before and played through the <audio> element (a MediaStream), so playback starts with the first piece.
+async function play(reader, t0) {
+  const ctx = new AudioContext({sampleRate: CONFIG.sampleRate}), out = ctx.createMediaStreamDestination();
+  const audio = $('audio'), pieces = [];
+  let carry = new Uint8Array(0), next = 0, last = null;
+  Object.assign(player, {ctx, samples: 0, firstAudio: null, start: null});
+  for (;;) {
+    const {done, value} = await reader.read();
+    if (done) break;
+    const bytes = new Uint8Array(carry.length + value.length);
+    bytes.set(carry);
+    bytes.set(value, carry.length);
+    const even = bytes.length & ~1;
+    carry = bytes.slice(even);
+    if (!even) continue;
+    const pcm = new Int16Array(bytes.slice(0, even).buffer);
+    const buffer = ctx.createBuffer(1, pcm.length, CONFIG.sampleRate);
+    const data = buffer.getChannelData(0);
+    for (let i = 0; i < pcm.length; i++) data[i] = pcm[i] / 32768;
+    pieces.push(pcm);
+    last = ctx.createBufferSource();
+    last.buffer = buffer;
+    last.connect(out);
+    if (player.firstAudio === null) {
+      player.firstAudio = (performance.now() - t0) / 1000;
+      audio.removeAttribute('src');
+      audio.srcObject = out.stream;
+      audio.play();
+      player.start = next = ctx.currentTime + 0.05;
+    }
+    next = Math.max(next, ctx.currentTime);
+    last.start(next);
+    next += buffer.duration;
+    player.samples += pcm.length;
+    showFigures(t0);
+  }
+  return {pieces, last, ctx};
+}
+
+async function generate() {
+  say();
+  $('figures').textContent = '';
+  $('download').hidden = true;
+  const body = {model: 's2-pro', input: $('text').value, response_format: 'pcm', stream_format: 'audio'};
+  if ($('voice').value) body.voice = $('voice').value;
+  const references = [];
+  for (const row of $('clips').children) {
+    const file = row.querySelector('.clip-file').files[0];
+    if (file) references.push({audio: await base64(file), text: row.querySelector('.clip-text').value});
+  }
+  if (references.length) body.references = references;
+  for (const key of ['temperature', 'top_p', 'top_k', 'seed', 'max_new_tokens'])
+    if ($(key).value !== '') body[key] = Number($(key).value);
+  player.abort = new AbortController();
+  player.state = 'generating';
+  $('generate').disabled = true;
+  $('stop').disabled = false;
+  const t0 = performance.now();
+  try {
+    const res = await fetch('/v1/audio/speech', {method: 'POST', headers: headers(true),
+                                                  body: JSON.stringify(body), signal: player.abort.signal});
+    if (!res.ok) throw new Error(await errorOf(res));
+    const {pieces, last, ctx} = await play(res.body.getReader(), t0);
+    player.state = 'done';
+    if (!last) throw new Error('the model said nothing (it stopped at once): try another seed or text');
+    showFigures(t0);
+    const url = URL.createObjectURL(new Blob([wavHeader(player.samples), ...pieces], {type: 'audio/wav'}));
+    $('download').href = url;
+    $('download').hidden = false;
+    last.onended = () => {  // then the element replays (and seeks in) the whole file
+      $('audio').srcObject = null;
+      $('audio').src = url;
+      ctx.close();
+    };
+  } catch (e) {
+    player.state = 'failed';
+    say(e.name === 'AbortError' ? 'stopped' : e.message);
+  }
+  $('generate').disabled = false;
+  $('stop').disabled = true;
+}
+
+$('model').textContent = CONFIG.model;
+$('key-label').hidden = !CONFIG.auth;
+$('api-key').value = localStorage.getItem('fishfast-key') || '';
+$('api-key').onchange = () => {
+  localStorage.setItem('fishfast-key', $('api-key').value);
+  loadVoices();
+};
+$('add-clip').onclick = addClip;
+$('delete-voice').onclick = deleteVoice;
+$('generate').onclick = generate;
+$('stop').onclick = () => player.abort && player.abort.abort();
+loadVoices();
+</script>
+</body></html>
+"""
+
+
+# ----------------------------------------------------------------------------- main
+def parse_args(argv=None):
+    ap = codec.ArgumentParser(description="fishfast web demo and OpenAI-compatible speech server.")
+    ap.add_argument("--checkpoint", help="S2-Pro checkpoint dir (default ./s2-pro, or the tiny demo model,"
+                    " whose audio is noise, if that is absent)")
+    ap.add_argument("--host", default="127.0.0.1",
+                    help="address to bind (default 127.0.0.1: this machine only)")
+    ap.add_argument("--port", type=int, default=7560, help="port (default 7560, 0: any free one)")
+    ap.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: cuda > mps > cpu")
+    ap.add_argument("--dtype", choices=list(dualAR.DTYPES), help="default bf16 on CUDA, fp32 elsewhere")
+    ap.add_argument("--quant", help="quantize the Dual-AR weights (as dualAR.load's quant=)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the frame step (as dualAR.load's)")
+    ap.add_argument("--slots", type=int, default=4, help="requests generated together (default 4)")
+    ap.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot; beyond, 503"
+                    " (default 16)")
+    ap.add_argument("--voices", default="prompt", help="folder of saved voices, <name>.npy + <name>.txt"
+                    " (default prompt/, as the CLI)")
+    ap.add_argument("--api-key", default=os.environ.get("FISHFAST_API_KEY"),
+                    help="require 'Authorization: Bearer KEY' on /v1/ (default $FISHFAST_API_KEY, else none)")
+    args = ap.parse_args(argv)
+    if args.slots < 1 or args.queue < 0:
+        ap.error("--slots must be >= 1 and --queue >= 0")
+    return args
+
+
+def make_server(args) -> Server:
+    """Load the models and bind the port (not yet serving: call serve_forever)."""
+    app = App(args)
+    try:
+        return Server((args.host, args.port), app)
+    except OSError as e:
+        app.close()
+        raise dualAR.UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    server = make_server(args)
+    app = server.app
+    if app.info["demo"]:
+        print("DEMO: no checkpoint found, so a tiny RANDOM model is serving and the audio is NOISE.\n"
+              f"For speech, download fishaudio/s2-pro into {dualAR.DEFAULT_CHECKPOINT} (see README).",
+              file=sys.stderr)
+    host, port = server.server_address[:2]
+    print(f"fishfast: {app.info['model']} on {app.info['device']}, {args.slots} slots,"
+          f" voices in {app.voices}/ -> http://{host}:{port}", flush=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.server_close()
+        app.close()
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ValueError, OSError) as e:  # UserError and the codec's one-line errors
+        sys.exit(f"error: {e}")

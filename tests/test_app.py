@@ -1,0 +1,544 @@
+"""app.py against the tiny checkpoint: a real server on 127.0.0.1 (one per module, in a thread), real HTTP,
+and a real headless Chromium for the page."""
+import base64
+import http.client
+import io
+import json
+import shutil
+import socket
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+import app
+import codec
+import dualAR
+
+FIXTURES = Path(__file__).parent / "fixtures" / "s2-tiny"
+CHECKPOINT = FIXTURES / "checkpoint"
+CLIP = FIXTURES / "golden" / "audio_in.wav"
+TEXT = "Hello from the server test."
+SPEECH = "/v1/audio/speech"
+CLIP_B64 = base64.b64encode(CLIP.read_bytes()).decode()
+
+
+def start_server(folder: Path, *flags):
+    args = app.parse_args(["--checkpoint", str(CHECKPOINT), "--device", "cpu", "--port", "0",
+                           "--voices", str(folder / "prompt"), *flags])
+    server = app.make_server(args)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def stop_server(server):
+    server.shutdown()
+    server.server_close()
+    server.app.close()
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("app")
+    (folder / "prompt").mkdir()
+    codec.save_codes(folder / "prompt" / "keep.npy", torch.randint(0, 1024, (10, 20)))
+    (folder / "prompt" / "keep.txt").write_text("A voice that must survive every bad request.\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(root):
+    server = start_server(root, "--slots", "4", "--queue", "8")
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def locked(tmp_path_factory):
+    """One slot, a queue of one, an API key."""
+    server = start_server(tmp_path_factory.mktemp("locked"), "--slots", "1", "--queue", "1",
+                          "--api-key", "secret")
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def ref():
+    """The same models as the server's, our own instances: the server's model belongs to its engine thread."""
+    return dualAR.load(CHECKPOINT), codec.load(CHECKPOINT)
+
+
+def expected_pcm(ref, text=TEXT, references=(), **kwargs) -> np.ndarray:
+    model, dac = ref
+    codes = dualAR.generate(model, text, list(references), **kwargs)
+    return pcm(codec.decode(dac, codes)[0])
+
+
+def pcm(wave) -> np.ndarray:
+    return np.frombuffer(app.pcm16(wave), dtype="<i2")
+
+
+def clip_codes(ref):
+    return codec.encode(ref[1], codec.load_audio(CLIP))[0]
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def call(server, method, path, body=None, headers=None, content_type="application/json"):
+    """-> (status, headers, body bytes). `body`: a dict (sent as JSON) or bytes."""
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=120)
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    headers = dict(headers or {})
+    if data is not None and content_type:
+        headers["Content-Type"] = content_type
+    conn.request(method, path, data, headers)
+    response = conn.getresponse()
+    result = response.status, response.headers, response.read()
+    conn.close()
+    return result
+
+
+def health(server) -> dict:
+    return json.loads(call(server, "GET", "/health")[2])
+
+
+def open_stream(server, body: dict, headers=None):
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=120)
+    conn.request("POST", SPEECH, json.dumps(body), {"Content-Type": "application/json", **(headers or {})})
+    return conn, conn.getresponse()
+
+
+def wait_for(condition, seconds=30.0, what="condition"):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return time.monotonic()
+        time.sleep(0.02)
+    raise AssertionError(f"timed out after {seconds} s waiting for {what}")
+
+
+def wav_samples(data: bytes) -> np.ndarray:
+    samples, rate = sf.read(io.BytesIO(data), dtype="int16")
+    assert rate == 44100
+    return samples
+
+
+def assert_close_pcm(got: np.ndarray, want: np.ndarray):
+    """Streamed audio is decoded chunk by chunk: equal to the one-shot decode to fp32 noise, so 1 LSB."""
+    assert got.shape == want.shape
+    assert np.abs(got.astype(np.int32) - want).max() <= 1
+
+
+# ----------------------------------------------------------------------------- speech
+def test_speech_is_a_44k_wav_of_generates_codes_for_the_same_seed(server, ref):
+    refs = [dict(audio=CLIP_B64, text="The reference clip says this.")]
+    status, headers, body = call(server, "POST", SPEECH, dict(model="tts-1", input=TEXT, voice="", seed=7,
+                                                           max_new_tokens=24, references=refs))
+    assert status == 200 and headers["Content-Type"] == "audio/wav"
+    want = expected_pcm(ref, references=[(clip_codes(ref), "The reference clip says this.")], seed=7,
+                        max_new_tokens=24)
+    assert len(want) == 23 * 2048  # the last frame is dropped, as upstream
+    assert_close_pcm(wav_samples(body), want)
+
+
+def test_fish_tts_whole_wav_has_exact_sizes_and_samples(server, ref):
+    status, headers, body = call(server, "POST", "/v1/tts", dict(text=TEXT, seed=8, max_new_tokens=12,
+                                                                top_p=0.7, temperature=0.7))
+    assert status == 200 and int(headers["Content-Length"]) == len(body)
+    want = expected_pcm(ref, seed=8, max_new_tokens=12, top_p=0.7, temperature=0.7, chunk_length=200)
+    assert body[:44] == app.wav_header(2 * len(want))
+    assert np.array_equal(np.frombuffer(body[44:], "<i2"), want)  # one-shot decode on both sides
+
+
+@pytest.mark.parametrize("fmt", [f for f in app.FORMATS if f not in app.STREAMABLE])
+def test_encoded_formats_decode_to_the_same_length(server, ref, fmt):
+    status, headers, body = call(server, "POST", SPEECH, dict(input=TEXT, seed=9, max_new_tokens=8,
+                                                           response_format=fmt))
+    assert status == 200 and headers["Content-Type"] == app.MEDIA_TYPES[fmt]
+    samples, rate = sf.read(io.BytesIO(body), dtype="int16")
+    want = expected_pcm(ref, seed=9, max_new_tokens=8)
+    assert rate == app.SOUNDFILE_FORMATS[fmt][2]
+    assert abs(len(samples) / rate - len(want) / 44100) < 0.1
+    if fmt == "flac":
+        assert np.array_equal(samples, want)
+
+
+@pytest.mark.parametrize("stream_format", ["audio", "sse"])
+def test_stream_starts_before_generation_ends_and_joins_to_the_whole(server, ref, stream_format):
+    conn, response = open_stream(server, dict(input=TEXT, seed=11, max_new_tokens=64, response_format="wav",
+                                              stream_format=stream_format))
+    assert response.status == 200 and response.headers["Transfer-Encoding"] == "chunked"
+    if stream_format == "audio":
+        pieces = [response.read(44), response.read(2)]
+    else:
+        assert response.headers["Content-Type"] == "text/event-stream"
+        events = sse_events(response)
+        pieces = [base64.b64decode(next(events)["audio"]), base64.b64decode(next(events)["audio"])]
+    assert pieces[0] == app.wav_header()  # 0xFFFFFFFF sizes: the length is unknown yet
+    assert len(pieces[1]) > 0
+    assert health(server)["busy"] >= 1  # audio has arrived, and the request is still being generated
+    if stream_format == "audio":
+        pieces.append(response.read())
+    else:
+        done = None
+        for event in events:
+            if event["type"] == "speech.audio.delta":
+                pieces.append(base64.b64decode(event["audio"]))
+            else:
+                done = event
+        assert done["type"] == "speech.audio.done" and done["usage"]["output_tokens"] == 63
+    conn.close()
+    assert_close_pcm(wav_samples(b"".join(pieces)), expected_pcm(ref, seed=11, max_new_tokens=64))
+
+
+def sse_events(response):
+    for line in iter(response.readline, b""):
+        if line.startswith(b"data: "):
+            yield json.loads(line[6:])
+
+
+def test_eight_concurrent_clients_each_get_their_own_audio(server, ref):
+    bodies = [dict(input=f"Client number {i} speaks.", seed=100 + i, max_new_tokens=10, response_format="pcm")
+              for i in range(8)]
+    results = [None] * 8
+
+    def client(i):
+        results[i] = call(server, "POST", SPEECH, bodies[i])
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    model, dac = ref
+    codes = dualAR.generate_many(model, [dict(text=b["input"], seed=b["seed"], max_new_tokens=10)
+                                         for b in bodies])
+    for (status, _, body), want in zip(results, codes):
+        assert status == 200
+        assert_close_pcm(np.frombuffer(body, "<i2"), pcm(codec.decode(dac, want)[0]))
+
+
+def test_client_that_hangs_up_mid_stream_frees_its_slot(server):
+    conn, response = open_stream(server, dict(input=TEXT, seed=12, max_new_tokens=0, response_format="pcm"))
+    assert len(response.read(2)) == 2
+    assert health(server)["busy"] == 1
+    hung_up = time.monotonic()
+    conn.close()
+    freed = wait_for(lambda: health(server)["busy"] == 0, 10, "the slot to be freed")
+    assert freed - hung_up < 10
+    assert health(server)["queued"] == 0
+
+
+# ----------------------------------------------------------------------------- voices
+def multipart(fields: dict) -> tuple:
+    """-> (content type, body) of a multipart/form-data upload; bytes values are sent as files."""
+    boundary = "fishfast-test-boundary"
+    body = b""
+    for name, value in fields.items():
+        filename = '; filename="clip.wav"' if isinstance(value, bytes) else ""
+        data = value if isinstance(value, bytes) else value.encode()
+        body += (f'--{boundary}\r\nContent-Disposition: form-data; name="{name}"{filename}\r\n\r\n').encode()
+        body += data + b"\r\n"
+    return f"multipart/form-data; boundary={boundary}", body + f"--{boundary}--\r\n".encode()
+
+
+def test_voices_save_list_use_and_delete(server, ref, root):
+    text = "What the reference clip says."
+    status, _, body = call(server, "POST", "/v1/audio/voices", dict(name="alice", audio=CLIP_B64, text=text))
+    assert status == 201 and json.loads(body)["name"] == "alice"
+    content_type, form = multipart(dict(name="bob two", text=text, audio=CLIP.read_bytes()))
+    assert call(server, "POST", "/v1/audio/voices", form, content_type=content_type)[0] == 201
+    voices = json.loads(call(server, "GET", "/v1/audio/voices")[2])["voices"]
+    assert {"alice", "bob two", "keep"} <= set(voices)
+    codes = clip_codes(ref)
+    assert torch.equal(codec.read_codes(root / "prompt" / "alice.npy"), codes)
+    assert torch.equal(codec.read_codes(root / "prompt" / "bob two.npy"), codes)  # the upload's bytes intact
+    assert (root / "prompt" / "bob two.txt").read_text().strip() == text
+    assert dualAR.default_references(root / "prompt")  # the CLI reads what the server saved
+
+    status, _, body = call(server, "POST", "/v1/tts", dict(text=TEXT, reference_id="alice", seed=13,
+                                                          max_new_tokens=10))
+    want = expected_pcm(ref, references=[(codes, text)], seed=13, max_new_tokens=10, temperature=0.8,
+                        top_p=0.8, chunk_length=200)
+    assert status == 200 and np.array_equal(np.frombuffer(body[44:], "<i2"), want)
+
+    assert call(server, "DELETE", "/v1/audio/voices/alice")[0] == 200
+    assert call(server, "DELETE", "/v1/audio/voices/bob%20two")[0] == 200
+    assert not list((root / "prompt").glob("alice.*")) and not list((root / "prompt").glob("bob two.*"))
+    assert "alice" not in json.loads(call(server, "GET", "/v1/audio/voices")[2])["voices"]
+    assert call(server, "DELETE", "/v1/audio/voices/alice")[0] == 404
+    status, _, body = call(server, "POST", SPEECH, dict(input=TEXT, voice="alice"))
+    assert status == 400 and "unknown voice" in json.loads(body)["error"]["message"]
+
+
+# ----------------------------------------------------------------------------- bad input
+def silence_wav(seconds: float, rate=8000) -> bytes:
+    out = io.BytesIO()
+    sf.write(out, np.zeros(int(seconds * rate), dtype=np.float32), rate, format="WAV")
+    return out.getvalue()
+
+
+REF = dict(audio=CLIP_B64, text="words")
+VOICE_NAMES = ["a/b", "a\\b", "..", "../keep", "../../evil", "/tmp/fishfast-evil", "C:\\evil", "x" * 65,
+               "bad!name", "", " lead", "trail ", "new\nline", "émile", "a.b", "nul\0", None, 5]
+BAD = [
+    ("POST", SPEECH, dict(input=""), 400),
+    ("POST", SPEECH, dict(input="   "), 400),
+    ("POST", SPEECH, dict(input="a" * 4097), 400),
+    ("POST", SPEECH, dict(model="tts-1"), 400),
+    ("POST", SPEECH, dict(input="hi", references=[REF] * 5), 400),
+    ("POST", SPEECH, dict(input="hi", voice="keep", references=[REF] * 4), 400),
+    ("POST", SPEECH, dict(input="hi", references=[dict(audio=CLIP_B64)]), 400),
+    ("POST", SPEECH, dict(input="hi", ref_audio=CLIP_B64), 400),
+    ("POST", SPEECH, dict(input="hi", references=[dict(audio=b64(b"not audio at all"), text="x")]), 400),
+    ("POST", SPEECH, dict(input="hi", references=[dict(audio="%%%", text="x")]), 400),
+    ("POST", SPEECH, dict(input="hi", references=[dict(audio=b64(silence_wav(31)), text="x")]), 400),
+    ("POST", SPEECH, dict(input="hi", references="x"), 400),
+    ("POST", SPEECH, dict(input="hi", voice="nobody"), 400),
+    ("POST", SPEECH, dict(input="hi", voice="../prompt/keep"), 400),
+    ("POST", SPEECH, dict(input="hi", voice="/etc/passwd"), 400),
+    ("POST", "/v1/tts", dict(text="hi", reference_id="../../keep"), 400),
+    ("POST", "/v1/tts", dict(text="hi", streaming="yes"), 400),
+    *[("POST", SPEECH, dict({"input": "hi"}, **{key: value}), 400) for key, value in [
+        ("temperature", "hot"), ("temperature", 5), ("temperature", 0), ("top_p", 0), ("top_p", 1.5),
+        ("top_k", 1.5), ("top_k", -1), ("seed", -1), ("seed", 1.5), ("seed", 2**64), ("seed", True),
+        ("max_new_tokens", 1), ("max_new_tokens", -3), ("chunk_length", 0), ("temperature", 1e400),
+        ("speed", 1.5), ("speed", "fast"), ("response_format", "aac"), ("stream_format", "chunks")]],
+    ("POST", SPEECH, b"{", 400),
+    ("POST", SPEECH, b"[1, 2]", 400),
+    ("POST", SPEECH, b'{"input": "hi", "temperature": NaN}', 400),
+    ("POST", SPEECH, b'{"input": "\xff"}', 400),
+    ("POST", SPEECH, ("text/plain", b'{"input": "hi"}'), 415),
+    ("POST", SPEECH, (None, b'{"input": "hi"}'), 415),
+    *[("POST", "/v1/audio/voices", dict(name=name, audio=CLIP_B64, text="x"), 400) for name in VOICE_NAMES],
+    ("POST", "/v1/audio/voices", dict(name="new", audio=CLIP_B64), 400),
+    ("POST", "/v1/audio/voices", dict(name="new", audio=CLIP_B64, text=" "), 400),
+    ("POST", "/v1/audio/voices", dict(name="new", audio=CLIP_B64, text="x" * 2001), 400),
+    ("POST", "/v1/audio/voices", dict(name="new", audio=b64(b"RIFF nonsense"), text="x"), 400),
+    ("POST", "/v1/audio/voices", dict(name="new", audio="", text="x"), 400),
+    ("POST", "/v1/audio/voices", dict(name="new", audio="not base64!", text="x"), 400),
+    ("POST", "/v1/audio/voices", dict(name="new", audio=b64(silence_wav(31)), text="x"), 400),
+    ("POST", "/v1/audio/voices", dict(name="keep", audio=CLIP_B64, text="x"), 409),
+    ("POST", "/v1/audio/voices", ("multipart/form-data", b"no boundary"), 400),
+    ("POST", "/v1/audio/voices", multipart(dict(name="../evil", text="x", audio=CLIP.read_bytes())), 400),
+    ("POST", "/v1/audio/voices", multipart(dict(name="new", text="x")), 400),
+    ("POST", "/v1/audio/voices", ("text/plain", b"name=new"), 415),
+    ("DELETE", "/v1/audio/voices/..%2F..%2Fetc%2Fpasswd", None, 400),
+    ("DELETE", "/v1/audio/voices/..%2Fprompt%2Fkeep", None, 400),
+    ("DELETE", "/v1/audio/voices/%2Ftmp%2Fkeep", None, 400),
+    ("DELETE", "/v1/audio/voices/keep/..", None, 400),
+    ("DELETE", "/v1/audio/voices/a%5Cb", None, 400),
+    ("DELETE", "/v1/audio/voices/", None, 400),
+    ("DELETE", "/v1/audio/voices/nobody", None, 404),
+    ("GET", "/nope", None, 404),
+    ("GET", "/v1/audio/speech/x", None, 404),
+    ("GET", SPEECH, None, 405),
+    ("DELETE", "/v1/audio/voices", None, 405),
+    ("PUT", "/", b"", 405),
+    ("POST", "/health", b"", 405),
+]
+
+
+def tree(folder: Path) -> list:
+    files = folder.rglob("*")
+    return sorted((str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns) for p in files)
+
+
+@pytest.mark.parametrize("method, path, body, status", BAD,
+                         ids=[f"{i}-{method}-{path}" for i, (method, path, *_) in enumerate(BAD)])
+def test_bad_input_gets_its_4xx_and_json_error_and_changes_no_file(server, root, method, path, body, status):
+    content_type = "application/json"
+    if isinstance(body, tuple):
+        content_type, body = body
+    before = tree(root.parent)
+    got, headers, data = call(server, method, path, body, content_type=content_type)
+    error = json.loads(data)["error"]
+    assert (got, error["type"]) == (status, app.ERROR_TYPES.get(status, "invalid_request_error")), error
+    assert isinstance(error["message"], str) and error["message"]
+    assert tree(root.parent) == before
+    assert not list(Path("/tmp").glob("fishfast-evil*")) and not list(Path("/").glob("evil*"))
+    if status == 405:
+        assert headers["Allow"]
+
+
+def test_too_large_body_is_refused_unread(server):
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=30)
+    conn.putrequest("POST", SPEECH)
+    conn.putheader("Content-Type", "application/json")
+    conn.putheader("Content-Length", str(app.MAX_BODY + 1))
+    conn.endheaders(b"{}")
+    response = conn.getresponse()
+    assert response.status == 413 and "error" in json.loads(response.read())
+    conn.close()
+
+
+# ----------------------------------------------------------------------------- serving
+def test_health_models_and_page(server):
+    info = health(server)
+    assert info["model"] == "s2-pro" and info["slots"] == 4 and info["demo"] is False
+    assert {"busy", "free", "queued", "device"} <= set(info)
+    models = json.loads(call(server, "GET", "/v1/models")[2])
+    assert models["data"][0]["id"] == "s2-pro"
+    status, headers, page = call(server, "GET", "/")
+    assert status == 200 and headers["Content-Type"].startswith("text/html")
+    assert b"<script>" in page and b"http" not in page.split(b"<script>")[1]  # no CDN: works offline
+    assert b"NOISE" not in page
+
+
+def test_api_key_is_required_on_the_api_when_set(locked):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "secret"}):
+        status, response_headers, body = call(locked, "GET", "/v1/models", headers=headers)
+        assert status == 401 and json.loads(body)["error"]["type"] == "authentication_error"
+        assert response_headers["WWW-Authenticate"] == "Bearer"
+    assert call(locked, "POST", SPEECH, dict(input="hi"))[0] == 401
+    assert call(locked, "GET", "/v1/models", headers={"Authorization": "Bearer secret"})[0] == 200
+    assert call(locked, "GET", "/health")[0] == 200 and call(locked, "GET", "/")[0] == 200
+
+
+def test_full_queue_gives_503_with_retry_after_and_hangups_free_everything(locked):
+    key = {"Authorization": "Bearer secret"}
+    body = dict(input=TEXT, max_new_tokens=0, response_format="pcm")
+    first = open_stream(locked, body, key)
+    assert len(first[1].read(2)) == 2  # generating in the one slot
+    second = open_stream(locked, body, key)
+    wait_for(lambda: health(locked)["queued"] == 1, 10, "the second request to wait in the queue")
+    status, headers, data = call(locked, "POST", SPEECH, body, headers=key)
+    assert status == 503 and int(headers["Retry-After"]) > 0
+    assert json.loads(data)["error"]["type"] == "server_busy"
+    second[0].close()
+    first[0].close()
+    wait_for(lambda: health(locked)["busy"] + health(locked)["queued"] == 0, 10, "the slot and queue to empty")
+
+
+def test_demo_model_says_it_is_noise(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no ./s2-pro here
+    demo = app.App(app.parse_args(["--device", "cpu", "--voices", str(tmp_path / "prompt")]))
+    try:
+        assert demo.health()["demo"] is True and "noise" in demo.health()["note"]
+        assert "the audio is NOISE" in app.render_page(demo)
+    finally:
+        demo.close()
+    assert not Path(demo.demo_dir).exists()
+
+
+# ----------------------------------------------------------------------------- a real browser
+class Browser:
+    """Headless Chromium over the W3C WebDriver protocol: chromedriver speaks plain HTTP + JSON."""
+
+    def __init__(self, profile: Path):
+        chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+        assert chromium and driver, "this test needs Chromium: apt-get install -y chromium chromium-driver"
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.driver = subprocess.Popen([driver, f"--port={port}"], stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.DEVNULL)
+        self.url = f"http://127.0.0.1:{port}"
+        wait_for(self.ready, 30, "chromedriver to start")
+        flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--autoplay-policy=no-user-gesture-required", "--window-size=1000,800",
+                 f"--user-data-dir={profile}"]
+        options = {"binary": chromium, "args": flags}
+        capabilities = {"alwaysMatch": {"goog:chromeOptions": options}}
+        session = self.call("POST", "/session", {"capabilities": capabilities})
+        self.url += f"/session/{session['sessionId']}"
+
+    def ready(self) -> bool:
+        try:
+            return self.call("GET", "/status")["ready"]
+        except OSError:
+            return False
+
+    def call(self, method, path, body=None):
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(self.url + path, data, {"Content-Type": "application/json"},
+                                         method=method)
+        try:
+            with urllib.request.urlopen(request, timeout=120) as response:
+                return json.loads(response.read())["value"]
+        except urllib.error.HTTPError as e:
+            raise AssertionError(f"WebDriver {method} {path}: {e.read()[:500]}") from None
+
+    def find(self, css: str) -> str:
+        return next(iter(self.call("POST", "/element", {"using": "css selector", "value": css}).values()))
+
+    def click(self, css: str):
+        self.call("POST", f"/element/{self.find(css)}/click", {})
+
+    def type(self, css: str, text: str, clear=True):
+        element = self.find(css)
+        if clear:
+            self.call("POST", f"/element/{element}/clear", {})
+        self.call("POST", f"/element/{element}/value", {"text": text})
+
+    def js(self, script: str):
+        return self.call("POST", "/execute/sync", {"script": script, "args": []})
+
+    def screenshot(self, path: Path):
+        path.write_bytes(base64.b64decode(self.call("GET", "/screenshot")))
+
+    def close(self):
+        try:
+            self.call("DELETE", "")
+        finally:
+            self.driver.terminate()
+            self.driver.wait(10)
+
+
+def test_browser_uploads_a_voice_and_plays_while_generating(server, root, tmp_path):
+    browser = Browser(Path(tempfile.mkdtemp(dir=tmp_path)))
+    base = "http://%s:%d/" % server.server_address[:2]
+    try:
+        browser.call("POST", "/url", {"url": base})
+        browser.click("#add-clip")
+        browser.type(".clip-file", str(CLIP.resolve()), clear=False)
+        browser.type(".clip-text", "What the uploaded clip says.")
+        browser.type(".clip-name", "browser voice")
+        browser.click(".clip-save")
+        wait_for(lambda: browser.js("return document.getElementById('voice').value") == "browser voice", 60,
+                 "the uploaded clip to be saved and selected as a voice")
+        assert (root / "prompt" / "browser voice.npy").is_file()
+        assert browser.js("return document.getElementById('error').textContent") == ""
+        browser.click(".clip-remove")
+
+        browser.type("#text", "Hello from a real browser. This sentence is read while it is made.")
+        browser.type("#seed", "5")
+        browser.type("#max_new_tokens", "200")
+        browser.click("#generate")
+        state = """const a = document.getElementById('audio'), p = window.player;
+                   return {state: p.state, time: a.currentTime, paused: a.paused,
+                           heard: p.ctx ? p.ctx.currentTime - p.start : 0};"""
+        wait_for(lambda: browser.js(state)["time"] > 0.3, 60, "the audio element to play")
+        playing = browser.js(state)
+        busy = health(server)["busy"]
+        assert playing["state"] == "generating" and busy == 1, (playing, busy)  # playing before the end
+        assert not playing["paused"] and playing["heard"] > 0
+        wait_for(lambda: browser.js(state)["state"] != "generating", 120, "the generation to end")
+        assert browser.js(state)["state"] == "done", browser.js("return document.body.innerText")
+        page = browser.js("""return {href: document.getElementById('download').href,
+                                     hidden: document.getElementById('download').hidden,
+                                     figures: document.getElementById('figures').textContent,
+                                     samples: window.player.samples,
+                                     error: document.getElementById('error').textContent};""")
+        assert page["href"].startswith("blob:") and not page["hidden"] and page["error"] == ""
+        assert "frames/s" in page["figures"] and "RTF" in page["figures"] and "first audio" in page["figures"]
+        assert 0 < page["samples"] <= 199 * 2048 and page["samples"] % 2048 == 0
+        size = browser.call("POST", "/execute/async", {"script": """const done = arguments[0];
+            fetch(document.getElementById('download').href).then(r => r.arrayBuffer())
+              .then(b => done([b.byteLength, new DataView(b).getUint32(40, true)]));""", "args": []})
+        assert size == [44 + 2 * page["samples"], 2 * page["samples"]]  # the whole file, exact sizes
+        browser.screenshot(tmp_path / "app.png")
+        assert (tmp_path / "app.png").stat().st_size > 10_000
+    finally:
+        browser.close()

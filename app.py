@@ -19,7 +19,7 @@ import json
 import math
 import os
 import re
-import select
+import selectors
 import shutil
 import socket
 import struct
@@ -565,15 +565,17 @@ class Handler(BaseHTTPRequestHandler):
         sock = self.connection
 
         def run():
-            while not request.done:
-                if select.select([sock], [], [], 0.05)[0]:
-                    try:
-                        gone = not sock.recv(1, socket.MSG_PEEK)
-                    except OSError:
-                        gone = True
-                    if gone:
-                        request.cancel()
-                    return  # bytes from the client (a next request): it is still there
+            with selectors.DefaultSelector() as selector:
+                selector.register(sock, selectors.EVENT_READ)
+                while not request.done:
+                    if selector.select(0.05):
+                        try:
+                            gone = not sock.recv(1, socket.MSG_PEEK)
+                        except OSError:
+                            gone = True
+                        if gone:
+                            request.cancel()
+                        return  # or bytes of a next request: the client is still there
 
         threading.Thread(target=run, name="fishfast-watch", daemon=True).start()
 

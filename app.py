@@ -325,7 +325,7 @@ class App:
     def waves(self, request):
         """A submitted request's codes chunks -> their waveforms (n * 2048,), decoded as they come."""
         chunks = (chunk.to(self.device) for chunk in request)
-        for wave in codec.decode_stream(self.dac, chunks):
+        for wave in decode_stream(self.dac, chunks):
             yield wave[0]
 
     def whole_wave(self, request) -> torch.Tensor:
@@ -340,6 +340,18 @@ def load_model(checkpoint, device, dtype, quant=None, compile=False):
         if key not in inspect.signature(dualAR.load).parameters:
             raise dualAR.UserError(f"--{key}: this dualAR.py has no {key} option yet")
     return dualAR.load(checkpoint, device, dtype, **extra)
+
+
+def decode_stream(dac, chunks):
+    """codec.decode_stream where codec.py has it. Else its contract (each chunk's new samples, joined = one
+    decode) by decoding every frame so far again: the codec is causal, so the prefix does not change."""
+    if hasattr(codec, "decode_stream"):
+        yield from codec.decode_stream(dac, chunks)
+        return
+    seen = []
+    for chunk in chunks:
+        seen.append(chunk)
+        yield codec.decode(dac, torch.cat(seen, -1))[:, -chunk.shape[-1] * codec.hop_length(dac.config):]
 
 
 def frame_rate() -> float:

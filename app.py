@@ -110,6 +110,8 @@ def parse_form(content_type: str, body: bytes) -> dict:
 def decode_base64(value, what: str) -> bytes:
     if not isinstance(value, str) or not value:
         raise dualAR.UserError(f"{what} must be a base64 string of an audio file")
+    if value.startswith("data:") and ";base64," in value:  # a data URL, as browsers make them
+        value = value.split(",", 1)[1]
     try:
         return base64.b64decode(value, validate=True)
     except (binascii.Error, ValueError):

@@ -141,7 +141,7 @@ def assert_close_pcm(got: np.ndarray, want: np.ndarray):
 
 # ----------------------------------------------------------------------------- speech
 def test_speech_is_a_44k_wav_of_generates_codes_for_the_same_seed(server, ref):
-    refs = [dict(audio=CLIP_B64, text="The reference clip says this.")]
+    refs = [dict(audio="data:audio/wav;base64," + CLIP_B64, text="The reference clip says this.")]
     status, headers, body = call(server, "POST", SPEECH, dict(model="tts-1", input=TEXT, voice="", seed=7,
                                                            max_new_tokens=24, references=refs))
     assert status == 200 and headers["Content-Type"] == "audio/wav"
@@ -519,7 +519,7 @@ def test_browser_uploads_a_voice_and_plays_while_generating(server, root, tmp_pa
         state = """const a = document.getElementById('audio'), p = window.player;
                    return {state: p.state, time: a.currentTime, paused: a.paused,
                            heard: p.ctx ? p.ctx.currentTime - p.start : 0};"""
-        wait_for(lambda: browser.js(state)["time"] > 0.3, 60, "the audio element to play")
+        wait_for(lambda: browser.js(state)["time"] > 0.2, 60, "the audio element to play")
         playing = browser.js(state)
         busy = health(server)["busy"]
         assert playing["state"] == "generating" and busy == 1, (playing, busy)  # playing before the end

@@ -375,9 +375,13 @@ class Handler(BaseHTTPRequestHandler):
     def app(self) -> App:
         return self.server.app
 
+    def handle_one_request(self):
+        self.started = False  # whether this response's headers went out: then no other status can
+        super().handle_one_request()
+
     def dispatch(self):
         path = urlsplit(self.path).path
-        route, self.name, self.started = path, None, False
+        route, self.name = path, None
         if path.startswith("/v1/audio/voices/"):
             route, self.name = "/v1/audio/voices/{name}", unquote(path[len("/v1/audio/voices/"):])
         try:
@@ -450,7 +454,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def send_json_error(self, status: int, message: str, headers=None):
         self.close_connection = True  # the request's body may be left unread
-        if getattr(self, "started", False):  # too late for a status: the client sees a cut-off body
+        if self.started:  # too late for a status: the client sees a cut-off body
             return
         kind = ERROR_TYPES.get(status, "invalid_request_error")
         headers = {"Connection": "close", **(headers or {})}

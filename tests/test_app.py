@@ -393,6 +393,12 @@ def test_health_models_and_page(server):
     assert status == 200 and headers["Content-Type"].startswith("text/html")
     assert b"<script>" in page and b"http" not in page.split(b"<script>")[1]  # no CDN: works offline
     assert b"NOISE" not in page
+    conn = http.client.HTTPConnection(*server.server_address[:2], timeout=30)
+    for method, status in (("GET", 200), ("GET", 200), ("OPTIONS", 501)):  # one kept-alive connection
+        conn.request(method, "/health")
+        response = conn.getresponse()
+        assert response.status == status and json.loads(response.read())
+    conn.close()
 
 
 def test_api_key_is_required_on_the_api_when_set(locked):

@@ -400,7 +400,7 @@ class Handler(BaseHTTPRequestHandler):
             self.send_json_error(400, str(e))
         except dualAR.QueueFull as e:
             self.send_json_error(503, f"the server is busy: {e}", {"Retry-After": "2"})
-        except (BrokenPipeError, ConnectionResetError):
+        except (ConnectionError, TimeoutError):  # the client went away
             self.close_connection = True
         except Exception:
             traceback.print_exc()
@@ -526,7 +526,7 @@ class Handler(BaseHTTPRequestHandler):
                 samples = len(wave)
             else:
                 samples = self.stream(request, job, prompt_tokens)
-        except (BrokenPipeError, ConnectionResetError):
+        except (ConnectionError, TimeoutError):  # the client went away
             self.close_connection = True
             return
         finally:

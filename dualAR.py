@@ -8,17 +8,20 @@ Everything is written to give upstream fish-speech's codes for upstream's seed o
 """
 import argparse
 import collections
+import functools
 import json
 import math
 import os
 import queue
 import re
+import resource
 import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
+import soundfile as sf
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -157,9 +160,9 @@ class Attention(nn.Module):
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
-    def forward(self, x: Tensor, rope: Tensor, pos=None, row: int = 0) -> Tensor:
+    def forward(self, x: Tensor, rope: Tensor, pos=None, row: int = None) -> Tensor:
         """x (B, S, dim). `pos` says how to attend:
-        None: causal attention within x from position 0 (prefill, training); a cache keeps k, v in row `row`.
+        None: causal attention within x from position 0 (training; a prefill keeps k, v in cache row `row`).
         int: every row at this one position, over cache positions 0..pos (the fast model's codebooks).
         Tensor (B,): one step per row, each at its own position over its own cache (the slow model's frames).
         """
@@ -168,7 +171,7 @@ class Attention(nn.Module):
         gqa = self.n_head != self.n_kv  # query head h uses kv head h // (n_head // n_kv), as upstream
         cache = self.kv_cache
         if pos is None:
-            if cache is not None:
+            if row is not None:
                 cache.k_cache[row, :, :S] = k[0]
                 cache.v_cache[row, :, :S] = v[0]
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -219,7 +222,7 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(c["dim"], c["norm_eps"])
         self.ffn_norm = RMSNorm(c["dim"], c["norm_eps"])
 
-    def forward(self, x: Tensor, rope: Tensor, pos=None, row: int = 0) -> Tensor:
+    def forward(self, x: Tensor, rope: Tensor, pos=None, row: int = None) -> Tensor:
         h = x + self.attention(self.attention_norm(x), rope, pos, row)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -420,8 +423,11 @@ def special_ids(tokenizer) -> dict:
     return dict(semantic_begin_id=begin, semantic_end_id=end, im_end_id=vocab["<|im_end|>"])
 
 
-def load(checkpoint, device="cpu", dtype=torch.float32) -> DualAR:
-    """Load config.json, tokenizer.json and the weights of an S2-Pro checkpoint directory."""
+def load(checkpoint, device="cpu", dtype=torch.float32, quant=None, compile=False) -> DualAR:
+    """Load config.json, tokenizer.json and the weights of an S2-Pro checkpoint directory.
+    quant: one of QUANT_SCHEMES (torchao), compile: the frame step as one compiled graph."""
+    device = torch.device(device)
+    check_quant(quant, device, dtype)
     from tokenizers import Tokenizer
     ckpt = Path(checkpoint)
     if not ckpt.is_dir():
@@ -440,7 +446,69 @@ def load(checkpoint, device="cpu", dtype=torch.float32) -> DualAR:
     load_weights(model, ckpt, device, dtype)
     model.make_rope()
     model.tokenizer = tokenizer
-    return model.requires_grad_(False).eval()
+    return prepare(model.requires_grad_(False).eval(), quant, compile)
+
+
+def prepare(model: DualAR, quant=None, compile=False) -> DualAR:
+    """Quantize and/or compile a loaded model."""
+    if quant and quant != "none":
+        quantize(model, quant)
+    if compile:
+        compile_model(model)
+    return model
+
+
+# ----------------------------------------------------------------------------- quantization, compilation
+QUANT_SCHEMES = ("none", "int8wo", "int4wo", "fp8", "nvfp4")
+CUDA_CAPABILITY = {"fp8": (8, 9), "nvfp4": (10, 0)}  # fp8 dynamic per-row and nvfp4 tensor-core kernels
+
+
+def check_quant(scheme, device: torch.device, dtype):
+    if scheme is None or scheme == "none":
+        return
+    if scheme not in QUANT_SCHEMES:
+        raise UserError(f"quantization {scheme!r} is not one of {', '.join(QUANT_SCHEMES)}")
+    cuda = device.type == "cuda"
+    if scheme == "int4wo" and not (cuda and dtype == torch.bfloat16):
+        raise UserError("--quant int4wo needs CUDA and bf16 (torchao's tinygemm int4 kernel): use int8wo")
+    need = CUDA_CAPABILITY.get(scheme)
+    if need and not (cuda and torch.cuda.get_device_capability(device) >= need):
+        have = f"compute capability {torch.cuda.get_device_capability(device)}" if cuda else device.type
+        raise UserError(f"--quant {scheme} needs an NVIDIA GPU of compute capability >= {need[0]}.{need[1]}"
+                        f" (this device: {have})")
+
+
+def quant_config(scheme: str):
+    import torchao.quantization as tq
+    if scheme == "int8wo":
+        return tq.Int8WeightOnlyConfig()
+    if scheme == "int4wo":
+        return tq.Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d")
+    if scheme == "fp8":
+        return tq.Float8DynamicActivationFloat8WeightConfig(granularity=tq.PerRow())
+    from torchao.prototype.mx_formats import NVFP4DynamicActivationNVFP4WeightConfig
+    return NVFP4DynamicActivationNVFP4WeightConfig()
+
+
+def quantize(model: DualAR, scheme: str):
+    """The linear layers of both transformers, through torchao; embeddings and heads stay as they are.
+    Group-wise int4 breaks the fast transformer (reported, and measured by --bench): it gets int8."""
+    from torchao.quantization import quantize_
+    quantize_(model.layers, quant_config(scheme))
+    quantize_(model.fast_layers, quant_config("int8wo" if scheme == "int4wo" else scheme))
+    model.quant = scheme
+
+
+def compile_model(model: DualAR):
+    """The frame step as one graph (flex-decoding inside); on CUDA replayed as a CUDA graph. On CPU,
+    inductor's freezing prepacks the weights: they are constants of this model's graph."""
+    for layer in model.layers:
+        layer.attention.flex = True
+    step = functools.partial(decode_step, model)
+    if model.embeddings.weight.device.type == "cuda":
+        model.compiled_step = torch.compile(step, fullgraph=True, dynamic=False, mode="reduce-overhead")
+    else:
+        model.compiled_step = torch.compile(step, fullgraph=True, dynamic=False, options={"freezing": True})
 
 
 # ----------------------------------------------------------------------------- prompt
@@ -653,7 +721,8 @@ class Request:
         self.prompt = self.next_prompt()  # a prompt that cannot fit fails here, before any work
         self.frames, self.raw_frames, self.pending, self.row = [], [], [], None
         self.out, self.done, self.cancelled = queue.SimpleQueue(), False, False
-        self.submitted = time.perf_counter()
+        self.submitted, self.first_audio = time.perf_counter(), None
+        self.prefill_tokens, self.prefill_seconds = 0, 0.0
 
     def next_prompt(self) -> Tensor:
         prompt = build_prompt(self.model, self.references, self.history, self.texts[len(self.history)])
@@ -701,10 +770,15 @@ class Request:
         self.cancelled = True
 
     def __iter__(self):
-        while True:
-            item = self.out.get()
-            if item is None:
-                return
+        """Codes chunks as they are made (blocks while the engine works in its thread)."""
+        while (item := self.out.get()) is not None:
+            if isinstance(item, Exception):
+                raise item
+            yield item
+
+    def ready(self):
+        """The chunks made so far, without waiting (for callers that run the engine themselves)."""
+        while not self.out.empty() and (item := self.out.get()) is not None:
             if isinstance(item, Exception):
                 raise item
             yield item
@@ -763,6 +837,7 @@ class Engine:
         as upstream: the window starts empty after the prefill frame)."""
         model, prompt = self.model, request.prompt
         self.ensure_context(prompt.size(1) + request.frame_budget())
+        start = time.perf_counter()
         logits, hidden = model.prefill(prompt.to(self.pos.device), row)
         params = sampling_params(model, [request.sampling])
         slow_noise, fast_noise = draw_noise(request.generator, model)
@@ -773,6 +848,8 @@ class Engine:
         self.frames[row], self.pos[row] = frame[0], prompt.size(1)
         self.window[row] = 0
         self.rows[row], request.row = request, row
+        request.prefill_tokens += prompt.size(1)
+        request.prefill_seconds += time.perf_counter() - start
         self.collect(row, frame[0].cpu())
 
     def ensure_context(self, needed: int):
@@ -824,8 +901,8 @@ class Engine:
         noise = [draw_noise(self.rows[r].generator, self.model) if r in active else self.idle_noise
                  for r in range(self.slots)]
         slow_noise, fast_noise = (torch.stack(n) for n in zip(*noise))
-        step = getattr(self.model, "compiled_step", decode_step)
-        frames = step(self.model, self.frames, self.pos, self.window, self.params, slow_noise, fast_noise)
+        step = getattr(self.model, "compiled_step", None) or functools.partial(decode_step, self.model)
+        frames = step(self.frames, self.pos, self.window, self.params, slow_noise, fast_noise)
         self.frames.copy_(frames)
         self.pos += 1
         self.pos.clamp_(max=self.model.cache_len - 1)  # idle rows must stay inside the cache
@@ -881,12 +958,9 @@ def stream(model: DualAR, text: str, **kwargs):
     made: the first after `chunk_frames` frames of speech, then every `chunk_frames`."""
     engine = Engine(model, slots=1)
     request = engine.add(Request(model, text, **kwargs))
-    while not request.done:
+    while engine.busy:
         engine.step()
-        while not request.out.empty() and (chunk := request.out.get()) is not None:
-            if isinstance(chunk, Exception):
-                raise chunk
-            yield chunk
+        yield from request.ready()
 
 
 @torch.inference_mode()
@@ -973,6 +1047,16 @@ def demo_reference(args, device):
 
 
 # ----------------------------------------------------------------------------- benchmark
+MID = dict(dim=1024, n_head=16, n_local_heads=4, head_dim=64, intermediate_size=3072)
+BENCH_CONFIGS = {  # random-weight models: the real size, a mid size a CPU can run, and a tiny one
+    "s2-pro": CONFIG,
+    "s2-mid": dict(CONFIG, vocab_size=4864, n_layer=12, **MID, **{"fast_" + k: v for k, v in MID.items()}),
+    "tiny": dict(CONFIG, vocab_size=4864, n_layer=2, n_fast_layer=1, **DEMO_DIMS,
+                 **{"fast_" + k: v for k, v in DEMO_DIMS.items()}),
+}
+BENCH_PROMPT = 256  # prompt tokens before the timed frames
+
+
 def synchronize(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -993,46 +1077,153 @@ def copy_bandwidth(device, gib=1, repeats=5) -> float:
     return 2 * src.nbytes * repeats / (time.perf_counter() - start) / 1e9
 
 
-def weight_bytes(*modules) -> int:
-    return sum(p.nbytes for m in modules for p in m.parameters())
+def tensor_bytes(t: Tensor) -> int:
+    """Bytes a tensor holds, also for torchao's quantized tensors (their int data + scales)."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, name)) for name in names)
+    return t.nbytes
 
 
-def timed_frames(model, frames, device):
-    """(raw frames made, seconds) of one generation capped at `frames`."""
+def frame_bytes(model: DualAR) -> int:
+    """Weight bytes one frame step reads: the slow model and its head window once, the fast model once
+    per codebook (its output head for codebooks 1.. only)."""
+    def size(*modules):
+        return sum(tensor_bytes(p) for m in modules for p in m.parameters())
+    start, stop = model.head_window
+    head = size(model.embeddings) * (stop - start) // model.config["vocab_size"]
+    n = model.config["num_codebooks"]
+    return size(model.layers, model.norm) + head + n * size(model.fast_layers, model.fast_norm) \
+        + (n - 1) * size(model.fast_output)
+
+
+def random_model(name: str, device, dtype) -> DualAR:
+    """A named config with torch.rand weights (randn differs between CPUs), and the demo tokenizer."""
+    tokenizer = demo_tokenizer(CONFIG["codebook_size"])
+    with torch.device("meta"):
+        model = DualAR(dict(BENCH_CONFIGS[name], **special_ids(tokenizer)))
+    torch.manual_seed(0)
+    state = {k: ((torch.rand(v.shape, device=device) - 0.5) * 0.1).to(dtype)
+             for k, v in model.state_dict().items()}
+    model.load_state_dict(state, assign=True)
+    model.make_rope()
+    model.tokenizer = tokenizer
+    return model.requires_grad_(False).eval()
+
+
+def step_inputs(model: DualAR, batch: int, generators: list):
+    """A batch of rows mid-way through a generation, as the engine's step sees them."""
+    cfg, device = model.config, model.embeddings.weight.device
+    frames = torch.zeros(batch, 1 + cfg["num_codebooks"], dtype=torch.long, device=device)
+    frames[:, 0] = cfg["semantic_begin_id"]
+    pos = torch.full((batch,), BENCH_PROMPT, dtype=torch.long, device=device)
+    window = torch.zeros(batch, RAS_WINDOW, dtype=torch.long, device=device)
+    noise = [draw_noise(g, model) for g in generators]
+    slow, fast = (torch.stack(n) for n in zip(*noise))
+    return frames, pos, window, sampling_params(model, [(0.7, 0.7, 30)] * batch), slow, fast
+
+
+@torch.inference_mode()
+def time_steps(model: DualAR, batch: int, frames: int) -> tuple:
+    """-> (frame steps per second, seconds of the first call: the compile) for `frames` steps of
+    `batch` rows, random numbers drawn per row and step as the engine does, end-of-speech ignored."""
+    device = model.embeddings.weight.device
+    model.setup_caches(batch, cache_bucket(BENCH_PROMPT + frames + 1, model.config))
+    step = getattr(model, "compiled_step", None) or functools.partial(decode_step, model)
+    generators = [torch.Generator(device).manual_seed(i) for i in range(batch)]
     synchronize(device)
     start = time.perf_counter()
-    codes = generate(model, "The quick brown fox jumps over the lazy dog.", [], seed=0, max_new_tokens=frames)
+    step(*step_inputs(model, batch, generators))
     synchronize(device)
-    return codes.size(1) + 1, time.perf_counter() - start
+    first = time.perf_counter() - start
+    step(*step_inputs(model, batch, generators))
+    synchronize(device)
+    start = time.perf_counter()
+    for i in range(frames):
+        inputs = step_inputs(model, batch, generators)
+        inputs[1].add_(i)
+        step(*inputs)
+    synchronize(device)
+    return frames / (time.perf_counter() - start), first
+
+
+@torch.inference_mode()
+def matmul_ceiling(model: DualAR, batch: int, repeats: int = 3) -> float:
+    """Frame steps per second if a step were nothing but its weight matmuls (eager, the same weights,
+    `batch` rows): what torch's own F.linear can read."""
+    device, n = model.embeddings.weight.device, model.config["num_codebooks"]
+    slow = [m for m in model.layers.modules() if isinstance(m, nn.Linear)]
+    fast = [m for m in model.fast_layers.modules() if isinstance(m, nn.Linear)]
+    start, stop = model.head_window
+    head = model.embeddings.weight[start:stop]
+    calls = slow + fast * n + [model.fast_output] * (n - 1)
+    inputs = {m.in_features: torch.rand(batch, m.in_features, device=device, dtype=head.dtype)
+              for m in calls}
+    for m in calls:  # warm-up
+        m(inputs[m.in_features])
+    synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        for m in calls:
+            m(inputs[m.in_features])
+        F.linear(inputs[head.size(1)], head)
+    synchronize(device)
+    return repeats / (time.perf_counter() - t0)
+
+
+@torch.inference_mode()
+def prefill_speed(model: DualAR) -> float:
+    """Prompt tokens per second of one row's prefill."""
+    cfg, device = model.config, model.embeddings.weight.device
+    tokens = torch.zeros(1 + cfg["num_codebooks"], BENCH_PROMPT, dtype=torch.long, device=device)
+    tokens[0] = cfg["semantic_begin_id"]
+    model.prefill(tokens)
+    synchronize(device)
+    start = time.perf_counter()
+    model.prefill(tokens)
+    synchronize(device)
+    return BENCH_PROMPT / (time.perf_counter() - start)
+
+
+def peak_memory_gb(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
 
 
 def bench(args):
-    """Decode speed at the real S2-Pro size with random (torch.rand) weights."""
-    device = codec.pick_device(args.device)
-    dtype = DTYPES[args.dtype or "bf16"]
-    tokenizer = demo_tokenizer(CONFIG["codebook_size"])
-    with torch.device("meta"):
-        model = DualAR(dict(CONFIG, **special_ids(tokenizer)))
-    torch.manual_seed(0)
-    model.load_state_dict({k: (torch.rand(v.shape, dtype=dtype, device=device) - 0.5) * 0.1
-                           for k, v in model.state_dict().items()}, assign=True)
-    model.tokenizer = tokenizer
-    model.requires_grad_(False)
-    # weights read per frame: the slow model (its tied head reads the whole embedding table) once,
-    # the fast model once per codebook
-    per_frame = weight_bytes(model.layers, model.norm, model.embeddings) \
-        + CONFIG["num_codebooks"] * weight_bytes(model.fast_layers, model.fast_norm, model.fast_output)
-    timed_frames(model, 2, device)  # warm-up
-    n = args.max_new_tokens or 8
-    short, t_short = timed_frames(model, 2, device)
-    long, t_long = timed_frames(model, 2 + n, device)
-    fps = (long - short) / (t_long - t_short)  # decode only: the prefill cancels out
-    gbs, peak = per_frame * fps / 1e9, copy_bandwidth(device)
+    """gpt-fast style: frames/s of the frame step per batch size, against the measured bandwidth."""
+    device = user_input(codec.pick_device, args.device)
+    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    compiled = args.compile if args.compile is not None else device.type == "cuda"
+    check_quant(args.quant, device, dtype)
+    if args.checkpoint:
+        model, name = load(args.checkpoint, device, dtype), Path(args.checkpoint).name
+    else:
+        model, name = random_model(args.config, device, dtype), args.config
+    prepare(model, args.quant, compiled)
+    n_params = sum(p.numel() for p in model.parameters()) / 1e9
+    per_frame, bandwidth = frame_bytes(model), copy_bandwidth(device)
+    prefill = prefill_speed(model)
+    print(f"{name}: {n_params:.2f} G params, {per_frame / 1e9:.2f} GB read per frame step, {dtype}, {device}"
+          f" ({torch.get_num_threads()} threads), quant {args.quant or 'none'}, compile {int(compiled)};"
+          f" measured copy bandwidth {bandwidth:.1f} GB/s; prefill {prefill:.0f} tokens/s")
+    print(f"{'batch':>5} {'frames/s':>9} {'GB/s':>7} {'% bw':>5} {'matmul ceiling':>15} {'% ceil':>6}"
+          f" {'RTF':>6} {'compile s':>9}")
     seconds_per_frame = codec.hop_length() / codec.CONFIG["sample_rate"]
-    print(f"S2-Pro size ({sum(p.numel() for p in model.parameters()) / 1e9:.2f} G params), {dtype}, {device}:"
-          f" prefill {t_short - (short - 1) / fps:.2f} s, decode {fps:.2f} frames/s,"
-          f" {gbs:.1f} GB/s = {100 * gbs / peak:.0f}% of the measured {peak:.1f} GB/s,"
-          f" RTF {1 / fps / seconds_per_frame:.2f}")
+    for batch in args.batch:
+        steps, first = time_steps(model, batch, args.frames)
+        ceiling = matmul_ceiling(model, batch)
+        gbs = per_frame * steps / 1e9
+        fps = batch * steps
+        print(f"{batch:>5} {fps:>9.2f} {gbs:>7.1f} {100 * gbs / bandwidth:>5.0f} {batch * ceiling:>15.2f}"
+              f" {100 * steps / ceiling:>6.0f} {1 / steps / seconds_per_frame:>6.2f} {first:>9.1f}")
+        print(f"bench config={name} quant={args.quant or 'none'} compile={int(compiled)} batch={batch}"
+              f" device={device.type} dtype={args.dtype or str(dtype).split('.')[-1]} frames_per_s={fps:.2f}"
+              f" gb_per_s={gbs:.1f} bandwidth_pct={100 * gbs / bandwidth:.0f}"
+              f" matmul_ceiling_frames_per_s={batch * ceiling:.2f} ceiling_pct={100 * steps / ceiling:.0f}"
+              f" prefill_tokens_per_s={prefill:.0f} peak_mem_gb={peak_memory_gb(device):.2f}"
+              f" compile_s={first if compiled else 0:.1f}")
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -1073,16 +1264,25 @@ def load_references(args, model: DualAR, device) -> list:
     cfg, refs = model.config, []
     for (kind, path), text in zip(given, texts):
         if kind == "codes":
-            codes = codec.read_codes(path, rows=cfg["num_codebooks"], vocab=cfg["codebook_size"])
+            codes = user_input(codec.read_codes, path, rows=cfg["num_codebooks"], vocab=cfg["codebook_size"])
         else:
-            codes = codec.encode(codec_model(args, device), codec.load_audio(path))[0].cpu()
+            codes = codec.encode(codec_model(args, device), user_input(codec.load_audio, path))[0].cpu()
         refs.append((codes, text))
     return refs
 
 
+def user_input(read, *args, **kwargs):
+    """Call a codec.py reader of user files: its ValueError/OSError becomes a one-line UserError."""
+    try:
+        return read(*args, **kwargs)
+    except (ValueError, OSError) as e:
+        raise UserError(str(e)) from None
+
+
 def codec_model(args, device):
+    """The codec, in fp32 on every device: reference clips encode to the same codes everywhere."""
     if getattr(args, "codec", None) is None:
-        args.codec = codec.load(args.checkpoint, device, codec.pick_dtype(None, device))
+        args.codec = user_input(codec.load, args.checkpoint, device, torch.float32)
     return args.codec
 
 
@@ -1117,22 +1317,42 @@ def parse_args(argv=None):
     ap.add_argument("--no-prompt", action="store_true", help="ignore prompt/: plain TTS, no voice cloning")
     ap.add_argument("--out", help="output .wav/.npy path (default generate/<n>.wav and .npy)")
     ap.add_argument("--codes-only", action="store_true", help="write only the codes, skip the codec")
-    ap.add_argument("--seed", type=int, default=42, help="torch.manual_seed before generating (default 42)")
+    ap.add_argument("--stream", action="store_true", help="write the wav while it is generated (a player"
+                    " can open it as it grows) and report the time to first audio")
+    ap.add_argument("--seed", type=int, default=42, help="random seed of the request (default 42)")
     ap.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
     ap.add_argument("--top-p", type=float, default=0.7, help="nucleus sampling threshold (default 0.7)")
     ap.add_argument("--top-k", type=int, default=30,
                     help="keep the k most likely tokens (default 30, 0 or 1: greedy, as upstream)")
     ap.add_argument("--max-new-tokens", type=int, default=0, help="frames per text batch at most, >= 2"
-                    " (default 0: until <|im_end|> or the context)")
+                    " (default 0: until <|im_end|> or the end of --max-context)")
+    ap.add_argument("--max-context", type=int, default=DEFAULT_CONTEXT, help="positions (prompt + frames)"
+                    f" the KV cache holds at most (default {DEFAULT_CONTEXT}, at most the model's 32768)")
     ap.add_argument("--chunk-length", type=int, default=300,
                     help="UTF-8 bytes of dialogue turns per batch (default 300, as upstream)")
     ap.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: cuda > mps > cpu")
     ap.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="default bf16 on CUDA, fp32 elsewhere")
+    ap.add_argument("--quant", choices=QUANT_SCHEMES, help="torchao weight quantization of both transformers"
+                    " (int8wo: CPU and GPU. int4wo: CUDA bf16. fp8: compute capability >= 8.9. nvfp4: >= 10.0)")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, help="one compiled graph per frame"
+                    " (default: on for CUDA, off on CPU where compiling takes minutes, see README)")
     ap.add_argument("--demo", action="store_true",
                     help="run on a tiny random checkpoint built on the fly (the audio is noise)")
-    ap.add_argument("--bench", action="store_true", help="time decoding at the real S2-Pro size with random"
-                    " weights (default bf16, --max-new-tokens frames, default 8): frames/s, GB/s, RTF")
+    bench_flags = ap.add_argument_group("benchmark (--bench)")
+    bench_flags.add_argument("--bench", action="store_true", help="time the frame step with random weights"
+                             " (or --checkpoint): frames/s, GB/s, share of the measured bandwidth")
+    bench_flags.add_argument("--config", choices=list(BENCH_CONFIGS), default="s2-pro",
+                             help="random-weight model size (default s2-pro, the real dimensions)")
+    bench_flags.add_argument("--batch", type=batch_sizes, default=[1], help="batch sizes, e.g. 1,4,16")
+    bench_flags.add_argument("--frames", type=int, default=16, help="timed frame steps (default 16)")
     return ap.parse_args(argv)
+
+
+def batch_sizes(text: str) -> list:
+    sizes = [int(b) for b in text.split(",")]
+    if not sizes or min(sizes) < 1:
+        raise ValueError(text)
+    return sizes
 
 
 def check_args(args):
@@ -1146,15 +1366,20 @@ def check_args(args):
     if not args.text or not args.text.strip():
         raise UserError("no text to speak: give --text or --text-file")
     check_sampling(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.chunk_length)
+    if args.stream and args.codes_only:
+        raise UserError("--stream writes audio: drop --codes-only")
 
 
 def run(args):
     check_args(args)
-    device = codec.pick_device(args.device)
+    device = user_input(codec.pick_device, args.device)
     dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
     codes_path, wav_path = output_paths(args)
-    model = load(args.checkpoint, device, dtype)
+    model = load(args.checkpoint, device, dtype, args.quant, args.compile or device.type == "cuda"
+                 and args.compile is None)
     if wav_path is not None and not (Path(args.checkpoint) / "codec.pth").is_file():
+        if args.stream:
+            raise UserError(f"--stream needs {args.checkpoint}/codec.pth")
         print(f"note: {args.checkpoint} has no codec.pth, so only the codes are written", file=sys.stderr)
         wav_path = None
     if wav_path is not None:
@@ -1162,19 +1387,77 @@ def run(args):
     references = load_references(args, model, device)
     if args.demo and not references:
         references = demo_reference(args, device)
-    start = time.perf_counter()
-    codes = generate(model, args.text, references, seed=args.seed, temperature=args.temperature,
-                     top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
-                     chunk_length=args.chunk_length)
-    wall = time.perf_counter() - start
+    request = Request(model, args.text, references, seed=args.seed, temperature=args.temperature,
+                      top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
+                      chunk_length=args.chunk_length, max_context=args.max_context,
+                      chunk_frames=CHUNK_FRAMES if args.stream else 1 << 30)
     codes_path.parent.mkdir(exist_ok=True)
-    if wav_path is not None:
+    codes = speak(model, request, wav_path if args.stream else None, args)
+    if wav_path is not None and not args.stream:
         codec.save_wav(wav_path, codec.decode(codec_model(args, device), codes.to(device))[0])
     codec.save_codes(codes_path, codes)
-    frames, seconds = codes.size(1), codes.size(1) * codec.hop_length() / codec.CONFIG["sample_rate"]
     print(f"wrote {codes_path}" + (f" and {wav_path}" if wav_path else ""))
-    print(f"{frames} frames, {seconds:.2f} s of audio in {wall:.2f} s: {frames / wall:.1f} frames/s,"
-          f" RTF {wall / max(seconds, 1e-9):.3f}")
+    print(request_figures(request, codes.size(1), device))
+
+
+def speak(model: DualAR, request: Request, wav_path, args) -> Tensor:
+    """Run one request with a progress bar; with a wav path, decode and write each chunk as it comes."""
+    engine = Engine(model)
+    engine.add(request)
+    chunks, bar = [], tqdm(unit="frame", leave=False)
+    wav = None if wav_path is None else GrowingWav(wav_path)
+    try:
+        with torch.inference_mode():
+            audio = None if wav is None else codec.decode_stream(codec_model(args, engine.pos.device), iter(chunks))
+            while engine.busy:
+                engine.step()
+                bar.update(1)
+                for chunk in request.ready():
+                    chunks.append(chunk)
+                    if wav is not None:
+                        wav.write(next(audio)[0])
+                        request.first_audio = request.first_audio or time.perf_counter()
+    except BaseException:
+        if wav is not None:
+            wav.discard()
+        raise
+    finally:
+        bar.close()
+    if wav is not None:
+        wav.close()
+    return torch.cat(chunks, dim=1) if chunks else torch.zeros(model.config["num_codebooks"], 0, dtype=torch.long)
+
+
+class GrowingWav:
+    """A PCM-16 wav written chunk by chunk, its header brought up to date after each one (a player can
+    open it while it grows); removed if the run fails."""
+
+    def __init__(self, path: Path, sample_rate: int = codec.CONFIG["sample_rate"]):
+        self.path = Path(path)
+        self.file = sf.SoundFile(str(path), "w", sample_rate, 1, "PCM_16", format="WAV")
+
+    def write(self, wave: Tensor):
+        self.file.write(wave.detach().float().cpu().clamp(-1, 1).numpy())
+        self.file.flush()
+
+    def close(self):
+        self.file.close()
+
+    def discard(self):
+        self.file.close()
+        self.path.unlink(missing_ok=True)
+
+
+def request_figures(request: Request, frames: int, device) -> str:
+    """The final line: audio made, prefill tokens/s, frames/s, RTF, time to first audio, peak memory."""
+    wall = time.perf_counter() - request.submitted
+    seconds = frames * codec.hop_length() / codec.CONFIG["sample_rate"]
+    line = (f"{frames} frames, {seconds:.2f} s of audio in {wall:.2f} s: prefill"
+            f" {request.prefill_tokens / max(request.prefill_seconds, 1e-9):.0f} tokens/s,"
+            f" {frames / wall:.1f} frames/s, RTF {wall / max(seconds, 1e-9):.3f}")
+    if request.first_audio:
+        line += f", time to first audio {1000 * (request.first_audio - request.submitted):.0f} ms"
+    return line + f", peak memory {peak_memory_gb(device):.2f} GB"
 
 
 def main(argv=None):
@@ -1199,5 +1482,5 @@ def main(argv=None):
 if __name__ == "__main__":
     try:
         main()
-    except (ValueError, OSError) as e:  # UserError and the codec's one-line errors
+    except UserError as e:  # bad input: one line. Anything else is a bug and keeps its traceback
         sys.exit(f"error: {e}")

@@ -8,12 +8,12 @@
 One engine thread owns the model (dualAR.Engine: --slots rows, continuous batching). Each HTTP request runs
 in its own thread: it validates, submits, and turns the codes into audio through the codec as they come.
 """
+import argparse
 import base64
 import binascii
 import email.parser
 import email.policy
 import hmac
-import inspect
 import io
 import json
 import math
@@ -236,14 +236,19 @@ class App:
         self.checkpoint = self.demo_dir or args.checkpoint or dualAR.DEFAULT_CHECKPOINT
         self.device = codec.pick_device(args.device)
         dtype = dualAR.DTYPES[args.dtype or ("bf16" if self.device.type == "cuda" else "fp32")]
-        self.model = load_model(self.checkpoint, self.device, dtype, args.quant, args.compile)
+        compiled = args.compile if args.compile is not None else self.device.type == "cuda"  # as the CLI
+        self.model = dualAR.load(self.checkpoint, self.device, dtype, args.quant, compiled)
         self.dac = codec.load(self.checkpoint, self.device, torch.float32)  # references encode in fp32
-        self.engine = dualAR.Engine(self.model, slots=args.slots, max_queue=args.queue).start()
+        # a fixed KV cache: memory known at start, and a compiled step never meets a new shape
+        self.max_context = min(args.max_context, self.model.config["max_seq_len"])
+        self.engine = dualAR.Engine(self.model, slots=args.slots, context=self.max_context,
+                                    max_queue=args.queue).start()
         self.voices, self.api_key = Path(args.voices), args.api_key
         self.voices_lock = threading.Lock()
         self.name = "s2-pro" if self.demo_dir is None else "fishfast-demo"
         self.info = dict(model=self.name, checkpoint=str(self.checkpoint), device=str(self.device),
-                         dtype=str(dtype).replace("torch.", ""), demo=self.demo_dir is not None)
+                         dtype=str(dtype).replace("torch.", ""), quant=args.quant or "none", compile=compiled,
+                         max_context=self.max_context, demo=self.demo_dir is not None)
 
     def close(self):
         self.engine.close()
@@ -333,15 +338,6 @@ class App:
     def whole_wave(self, request) -> torch.Tensor:
         codes = request.codes()
         return codec.decode(self.dac, codes.to(self.device))[0] if codes.size(1) else torch.zeros(0)
-
-
-def load_model(checkpoint, device, dtype, quant=None, compile=False):
-    """dualAR.load, with --quant/--compile passed on to a dualAR.py that has them."""
-    extra = {key: value for key, value in (("quant", quant), ("compile", compile)) if value}
-    for key in extra:
-        if key not in inspect.signature(dualAR.load).parameters:
-            raise dualAR.UserError(f"--{key}: this dualAR.py has no {key} option yet")
-    return dualAR.load(checkpoint, device, dtype, **extra)
 
 
 def decode_stream(dac, chunks):
@@ -516,7 +512,8 @@ class Handler(BaseHTTPRequestHandler):
     def answer(self, job: dict):
         """Submit the job, then send its audio: whole, as raw chunked bytes, or as server-sent events."""
         references = self.app.references(job)
-        request = self.app.engine.submit(dict(text=job["text"], references=references, **job["sampling"]))
+        request = self.app.engine.submit(dict(text=job["text"], references=references,
+                                              max_context=self.app.max_context, **job["sampling"]))
         start, prompt_tokens = time.perf_counter(), request.prompt.size(1)
         self.watch(request)
         try:
@@ -904,9 +901,13 @@ def parse_args(argv=None):
     ap.add_argument("--port", type=int, default=7560, help="port (default 7560, 0: any free one)")
     ap.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: cuda > mps > cpu")
     ap.add_argument("--dtype", choices=list(dualAR.DTYPES), help="default bf16 on CUDA, fp32 elsewhere")
-    ap.add_argument("--quant", help="quantize the Dual-AR weights (as dualAR.load's quant=)")
-    ap.add_argument("--compile", action="store_true", help="torch.compile the frame step (as dualAR.load's)")
+    ap.add_argument("--quant", choices=dualAR.QUANT_SCHEMES, help="torchao weight quantization, as"
+                    " dualAR.py's (int8wo: CPU and GPU. int4wo: CUDA bf16. fp8, nvfp4: recent NVIDIA GPUs)")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, help="one compiled graph per frame"
+                    " (default: on for CUDA, off on CPU where compiling takes minutes)")
     ap.add_argument("--slots", type=int, default=4, help="requests generated together (default 4)")
+    ap.add_argument("--max-context", type=int, default=dualAR.DEFAULT_CONTEXT, help="KV cache positions"
+                    f" (prompt + frames) of each slot, allocated at start (default {dualAR.DEFAULT_CONTEXT})")
     ap.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot; beyond, 503"
                     " (default 16)")
     ap.add_argument("--voices", default="prompt", help="folder of saved voices, <name>.npy + <name>.txt"
@@ -914,8 +915,8 @@ def parse_args(argv=None):
     ap.add_argument("--api-key", default=os.environ.get("FISHFAST_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on /v1/ (default $FISHFAST_API_KEY, else none)")
     args = ap.parse_args(argv)
-    if args.slots < 1 or args.queue < 0:
-        ap.error("--slots must be >= 1 and --queue >= 0")
+    if args.slots < 1 or args.queue < 0 or args.max_context < 2:
+        ap.error("--slots must be >= 1, --queue >= 0 and --max-context >= 2")
     return args
 
 

@@ -603,16 +603,23 @@ def sample(logits: Tensor, noise: Tensor, temperature: Tensor, top_p: Tensor, to
     return torch.argmax(probs / noise, dim=-1)
 
 
-def draw_noise(generator: torch.Generator, model: DualAR) -> tuple:
-    """The random numbers of one frame, drawn as upstream draws them (rand_like over the whole vocabulary
-    for the main and the repetition-aware sample, then over the codebook for codebooks 1..) from one
-    request's own generator -> (-log u) for the sampling window (2, window) and the codebooks (n - 1, size)."""
+def draw_noise(model: DualAR, generators: list, uniform: Tensor = None) -> tuple:
+    """The random numbers of one frame for each row, drawn as upstream draws them (rand_like over the whole
+    vocabulary for the main and the repetition-aware sample, then over the codebook for codebooks 1..)
+    from the row's own generator (None: an idle row) -> -log u over the sampling window (B, 2, window)
+    and over the codebooks (B, n - 1, size). One call per row gives the numbers of upstream's 11 calls."""
     cfg = model.config
     vocab, size, (start, stop) = cfg["vocab_size"], cfg["codebook_size"], model.head_window
-    u = torch.rand(2 * vocab + (cfg["num_codebooks"] - 1) * size, generator=generator,
-                   device=generator.device, dtype=torch.float32)  # one call gives the same numbers as upstream's 11 calls
-    slow = torch.stack([u[start:stop], u[vocab + start: vocab + stop]])
-    return -torch.log(slow), -torch.log(u[2 * vocab:].view(-1, size))
+    if uniform is None:
+        uniform = torch.empty(len(generators), 2 * vocab + (cfg["num_codebooks"] - 1) * size,
+                              device=model.embeddings.weight.device)
+    for row, generator in enumerate(generators):
+        if generator is None:
+            uniform[row] = 0.5
+        else:
+            torch.rand(uniform.size(1), generator=generator, out=uniform[row])
+    slow = uniform[:, : 2 * vocab].view(-1, 2, vocab)[:, :, start:stop]
+    return -torch.log(slow), -torch.log(uniform[:, 2 * vocab:].view(-1, cfg["num_codebooks"] - 1, size))
 
 
 # ----------------------------------------------------------------------------- one frame
@@ -801,9 +808,12 @@ class Engine:
     Threaded use: `start()`, then `submit()` from any thread and iterate the returned request; `close()`.
     """
 
-    def __init__(self, model: DualAR, slots: int = 1, context: int = None, max_queue: int = 64):
+    def __init__(self, model: DualAR, slots: int = 1, context: int = None, max_queue: int = 64,
+                 sync_every: int = None):
         cfg, device = model.config, model.embeddings.weight.device
         self.model, self.slots, self.max_queue = model, slots, max_queue
+        # frames made on the device before the host reads them: on CUDA the GPU then never waits for Python
+        self.sync_every = sync_every or (4 if device.type == "cuda" else 1)
         self.fixed_context = context
         model.setup_caches(slots, context or cache_bucket(1, cfg))
         self.rows, self.waiting = [None] * slots, collections.deque()
@@ -811,9 +821,10 @@ class Engine:
         self.pos = torch.zeros(slots, dtype=torch.long, device=device)
         self.window = torch.zeros(slots, RAS_WINDOW, dtype=torch.long, device=device)
         self.params = sampling_params(model, [(0.7, 0.7, 30)] * slots)
-        start, stop = model.head_window
-        self.idle_noise = (torch.ones(2, stop - start, device=device),
-                           torch.ones(cfg["num_codebooks"] - 1, cfg["codebook_size"], device=device))
+        self.made = torch.zeros(self.sync_every, *self.frames.shape, dtype=torch.long, device=device)
+        self.uniform = torch.empty(slots, 2 * cfg["vocab_size"] + (cfg["num_codebooks"] - 1)
+                                   * cfg["codebook_size"], device=device)
+        self.decode = getattr(model, "compiled_step", None) or functools.partial(decode_step, model)
         self.lock, self.wake, self.thread = threading.Lock(), threading.Event(), None
 
     @property
@@ -840,9 +851,9 @@ class Engine:
         start = time.perf_counter()
         logits, hidden = model.prefill(prompt.to(self.pos.device), row)
         params = sampling_params(model, [request.sampling])
-        slow_noise, fast_noise = draw_noise(request.generator, model)
+        slow_noise, fast_noise = draw_noise(model, [request.generator])
         no_window = torch.full_like(self.window[:1], -1)
-        frame = sample_frame(model, logits, hidden, no_window, params, slow_noise[None], fast_noise[None])
+        frame = sample_frame(model, logits, hidden, no_window, params, slow_noise, fast_noise)
         for key in ("temperature", "top_p", "top_k"):
             self.params[key][row] = params[key][0]
         self.frames[row], self.pos[row] = frame[0], prompt.size(1)
@@ -875,21 +886,28 @@ class Engine:
             except UserError as e:
                 request.finish(e)
 
-    def collect(self, row: int, frame: Tensor):
-        """Hand a new frame to the row's request; start its next text batch or retire it when it ends."""
+    def collect(self, row: int, frame: Tensor, rewind=None) -> bool:
+        """Hand a new frame to the row's request -> whether its text batch ended; then start its next
+        batch (after rewinding its generator to `rewind`, the state before the frames it will not use)
+        or retire it."""
         request = self.rows[row]
         if not request.add_frame(frame):
-            return
+            return False
         self.rows[row] = None
+        if rewind is not None:
+            request.generator.set_state(rewind)
         try:
             if request.end_batch():
-                return self.prefill(row, request)
+                self.prefill(row, request)
+                return True
         except UserError as e:
-            return request.finish(e)
+            request.finish(e)
+            return True
         request.finish()
+        return True
 
     def step(self):
-        """Admit waiting requests, then one frame for every row."""
+        """Admit waiting requests, then `sync_every` frames for every row, then read them (one host sync)."""
         for row, request in enumerate(self.rows):
             if request is not None and request.cancelled:
                 self.rows[row] = None
@@ -898,18 +916,24 @@ class Engine:
         active = [r for r, request in enumerate(self.rows) if request is not None]
         if not active:
             return
-        noise = [draw_noise(self.rows[r].generator, self.model) if r in active else self.idle_noise
-                 for r in range(self.slots)]
-        slow_noise, fast_noise = (torch.stack(n) for n in zip(*noise))
-        step = getattr(self.model, "compiled_step", None) or functools.partial(decode_step, self.model)
-        frames = step(self.frames, self.pos, self.window, self.params, slow_noise, fast_noise)
-        self.frames.copy_(frames)
-        self.pos += 1
-        self.pos.clamp_(max=self.model.cache_len - 1)  # idle rows must stay inside the cache
-        self.window = torch.cat([self.window[:, 1:], frames[:, :1]], dim=1)
-        frames = frames.cpu()  # the one host sync per frame: who has said <|im_end|>
+        generators = [request and request.generator for request in self.rows]
+        states = []  # each row's generator state before each frame: a batch that ends early rewinds
+        for i in range(self.sync_every):
+            if self.sync_every > 1:
+                states.append([g and g.get_state() for g in generators])
+            slow_noise, fast_noise = draw_noise(self.model, generators, self.uniform)
+            frames = self.decode(self.frames, self.pos, self.window, self.params, slow_noise, fast_noise)
+            self.frames.copy_(frames)
+            self.made[i].copy_(frames)  # a CUDA graph overwrites its output at the next replay
+            self.pos += 1
+            self.pos.clamp_(max=self.model.cache_len - 1)  # idle rows must stay inside the cache
+            self.window = torch.cat([self.window[:, 1:], frames[:, :1]], dim=1)
+        made = self.made.to("cpu", copy=True)  # the host sync: who has said <|im_end|>
         for row in active:
-            self.collect(row, frames[row])
+            for i in range(self.sync_every):
+                rewind = states[i + 1][row] if i + 1 < len(states) else None
+                if self.collect(row, made[i, row], rewind):
+                    break
 
     def run(self):
         while self.busy:
@@ -1118,8 +1142,7 @@ def step_inputs(model: DualAR, batch: int, generators: list):
     frames[:, 0] = cfg["semantic_begin_id"]
     pos = torch.full((batch,), BENCH_PROMPT, dtype=torch.long, device=device)
     window = torch.zeros(batch, RAS_WINDOW, dtype=torch.long, device=device)
-    noise = [draw_noise(g, model) for g in generators]
-    slow, fast = (torch.stack(n) for n in zip(*noise))
+    slow, fast = draw_noise(model, generators)
     return frames, pos, window, sampling_params(model, [(0.7, 0.7, 30)] * batch), slow, fast
 
 
@@ -1177,6 +1200,7 @@ def prefill_speed(model: DualAR) -> float:
     cfg, device = model.config, model.embeddings.weight.device
     tokens = torch.zeros(1 + cfg["num_codebooks"], BENCH_PROMPT, dtype=torch.long, device=device)
     tokens[0] = cfg["semantic_begin_id"]
+    model.setup_caches(1, cache_bucket(BENCH_PROMPT, cfg))
     model.prefill(tokens)
     synchronize(device)
     start = time.perf_counter()

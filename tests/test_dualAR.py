@@ -304,10 +304,10 @@ def test_one_noise_call_equals_upstreams_eleven_rand_like_calls(model):
     torch.manual_seed(7)
     calls = [torch.rand(cfg["vocab_size"]) for _ in range(2)] + [torch.rand(cfg["codebook_size"])
                                                                  for _ in range(cfg["num_codebooks"] - 1)]
-    slow, fast = dualAR.draw_noise(torch.Generator().manual_seed(7), model)
+    slow, fast = dualAR.draw_noise(model, [None, torch.Generator().manual_seed(7)])  # row 0 is idle
     start, stop = model.head_window
-    assert torch.equal(slow, -torch.log(torch.stack([c[start:stop] for c in calls[:2]])))
-    assert torch.equal(fast, -torch.log(torch.stack(calls[2:])))
+    assert torch.equal(slow[1], -torch.log(torch.stack([c[start:stop] for c in calls[:2]])))
+    assert torch.equal(fast[1], -torch.log(torch.stack(calls[2:])))
 
 
 # ----------------------------------------------------------------------------- generation
@@ -525,6 +525,24 @@ def test_engine_thread_serves_requests_submitted_from_several_threads(model):
     finally:
         engine.close()
     assert all(torch.equal(results[i], c) for i, c in enumerate(solo_codes(model, MIXED)))
+
+
+@pytest.mark.parametrize("sync_every", [3, 7])
+def test_frames_read_every_few_steps_give_the_same_codes(model, eos_model, sync_every):
+    """As on CUDA: several frames run before the host reads them. A text batch that ends in between
+    rewinds its generator, so the next batch (and the other rows) draw what they would have drawn."""
+    dialogue, eos = CASES["seeded_dialogue"]["call"], CASES["eos"]["eos"]["call"]
+    cases = [(model, dialogue, golden("seeded_dialogue_codes.npy")), (eos_model, eos, golden("eos_codes.npy"))]
+    for m, call, expected in cases:
+        engine = dualAR.Engine(m, slots=2, sync_every=sync_every)
+        made = [engine.add(dualAR.Request(m, call["text"], references(call), seed=call["torch_manual_seed"],
+                                          top_k=call["top_k"], max_new_tokens=call["max_new_tokens"],
+                                          chunk_length=call["chunk_length"])),
+                engine.add(dualAR.Request(m, **MIXED[1]))]
+        with torch.inference_mode():
+            engine.run()
+        assert torch.equal(made[0].codes(), expected)
+        assert torch.equal(made[1].codes(), dualAR.generate(m, **MIXED[1]))
 
 
 def test_engine_rejects_bad_requests_and_a_full_queue(model):

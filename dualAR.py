@@ -726,7 +726,7 @@ class Request:
         device = model.embeddings.weight.device
         self.generator = torch.Generator(device).manual_seed(seed)
         self.prompt = self.next_prompt()  # a prompt that cannot fit fails here, before any work
-        self.frames, self.raw_frames, self.pending, self.row = [], [], [], None
+        self.frames, self.raw_frames, self.pending, self.chunks, self.row = [], [], [], 0, None
         self.out, self.done, self.cancelled = queue.SimpleQueue(), False, False
         self.submitted, self.first_audio = time.perf_counter(), None
         self.prefill_tokens, self.prefill_seconds = 0, 0.0
@@ -752,9 +752,10 @@ class Request:
         over = over or len(self.frames) >= self.frame_budget()
         if len(self.frames) > 1:
             self.pending.append(self.frames[-2][1:])
-        if len(self.pending) >= self.chunk_frames or (over and self.pending):
+        size = self.chunk_frames if self.chunks else 1  # the first chunk at once: time to first audio
+        if len(self.pending) >= size or (over and self.pending):
             self.out.put(torch.stack(self.pending, dim=1))
-            self.pending = []
+            self.chunks, self.pending = self.chunks + 1, []
         return over
 
     def end_batch(self) -> bool:
@@ -979,7 +980,7 @@ def cache_bucket(needed: int, cfg: dict) -> int:
 @torch.inference_mode()
 def stream(model: DualAR, text: str, **kwargs):
     """Speak `text` (same arguments as `generate`), yielding codes chunks (num_codebooks, n) as they are
-    made: the first after `chunk_frames` frames of speech, then every `chunk_frames`."""
+    made: the first as soon as one frame of speech exists, then every `chunk_frames` frames."""
     engine = Engine(model, slots=1)
     request = engine.add(Request(model, text, **kwargs))
     while engine.busy:

@@ -469,7 +469,7 @@ def test_stream_chunks_concatenate_to_generate(model, eos_model, name, chunk_fra
     chunks = list(dualAR.stream(m, call["text"], references=references(call), seed=call["torch_manual_seed"],
                                 top_k=call["top_k"], max_new_tokens=call["max_new_tokens"],
                                 chunk_length=call["chunk_length"], chunk_frames=chunk_frames))
-    assert all(c.size(1) <= chunk_frames for c in chunks) and chunks[0].size(1) == chunk_frames
+    assert chunks[0].size(1) == 1 and all(c.size(1) <= chunk_frames for c in chunks)  # the first at once
     assert torch.equal(torch.cat(chunks, dim=1), golden(case.get("codes_file", "seeded_dialogue_codes.npy")))
 
 
@@ -626,6 +626,19 @@ def test_cli_dialogue_from_prompt_audio_matches_upstream_and_writes_a_wav(tmp_pa
     assert np.array_equal(np.load(tmp_path / "dialogue.npy"), np.load(GOLDEN / "seeded_dialogue_codes.npy"))
     info = __import__("soundfile").info(str(tmp_path / "dialogue.wav"))
     assert (info.samplerate, info.frames, info.subtype) == (44100, 46 * 2048, "PCM_16")
+
+
+def test_cli_stream_writes_the_same_wav_as_it_goes_and_reports_time_to_first_audio(tmp_path):
+    import soundfile as sf
+    args = ["--checkpoint", str(CKPT), "--text", SEEDED["text"], "--no-prompt", "--max-new-tokens", "20"]
+    streamed = cli(args + ["--stream", "--out", "s.wav"], tmp_path)
+    assert streamed.returncode == 0, streamed.stderr
+    assert "time to first audio" in streamed.stdout.splitlines()[-1]
+    assert cli(args + ["--out", "o.wav"], tmp_path).returncode == 0
+    assert np.array_equal(np.load(tmp_path / "s.npy"), np.load(tmp_path / "o.npy"))
+    wave, one_shot = sf.read(tmp_path / "s.wav")[0], sf.read(tmp_path / "o.wav")[0]
+    assert wave.shape == one_shot.shape == (19 * 2048,)
+    assert np.abs(wave - one_shot).max() <= 1 / 32768  # streamed decode == one-shot, up to PCM-16 rounding
 
 
 def test_cli_text_file_and_no_prompt_give_upstreams_plain_tts(tmp_path):

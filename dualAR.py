@@ -960,6 +960,12 @@ class Engine:
                     continue
                 self.step()
 
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
     def close(self):
         self.closed = True
         self.wake.set()
@@ -1210,10 +1216,97 @@ def prefill_speed(model: DualAR) -> float:
     return BENCH_PROMPT / (time.perf_counter() - start)
 
 
+@torch.inference_mode()
+def head_logits(model: DualAR) -> tuple:
+    """Slow logits (sampling window) at the end of a fixed prompt, and the fast logits of every codebook
+    teacher-forced with codes 0: what quantization must not move."""
+    cfg, device = model.config, model.embeddings.weight.device
+    tokens = torch.zeros(1 + cfg["num_codebooks"], BENCH_PROMPT, dtype=torch.long, device=device)
+    tokens[0] = cfg["semantic_begin_id"] + torch.arange(BENCH_PROMPT, device=device) % cfg["codebook_size"]
+    tokens[1:] = torch.arange(BENCH_PROMPT, device=device) % cfg["codebook_size"]
+    model.setup_caches(1, cache_bucket(BENCH_PROMPT, cfg))
+    slow, hidden = model.prefill(tokens)
+    fast = [model.forward_fast(hidden, 0)]
+    code = torch.zeros(1, dtype=torch.long, device=device)
+    fast += [model.forward_fast(model.fast_embeddings(code), i) for i in range(1, cfg["num_codebooks"])]
+    return slow.float(), torch.cat(fast).float()
+
+
 def peak_memory_gb(device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
+
+
+BENCH_TEXT = "The quick brown fox jumps over the lazy dog, and the river is calm today."
+
+
+def bench_codec(args, device):
+    """The checkpoint's codec, or the real codec size with random weights (fp32, as the CLI runs it)."""
+    if args.checkpoint and (Path(args.checkpoint) / "codec.pth").is_file():
+        return codec.load(args.checkpoint, device)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return codec.fold_weight_norm(codec.DAC(codec.CONFIG)).requires_grad_(False).eval()
+
+
+def timed_request(engine: Engine, dac, seed: int, frames: int, delay: float = 0.0) -> dict:
+    """Submit one request after `delay` s, decode its audio as it streams -> its figures (seconds since
+    submission: first audio samples ready, last frame)."""
+    time.sleep(delay)
+    request = engine.submit(dict(text=BENCH_TEXT, seed=seed, max_new_tokens=frames, chunk_frames=8))
+    first, made = None, 0
+    device = engine.pos.device
+    with torch.inference_mode():
+        for samples in codec.decode_stream(dac, (c[None].to(device) for c in request)):
+            synchronize(device)
+            first = first or time.perf_counter() - request.submitted
+            made += samples.size(-1) // codec.hop_length()
+    return dict(ttfa=first, frames=made, seconds=time.perf_counter() - request.submitted)
+
+
+def percentile(values: list, q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def bench_serving(args, model: DualAR, device):
+    """Time to first audio at batch 1, then a load run: requests arriving at --rate into --slots rows."""
+    dac = bench_codec(args, device)
+    prompt = build_prompt(model, [], [], BENCH_TEXT).size(1)
+    context = cache_bucket(prompt + args.frames + 1, model.config)
+    with Engine(model, slots=1, context=context).start() as engine:
+        timed_request(engine, dac, 0, args.frames)  # warm-up (and compile)
+        runs = [timed_request(engine, dac, seed, args.frames) for seed in range(3)]
+    ttfa = percentile([r["ttfa"] for r in runs], 0.5)
+    print(f"time to first audio at batch 1 (prefill {prompt} tokens + first frames + their codec decode):"
+          f" {1000 * ttfa:.0f} ms")
+    print(f"bench ttfa_ms={1000 * ttfa:.0f} prompt_tokens={prompt}")
+    if not args.load:
+        return
+    with Engine(model, slots=args.slots, context=context, max_queue=args.load).start() as engine:
+        timed_request(engine, dac, 0, args.frames)  # warm-up (and compile)
+        results = [None] * args.load
+
+        def client(i):
+            results[i] = timed_request(engine, dac, i, args.frames, delay=i / args.rate)
+
+        start = time.perf_counter()
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(args.load)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        wall = time.perf_counter() - start
+    total = sum(r["frames"] for r in results) / wall
+    each = [r["frames"] / r["seconds"] for r in results]
+    ttfas = [1000 * r["ttfa"] for r in results]
+    print(f"load: {args.load} requests at {args.rate:g}/s into {args.slots} slots: {total:.1f} frames/s in all,"
+          f" per request {min(each):.1f}..{max(each):.1f} frames/s (real time: 21.5),"
+          f" time to first audio p50 {percentile(ttfas, 0.5):.0f} ms, p95 {percentile(ttfas, 0.95):.0f} ms")
+    print(f"bench load={args.load} rate={args.rate:g} slots={args.slots} frames_per_s={total:.1f}"
+          f" request_frames_per_s_min={min(each):.1f} ttfa_p50_ms={percentile(ttfas, 0.5):.0f}"
+          f" ttfa_p95_ms={percentile(ttfas, 0.95):.0f}")
 
 
 def bench(args):
@@ -1226,7 +1319,14 @@ def bench(args):
         model, name = load(args.checkpoint, device, dtype), Path(args.checkpoint).name
     else:
         model, name = random_model(args.config, device, dtype), args.config
+    reference = head_logits(model) if args.quant and args.quant != "none" else None
     prepare(model, args.quant, compiled)
+    if reference is not None:
+        for part, ref, got in zip(("slow", "fast"), reference, head_logits(model)):
+            error = ((got - ref).abs().max() / ref.abs().max()).item()
+            same = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+            print(f"{args.quant} {part} logits vs unquantized: max error {100 * error:.2f} % of the largest"
+                  f" logit, same argmax {100 * same:.0f} %")
     n_params = sum(p.numel() for p in model.parameters()) / 1e9
     per_frame, bandwidth = frame_bytes(model), copy_bandwidth(device)
     prefill = prefill_speed(model)
@@ -1249,6 +1349,8 @@ def bench(args):
               f" matmul_ceiling_frames_per_s={batch * ceiling:.2f} ceiling_pct={100 * steps / ceiling:.0f}"
               f" prefill_tokens_per_s={prefill:.0f} peak_mem_gb={peak_memory_gb(device):.2f}"
               f" compile_s={first if compiled else 0:.1f}")
+    if args.ttfa or args.load:
+        bench_serving(args, model, device)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -1370,6 +1472,11 @@ def parse_args(argv=None):
                              help="random-weight model size (default s2-pro, the real dimensions)")
     bench_flags.add_argument("--batch", type=batch_sizes, default=[1], help="batch sizes, e.g. 1,4,16")
     bench_flags.add_argument("--frames", type=int, default=16, help="timed frame steps (default 16)")
+    bench_flags.add_argument("--ttfa", action="store_true", help="also time to first audio at batch 1"
+                             " (prefill, first frames, their codec decode; real codec size, random weights)")
+    bench_flags.add_argument("--load", type=int, default=0, help="also a load run of this many requests")
+    bench_flags.add_argument("--rate", type=float, default=2.0, help="load run: requests per second (2)")
+    bench_flags.add_argument("--slots", type=int, default=8, help="load run: engine rows (default 8)")
     return ap.parse_args(argv)
 
 

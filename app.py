@@ -255,9 +255,14 @@ class App:
         if self.demo_dir:
             shutil.rmtree(self.demo_dir, ignore_errors=True)
 
+    @property
+    def alive(self) -> bool:
+        return self.engine.thread.is_alive()
+
     def health(self) -> dict:
         note = dict(note="DEMO: a tiny random model, the audio is noise") if self.demo_dir else {}
-        return dict(status="ok", **self.info, **note, **self.engine.stats())
+        status = "ok" if self.alive else "the engine stopped: see the server's log"
+        return dict(status=status, **self.info, **note, **self.engine.stats())
 
     # voices: prompt/<name>.npy (codes) or an audio file, + prompt/<name>.txt, the layout the CLI reads
     def voice_files(self) -> dict:
@@ -475,7 +480,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_bytes(render_page(self.app).encode(), "text/html; charset=utf-8")
 
     def health(self):
-        self.send_json(self.app.health())
+        self.send_json(self.app.health(), 200 if self.app.alive else 503)
 
     def models(self):
         self.send_json(dict(object="list", data=[dict(id=self.app.name, object="model", created=0,
@@ -511,6 +516,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def answer(self, job: dict):
         """Submit the job, then send its audio: whole, as raw chunked bytes, or as server-sent events."""
+        if not self.app.alive:
+            raise HTTPError(503, "the engine stopped (see the server's log): restart the server")
         references = self.app.references(job)
         request = self.app.engine.submit(dict(text=job["text"], references=references,
                                               max_context=self.app.max_context, **job["sampling"]))
@@ -576,13 +583,15 @@ class Handler(BaseHTTPRequestHandler):
 
     def watch(self, request):
         """Cancel `request` as soon as the client hangs up, even while it waits in the queue: a thread that
-        peeks at the socket until the request is done."""
-        sock = self.connection
+        peeks at the socket until the request is done. If the engine thread dies, end the request too."""
+        sock, app = self.connection, self.app
 
         def run():
             with selectors.DefaultSelector() as selector:
                 selector.register(sock, selectors.EVENT_READ)
                 while not request.done:
+                    if not app.alive:
+                        return request.finish(RuntimeError("the engine stopped: see the server's log"))
                     if selector.select(0.05):
                         try:
                             gone = not sock.recv(1, socket.MSG_PEEK)

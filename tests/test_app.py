@@ -426,6 +426,23 @@ def test_full_queue_gives_503_with_retry_after_and_hangups_free_everything(locke
     wait_for(lambda: health(locked)["busy"] + health(locked)["queued"] == 0, 10, "the slot and queue to empty")
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+def test_a_dead_engine_ends_its_requests_and_refuses_new_ones(tmp_path):
+    server = start_server(tmp_path, "--slots", "1")
+
+    def broken_step(*args):
+        raise RuntimeError("a simulated failure in the engine thread")
+
+    server.app.engine.step = broken_step
+    try:
+        status, _, body = call(server, "POST", "/v1/tts", dict(text=TEXT, max_new_tokens=8))
+        assert status == 500 and json.loads(body)["error"]["type"] == "server_error"  # not a hang
+        assert call(server, "GET", "/health")[0] == 503
+        assert call(server, "POST", SPEECH, dict(input=TEXT))[0] == 503
+    finally:
+        stop_server(server)
+
+
 def test_demo_model_says_it_is_noise(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no ./s2-pro here
     demo = app.App(app.parse_args(["--device", "cpu", "--voices", str(tmp_path / "prompt")]))

@@ -263,7 +263,7 @@ class DualAR(nn.Module):
                                                      cfg["rope_base"]).to(device), persistent=False)
 
     def setup_caches(self, batch: int, seq_len: int):
-        """Static KV caches: `batch` rows of `seq_len` slow positions. Caches that grow keep their contents."""
+        """Static KV caches: `batch` rows of `seq_len` slow positions. Growing caches keep their contents."""
         cfg, weight = self.config, self.embeddings.weight
         for layer in self.layers:
             old = layer.attention.kv_cache
@@ -793,10 +793,7 @@ class Request:
 
     def codes(self) -> Tensor:
         """Every chunk, concatenated: (num_codebooks, frames)."""
-        chunks = list(self)
-        if not chunks:
-            return torch.zeros(self.model.config["num_codebooks"], 0, dtype=torch.long)
-        return torch.cat(chunks, dim=1)
+        return join_chunks(self.model, list(self))
 
 
 # ----------------------------------------------------------------------------- engine
@@ -1013,11 +1010,17 @@ def generate(model: DualAR, text: str, references=(), seed=None, temperature=0.7
     Text with <|speaker:N|> tags is split into turns and spoken batch by batch, each batch seeing the
     codes of the ones before. -> codes (num_codebooks, frames). max_new_tokens=0: up to the context.
     """
-    chunks = list(stream(model, text, references=references, seed=seed, temperature=temperature,
-                         top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens, chunk_length=chunk_length,
-                         max_context=max_context, chunk_frames=1 << 30))
-    return torch.cat(chunks, dim=1) if chunks else torch.zeros(model.config["num_codebooks"], 0,
-                                                               dtype=torch.long)
+    chunks = stream(model, text, references=references, seed=seed, temperature=temperature, top_p=top_p,
+                    top_k=top_k, max_new_tokens=max_new_tokens, chunk_length=chunk_length,
+                    max_context=max_context, chunk_frames=1 << 30)
+    return join_chunks(model, list(chunks))
+
+
+def join_chunks(model: DualAR, chunks: list) -> Tensor:
+    """Codes chunks -> (num_codebooks, frames), also when there are none."""
+    if not chunks:
+        return torch.zeros(model.config["num_codebooks"], 0, dtype=torch.long)
+    return torch.cat(chunks, dim=1)
 
 
 # ----------------------------------------------------------------------------- demo checkpoint
@@ -1301,8 +1304,9 @@ def bench_serving(args, model: DualAR, device):
     total = sum(r["frames"] for r in results) / wall
     each = [r["frames"] / r["seconds"] for r in results]
     ttfas = [1000 * r["ttfa"] for r in results]
-    print(f"load: {args.load} requests at {args.rate:g}/s into {args.slots} slots: {total:.1f} frames/s in all,"
-          f" per request {min(each):.1f}..{max(each):.1f} frames/s (real time: 21.5),"
+    print(f"load: {args.load} requests at {args.rate:g}/s into {args.slots} slots:"
+          f" {total:.1f} frames/s in all, per request {min(each):.1f}..{max(each):.1f} frames/s"
+          f" (real time: 21.5),"
           f" time to first audio p50 {percentile(ttfas, 0.5):.0f} ms, p95 {percentile(ttfas, 0.95):.0f} ms")
     print(f"bench load={args.load} rate={args.rate:g} slots={args.slots} frames_per_s={total:.1f}"
           f" request_frames_per_s_min={min(each):.1f} ttfa_p50_ms={percentile(ttfas, 0.5):.0f}"
@@ -1460,7 +1464,8 @@ def parse_args(argv=None):
     ap.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: cuda > mps > cpu")
     ap.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="default bf16 on CUDA, fp32 elsewhere")
     ap.add_argument("--quant", choices=QUANT_SCHEMES, help="torchao weight quantization of both transformers"
-                    " (int8wo: CPU and GPU. int4wo: CUDA bf16. fp8: compute capability >= 8.9. nvfp4: >= 10.0)")
+                    " (int8wo: CPU and GPU. int4wo: CUDA bf16. fp8: compute capability >= 8.9."
+                    " nvfp4: >= 10.0)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, help="one compiled graph per frame"
                     " (default: on for CUDA, off on CPU where compiling takes minutes, see README)")
     ap.add_argument("--demo", action="store_true",
@@ -1534,30 +1539,34 @@ def run(args):
 
 def speak(model: DualAR, request: Request, wav_path, args) -> Tensor:
     """Run one request with a progress bar; with a wav path, decode and write each chunk as it comes."""
-    engine = Engine(model)
+    engine, chunks = Engine(model), []
     engine.add(request)
-    chunks, bar = [], tqdm(unit="frame", leave=False)
-    wav = None if wav_path is None else GrowingWav(wav_path)
-    try:
-        with torch.inference_mode():
-            audio = None if wav is None else codec.decode_stream(codec_model(args, engine.pos.device), iter(chunks))
-            while engine.busy:
-                engine.step()
-                bar.update(1)
-                for chunk in request.ready():
-                    chunks.append(chunk)
-                    if wav is not None:
-                        wav.write(next(audio)[0])
-                        request.first_audio = request.first_audio or time.perf_counter()
-    except BaseException:
-        if wav is not None:
+    with torch.inference_mode(), tqdm(unit="frame", leave=False) as bar:
+        made = produced(engine, request, bar, chunks)
+        if wav_path is None:
+            collections.deque(made, maxlen=0)  # run to the end
+            return join_chunks(model, chunks)
+        wav = GrowingWav(wav_path)
+        try:
+            device = engine.pos.device
+            for samples in codec.decode_stream(codec_model(args, device), (c.to(device) for c in made)):
+                wav.write(samples[0])
+                request.first_audio = request.first_audio or time.perf_counter()
+        except BaseException:
             wav.discard()
-        raise
-    finally:
-        bar.close()
-    if wav is not None:
+            raise
         wav.close()
-    return torch.cat(chunks, dim=1) if chunks else torch.zeros(model.config["num_codebooks"], 0, dtype=torch.long)
+    return join_chunks(model, chunks)
+
+
+def produced(engine: Engine, request: Request, bar, kept: list):
+    """Run the engine to the end, yielding the request's codes chunks as they come (and keeping them)."""
+    while engine.busy:
+        engine.step()
+        bar.update()
+        for chunk in request.ready():
+            kept.append(chunk)
+            yield chunk
 
 
 class GrowingWav:

@@ -1,4 +1,4 @@
-"""GPU checks that CI cannot run (no GPU there): the CUDA paths run, and how close they stay to upstream.
+"""GPU checks CI cannot run (no GPU there): the CUDA paths run, and how close they stay to upstream.
 
     python .ci/gpu_check.py        # part of `bash .ci/gpu`; prints one line per check, fails on the first error
 """

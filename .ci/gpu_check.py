@@ -16,14 +16,14 @@ import dualAR  # noqa: E402
 
 TINY = ROOT / "tests/fixtures/s2-tiny"
 CASES = json.loads((TINY / "golden/cases.json").read_text())
-CLONE = (torch.from_numpy(np.load(TINY / "golden/codec_codes.npy")), CASES["seeded"]["call"]["prompt_text"][0])
+CLONE = torch.from_numpy(np.load(TINY / "golden/codec_codes.npy")), CASES["seeded"]["call"]["prompt_text"][0]
 
 
 def run(model, name):
     call = CASES[name]["call"]
     return dualAR.generate(model, call["text"], [CLONE] if call["prompt_text"] else [],
-                           seed=call["torch_manual_seed"], temperature=call["temperature"], top_p=call["top_p"],
-                           top_k=call["top_k"], max_new_tokens=call["max_new_tokens"],
+                           seed=call["torch_manual_seed"], temperature=call["temperature"],
+                           top_p=call["top_p"], top_k=call["top_k"], max_new_tokens=call["max_new_tokens"],
                            chunk_length=call["chunk_length"]).cpu()
 
 
@@ -38,13 +38,14 @@ def main():
         run(compiled, "greedy")
         print(f"{dtype}: compiled (CUDA graphs) in {time.perf_counter() - start:.0f} s")
         for name in names:
-            golden = torch.from_numpy(np.load(TINY / "golden" / CASES[name].get("codes_file",
-                                                                                "seeded_dialogue_codes.npy")))
+            file = CASES[name].get("codes_file", "seeded_dialogue_codes.npy")
+            golden = torch.from_numpy(np.load(TINY / "golden" / file))
             a, b = run(eager, name), run(compiled, name)
             same = lambda x: f"{(x == golden).float().mean().item():.3f}" if x.shape == golden.shape else "len"
             print(f"  {name:14s} upstream's codes: eager {same(a)}, compiled {same(b)};"
                   f" compiled == eager: {torch.equal(a, b)}")
-        requests = [dict(text=CASES[n]["call"]["text"], seed=i, max_new_tokens=20) for i, n in enumerate(names)]
+        requests = [dict(text=CASES[n]["call"]["text"], seed=i, max_new_tokens=20)
+                    for i, n in enumerate(names)]
         many = dualAR.generate_many(compiled, requests)
         solo = [dualAR.generate(compiled, **r).cpu() for r in requests]
         print(f"  generate_many rows == solo: {[torch.equal(m.cpu(), s) for m, s in zip(many, solo)]}")

@@ -1,6 +1,6 @@
 """GPU checks CI cannot run (no GPU there): the CUDA paths run, and how close they stay to upstream.
 
-    python .ci/gpu_check.py        # part of `bash .ci/gpu`; prints one line per check, fails on the first error
+    python .ci/gpu_check.py    # part of `bash .ci/gpu`: one line per check, stops at the first error
 """
 import json
 import sys
@@ -27,6 +27,10 @@ def run(model, name):
                            chunk_length=call["chunk_length"]).cpu()
 
 
+def agreement(codes, golden) -> str:
+    return f"{(codes == golden).float().mean().item():.3f}" if codes.shape == golden.shape else "other length"
+
+
 def main():
     assert torch.cuda.is_available(), "no CUDA device"
     print(torch.cuda.get_device_name(), "capability", torch.cuda.get_device_capability())
@@ -41,8 +45,7 @@ def main():
             file = CASES[name].get("codes_file", "seeded_dialogue_codes.npy")
             golden = torch.from_numpy(np.load(TINY / "golden" / file))
             a, b = run(eager, name), run(compiled, name)
-            same = lambda x: f"{(x == golden).float().mean().item():.3f}" if x.shape == golden.shape else "len"
-            print(f"  {name:14s} upstream's codes: eager {same(a)}, compiled {same(b)};"
+            print(f"  {name:14s} upstream's codes: eager {agreement(a, golden)}, compiled {agreement(b, golden)};"
                   f" compiled == eager: {torch.equal(a, b)}")
         requests = [dict(text=CASES[n]["call"]["text"], seed=i, max_new_tokens=20)
                     for i, n in enumerate(names)]

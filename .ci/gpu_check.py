@@ -45,8 +45,8 @@ def main():
             file = CASES[name].get("codes_file", "seeded_dialogue_codes.npy")
             golden = torch.from_numpy(np.load(TINY / "golden" / file))
             a, b = run(eager, name), run(compiled, name)
-            print(f"  {name:14s} upstream's codes: eager {agreement(a, golden)}, compiled {agreement(b, golden)};"
-                  f" compiled == eager: {torch.equal(a, b)}")
+            print(f"  {name:14s} share of upstream's codes: eager {agreement(a, golden)},"
+                  f" compiled {agreement(b, golden)}; compiled == eager: {torch.equal(a, b)}")
         requests = [dict(text=CASES[n]["call"]["text"], seed=i, max_new_tokens=20)
                     for i, n in enumerate(names)]
         many = dualAR.generate_many(compiled, requests)

@@ -8,6 +8,7 @@ CLI: `python codec.py encode|decode|bench --help`. Matches upstream fish-speech 
 with `rvq.DownsampleResidualVectorQuantize` as it runs at inference: codes exactly, waveforms to fp32 noise.
 """
 import argparse
+import ctypes
 import json
 import math
 import os
@@ -48,20 +49,32 @@ CONFIG = dict(  # the real S2-Pro codec (upstream fish_speech/configs/modded_dac
     norm_eps=1e-5,
 )
 FAST_VOCAB = 4096  # the LM's fast model samples every codebook from 4096 entries
-CHUNK_FRAMES = 256  # frames per decoder pass (~12 s): decoder memory stays flat on long inputs
-CONTEXT_FRAMES = 16  # left context re-decoded per chunk: the convs after post_module reach 10.2 frames back
+CHUNK_FRAMES = 16  # frames per pass (0.74 s): memory stays flat, every tensor under 32 MB (keep_freed_memory)
 ATTN_BLOCK = 2048  # queries per attention call (shorter inputs: upstream's one full-mask call)
 STALE_BUFFERS = ("freqs_cis", "causal_mask")  # non-persistent buffers that older saves may still carry
 AUDIO_EXTENSIONS = {".wav", ".flac", ".ogg", ".mp3", ".opus", ".aiff", ".aif"}
 
 
 # ----------------------------------------------------------------------------- building blocks
+def with_past(cache, module, x, n, dim=-1):  # (..., L, ...) -> (..., n + L, ...) along dim
+    """x after the n steps that came before it in this stream: zeros at its start, or with no stream."""
+    if n == 0:
+        return x
+    past = None if cache is None else cache.get(module)
+    if past is None:
+        past = x.new_zeros(x.shape[:dim] + (n,) + x.shape[dim:][1:])
+    x = torch.cat([past, x], dim)
+    if cache is not None:
+        cache[module] = x.narrow(dim, x.shape[dim] - n, n).clone()  # a view would keep all of x alive
+    return x
+
+
 class Snake(nn.Module):
     def __init__(self, channels):
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(1, channels, 1))
 
-    def forward(self, x):
+    def forward(self, x, cache=None):
         return x + (self.alpha + 1e-9).reciprocal() * torch.sin(self.alpha * x).pow(2)
 
 
@@ -72,38 +85,54 @@ class CausalConv(nn.Module):
         super().__init__()
         conv = nn.Conv1d(cin, cout, kernel, stride=stride, dilation=dilation, groups=groups)
         self.conv = weight_norm(conv) if wn else conv
-        self.stride = stride
         self.pad = (kernel - 1) * dilation + 1 - stride
 
-    def forward(self, x):  # (B, C, L) -> (B, C', ceil(L / stride))
-        extra = -x.shape[-1] % self.stride  # completes the last window, 0 on every inference path
-        return self.conv(F.pad(x, (self.pad, extra)))
+    def forward(self, x, cache=None):  # (B, C, L) -> (B, C', L / stride); L is whole frames, so divisible
+        return self.conv(with_past(cache, self, x, self.pad))
 
 
 class CausalConvT(nn.Module):
-    """ConvTranspose1d that drops its last kernel - stride outputs: exactly L * stride samples."""
+    """ConvTranspose1d (kernel = stride or 2 * stride) without its last kernel - stride outputs: L * stride.
+
+    Computed as one matmul and an overlap-add: CPU conv_transpose1d copies the whole weight on every call
+    (72 MB in the first decoder stage) and is 1.4-14x slower on 16 to 1 frame chunks."""
 
     def __init__(self, cin, cout, kernel, stride, wn=True):
         super().__init__()
         conv = nn.ConvTranspose1d(cin, cout, kernel, stride=stride)
         self.conv = weight_norm(conv) if wn else conv
-        self.trim = kernel - stride
+        self.stride, self.overlap = stride, kernel // stride - 1
 
-    def forward(self, x):
-        x = self.conv(x)
-        return x[..., : x.shape[-1] - self.trim]
+    def forward(self, x, cache=None):  # (B, C, L) -> (B, C', L * stride)
+        B, _, L = x.shape
+        w = self.conv.weight  # (C, C', kernel)
+        y = (x.transpose(1, 2) @ w.flatten(1)).view(B, L, w.shape[1], 1 + self.overlap, self.stride)
+        out = y[:, :, :, 0]  # (B, L, C', stride): what each input sample writes into its own block
+        if self.overlap:  # ... plus what the one before it writes into the next block
+            out = out + with_past(cache, self, y[:, :, :, 1], 1, dim=1)[:, :L]
+        return out.permute(0, 2, 1, 3).reshape(B, -1, L * self.stride) + self.conv.bias[:, None]
+
+
+class Sequential(nn.Sequential):
+    """nn.Sequential (same module names) that hands a stream's cache to every layer."""
+
+    def forward(self, x, cache=None):
+        for layer in self:
+            x = layer(x, cache)
+        return x
 
 
 class Stack(nn.Module):
-    """nn.Sequential kept under `.block` (upstream's module names), residual=True adds the input back."""
+    """Layers kept under `.block` (upstream's module names), residual=True adds the input back."""
 
     def __init__(self, *layers, residual=False):
         super().__init__()
-        self.block = nn.Sequential(*layers)
+        self.block = Sequential(*layers)
         self.residual = residual
 
-    def forward(self, x):
-        return x + self.block(x) if self.residual else self.block(x)
+    def forward(self, x, cache=None):
+        y = self.block(x, cache)
+        return x + y if self.residual else y
 
 
 def residual_unit(dim, dilation):
@@ -120,8 +149,8 @@ class ConvNeXt(nn.Module):
         self.pwconv1 = nn.Linear(dim, 4 * dim)
         self.pwconv2 = nn.Linear(4 * dim, dim)
 
-    def forward(self, x):  # (B, C, L)
-        y = self.pwconv2(F.gelu(self.pwconv1(self.norm(self.dwconv(x).transpose(1, 2)))))
+    def forward(self, x, cache=None):  # (B, C, L)
+        y = self.pwconv2(F.gelu(self.pwconv1(self.norm(self.dwconv(x, cache).transpose(1, 2)))))
         return x + (self.gamma * y).transpose(1, 2)
 
 
@@ -146,9 +175,9 @@ class LayerScale(nn.Module):
         return x * self.gamma
 
 
-def rope_table(length, head_dim, base):  # (length, head_dim / 2, 2): cos, sin
+def rope_table(length, head_dim, base, start=0):  # positions start.. -> (length, head_dim / 2, 2): cos, sin
     freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
-    angles = torch.outer(torch.arange(length), freqs)
+    angles = torch.outer(torch.arange(start, start + length), freqs)
     rot = torch.polar(torch.ones_like(angles), angles)
     return torch.stack([rot.real, rot.imag], -1).to(torch.bfloat16).float()  # upstream rounds it to bf16
 
@@ -160,17 +189,17 @@ def apply_rope(x, rope):  # x (B, T, H, hd), rope (T or B, T, ...): interleaved 
     return out.flatten(3).type_as(x)
 
 
-def windowed_attention(q, k, v, window):  # (B, H, T, hd), query t sees keys t-window+1..t
+def windowed_attention(q, k, v, window):  # q (B, H, T, hd), k/v (B, H, P + T, hd): P past keys first
     out = torch.empty_like(q)
-    length = q.shape[2]
-    for s in range(0, length, ATTN_BLOCK):
-        e = min(s + ATTN_BLOCK, length)
+    length, past = q.shape[2], k.shape[2] - q.shape[2]
+    for s in range(past, past + length, ATTN_BLOCK):  # query t (key index t) sees keys t-window+1..t
+        e = min(s + ATTN_BLOCK, past + length)
         k0 = max(0, s - window + 1)
         qpos = torch.arange(s, e, device=q.device)[:, None]
         kpos = torch.arange(k0, e, device=q.device)[None]
         mask = (kpos <= qpos) & (kpos > qpos - window)
-        out[:, :, s:e] = F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, k0:e], v[:, :, k0:e],
-                                                        attn_mask=mask[None, None])
+        out[:, :, s - past: e - past] = F.scaled_dot_product_attention(
+            q[:, :, s - past: e - past], k[:, :, k0:e], v[:, :, k0:e], attn_mask=mask[None, None])
     return out
 
 
@@ -181,11 +210,17 @@ class Attention(nn.Module):
         self.wo = nn.Linear(n_head * head_dim, dim, bias=False)
         self.n_head, self.head_dim = n_head, head_dim
 
-    def forward(self, x, rope, window):  # (B, T, D)
+    def forward(self, x, rope, window, cache=None):  # (B, T, D)
         B, T, _ = x.shape
         q, k, v = self.wqkv(x).view(B, T, 3, self.n_head, self.head_dim).unbind(2)
         q, k = apply_rope(q, rope), apply_rope(k, rope)
-        y = windowed_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), window)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, hd)
+        if cache is not None:  # a stream: its last window - 1 keys and values are all a new query can see
+            if self in cache:
+                k, v = torch.cat([cache[self][0], k], 2), torch.cat([cache[self][1], v], 2)
+            keep = min(window - 1, k.shape[2])
+            cache[self] = k[:, :, k.shape[2] - keep:].clone(), v[:, :, k.shape[2] - keep:].clone()
+        y = windowed_attention(q, k, v, window)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -210,8 +245,8 @@ class Block(nn.Module):
         self.attention_layer_scale = LayerScale(dim)
         self.ffn_layer_scale = LayerScale(dim)
 
-    def forward(self, x, rope, window):
-        h = x + self.attention_layer_scale(self.attention(self.attention_norm(x), rope, window))
+    def forward(self, x, rope, window, cache=None):
+        h = x + self.attention_layer_scale(self.attention(self.attention_norm(x), rope, window, cache))
         return h + self.ffn_layer_scale(self.feed_forward(self.ffn_norm(h)))
 
 
@@ -224,11 +259,14 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(dim, cfg["norm_eps"])
         self.window, self.head_dim, self.rope_base = window, cfg["head_dim"], cfg["rope_base"]
 
-    def forward(self, x):
+    def forward(self, x, cache=None):
         x = x.transpose(1, 2)  # (B, T, C)
-        rope = rope_table(x.shape[1], self.head_dim, self.rope_base).to(x.device)
+        start = 0 if cache is None else cache.get(self, 0)  # positions count from a stream's first frame
+        if cache is not None:
+            cache[self] = start + x.shape[1]
+        rope = rope_table(x.shape[1], self.head_dim, self.rope_base, start).to(x.device)
         for layer in self.layers:
-            x = layer(x, rope, self.window)
+            x = layer(x, rope, self.window, cache)
         return self.norm(x).transpose(1, 2)
 
 
@@ -282,16 +320,16 @@ class Quantizer(nn.Module):
         d, factors = cfg["latent_dim"], cfg["downsample_factor"]
         self.semantic_quantizer = rvq(1, cfg["semantic_codebook_size"], cfg)
         self.quantizer = rvq(cfg["n_codebooks"], cfg["codebook_size"], cfg)
-        self.downsample = nn.Sequential(
-            *(nn.Sequential(CausalConv(d, d, f, stride=f, wn=False), ConvNeXt(d)) for f in factors))
-        self.upsample = nn.Sequential(
-            *(nn.Sequential(CausalConvT(d, d, f, f, wn=False), ConvNeXt(d)) for f in reversed(factors)))
+        self.downsample = Sequential(
+            *(Sequential(CausalConv(d, d, f, stride=f, wn=False), ConvNeXt(d)) for f in factors))
+        self.upsample = Sequential(
+            *(Sequential(CausalConvT(d, d, f, f, wn=False), ConvNeXt(d)) for f in reversed(factors)))
         dims = d, cfg["quantizer_layers"], cfg["quantizer_heads"], cfg["quantizer_ffn"]
         self.pre_module = Transformer(*dims, cfg["quantizer_window"], cfg)
         self.post_module = Transformer(*dims, cfg["quantizer_window"], cfg)
 
-    def encode(self, z):  # (B, D, 4T) latent -> codes (B, 1 + n_codebooks, T)
-        residual = self.pre_module(self.downsample(z))
+    def encode(self, z, cache=None):  # (B, D, 4T) latent -> codes (B, 1 + n_codebooks, T)
+        residual = self.pre_module(self.downsample(z, cache), cache)
         codes = []
         for vq in [*self.semantic_quantizer.quantizers, *self.quantizer.quantizers]:
             c, q = vq.encode(residual)
@@ -299,9 +337,9 @@ class Quantizer(nn.Module):
             residual = residual - q
         return torch.stack(codes, 1)
 
-    def decode(self, codes):  # (B, 1 + n_codebooks, T) -> (B, D, T), still at frame rate
+    def decode(self, codes, cache=None):  # (B, 1 + n_codebooks, T) -> (B, D, T), still at frame rate
         acoustic = sum(vq.decode(codes[:, i + 1]) for i, vq in enumerate(self.quantizer.quantizers))
-        return self.post_module(self.semantic_quantizer.quantizers[0].decode(codes[:, 0]) + acoustic)
+        return self.post_module(self.semantic_quantizer.quantizers[0].decode(codes[:, 0]) + acoustic, cache)
 
 
 def build_encoder(cfg):
@@ -312,8 +350,8 @@ def build_encoder(cfg):
         units = [residual_unit(d // 2, dilation) for dilation in (1, 3, 9)]
         down = CausalConv(d // 2, d, 2 * stride, stride=stride)
         heads, window = d // 64, cfg["encoder_window"]  # upstream: n_head = dim // 64, ffn = 3 * dim
-        attn = Transformer(d, n_layer, heads, 3 * d, window, cfg) if n_layer else nn.Identity()
-        layers.append(Stack(*units, Snake(d // 2), down, attn))
+        attn = [Transformer(d, n_layer, heads, 3 * d, window, cfg)] if n_layer else []
+        layers.append(Stack(*units, Snake(d // 2), down, *attn))
     return Stack(*layers, Snake(d), CausalConv(d, cfg["latent_dim"], 3))
 
 
@@ -326,10 +364,10 @@ class Decoder(nn.Module):
             cin, cout = d // 2**i, d // 2 ** (i + 1)
             units = [residual_unit(cout, dilation) for dilation in (1, 3, 9)]
             layers.append(Stack(Snake(cin), CausalConvT(cin, cout, 2 * stride, stride), *units))
-        self.model = nn.Sequential(*layers, Snake(cout), CausalConv(cout, 1, 7), nn.Tanh())
+        self.model = Sequential(*layers, Snake(cout), CausalConv(cout, 1, 7))
 
-    def forward(self, x):
-        return self.model(x)
+    def forward(self, x, cache=None):
+        return torch.tanh(self.model(x, cache))
 
 
 def hop_length(cfg=CONFIG):  # samples per frame: 2048 for S2-Pro
@@ -419,21 +457,53 @@ def load(path="s2-pro", device="cpu", dtype=torch.float32):
         got, want = list(tensors[k].shape), list(wanted[k].shape)
         raise ValueError(f"{pth}: {k} has shape {got}, expected {want} — {hint}")
     model.load_state_dict(tensors, assign=True)
-    return model.requires_grad_(False).eval().to(device=device, dtype=dtype)
+    keep_freed_memory()
+    return fold_weight_norm(model).requires_grad_(False).eval().to(device=device, dtype=dtype)
+
+
+def keep_freed_memory():
+    """glibc only (elsewhere nothing): keep freed blocks of up to 32 MB for reuse, not unmapped."""
+    # glibc returns freed blocks to the OS and gets them back zeroed, page by page: ~2 M minor page faults
+    # and 1.4x the wall time per 5 s of audio here. Chunks keep every codec tensor under 32 MB, so with
+    # these two settings later chunks and calls fault ~0 times, for ~0.1 GB more peak RSS (codec.py bench).
+    try:
+        libc = ctypes.CDLL(None)
+        libc.gnu_get_libc_version
+    except (OSError, AttributeError, TypeError):
+        return
+    libc.mallopt(-3, 32 * 2**20)  # M_MMAP_THRESHOLD: larger blocks still come from (and go back to) the OS
+    libc.mallopt(-1, 2**30)  # M_TRIM_THRESHOLD: keep up to 1 GiB of freed heap
+
+
+def fold_weight_norm(model):
+    """Conv weights g * v / ||v|| computed once for inference. Bit-identical to the parametrization, and
+    thread-safe: parametrize.cached(), the other way to compute them once per call, is global state."""
+    for module in model.modules():
+        if parametrize.is_parametrized(module):
+            parametrize.remove_parametrizations(module, "weight")
+    return model
 
 
 # ----------------------------------------------------------------------------- API
+# Every part of the codec is causal, so it runs on chunks of whole frames as a stream: each conv keeps the
+# last inputs its kernel reaches back to, each attention layer its last window - 1 keys and values, in a
+# `cache` dict owned by the call (so calls share no state). Chunks then cost what their own frames cost:
+# re-decoding a fixed left context instead (16 frames for the convs, ~1000 through the 8 windowed layers)
+# costs several times more per frame at 1-4 frame chunks (`python codec.py bench`).
 @torch.inference_mode()
-def encode(model, wave):
-    """Waveform (N,), (B, N) or (B, 1, N) at 44.1 kHz -> codes (B, 10, ceil(N / 2048)) int64."""
+def encode(model, wave, chunk_frames=CHUNK_FRAMES):
+    """Waveform (N,), (B, N) or (B, 1, N) at 44.1 kHz -> codes (B, 10, ceil(N / 2048)) int64.
+
+    chunk_frames=None encodes in one pass. Chunks give the same codes in flat memory."""
     p = next(model.parameters())
     wave = torch.as_tensor(wave)
     if wave.shape[-1] == 0:
         raise ValueError("empty audio: nothing to encode")
     x = wave.to(p.device, p.dtype).reshape(-1, 1, wave.shape[-1])
     x = F.pad(x, (0, -x.shape[-1] % model.hop))  # upstream pads right with zeros to whole frames
-    with parametrize.cached():
-        return model.quantizer.encode(model.encoder(x))
+    cache = {}
+    chunks = x.split(chunk_frames * model.hop if chunk_frames else x.shape[-1], -1)
+    return torch.cat([model.quantizer.encode(model.encoder(c, cache), cache) for c in chunks], -1)
 
 
 @torch.inference_mode()
@@ -443,6 +513,23 @@ def decode(model, codes, chunk_frames=CHUNK_FRAMES):
     Codes above a codebook's size are clamped (row 0 to 4095, rows 1..9 to 1023) exactly as upstream does;
     upstream clamps in place on the caller's tensor, we clamp a copy.
     """
+    codes = clamped_codes(model, codes)
+    return torch.cat(list(decode_stream(model, codes.split(chunk_frames or codes.shape[-1], -1))), -1)
+
+
+@torch.inference_mode()
+def decode_stream(model, chunks):
+    """Codes chunks (B, 10, n) or (10, n), n >= 1, as they arrive -> each one's new samples (B, n * 2048).
+
+    float32. The pieces joined equal decode() of all the codes (same clamping), to fp32 noise."""
+    cache = {}
+    for codes in chunks:
+        z = model.quantizer.decode(clamped_codes(model, codes), cache)  # (B, D, n)
+        yield model.decoder(model.quantizer.upsample(z, cache), cache)[:, 0].float()
+
+
+def clamped_codes(model, codes):
+    """Codes checked and clamped to each codebook's size, a copy on the model's device: (B, 10, T) int64."""
     cfg, p = model.config, next(model.parameters())
     codes = torch.as_tensor(codes)
     codes = codes[None] if codes.dim() == 2 else codes
@@ -454,15 +541,7 @@ def decode(model, codes, chunk_frames=CHUNK_FRAMES):
     codes = codes.to(p.device, torch.long, copy=True)
     codes[:, 0].clamp_(max=cfg["semantic_codebook_size"] - 1)
     codes[:, 1:].clamp_(max=cfg["codebook_size"] - 1)
-    with parametrize.cached():
-        z = model.quantizer.decode(codes)  # (B, D, T)
-        chunk = chunk_frames or z.shape[-1]
-        pieces = []
-        for s in range(0, z.shape[-1], chunk):
-            ctx = min(s, CONTEXT_FRAMES)  # causal: re-decode a little history, keep only the new samples
-            y = model.decoder(model.quantizer.upsample(z[..., s - ctx: s + chunk]))
-            pieces.append(y[:, 0, ctx * model.hop:].float())
-    return torch.cat(pieces, -1)
+    return codes
 
 
 def load_audio(path, sample_rate=44100):
@@ -598,34 +677,52 @@ def run_files(args):
           f"RTF {wall / seconds:.3f}")
 
 
+def reset_peak_memory(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif Path("/proc/self/clear_refs").exists():  # Linux: the peak RSS (VmHWM) restarts from the current RSS
+        Path("/proc/self/clear_refs").write_text("5")
+
+
 def peak_memory(device):
     if device.type == "cuda":
         return f"peak {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB allocated"
-    return f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB (process so far)"
+    if Path("/proc/self/status").exists():
+        kib = int(Path("/proc/self/status").read_text().split("VmHWM:")[1].split()[0])
+        return f"peak RSS {kib / 2**20:.2f} GiB"
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS, KiB elsewhere
+    return f"peak RSS {peak / (2**30 if sys.platform == 'darwin' else 2**20):.2f} GiB (process so far)"
 
 
 def bench(args):
-    """Encode / decode speed at the real codec size with random weights."""
+    """Encode / decode / streaming speed, page faults and peak memory at the real size, random weights."""
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     torch.manual_seed(0)
+    keep_freed_memory()
     with torch.device(device):
-        model = DAC(CONFIG).requires_grad_(False).eval().to(dtype)
+        model = fold_weight_norm(DAC(CONFIG)).requires_grad_(False).eval().to(dtype)
     n_params = sum(p.numel() for p in model.parameters())
     print(f"codec: {n_params / 1e6:.1f} M parameters, {device}, {dtype}, {torch.get_num_threads()} threads")
     wave = 0.1 * torch.randn(int(args.seconds * CONFIG["sample_rate"]))
-    decode(model, encode(model, wave[: CONFIG["sample_rate"]]))  # warm-up
     codes = encode(model, wave)
-    runs = [("encode", lambda: encode(model, wave)),
-            (f"decode chunked ({args.chunk_frames} frames)", lambda: decode(model, codes, args.chunk_frames)),
-            ("decode one-shot", lambda: decode(model, codes, None))]
-    for name, fn in runs:
-        if device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(device)
-        start = time.perf_counter()
+    chunk = args.chunk_frames
+    runs = [(f"encode ({chunk} frame chunks)", 1, lambda: encode(model, wave, chunk)),
+            (f"decode ({chunk} frame chunks)", 1, lambda: decode(model, codes, chunk)),
+            ("decode one-shot", 1, lambda: decode(model, codes, None))]
+    for n in args.stream_frames:
+        chunks = codes.split(n, -1)
+        runs.append((f"decode_stream ({n} frame chunks)", len(chunks),
+                     lambda chunks=chunks: torch.cat([w.cpu() for w in decode_stream(model, chunks)], -1)))
+    for name, n_chunks, fn in runs:
+        fn()  # warm-up: first calls allocate what later calls reuse
+        reset_peak_memory(device)
+        faults, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
         fn().cpu()
         wall = time.perf_counter() - start
-        print(f"{name:34s} {args.seconds:.1f} s of audio in {wall:.2f} s, RTF {wall / args.seconds:.3f}, "
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+        per_chunk = f", {1000 * wall / n_chunks:.0f} ms/chunk" if n_chunks > 1 else ""
+        print(f"{name:32s} RTF {wall / args.seconds:.3f}{per_chunk}, {faults} minor page faults, "
               f"{peak_memory(device)}")
 
 
@@ -659,7 +756,10 @@ def main(argv=None):
                      help=f"frames per decoder pass, keeps memory flat (default {CHUNK_FRAMES}. 0: one pass)")
     bn = sub.add_parser("bench", parents=[common], help="encode/decode RTF at the real size, random weights")
     bn.add_argument("--seconds", type=float, default=5.0, help="seconds of audio to time (default 5)")
-    bn.add_argument("--chunk-frames", type=int, default=64, help="frames per chunked decoder pass (64)")
+    bn.add_argument("--chunk-frames", type=int, default=CHUNK_FRAMES,
+                    help=f"frames per pass of encode and chunked decode (default {CHUNK_FRAMES})")
+    bn.add_argument("--stream-frames", type=int, nargs="+", default=[1, 4, 16],
+                    help="frames per chunk of the streaming decodes to time (default 1 4 16)")
     args = parser.parse_args(argv)
     try:
         if args.command == "bench":

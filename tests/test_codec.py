@@ -1,13 +1,16 @@
 """codec.py against the upstream goldens in tests/fixtures/s2-tiny (see its README) and the S2-Pro shapes."""
+import itertools
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 import soundfile as sf
 import torch
+from torch.nn.utils import parametrize
 
 import codec
 
@@ -31,8 +34,9 @@ def max_diff(a, b):
     return np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)).max()
 
 
-def test_encode_matches_upstream_codes(model):
-    codes = codec.encode(model, codec.load_audio(GOLD / "audio_in.wav"))
+@pytest.mark.parametrize("chunk", [None, 1, 16])
+def test_encode_matches_upstream_codes(model, chunk):
+    codes = codec.encode(model, codec.load_audio(GOLD / "audio_in.wav"), chunk_frames=chunk)
     assert codes.shape == (1, 10, 54) and codes.dtype == torch.int64
     np.testing.assert_array_equal(codes[0].numpy(), gold("codec_codes.npy"))
 
@@ -75,6 +79,76 @@ def test_chunked_decode_equals_one_shot(model, chunk):
     codes = gold("codes_random.npy")  # 40 frames
     one_shot = codec.decode(model, codes, chunk_frames=None)
     assert max_diff(codec.decode(model, codes, chunk_frames=chunk), one_shot) <= 1e-5
+
+
+def chunk_sizes(schedule, total):
+    """The schedule's sizes, repeated, cut to add up to total."""
+    sizes = []
+    for n in itertools.cycle(schedule):
+        if sum(sizes) >= total:
+            return sizes[:-1] + [total - sum(sizes[:-1])]
+        sizes.append(n)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("schedule", [[1], [3], [7], [2, 5, 1, 9, 4]])
+def test_stream_decode_equals_one_shot(model, batch, schedule):
+    codes = torch.from_numpy(gold("codes_random.npy"))  # 40 frames
+    codes = torch.stack([codes, codes.flip(-1)])[:batch]
+    chunks = codes.split(chunk_sizes(schedule, 40), -1)
+    pieces = list(codec.decode_stream(model, [c[0] for c in chunks] if batch == 1 else chunks))
+    assert [tuple(p.shape) for p in pieces] == [(batch, c.shape[-1] * 2048) for c in chunks]
+    assert all(p.dtype == torch.float32 for p in pieces)
+    assert max_diff(torch.cat(pieces, -1), codec.decode(model, codes, chunk_frames=None)) <= 1e-5
+
+
+def test_stream_decode_clamps_wide_codes_like_decode_without_touching_caller(model):
+    wide = torch.from_numpy(gold("codes_random_wide.npy"))  # 24 frames, acoustic codes up to 4095
+    before = wide.clone()
+    wave = torch.cat(list(codec.decode_stream(model, wide.split(5, -1))), -1)
+    assert max_diff(wave[0], gold("codec_decoded_wide.npy")) <= WAVE_ATOL
+    assert torch.equal(wide, before)  # the chunks are views of the caller's tensor
+
+
+def test_encode_and_decode_from_several_threads_match_sequential(model):
+    audio = codec.load_audio(GOLD / "audio_in.wav")
+    codes = torch.from_numpy(gold("codes_random.npy"))
+    jobs = [lambda: codec.encode(model, audio),
+            lambda: codec.decode(model, codes, chunk_frames=3),
+            lambda: codec.decode(model, gold("codec_codes.npy"), chunk_frames=None),
+            lambda: torch.cat(list(codec.decode_stream(model, codes.split(2, -1))), -1)]
+    sequential = [job() for job in jobs]
+    with ThreadPoolExecutor(8) as pool:
+        parallel = list(pool.map(lambda job: job(), jobs * 2))
+    for i, got in enumerate(parallel):
+        assert got.shape == sequential[i % 4].shape
+        assert max_diff(got, sequential[i % 4]) <= (0 if i % 4 == 0 else 1e-6)  # codes exact, waves ~fp noise
+    assert not any(parametrize.is_parametrized(m) for m in model.modules())  # weight norms folded at load
+
+
+def full_size_upstream_config():
+    """The tiny codec_config.json with modded_dac_vq.yaml's full-size numbers (like it, no window_size)."""
+    cfg = json.loads((CKPT / "codec_config.json").read_text())
+    cfg.update(encoder_dim=64, decoder_dim=1536, encoder_transformer_layers=[0, 0, 0, 4],
+               decoder_transformer_layers=[4, 0, 0, 0])
+    cfg["quantizer"]["input_dim"] = 1024
+    for name in "pre_module", "post_module":
+        cfg["quantizer"][name].update(window_size=128, input_dim=1024)
+        cfg["quantizer"][name]["config"].update(n_layer=8, n_head=16, dim=1024, intermediate_size=3072)
+    return cfg
+
+
+def test_real_config_keeps_encoder_window_512(tmp_path):
+    assert codec.CONFIG["encoder_window"] == 512
+    upstream = full_size_upstream_config()
+    assert "window_size" not in upstream["transformer_general_config"]
+    (tmp_path / "codec_config.json").write_text(json.dumps(upstream))
+    assert codec.read_config(tmp_path / "codec_config.json") == codec.CONFIG
+    with torch.device("meta"):
+        model = codec.DAC(codec.CONFIG)
+    encoder = [m for m in model.encoder.modules() if isinstance(m, codec.Transformer)]
+    assert [(t.window, len(t.layers), t.layers[0].attention.n_head) for t in encoder] == [(512, 4, 16)]
+    assert model.quantizer.pre_module.window == model.quantizer.post_module.window == 128
 
 
 def test_real_config_on_meta_has_exact_s2_pro_tensor_names_and_shapes():

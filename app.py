@@ -204,6 +204,10 @@ def wav_header(data_bytes=0xFFFFFFFF) -> bytes:
             + b"data" + struct.pack("<I", data_bytes))
 
 
+def sse_event(**payload) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
 def pcm16(wave: torch.Tensor) -> bytes:
     return (wave.float().cpu().clamp(-1, 1) * 32767).round().to(torch.int16).numpy().astype("<i2").tobytes()
 
@@ -239,10 +243,8 @@ class App:
         compiled = args.compile if args.compile is not None else self.device.type == "cuda"  # as the CLI
         self.model = dualAR.load(self.checkpoint, self.device, dtype, args.quant, compiled)
         self.dac = codec.load(self.checkpoint, self.device, torch.float32)  # references encode in fp32
-        # a fixed KV cache: memory known at start, and a compiled step never meets a new shape
         self.max_context = min(args.max_context, self.model.config["max_seq_len"])
-        self.engine = dualAR.Engine(self.model, slots=args.slots, context=self.max_context,
-                                    max_queue=args.queue).start()
+        self.engine = dualAR.Engine(self.model, slots=args.slots, max_queue=args.queue).start()
         self.voices, self.api_key = Path(args.voices), args.api_key
         self.voices_lock = threading.Lock()
         self.name = "s2-pro" if self.demo_dir is None else "fishfast-demo"
@@ -547,8 +549,7 @@ class Handler(BaseHTTPRequestHandler):
 
         def send(data: bytes):
             if sse:
-                data = b"data: " + json.dumps({"type": "speech.audio.delta",
-                                               "audio": base64.b64encode(data).decode()}).encode() + b"\n\n"
+                data = sse_event(type="speech.audio.delta", audio=base64.b64encode(data).decode())
             self.write_chunk(data)
 
         samples = 0
@@ -566,8 +567,8 @@ class Handler(BaseHTTPRequestHandler):
         except dualAR.UserError as e:  # failed after the 200 went out: an error event, or a cut-off body
             self.close_connection = True
             if sse:
-                self.write_chunk(b"data: " + json.dumps({"type": "error", "error": dict(
-                    message=str(e), type="invalid_request_error")}).encode() + b"\n\n")
+                error = dict(message=str(e), type="invalid_request_error")
+                self.write_chunk(sse_event(type="error", error=error))
                 self.write_chunk(b"")
             return samples
         if request.cancelled:  # the client hung up
@@ -576,8 +577,7 @@ class Handler(BaseHTTPRequestHandler):
             frames = round(samples / codec.hop_length())
             usage = dict(input_tokens=prompt_tokens, output_tokens=frames,
                          total_tokens=prompt_tokens + frames)
-            self.write_chunk(b"data: " + json.dumps({"type": "speech.audio.done", "usage": usage}).encode()
-                             + b"\n\n")
+            self.write_chunk(sse_event(type="speech.audio.done", usage=usage))
         self.write_chunk(b"")
         return samples
 
@@ -915,8 +915,8 @@ def parse_args(argv=None):
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, help="one compiled graph per frame"
                     " (default: on for CUDA, off on CPU where compiling takes minutes)")
     ap.add_argument("--slots", type=int, default=4, help="requests generated together (default 4)")
-    ap.add_argument("--max-context", type=int, default=dualAR.DEFAULT_CONTEXT, help="KV cache positions"
-                    f" (prompt + frames) of each slot, allocated at start (default {dualAR.DEFAULT_CONTEXT})")
+    ap.add_argument("--max-context", type=int, default=dualAR.DEFAULT_CONTEXT, help="positions (prompt +"
+                    f" frames) a request may use, as the CLI's (default {dualAR.DEFAULT_CONTEXT})")
     ap.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot; beyond, 503"
                     " (default 16)")
     ap.add_argument("--voices", default="prompt", help="folder of saved voices, <name>.npy + <name>.txt"

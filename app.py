@@ -338,25 +338,12 @@ class App:
 
     def waves(self, request):
         """A submitted request's codes chunks -> their waveforms (n * 2048,), decoded as they come."""
-        chunks = (chunk.to(self.device) for chunk in request)
-        for wave in decode_stream(self.dac, chunks):
+        for wave in codec.decode_stream(self.dac, request):  # codec calls are thread-safe
             yield wave[0]
 
     def whole_wave(self, request) -> torch.Tensor:
         codes = request.codes()
         return codec.decode(self.dac, codes.to(self.device))[0] if codes.size(1) else torch.zeros(0)
-
-
-def decode_stream(dac, chunks):
-    """codec.decode_stream where codec.py has it. Else its contract (each chunk's new samples, joined = one
-    decode) by decoding every frame so far again: the codec is causal, so the prefix does not change."""
-    if hasattr(codec, "decode_stream"):
-        yield from codec.decode_stream(dac, chunks)
-        return
-    seen = []
-    for chunk in chunks:
-        seen.append(chunk)
-        yield codec.decode(dac, torch.cat(seen, -1))[:, -chunk.shape[-1] * codec.hop_length(dac.config):]
 
 
 def frame_rate() -> float:

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import soundfile as sf
@@ -198,16 +199,18 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, pos: Tensor, flex:
         mask = torch.arange(S, device=q.device) <= pos[:, None]
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None, None],
                                               enable_gqa=q.size(1) != keys.size(1))
-    # flex-decoding: a block mask built from the positions, so a row reads only the blocks it has filled
+    # flex-decoding: a block mask built from the positions, so a row reads only the blocks it has filled:
+    # the blocks before its position's block in full, that one block through the mask
     n_blocks = S // FLEX_BLOCK
-    filled = (pos // FLEX_BLOCK + 1).to(torch.int32).view(B, 1, 1)
-    order = torch.arange(n_blocks, device=q.device, dtype=torch.int32).expand(B, 1, 1, n_blocks)
+    block = (pos // FLEX_BLOCK).to(torch.int32)
+    order = torch.arange(n_blocks, device=q.device, dtype=torch.int32).repeat(B, 1, 1, 1)
+    one = torch.ones(B, 1, 1, dtype=torch.int32, device=q.device)
 
     def up_to_pos(b, h, q_idx, kv_idx):
         return kv_idx <= pos[b]
 
-    mask = BlockMask.from_kv_blocks(filled, order, BLOCK_SIZE=FLEX_BLOCK, mask_mod=up_to_pos,
-                                    seq_lengths=(1, S))
+    mask = BlockMask.from_kv_blocks(one, block.view(B, 1, 1, 1).repeat(1, 1, 1, n_blocks), block.view(B, 1, 1),
+                                    order, BLOCK_SIZE=FLEX_BLOCK, mask_mod=up_to_pos, seq_lengths=(1, S))
     # q scaled here with scale=1: flex compiles on CPU only if q is not a view of the RoPE output
     scale = q.size(-1) ** -0.5
     return flex_attention(q * scale, keys, values, block_mask=mask, scale=1.0,
@@ -955,7 +958,17 @@ class Engine:
                     self.wake.wait(0.1)
                     self.wake.clear()
                     continue
-                self.step()
+                try:
+                    self.step()
+                except Exception as e:  # a bug or a device error: fail the requests in flight, keep serving
+                    traceback.print_exc()
+                    self.fail(RuntimeError(f"generation failed: {type(e).__name__}: {e}"))
+
+    def fail(self, error: Exception):
+        for row, request in enumerate(self.rows):
+            if request is not None:
+                self.rows[row] = None
+                request.finish(error)
 
     def __enter__(self):
         return self

@@ -420,9 +420,9 @@ def test_compiled_frame_step_stops_at_im_end_like_upstream(eos_checkpoint):
 def test_flex_decoding_attends_each_row_up_to_its_own_position():
     """The block mask skips the blocks a row has not filled; the result is the masked SDPA's."""
     generator = torch.Generator().manual_seed(0)
-    q = torch.rand(3, 4, 1, 16, generator=generator)
-    keys, values = torch.rand(2, 3, 2, 512, 16, generator=generator)
-    pos = torch.tensor([5, 300, 511])
+    q = torch.rand(6, 4, 1, 16, generator=generator)
+    keys, values = torch.rand(2, 6, 2, 1024, 16, generator=generator)
+    pos = torch.tensor([0, 127, 128, 300, 700, 1023])  # block edges, and one row in each part of the cache
     flex = torch.compile(dualAR.decode_attention, fullgraph=True)
     expected = dualAR.decode_attention(q, keys, values, pos, flex=False)
     torch.testing.assert_close(flex(q, keys, values, pos, True), expected, atol=1e-6, rtol=1e-5)
@@ -543,6 +543,20 @@ def test_frames_read_every_few_steps_give_the_same_codes(model, eos_model, sync_
             engine.run()
         assert torch.equal(made[0].codes(), golden(expected))
         assert torch.equal(made[1].codes(), dualAR.generate(m, **MIXED[1]))
+
+
+def test_engine_thread_fails_the_requests_in_flight_when_a_step_breaks_and_keeps_serving(model):
+    engine = dualAR.Engine(model, slots=2).start()
+    try:
+        broken = engine.decode
+        engine.decode = lambda *args: 1 / 0
+        doomed = engine.submit(MIXED[1])
+        with pytest.raises(RuntimeError, match="generation failed: ZeroDivisionError"):
+            doomed.codes()
+        engine.decode = broken
+        assert torch.equal(engine.submit(MIXED[1]).codes(), dualAR.generate(model, **MIXED[1]))
+    finally:
+        engine.close()
 
 
 def test_engine_rejects_bad_requests_and_a_full_queue(model):

@@ -730,7 +730,7 @@ class Request:
         self.generator = torch.Generator(device).manual_seed(seed)
         self.prompt = self.next_prompt()  # a prompt that cannot fit fails here, before any work
         self.frames, self.raw_frames, self.pending, self.chunks, self.row = [], [], [], 0, None
-        self.out, self.done, self.cancelled = queue.SimpleQueue(), False, False
+        self.out, self.done, self.cancelled, self.result = queue.SimpleQueue(), False, False, None
         self.submitted, self.first_audio = time.perf_counter(), None
         self.prefill_tokens, self.prefill_seconds = 0, 0.0
 
@@ -795,8 +795,10 @@ class Request:
             yield item
 
     def codes(self) -> Tensor:
-        """Every chunk, concatenated: (num_codebooks, frames)."""
-        return join_chunks(self.model, list(self))
+        """Every chunk, concatenated (waits for the end): (num_codebooks, frames)."""
+        if self.result is None:
+            self.result = join_chunks(self.model, list(self))
+        return self.result
 
 
 # ----------------------------------------------------------------------------- engine

@@ -244,7 +244,9 @@ class App:
         self.model = dualAR.load(self.checkpoint, self.device, dtype, args.quant, compiled)
         self.dac = codec.load(self.checkpoint, self.device, torch.float32)  # references encode in fp32
         self.max_context = min(args.max_context, self.model.config["max_seq_len"])
-        self.engine = dualAR.Engine(self.model, slots=args.slots, max_queue=args.queue).start()
+        # a fixed cache of --max-context positions a row: the compiled frame step is built once
+        self.engine = dualAR.Engine(self.model, slots=args.slots, context=self.max_context,
+                                    max_queue=args.queue).start()
         self.voices, self.api_key = Path(args.voices), args.api_key
         self.voices_lock = threading.Lock()
         self.name = "s2-pro" if self.demo_dir is None else "fishfast-demo"

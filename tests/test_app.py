@@ -427,16 +427,22 @@ def test_full_queue_gives_503_with_retry_after_and_hangups_free_everything(locke
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
-def test_a_dead_engine_ends_its_requests_and_refuses_new_ones(tmp_path):
+def test_a_failed_frame_step_is_a_500_and_the_server_keeps_serving(tmp_path):
     server = start_server(tmp_path, "--slots", "1")
+    engine = server.app.engine
+    working = engine.decode
 
     def broken_step(*args):
-        raise RuntimeError("a simulated failure in the engine thread")
+        raise RuntimeError("a simulated failure in the frame step")
 
-    server.app.engine.step = broken_step
+    engine.decode = broken_step
     try:
         status, _, body = call(server, "POST", "/v1/tts", dict(text=TEXT, max_new_tokens=8))
         assert status == 500 and json.loads(body)["error"]["type"] == "server_error"  # not a hang
+        engine.decode = working
+        assert call(server, "GET", "/health")[0] == 200
+        assert call(server, "POST", "/v1/tts", dict(text=TEXT, max_new_tokens=8))[0] == 200
+        engine.close()  # the engine thread is gone: the server says so instead of hanging
         assert call(server, "GET", "/health")[0] == 503
         assert call(server, "POST", SPEECH, dict(input=TEXT))[0] == 503
     finally:

@@ -95,7 +95,7 @@ class CausalConvT(nn.Module):
     """ConvTranspose1d (kernel = stride or 2 * stride) without its last kernel - stride outputs: L * stride.
 
     Computed as one matmul and an overlap-add: CPU conv_transpose1d copies the whole weight on every call
-    (72 MB in the first decoder stage) and is 1.4-14x slower on 16 to 1 frame chunks."""
+    (72 MB in the first decoder stage) and is 1.8x (16-frame chunks) to 14x (1-frame chunks) slower."""
 
     def __init__(self, cin, cout, kernel, stride, wn=True):
         super().__init__()
@@ -463,9 +463,9 @@ def load(path="s2-pro", device="cpu", dtype=torch.float32):
 
 def keep_freed_memory():
     """glibc only (elsewhere nothing): keep freed blocks of up to 32 MB for reuse, not unmapped."""
-    # glibc returns freed blocks to the OS and gets them back zeroed, page by page: ~2 M minor page faults
-    # and 1.4x the wall time per 5 s of audio here. Chunks keep every codec tensor under 32 MB, so with
-    # these two settings later chunks and calls fault ~0 times, for ~0.1 GB more peak RSS (codec.py bench).
+    # glibc hands freed blocks back to the OS and gets them back zeroed, page by page (minor page faults).
+    # Chunks keep every tensor under 32 MB, which alone takes 5 s of audio from ~2 M faults to 0.1-0.3 M;
+    # these two settings take it to ~0 (4-10% less wall time, no more peak RSS; see `codec.py bench`).
     try:
         libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version
@@ -488,8 +488,8 @@ def fold_weight_norm(model):
 # Every part of the codec is causal, so it runs on chunks of whole frames as a stream: each conv keeps the
 # last inputs its kernel reaches back to, each attention layer its last window - 1 keys and values, in a
 # `cache` dict owned by the call (so calls share no state). Chunks then cost what their own frames cost:
-# re-decoding a fixed left context instead (16 frames for the convs, ~1000 through the 8 windowed layers)
-# costs several times more per frame at 1-4 frame chunks (`python codec.py bench`).
+# re-decoding 16 frames of left context through the convs instead (the transformer still needs its keys:
+# ~1000 frames reach through its 8 windowed layers) took 7.8x the time per chunk at 1 frame, 1.6x at 16.
 @torch.inference_mode()
 def encode(model, wave, chunk_frames=CHUNK_FRAMES):
     """Waveform (N,), (B, N) or (B, 1, N) at 44.1 kHz -> codes (B, 10, ceil(N / 2048)) int64.

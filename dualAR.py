@@ -209,8 +209,9 @@ def decode_attention(q: Tensor, keys: Tensor, values: Tensor, pos: Tensor, flex:
     def up_to_pos(b, h, q_idx, kv_idx):
         return kv_idx <= pos[b]
 
-    mask = BlockMask.from_kv_blocks(one, block.view(B, 1, 1, 1).repeat(1, 1, 1, n_blocks), block.view(B, 1, 1),
-                                    order, BLOCK_SIZE=FLEX_BLOCK, mask_mod=up_to_pos, seq_lengths=(1, S))
+    partial = block.view(B, 1, 1, 1).repeat(1, 1, 1, n_blocks)
+    mask = BlockMask.from_kv_blocks(one, partial, block.view(B, 1, 1), order, BLOCK_SIZE=FLEX_BLOCK,
+                                    mask_mod=up_to_pos, seq_lengths=(1, S))
     # q scaled here with scale=1: flex compiles on CPU only if q is not a view of the RoPE output
     scale = q.size(-1) ** -0.5
     return flex_attention(q * scale, keys, values, block_mask=mask, scale=1.0,
@@ -228,6 +229,19 @@ class Block(nn.Module):
     def forward(self, x: Tensor, rope: Tensor, pos=None, row: int = None) -> Tensor:
         h = x + self.attention(self.attention_norm(x), rope, pos, row)
         return h + self.feed_forward(self.ffn_norm(h))
+
+
+def resized(cache, batch: int, seq_len: int, n_heads: int, head_dim: int, like: Tensor) -> KVCache:
+    """`cache` if it already has this shape, dtype and device, else a new one holding its contents."""
+    same = cache is not None and cache.k_cache.shape[0] == batch and cache.k_cache.size(1) == n_heads \
+        and cache.k_cache.dtype == like.dtype and cache.k_cache.device == like.device
+    if same and cache.k_cache.size(2) == seq_len:
+        return cache
+    new = KVCache(batch, seq_len, n_heads, head_dim, like.dtype, like.device)
+    if same and cache.k_cache.size(2) < seq_len:
+        new.k_cache[:, :, : cache.k_cache.size(2)] = cache.k_cache
+        new.v_cache[:, :, : cache.v_cache.size(2)] = cache.v_cache
+    return new
 
 
 # ----------------------------------------------------------------------------- model
@@ -266,21 +280,15 @@ class DualAR(nn.Module):
                                                      cfg["rope_base"]).to(device), persistent=False)
 
     def setup_caches(self, batch: int, seq_len: int):
-        """Static KV caches: `batch` rows of `seq_len` slow positions. Growing caches keep their contents."""
+        """Static KV caches: `batch` rows of `seq_len` slow positions. Caches of that shape stay as they are
+        (a compiled step keeps its graph); slow caches that grow keep their contents."""
         cfg, weight = self.config, self.embeddings.weight
         for layer in self.layers:
-            old = layer.attention.kv_cache
-            new = KVCache(batch, seq_len, cfg["n_local_heads"], cfg["head_dim"], weight.dtype, weight.device)
-            if old is not None and old.k_cache.shape[0] == batch and old.k_cache.dtype == weight.dtype \
-                    and old.k_cache.device == weight.device and old.k_cache.size(2) <= seq_len:
-                if old.k_cache.size(2) == seq_len:
-                    continue
-                new.k_cache[:, :, : old.k_cache.size(2)] = old.k_cache
-                new.v_cache[:, :, : old.v_cache.size(2)] = old.v_cache
-            layer.attention.kv_cache = new
+            layer.attention.kv_cache = resized(layer.attention.kv_cache, batch, seq_len, cfg["n_local_heads"],
+                                               cfg["head_dim"], weight)
         for layer in self.fast_layers:  # scratch: rewritten from position 0 every frame
-            layer.attention.kv_cache = KVCache(batch, cfg["num_codebooks"], cfg["fast_n_local_heads"],
-                                               cfg["fast_head_dim"], weight.dtype, weight.device)
+            layer.attention.kv_cache = resized(layer.attention.kv_cache, batch, cfg["num_codebooks"],
+                                               cfg["fast_n_local_heads"], cfg["fast_head_dim"], weight)
 
     @property
     def cache_len(self) -> int:
@@ -301,10 +309,12 @@ class DualAR(nn.Module):
 
     def head(self, x: Tensor, full: bool = False):
         """Last slow hidden state x (B, dim) -> (logits, fast-model input). The logits cover only the
-        rows sampling can pick (HEAD_WINDOW) unless `full`."""
+        rows sampling can pick (`sampling_window`) unless `full`."""
         h = self.norm(x)
         weight = (self.embeddings if self.config["tie_word_embeddings"] else self.output).weight
-        logits = F.linear(h, weight if full else weight[slice(*self.head_window)])
+        if not full:  # a compiled model keeps the window's rows apart (see compile_model)
+            weight = self.head_rows if hasattr(self, "head_rows") else weight[slice(*self.head_window)]
+        logits = F.linear(h, weight)
         hidden = h if self.config["norm_fastlayer_input"] else x
         if hasattr(self, "fast_project_in"):
             hidden = self.fast_project_in(hidden)
@@ -507,11 +517,21 @@ def compile_model(model: DualAR):
     inductor's freezing prepacks the weights: they are constants of this model's graph."""
     for layer in model.layers:
         layer.attention.flex = True
+    # the head's rows as a tensor of their own: inductor's CPU GEMM template reads a frozen slice of the
+    # embedding table from the table's first row (measured: wrong logits), a contiguous copy it reads right
+    weight = (model.embeddings if model.config["tie_word_embeddings"] else model.output).weight
+    model.register_buffer("head_rows", weight[slice(*model.head_window)].clone(), persistent=False)
     step = functools.partial(decode_step, model)
     if model.embeddings.weight.device.type == "cuda":
         model.compiled_step = torch.compile(step, fullgraph=True, dynamic=False, mode="reduce-overhead")
-    else:
-        model.compiled_step = torch.compile(step, fullgraph=True, dynamic=False, options={"freezing": True})
+        return
+    # frozen weights, and inductor's own C++ GEMMs picked by max-autotune: measured on 2 cores at s2-mid
+    # dims, weights read at 20 GB/s for 1 and 4 rows, against MKL's 13 and 8. The global flag: the
+    # options={"freezing": True} of torch.compile leaves the weights unfrozen
+    torch._inductor.config.freezing = True
+    torch._inductor.config.max_autotune_report_choices_stats = False  # quiet, it is not our output
+    torch._inductor.config.autotune_num_choices_displayed = 0
+    model.compiled_step = torch.compile(step, fullgraph=True, dynamic=False, mode="max-autotune-no-cudagraphs")
 
 
 # ----------------------------------------------------------------------------- prompt
@@ -1196,7 +1216,7 @@ def time_steps(model: DualAR, batch: int, frames: int) -> tuple:
 
 
 @torch.inference_mode()
-def matmul_ceiling(model: DualAR, batch: int, repeats: int = 3) -> float:
+def matmul_ceiling(model: DualAR, batch: int, repeats: int = 8) -> float:
     """Frame steps per second if a step were nothing but its weight matmuls (eager, the same weights,
     `batch` rows): what torch's own F.linear can read."""
     device, n = model.embeddings.weight.device, model.config["num_codebooks"]

@@ -1276,6 +1276,30 @@ def peak_memory_gb(device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
 
 
+@torch.inference_mode()
+def bench_attention(model: DualAR, contexts=(4096, 32768), filled=300):
+    """One decode step's attention in one layer, a row `filled` positions into caches of several sizes:
+    SDPA with a mask over the whole cache (the eager path) against flex-decoding (the compiled path)."""
+    cfg, device, dtype = model.config, model.embeddings.weight.device, model.embeddings.weight.dtype
+    q = torch.rand(1, cfg["n_head"], 1, cfg["head_dim"], device=device, dtype=dtype)
+    pos = torch.tensor([filled], device=device)
+    flex = torch.compile(decode_attention, fullgraph=True, dynamic=False)
+    for context in contexts:
+        keys, values = torch.rand(2, 1, cfg["n_local_heads"], context, cfg["head_dim"], device=device,
+                                  dtype=dtype)
+        times = []
+        for use_flex, attend in ((False, decode_attention), (True, flex)):
+            attend(q, keys, values, pos, use_flex)
+            synchronize(device)
+            start = time.perf_counter()
+            for _ in range(20):
+                attend(q, keys, values, pos, use_flex)
+            synchronize(device)
+            times.append((time.perf_counter() - start) / 20 * 1e6)
+        print(f"decode attention, one layer, cache {context}, row at position {filled}: SDPA + mask"
+              f" {times[0]:.0f} us, flex-decoding {times[1]:.0f} us")
+
+
 BENCH_TEXT = "The quick brown fox jumps over the lazy dog, and the river is calm today."
 
 
@@ -1388,6 +1412,8 @@ def bench(args):
               f" matmul_ceiling_frames_per_s={batch * ceiling:.2f} ceiling_pct={100 * steps / ceiling:.0f}"
               f" prefill_tokens_per_s={prefill:.0f} peak_mem_gb={peak_memory_gb(device):.2f}"
               f" compile_s={first if compiled else 0:.1f}")
+    if args.attention:
+        bench_attention(model)
     if args.ttfa or args.load:
         bench_serving(args, model, device)
 
@@ -1512,6 +1538,8 @@ def parse_args(argv=None):
                              help="random-weight model size (default s2-pro, the real dimensions)")
     bench_flags.add_argument("--batch", type=batch_sizes, default=[1], help="batch sizes, e.g. 1,4,16")
     bench_flags.add_argument("--frames", type=int, default=16, help="timed frame steps (default 16)")
+    bench_flags.add_argument("--attention", action="store_true", help="also one layer's decode attention:"
+                             " SDPA with a mask against flex-decoding, caches of 4096 and 32768")
     bench_flags.add_argument("--ttfa", action="store_true", help="also time to first audio at batch 1"
                              " (prefill, first frames, their codec decode; real codec size, random weights)")
     bench_flags.add_argument("--load", type=int, default=0, help="also a load run of this many requests")

@@ -1027,11 +1027,12 @@ def stream(model: DualAR, text: str, **kwargs):
 
 
 @torch.inference_mode()
-def generate_many(model: DualAR, requests: list, slots: int = None) -> list:
+def generate_many(model: DualAR, requests: list, slots: int = None, context: int = None) -> list:
     """Several requests (dicts of `generate`'s keyword arguments), batched -> their codes, in order.
-    Each request's codes are the ones it gets alone."""
+    Each request's codes are the ones it gets alone. context: a fixed KV cache length (one compiled
+    shape) instead of one that grows with the longest request."""
     made = [Request(model, **r) for r in requests]  # every request is checked before any work
-    engine = Engine(model, slots=slots or len(made), max_queue=len(made))
+    engine = Engine(model, slots=slots or len(made), context=context, max_queue=len(made))
     for request in made:
         engine.add(request)
     engine.run()
@@ -1406,8 +1407,9 @@ def bench(args):
         fps = batch * steps
         print(f"{batch:>5} {fps:>9.2f} {gbs:>7.1f} {100 * gbs / bandwidth:>5.0f} {batch * ceiling:>15.2f}"
               f" {100 * steps / ceiling:>6.0f} {1 / steps / seconds_per_frame:>6.2f} {first:>9.1f}")
+        short = next(k for k, v in DTYPES.items() if v == dtype)
         print(f"bench config={name} quant={args.quant or 'none'} compile={int(compiled)} batch={batch}"
-              f" device={device.type} dtype={args.dtype or str(dtype).split('.')[-1]} frames_per_s={fps:.2f}"
+              f" device={device.type} dtype={short} frames_per_s={fps:.2f}"
               f" gb_per_s={gbs:.1f} bandwidth_pct={100 * gbs / bandwidth:.0f}"
               f" matmul_ceiling_frames_per_s={batch * ceiling:.2f} ceiling_pct={100 * steps / ceiling:.0f}"
               f" prefill_tokens_per_s={prefill:.0f} peak_mem_gb={peak_memory_gb(device):.2f}"

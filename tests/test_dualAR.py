@@ -452,6 +452,12 @@ def test_generate_many_gives_each_request_its_solo_codes(model):
         assert all(torch.equal(a, b) for a, b in zip(solo, many))
 
 
+
+def test_compiled_batch_gives_each_request_its_solo_codes(model, compiled_model):
+    """Four rows at their own positions in one compiled graph (one flex block mask row each)."""
+    many = dualAR.generate_many(compiled_model, MIXED, context=512)  # one shape: one compile
+    assert all(torch.equal(a, b) for a, b in zip(solo_codes(model, MIXED), many))
+
 def test_generate_many_with_a_row_that_stops_early(eos_model):
     call = CASES["eos"]["eos"]["call"]
     eos = request(call["text"], references=[CLONE], seed=42, top_k=30, max_new_tokens=24)
@@ -599,6 +605,20 @@ def test_quantization_schemes_the_device_cannot_run_are_named():
     for scheme, need in [("fp8", "compute capability >= 8.9"), ("nvfp4", ">= 10.0"), ("int4wo", "CUDA")]:
         with pytest.raises(dualAR.UserError, match=need):
             dualAR.check_quant(scheme, torch.device("cpu"), torch.bfloat16)
+
+
+def test_bench_prints_a_table_and_one_machine_readable_line_per_batch(capsys):
+    dualAR.main(["--bench", "--config", "tiny", "--batch", "1,2", "--frames", "2", "--device", "cpu"])
+    lines = [line.split()[1:] for line in capsys.readouterr().out.splitlines() if line.startswith("bench ")]
+    rows = [dict(field.split("=") for field in line) for line in lines]
+    assert [row["batch"] for row in rows] == ["1", "2"]
+    for row in rows:
+        assert list(row)[:8] == ["config", "quant", "compile", "batch", "device", "dtype", "frames_per_s",
+                                 "gb_per_s"]
+        assert (row["config"], row["quant"], row["compile"], row["dtype"]) == ("tiny", "none", "0", "fp32")
+        for key in ("frames_per_s", "gb_per_s", "bandwidth_pct", "matmul_ceiling_frames_per_s",
+                    "prefill_tokens_per_s", "peak_mem_gb"):
+            assert float(row[key]) > 0, key
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -230,7 +230,7 @@ def audio_file(wave: torch.Tensor, fmt: str) -> bytes:
 
 # ----------------------------------------------------------------------------- the model side
 class App:
-    """The models, the engine and the voices folder; shared by every request thread."""
+    """The models, the engine and the voices folder, shared by every request thread."""
 
     def __init__(self, args):
         self.demo_dir = None
@@ -906,8 +906,8 @@ def parse_args(argv=None):
     ap.add_argument("--slots", type=int, default=4, help="requests generated together (default 4)")
     ap.add_argument("--max-context", type=int, default=dualAR.DEFAULT_CONTEXT, help="positions (prompt +"
                     f" frames) a request may use, as the CLI's (default {dualAR.DEFAULT_CONTEXT})")
-    ap.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot; beyond, 503"
-                    " (default 16)")
+    ap.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot, beyond that"
+                    " a 503 (default 16)")
     ap.add_argument("--voices", default="prompt", help="folder of saved voices, <name>.npy + <name>.txt"
                     " (default prompt/, as the CLI)")
     ap.add_argument("--api-key", default=os.environ.get("FISHFAST_API_KEY"),

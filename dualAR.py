@@ -163,7 +163,7 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, rope: Tensor, pos=None, row: int = None) -> Tensor:
         """x (B, S, dim). `pos` says how to attend:
-        None: causal attention within x from position 0 (training; a prefill keeps k, v in cache row `row`).
+        None: causal attention within x from position 0 (training, or a prefill into cache row `row`).
         int: every row at this one position, over cache positions 0..pos (the fast model's codebooks).
         Tensor (B,): one step per row, each at its own position over its own cache (the slow model's frames).
         """
@@ -272,7 +272,7 @@ class DualAR(nn.Module):
         self.make_rope()
 
     def make_rope(self):
-        """RoPE tables as buffers (they follow .to()); `load` rebuilds them on the meta-built model."""
+        """RoPE tables as buffers (they follow .to()). `load` rebuilds them on the meta-built model."""
         cfg, device = self.config, self.embeddings.weight.device
         self.register_buffer("rope", rope_table(cfg["max_seq_len"], cfg["head_dim"], cfg["rope_base"])
                              .to(device), persistent=False)
@@ -281,7 +281,7 @@ class DualAR(nn.Module):
 
     def setup_caches(self, batch: int, seq_len: int):
         """Static KV caches: `batch` rows of `seq_len` slow positions. Caches of that shape stay as they are
-        (a compiled step keeps its graph); slow caches that grow keep their contents."""
+        (a compiled step keeps its graph). Slow caches that grow keep their contents."""
         cfg, weight = self.config, self.embeddings.weight
         for layer in self.layers:
             layer.attention.kv_cache = resized(layer.attention.kv_cache, batch, seq_len, cfg["n_local_heads"],
@@ -504,7 +504,7 @@ def quant_config(scheme: str):
 
 
 def quantize(model: DualAR, scheme: str):
-    """The linear layers of both transformers, through torchao; embeddings and heads stay as they are.
+    """The linear layers of both transformers, through torchao. Embeddings and heads stay as they are.
     Group-wise int4 breaks the fast transformer (reported, and measured by --bench): it gets int8."""
     from torchao.quantization import quantize_
     quantize_(model.layers, quant_config(scheme))
@@ -513,7 +513,7 @@ def quantize(model: DualAR, scheme: str):
 
 
 def compile_model(model: DualAR):
-    """The frame step as one graph (flex-decoding inside); on CUDA replayed as a CUDA graph. On CPU,
+    """The frame step as one graph (flex-decoding inside), on CUDA replayed as a CUDA graph. On CPU,
     inductor's freezing prepacks the weights: they are constants of this model's graph."""
     for layer in model.layers:
         layer.attention.flex = True
@@ -531,7 +531,8 @@ def compile_model(model: DualAR):
     torch._inductor.config.freezing = True
     torch._inductor.config.max_autotune_report_choices_stats = False  # quiet, it is not our output
     torch._inductor.config.autotune_num_choices_displayed = 0
-    model.compiled_step = torch.compile(step, fullgraph=True, dynamic=False, mode="max-autotune-no-cudagraphs")
+    model.compiled_step = torch.compile(step, fullgraph=True, dynamic=False,
+                                        mode="max-autotune-no-cudagraphs")
 
 
 # ----------------------------------------------------------------------------- prompt
@@ -824,11 +825,11 @@ class Request:
 # ----------------------------------------------------------------------------- engine
 class Engine:
     """`slots` rows of KV cache and one (compiled) frame step for all of them. Requests are admitted into
-    free rows between two frames, prefilled alone, then join the batched step; they leave when they end.
+    free rows between two frames, prefilled alone, then join the batched step. They leave when they end.
     Each row samples with its own parameters and random stream, so its codes do not depend on the others.
 
     Synchronous use: `add` requests, call `step()` until `busy` is false (what `generate_many` does).
-    Threaded use: `start()`, then `submit()` from any thread and iterate the returned request; `close()`.
+    Threaded use: `start()`, then `submit()` from any thread and iterate the returned request, then `close()`.
     """
 
     def __init__(self, model: DualAR, slots: int = 1, context: int = None, max_queue: int = 64,
@@ -910,7 +911,7 @@ class Engine:
                 request.finish(e)
 
     def collect(self, row: int, frame: Tensor, rewind=None) -> bool:
-        """Hand a new frame to the row's request -> whether its text batch ended; then start its next
+        """Hand a new frame to the row's request -> whether its text batch ended, then start its next
         batch (after rewinding its generator to `rewind`, the state before the frames it will not use)
         or retire it."""
         request = self.rows[row]
@@ -1395,8 +1396,8 @@ def bench(args):
     per_frame, bandwidth = frame_bytes(model), copy_bandwidth(device)
     prefill = prefill_speed(model)
     print(f"{name}: {n_params:.2f} G params, {per_frame / 1e9:.2f} GB read per frame step, {dtype}, {device}"
-          f" ({torch.get_num_threads()} threads), quant {args.quant or 'none'}, compile {int(compiled)};"
-          f" measured copy bandwidth {bandwidth:.1f} GB/s; prefill {prefill:.0f} tokens/s")
+          f" ({torch.get_num_threads()} threads), quant {args.quant or 'none'}, compile {int(compiled)},"
+          f" measured copy bandwidth {bandwidth:.1f} GB/s, prefill {prefill:.0f} tokens/s")
     print(f"{'batch':>5} {'frames/s':>9} {'GB/s':>7} {'% bw':>5} {'matmul ceiling':>15} {'% ceil':>6}"
           f" {'RTF':>6} {'compile s':>9}")
     seconds_per_frame = codec.hop_length() / codec.CONFIG["sample_rate"]
@@ -1543,7 +1544,7 @@ def parse_args(argv=None):
     bench_flags.add_argument("--attention", action="store_true", help="also one layer's decode attention:"
                              " SDPA with a mask against flex-decoding, caches of 4096 and 32768")
     bench_flags.add_argument("--ttfa", action="store_true", help="also time to first audio at batch 1"
-                             " (prefill, first frames, their codec decode; real codec size, random weights)")
+                             " (prefill, first frames, their codec decode, real codec size, random weights)")
     bench_flags.add_argument("--load", type=int, default=0, help="also a load run of this many requests")
     bench_flags.add_argument("--rate", type=float, default=2.0, help="load run: requests per second (2)")
     bench_flags.add_argument("--slots", type=int, default=8, help="load run: engine rows (default 8)")
@@ -1603,7 +1604,7 @@ def run(args):
 
 
 def speak(model: DualAR, request: Request, wav_path, args) -> Tensor:
-    """Run one request with a progress bar; with a wav path, decode and write each chunk as it comes."""
+    """Run one request with a progress bar. With a wav path, decode and write each chunk as it comes."""
     engine, chunks = Engine(model), []
     engine.add(request)
     with torch.inference_mode(), tqdm(unit="frame", leave=False) as bar:
@@ -1636,7 +1637,7 @@ def produced(engine: Engine, request: Request, bar, kept: list):
 
 class GrowingWav:
     """A PCM-16 wav written chunk by chunk, its header brought up to date after each one (a player can
-    open it while it grows); removed if the run fails."""
+    open it while it grows), removed if the run fails."""
 
     def __init__(self, path: Path, sample_rate: int = codec.CONFIG["sample_rate"]):
         self.path = Path(path)

@@ -146,7 +146,7 @@ def read_lora_file(path: Path) -> tuple:
 
 def load_lora(model: dualAR.DualAR, path, alpha=None, dropout=0.0) -> list:
     """LoRA weights from one of our runs (folder or lora.safetensors) or upstream's (keys
-    model.<module>.lora_A / lora_B; safetensors or a torch file with `state_dict`). Wraps the modules the
+    model.<module>.lora_A / lora_B, safetensors or a torch file with `state_dict`). Wraps the modules the
     file names if the model has no LoRA yet. alpha: from the file's metadata, else this, else 16."""
     path = Path(path)
     path = path / LORA_FILE if path.is_dir() else path
@@ -182,7 +182,7 @@ def load_lora(model: dualAR.DualAR, path, alpha=None, dropout=0.0) -> list:
 @torch.no_grad()
 def merge_lora(model: dualAR.DualAR) -> dualAR.DualAR:
     """Fold every LoRA into its weight as upstream does: W' = W + B A alpha/r (embeddings: transposed),
-    computed in fp32 and kept in fp32 (upstream's LoRA modules are fp32); other weights keep their dtype."""
+    computed in fp32 and kept in fp32 (upstream's LoRA modules are fp32). Other weights keep their dtype."""
     for name, m in lora_modules(model).items():
         weight = nn.Parameter(m.weight.float() + m.delta(), requires_grad=False)
         if isinstance(m, LoRAEmbedding):
@@ -199,8 +199,8 @@ def merge_lora(model: dualAR.DualAR) -> dualAR.DualAR:
 def sample_tokens(model: dualAR.DualAR, text: str, codes) -> tuple:
     """One training sample as upstream packs it -> (inputs, labels), each (1 + num_codebooks, T).
 
-    system and user turns and the assistant role header carry no loss; `<|voice|>`, the codes and
-    `<|im_end|>\\n` do. Labels are the tokens shifted by one; their code rows hold the codes where the
+    system and user turns and the assistant role header carry no loss, `<|voice|>`, the codes and
+    `<|im_end|>\\n` do. Labels are the tokens shifted by one, their code rows hold the codes where the
     label is semantic, -100 elsewhere."""
     cfg = model.config
     turns = ["<|im_start|>system\n", SYSTEM_PROMPT, "<|im_end|>\n",
@@ -220,7 +220,7 @@ def sample_tokens(model: dualAR.DualAR, text: str, codes) -> tuple:
 def collate(encoded: list) -> tuple:
     """[(inputs, labels)] -> right-padded batch (inputs, labels, padding_mask): tokens and codes are
     padded with 0 (upstream's collator asks the tokenizer for a pad token it lacks, and gets 0), labels
-    with -100; padding_mask is True at padding."""
+    with -100, and padding_mask is True at padding."""
     length = max(x.size(1) for x, _ in encoded)
     inputs = torch.stack([F.pad(x, (0, length - x.size(1)), value=0) for x, _ in encoded])
     labels = torch.stack([F.pad(y, (0, length - y.size(1)), value=IGNORE) for _, y in encoded])
@@ -678,7 +678,7 @@ def train(args):
     val = f", val_loss {vals[0]:.4f} -> {vals[-1]:.4f}" if len(vals) > 1 else ""
     steps = step - first_step
     print(f"{steps} steps in {wall:.1f} s: {steps / wall:.2f} steps/s, {tokens / wall:.0f} tokens/s,"
-          f" loss {losses[0]:.4f} -> {losses[-1]:.4f}{val}; wrote {out / LORA_FILE}")
+          f" loss {losses[0]:.4f} -> {losses[-1]:.4f}{val}, wrote {out / LORA_FILE}")
 
 
 # ----------------------------------------------------------------------------- merge and export
@@ -843,7 +843,7 @@ def parse_args(argv=None):
     t.add_argument("--out", required=True,
                    help="run folder: run.json, metrics.jsonl, lora.safetensors, state.pt")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint"
-                   " (its stored settings are used; --max-steps, --val-every and --save-every may change)")
+                   " (its stored settings: only --max-steps, --val-every and --save-every may change)")
     t.add_argument("--rank", type=int, default=RANK, help=f"LoRA rank (default {RANK})")
     t.add_argument("--alpha", type=float, default=ALPHA,
                    help=f"LoRA alpha, scaling alpha/rank (default {ALPHA})")
@@ -874,7 +874,7 @@ def parse_args(argv=None):
                    help="hf: config.json + model.safetensors with HF names, as fishaudio/s2-pro (default)."
                    " dual_ar: upstream's own flat config.json + model.pth")
     m.add_argument("--alpha", type=float,
-                   help=f"LoRA alpha of a file that does not store it (upstream's; default {ALPHA})")
+                   help=f"LoRA alpha of a file that does not store it (upstream's), default {ALPHA}")
 
     b = sub.add_parser("bench", parents=[device], help="training steps/s and peak memory, random weights")
     b.set_defaults(run=bench)

@@ -241,7 +241,7 @@ def test_client_that_hangs_up_mid_stream_frees_its_slot(server):
 
 # ----------------------------------------------------------------------------- voices
 def multipart(fields: dict) -> tuple:
-    """-> (content type, body) of a multipart/form-data upload; bytes values are sent as files."""
+    """-> (content type, body) of a multipart/form-data upload (bytes values are sent as files)."""
     boundary = "fishfast-test-boundary"
     body = b""
     for name, value in fields.items():
@@ -423,7 +423,8 @@ def test_full_queue_gives_503_with_retry_after_and_hangups_free_everything(locke
     assert json.loads(data)["error"]["type"] == "server_busy"
     second[0].close()
     first[0].close()
-    wait_for(lambda: health(locked)["busy"] + health(locked)["queued"] == 0, 10, "the slot and queue to empty")
+    wait_for(lambda: health(locked)["busy"] + health(locked)["queued"] == 0, 10,
+             "the slot and queue to empty")
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")

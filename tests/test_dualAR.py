@@ -418,7 +418,7 @@ def test_compiled_frame_step_stops_at_im_end_like_upstream(eos_checkpoint):
 
 
 def test_flex_decoding_attends_each_row_up_to_its_own_position():
-    """The block mask skips the blocks a row has not filled; the result is the masked SDPA's."""
+    """The block mask skips the blocks a row has not filled, and the result is the masked SDPA's."""
     generator = torch.Generator().manual_seed(0)
     q = torch.rand(6, 4, 1, 16, generator=generator)
     keys, values = torch.rand(2, 6, 2, 1024, 16, generator=generator)
@@ -589,7 +589,7 @@ def test_fixed_context_engine_refuses_what_does_not_fit(model):
 @torch.inference_mode()
 def test_int8_weight_only_runs_and_its_logits_stay_close(model):
     """torchao int8wo on the linear layers: measured max error 1.3 % (slow) and 1.0 % (fast) of the largest
-    logit on this checkpoint; the bound is 3 %."""
+    logit on this checkpoint, and the bound is 3 %."""
     quantized = dualAR.load(CKPT, quant="int8wo")
     prompt = golden("prompt_tokens.npy")
     for m in (model, quantized):

@@ -526,8 +526,8 @@ def compile_model(model: DualAR):
         model.compiled_step = torch.compile(step, fullgraph=True, dynamic=False, mode="reduce-overhead")
         return
     # frozen weights, and inductor's own C++ GEMMs picked by max-autotune: measured on 2 cores at s2-mid
-    # dims, weights read at 20 GB/s for 1 and 4 rows, against MKL's 13 and 8. The global flag: the
-    # options={"freezing": True} of torch.compile leaves the weights unfrozen
+    # dims, 9.6 frames/s at batch 1 and 25.5 at batch 4, against eager's 3.9 and 7.0 (README, Speed).
+    # The global flag: the options={"freezing": True} of torch.compile leaves the weights unfrozen
     torch._inductor.config.freezing = True
     torch._inductor.config.max_autotune_report_choices_stats = False  # quiet, it is not our output
     torch._inductor.config.autotune_num_choices_displayed = 0

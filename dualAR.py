@@ -704,8 +704,8 @@ def check_sampling(temperature, top_p, top_k, max_new_tokens, chunk_length, chun
     numbers = (temperature, top_p, top_k, max_new_tokens, chunk_length, chunk_frames)
     if any(isinstance(v, bool) or not isinstance(v, (int, float)) for v in numbers):
         raise UserError("temperature, top_p, top_k, max_new_tokens, chunk_length must be numbers")
-    if not (0 < top_p <= 1 and 0 < temperature < 2 and top_k >= 0 and int(top_k) == top_k):
-        raise UserError("need 0 < top_p <= 1, 0 < temperature < 2 and an integer top_k >= 0"
+    if not (0 < top_p <= 1 and 0 < temperature < 2 and 0 <= top_k < 2**31 and int(top_k) == top_k):
+        raise UserError("need 0 < top_p <= 1, 0 < temperature < 2 and an integer 0 <= top_k < 2**31"
                         " (upstream's ranges)")
     if max_new_tokens == 1 or max_new_tokens < 0 or int(max_new_tokens) != max_new_tokens:
         raise UserError("max_new_tokens must be 0 (no cap) or at least 2")  # 1 frame is dropped: none left
@@ -747,6 +747,8 @@ class Request:
         self.max_context = min(max_context or DEFAULT_CONTEXT, model.config["max_seq_len"])
         if seed is None:  # no seed: one from the global generator, so torch.manual_seed still decides
             seed = int(torch.randint(2**62, ()))
+        if isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64:
+            raise UserError(f"seed must be an integer in [-2**63, 2**64), got {seed!r:.40}")
         device = model.embeddings.weight.device
         self.generator = torch.Generator(device).manual_seed(seed)
         self.prompt = self.next_prompt()  # a prompt that cannot fit fails here, before any work
@@ -857,6 +859,9 @@ class Engine:
 
     def add(self, request: Request) -> Request:
         with self.lock:
+            for gone in [r for r in self.waiting if r.cancelled]:  # hung up while waiting: no room taken
+                self.waiting.remove(gone)
+                gone.finish()
             if len(self.waiting) >= self.max_queue:
                 raise QueueFull(f"{len(self.waiting)} requests are waiting already: try again later")
             self.waiting.append(request)
@@ -865,7 +870,8 @@ class Engine:
 
     def stats(self) -> dict:
         busy = sum(r is not None for r in self.rows)
-        return dict(slots=self.slots, busy=busy, free=self.slots - busy, queued=len(self.waiting))
+        queued = sum(not r.cancelled for r in list(self.waiting))
+        return dict(slots=self.slots, busy=busy, free=self.slots - busy, queued=queued)
 
     def prefill(self, row: int, request: Request):
         """Prompt of the request's current text batch into `row`, and its first frame (no repetition window,
@@ -898,17 +904,27 @@ class Engine:
 
     def admit(self):
         for row in range(self.slots):
-            if self.rows[row] is not None or not self.waiting:
+            if self.rows[row] is not None:
                 continue
             with self.lock:
-                request = self.waiting.popleft()
+                request = self.waiting.popleft() if self.waiting else None
+            if request is None:
+                return
             if request.cancelled:
                 request.finish()
                 continue
             try:
                 self.prefill(row, request)
-            except UserError as e:
-                request.finish(e)
+            except Exception as e:
+                self.drop(row, request, e)
+
+    def drop(self, row: int, request: Request, error: Exception):
+        """End a request whose prefill failed, on bad input or a bug: the other rows go on."""
+        self.rows[row] = None
+        if not isinstance(error, UserError):
+            traceback.print_exc()
+            error = RuntimeError(f"generation failed: {type(error).__name__}: {error}")
+        request.finish(error)
 
     def collect(self, row: int, frame: Tensor, rewind=None) -> bool:
         """Hand a new frame to the row's request -> whether its text batch ended, then start its next
@@ -924,8 +940,8 @@ class Engine:
             if request.end_batch():
                 self.prefill(row, request)
                 return True
-        except UserError as e:
-            request.finish(e)
+        except Exception as e:
+            self.drop(row, request, e)
             return True
         request.finish()
         return True

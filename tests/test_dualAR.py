@@ -571,9 +571,35 @@ def test_engine_rejects_bad_requests_and_a_full_queue(model):
         engine.submit(dict(text=" "))
     with pytest.raises(dualAR.UserError, match="0 < top_p <= 1"):
         engine.submit(dict(text="Hi.", top_p=1.5))
-    engine.submit(dict(text="Hi."))
+    with pytest.raises(dualAR.UserError, match="top_k < 2\\*\\*31"):  # would not fit the step's tensor
+        engine.submit(dict(text="Hi.", top_k=1e30))
+    with pytest.raises(dualAR.UserError, match="seed must be an integer"):
+        engine.submit(dict(text="Hi.", seed=2**64))
+    first = engine.submit(dict(text="Hi."))
     with pytest.raises(dualAR.QueueFull):
         engine.submit(dict(text="Hi."))
+    first.cancel()  # its client hung up while it waited: its place in the queue is free again
+    engine.submit(dict(text="Hi."))
+    assert first.done and engine.stats()["queued"] == 1
+
+
+def test_a_request_whose_prefill_breaks_fails_alone(model):
+    engine = dualAR.Engine(model, slots=2)
+    kept = engine.add(dualAR.Request(model, **MIXED[1]))
+    broken = engine.add(dualAR.Request(model, **MIXED[3]))
+    with torch.inference_mode():
+        engine.step()
+        model.prefill = lambda *args: 1 / 0  # an instance attribute over the method, deleted below
+        doomed = engine.add(dualAR.Request(model, **MIXED[0]))
+        broken.cancel()
+        try:
+            engine.step()  # the freed row's prefill fails
+        finally:
+            del model.prefill
+        engine.run()
+    with pytest.raises(RuntimeError, match="generation failed: ZeroDivisionError"):
+        doomed.codes()
+    assert torch.equal(kept.codes(), dualAR.generate(model, **MIXED[1]))
 
 
 def test_fixed_context_engine_refuses_what_does_not_fit(model):

@@ -64,9 +64,13 @@ class HTTPError(Exception):
         self.status, self.headers = status, headers or {}
 
 
+def is_voice_name(name) -> bool:
+    return isinstance(name, str) and bool(VOICE_NAME.fullmatch(name)) and name.strip() == name
+
+
 def check_voice_name(name) -> str:
     """The one gate before any path is built from a voice name: no separators, dots or odd characters."""
-    if not isinstance(name, str) or not VOICE_NAME.fullmatch(name) or name.strip() != name:
+    if not is_voice_name(name):
         raise dualAR.UserError(f"voice name {str(name)[:80]!r} is not allowed: use 1-64 letters, digits, '_',"
                                " '-' or inner spaces")
     return name
@@ -77,6 +81,10 @@ def check_text(text, what="input", limit=MAX_TEXT) -> str:
         raise dualAR.UserError(f"{what} is empty: give the text as a non-empty string")
     if len(text) > limit:
         raise dualAR.UserError(f"{what} has {len(text)} characters, at most {limit} are allowed")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # JSON may carry a lone surrogate ("\\ud800")
+        raise dualAR.UserError(f"{what} is not valid Unicode text") from None
     return text
 
 
@@ -122,13 +130,20 @@ def number(body: dict, key: str, default, integer=False, low=None):
     value = body.get(key, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise dualAR.UserError(f"{key} must be a number, got {json.dumps(value)[:40]}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not finite(value):
+        raise dualAR.UserError(f"{key} must be a finite number, got {json.dumps(value)[:40]}")
     if integer and value != int(value):
         raise dualAR.UserError(f"{key} must be an integer, got {value}")
     if low is not None and value < low:
         raise dualAR.UserError(f"{key} must be >= {low}, got {value}")
     return int(value) if integer else float(value)
+
+
+def finite(value) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # a JSON integer too large for a float
+        return False
 
 
 def sampling(body: dict, defaults: dict) -> dict:
@@ -233,14 +248,13 @@ class App:
     """The models, the engine and the voices folder, shared by every request thread."""
 
     def __init__(self, args):
+        self.device = codec.pick_device(args.device)  # first: a bad --device leaves no demo folder behind
         self.demo_dir = None
         if args.checkpoint is None and not Path(dualAR.DEFAULT_CHECKPOINT).exists():
             self.demo_dir = tempfile.mkdtemp(prefix="fishfast-demo-")
             dualAR.make_demo_checkpoint(Path(self.demo_dir))
         self.checkpoint = self.demo_dir or args.checkpoint or dualAR.DEFAULT_CHECKPOINT
-        self.device = codec.pick_device(args.device)
-        dtype = dualAR.DTYPES[args.dtype or ("bf16" if self.device.type == "cuda" else "fp32")]
-        compiled = args.compile if args.compile is not None else self.device.type == "cuda"  # as the CLI
+        dtype, compiled = dualAR.device_defaults(self.device, args.dtype, args.compile)  # as the CLI
         self.model = dualAR.load(self.checkpoint, self.device, dtype, args.quant, compiled)
         self.dac = codec.load(self.checkpoint, self.device, torch.float32)  # references encode in fp32
         self.max_context = min(args.max_context, self.model.config["max_seq_len"])
@@ -270,23 +284,22 @@ class App:
 
     # voices: prompt/<name>.npy (codes) or an audio file, + prompt/<name>.txt, the layout the CLI reads
     def voice_files(self) -> dict:
+        """-> {name: (kind, path)} of the saved voices."""
         found = dualAR.default_references(self.voices)
-        return {path.stem: path for _, path in found if VOICE_NAME.fullmatch(path.stem)}
+        return {path.stem: (kind, path) for kind, path in found if is_voice_name(path.stem)}
 
     def voice_reference(self, name: str) -> tuple:
-        path = self.voice_files().get(check_voice_name(name))
+        kind, path = self.voice_files().get(check_voice_name(name), (None, None))
         if path is None:
             known = ", ".join(sorted(self.voice_files())) or "none yet"
             raise dualAR.UserError(f"unknown voice {name!r} (saved voices: {known}). Save one with"
                                    " POST /v1/audio/voices, or send no voice for plain text-to-speech")
-        cfg = self.model.config
         try:
-            if path.suffix == ".npy":
-                codes = codec.read_codes(path, rows=cfg["num_codebooks"], vocab=cfg["codebook_size"])
-            else:
-                codes = codec.encode(self.dac, codec.load_audio(path))[0].cpu()
+            codes = dualAR.reference_codes(kind, path, self.model.config, lambda: self.dac)
             return codes, dualAR.read_transcript(path.with_suffix(".txt"))
-        except (OSError, ValueError) as e:
+        except dualAR.UserError as e:  # the server's file, not the client's input
+            if name not in self.voice_files():  # deleted meanwhile
+                raise dualAR.UserError(f"unknown voice {name!r}") from None
             raise HTTPError(500, f"voice {name!r} cannot be read: {e}") from None
 
     def clip_codes(self, data: bytes, what: str) -> torch.Tensor:
@@ -321,12 +334,10 @@ class App:
             self.voices.mkdir(parents=True, exist_ok=True)
             try:
                 codec.save_codes(npy, codes)
-                part = txt.with_name(f".{txt.name}.part")
-                part.write_text(text.strip() + "\n", encoding="utf-8")
-                os.replace(part, txt)  # the voice appears (listed and usable) only once both files exist
-            except (OSError, ValueError) as e:
-                for path in (npy, txt.with_name(f".{txt.name}.part")):
-                    path.unlink(missing_ok=True)
+                # the voice appears (listed and usable) only once the transcript exists, written whole
+                codec._write_atomic(txt, lambda f: f.write((text.strip() + "\n").encode("utf-8")))
+            except ValueError as e:  # codec's writers: OSError as a one-line ValueError
+                npy.unlink(missing_ok=True)
                 raise HTTPError(500, f"cannot save voice {name!r}: {e}") from None
         return dict(name=name, frames=codes.size(1), seconds=round(codes.size(1) / frame_rate(), 2))
 
@@ -416,7 +427,9 @@ class Handler(BaseHTTPRequestHandler):
             length = int(self.headers.get("Content-Length", 0))
         except ValueError:
             length = -1
-        if not 0 <= length <= MAX_BODY:
+        if length < 0:
+            raise HTTPError(400, "Content-Length must be a number of bytes")
+        if length > MAX_BODY:
             raise HTTPError(413, f"the request body must be 0 to {MAX_BODY >> 20} MiB")
         return self.rfile.read(length)
 
@@ -443,6 +456,11 @@ class Handler(BaseHTTPRequestHandler):
     def end_headers(self):
         self.started = True
         super().end_headers()
+
+    def handle_expect_100(self):
+        super().handle_expect_100()
+        self.started = False  # that was '100 Continue' (curl sends Expect on big uploads): a status follows
+        return True
 
     def send_json_error(self, status: int, message: str, headers=None):
         self.close_connection = True  # the request's body may be left unread
@@ -513,8 +531,8 @@ class Handler(BaseHTTPRequestHandler):
         request = self.app.engine.submit(dict(text=job["text"], references=references,
                                               max_context=self.app.max_context, **job["sampling"]))
         start, prompt_tokens = time.perf_counter(), request.prompt.size(1)
-        self.watch(request)
         try:
+            self.watch(request)
             if job["send"] == "whole":
                 wave = self.app.whole_wave(request)  # a late error is still a clean 400
                 self.send_bytes(audio_file(wave, job["format"]), MEDIA_TYPES[job["format"]])
@@ -553,10 +571,15 @@ class Handler(BaseHTTPRequestHandler):
                 wave = self.app.whole_wave(request)
                 send(audio_file(wave, fmt))
                 samples = len(wave)
-        except dualAR.UserError as e:  # failed after the 200 went out: an error event, or a cut-off body
+        except (ConnectionError, TimeoutError):
+            raise
+        except Exception as e:  # failed after the 200 went out: an error event, or a cut-off body
             self.close_connection = True
+            if not isinstance(e, dualAR.UserError):
+                traceback.print_exc()
             if sse:
-                error = dict(message=str(e), type="invalid_request_error")
+                kind = "invalid_request_error" if isinstance(e, dualAR.UserError) else "server_error"
+                error = dict(message=str(e), type=kind)
                 self.write_chunk(sse_event(type="error", error=error))
                 self.write_chunk(b"")
             return samples

@@ -1393,8 +1393,7 @@ def bench_serving(args, model: DualAR, device):
 def bench(args):
     """gpt-fast style: frames/s of the frame step per batch size, against the measured bandwidth."""
     device = user_input(codec.pick_device, args.device)
-    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    compiled = args.compile if args.compile is not None else device.type == "cuda"
+    dtype, compiled = device_defaults(device, args.dtype, args.compile)
     check_quant(args.quant, device, dtype)
     if args.checkpoint:
         model, name = load(args.checkpoint, device, dtype), Path(args.checkpoint).name
@@ -1472,14 +1471,23 @@ def load_references(args, model: DualAR, device) -> list:
         raise UserError(f"{len(given)} reference clip(s) but {len(texts)} --prompt-text: give one transcript"
                         " per --prompt-audio/--prompt-codes, in the same order")
     check_reference_count(len(given))  # before any clip is encoded
-    cfg, refs = model.config, []
-    for (kind, path), text in zip(given, texts):
-        if kind == "codes":
-            codes = user_input(codec.read_codes, path, rows=cfg["num_codebooks"], vocab=cfg["codebook_size"])
-        else:
-            codes = codec.encode(codec_model(args, device), user_input(codec.load_audio, path))[0].cpu()
-        refs.append((codes, text))
-    return refs
+    return [(reference_codes(kind, path, model.config, lambda: codec_model(args, device)), text)
+            for (kind, path), text in zip(given, texts)]
+
+
+def reference_codes(kind: str, path: Path, cfg: dict, dac) -> Tensor:
+    """A reference file -> codes (num_codebooks, T): a codes file as it is, an audio file through the codec
+    (`dac()` gives it: codes alone never load it). A file that cannot be read is a UserError."""
+    if kind == "codes":
+        return user_input(codec.read_codes, path, rows=cfg["num_codebooks"], vocab=cfg["codebook_size"])
+    return codec.encode(dac(), user_input(codec.load_audio, path))[0].cpu()
+
+
+def device_defaults(device, dtype: str = None, compile: bool = None) -> tuple:
+    """--dtype and --compile as given, else bf16 and compiled on CUDA, fp32 and eager elsewhere (on CPU
+    compiling takes minutes: README, Speed) -> (torch dtype, compile)."""
+    cuda = device.type == "cuda"
+    return DTYPES[dtype or ("bf16" if cuda else "fp32")], cuda if compile is None else compile
 
 
 def user_input(read, *args, **kwargs):
@@ -1592,10 +1600,9 @@ def check_args(args):
 def run(args):
     check_args(args)
     device = user_input(codec.pick_device, args.device)
-    dtype = DTYPES[args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    dtype, compiled = device_defaults(device, args.dtype, args.compile)
     codes_path, wav_path = output_paths(args)
-    model = load(args.checkpoint, device, dtype, args.quant, args.compile or device.type == "cuda"
-                 and args.compile is None)
+    model = load(args.checkpoint, device, dtype, args.quant, compiled)
     if wav_path is not None and not (Path(args.checkpoint) / "codec.pth").is_file():
         if args.stream:
             raise UserError(f"--stream needs {args.checkpoint}/codec.pth")

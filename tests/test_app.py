@@ -313,16 +313,19 @@ BAD = [
         ("temperature", "hot"), ("temperature", 5), ("temperature", 0), ("top_p", 0), ("top_p", 1.5),
         ("top_k", 1.5), ("top_k", -1), ("seed", -1), ("seed", 1.5), ("seed", 2**64), ("seed", True),
         ("max_new_tokens", 1), ("max_new_tokens", -3), ("chunk_length", 0), ("temperature", 1e400),
+        ("top_k", 1e30), ("top_k", 10**30), ("temperature", 10**400), ("seed", 10**400),
         ("speed", 1.5), ("speed", "fast"), ("response_format", "aac"), ("stream_format", "chunks")]],
     ("POST", SPEECH, b"{", 400),
     ("POST", SPEECH, b"[1, 2]", 400),
     ("POST", SPEECH, b'{"input": "hi", "temperature": NaN}', 400),
     ("POST", SPEECH, b'{"input": "\xff"}', 400),
+    ("POST", SPEECH, dict(input="a lone surrogate \ud800"), 400),
     ("POST", SPEECH, ("text/plain", b'{"input": "hi"}'), 415),
     ("POST", SPEECH, (None, b'{"input": "hi"}'), 415),
     *[("POST", "/v1/audio/voices", dict(name=name, audio=CLIP_B64, text="x"), 400) for name in VOICE_NAMES],
     ("POST", "/v1/audio/voices", dict(name="new", audio=CLIP_B64), 400),
     ("POST", "/v1/audio/voices", dict(name="new", audio=CLIP_B64, text=" "), 400),
+    ("POST", "/v1/audio/voices", dict(name="new", audio=CLIP_B64, text="\udfff"), 400),
     ("POST", "/v1/audio/voices", dict(name="new", audio=CLIP_B64, text="x" * 2001), 400),
     ("POST", "/v1/audio/voices", dict(name="new", audio=b64(b"RIFF nonsense"), text="x"), 400),
     ("POST", "/v1/audio/voices", dict(name="new", audio="", text="x"), 400),
@@ -371,15 +374,34 @@ def test_bad_input_gets_its_4xx_and_json_error_and_changes_no_file(server, root,
         assert headers["Allow"]
 
 
-def test_too_large_body_is_refused_unread(server):
+def raw_request(server, path: str, headers: dict, body: bytes):
+    """POST with exactly these headers (http.client skips a '100 Continue' before the answer)."""
     conn = http.client.HTTPConnection(*server.server_address[:2], timeout=30)
-    conn.putrequest("POST", SPEECH)
-    conn.putheader("Content-Type", "application/json")
-    conn.putheader("Content-Length", str(app.MAX_BODY + 1))
-    conn.endheaders(b"{}")
+    conn.putrequest("POST", path)
+    for key, value in {"Content-Type": "application/json", **headers}.items():
+        conn.putheader(key, value)
+    conn.endheaders(body)
     response = conn.getresponse()
-    assert response.status == 413 and "error" in json.loads(response.read())
+    result = response.status, json.loads(response.read())
     conn.close()
+    return result
+
+
+def test_too_large_or_negative_body_length_is_refused_unread(server):
+    status, body = raw_request(server, SPEECH, {"Content-Length": str(app.MAX_BODY + 1)}, b"{}")
+    assert status == 413 and "error" in body
+    status, body = raw_request(server, SPEECH, {"Content-Length": "-5"}, b"{}")
+    assert status == 400 and "Content-Length" in body["error"]["message"]
+
+
+def test_an_upload_that_expects_100_continue_still_gets_its_error(server, root):
+    """curl sends 'Expect: 100-continue' with large uploads: the interim 100 is not the answer."""
+    before = tree(root.parent)
+    data = json.dumps(dict(name="../evil", audio=CLIP_B64, text="x")).encode()
+    headers = {"Expect": "100-continue", "Content-Length": str(len(data))}
+    status, body = raw_request(server, "/v1/audio/voices", headers, data)
+    assert status == 400 and "voice name" in body["error"]["message"]
+    assert tree(root.parent) == before
 
 
 # ----------------------------------------------------------------------------- serving
@@ -440,6 +462,11 @@ def test_a_failed_frame_step_is_a_500_and_the_server_keeps_serving(tmp_path):
     try:
         status, _, body = call(server, "POST", "/v1/tts", dict(text=TEXT, max_new_tokens=8))
         assert status == 500 and json.loads(body)["error"]["type"] == "server_error"  # not a hang
+        conn, response = open_stream(server, dict(input=TEXT, stream_format="sse", max_new_tokens=8))
+        events = list(sse_events(response))  # the 200 went out first: the failure is the last event
+        conn.close()
+        assert events[-1]["type"] == "error" and events[-1]["error"]["type"] == "server_error"
+        assert "simulated failure" in events[-1]["error"]["message"]
         engine.decode = working
         assert call(server, "GET", "/health")[0] == 200
         assert call(server, "POST", "/v1/tts", dict(text=TEXT, max_new_tokens=8))[0] == 200

@@ -99,6 +99,9 @@ class CausalConvT(nn.Module):
 
     def __init__(self, cin, cout, kernel, stride, wn=True):
         super().__init__()
+        if kernel not in (stride, 2 * stride):  # forward adds the overlap of one block only
+            raise ValueError(f"codec config: an upsampling kernel of {kernel} for stride {stride} is not"
+                             " supported (kernel = stride or 2 * stride)")
         conv = nn.ConvTranspose1d(cin, cout, kernel, stride=stride)
         self.conv = weight_norm(conv) if wn else conv
         self.stride, self.overlap = stride, kernel // stride - 1
@@ -681,7 +684,10 @@ def reset_peak_memory(device):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     elif Path("/proc/self/clear_refs").exists():  # Linux: the peak RSS (VmHWM) restarts from the current RSS
-        Path("/proc/self/clear_refs").write_text("5")
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:  # some containers forbid it: the peak is then the process's so far
+            pass
 
 
 def peak_memory(device):

@@ -1184,11 +1184,13 @@ def frame_bytes(model: DualAR) -> int:
         + (n - 1) * size(model.fast_output)
 
 
-def random_model(name: str, device, dtype) -> DualAR:
-    """A named config with torch.rand weights (randn differs between CPUs), and the demo tokenizer."""
-    tokenizer = demo_tokenizer(CONFIG["codebook_size"])
+def random_model(config, device, dtype) -> DualAR:
+    """A config (or a BENCH_CONFIGS name) with torch.rand weights (randn differs between CPUs), and the
+    demo tokenizer."""
+    cfg = BENCH_CONFIGS[config] if isinstance(config, str) else config
+    tokenizer = demo_tokenizer(cfg["codebook_size"])
     with torch.device("meta"):
-        model = DualAR(dict(BENCH_CONFIGS[name], **special_ids(tokenizer)))
+        model = DualAR(dict(cfg, **special_ids(tokenizer)))
     torch.manual_seed(0)
     state = {k: ((torch.rand(v.shape, device=device) - 0.5) * 0.1).to(dtype)
              for k, v in model.state_dict().items()}

@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from safetensors import SafetensorError
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
@@ -348,16 +349,6 @@ def without_transcript(items: dict, strict: bool) -> dict:
     return {stem: item for stem, item in items.items() if item["text"] is not None}
 
 
-def read_text(path: Path) -> str:
-    try:
-        text = path.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"cannot read transcript {path}: {e}") from None
-    if not text:
-        raise UserError(f"transcript {path} is empty: write what the audio says, or remove the pair")
-    return text
-
-
 def audio_seconds(path: Path) -> float:
     try:
         info = sf.info(str(path))
@@ -374,10 +365,7 @@ def up_to_date(item: dict) -> bool:
 
 
 def pick_device(name):
-    try:
-        return codec.pick_device(name)
-    except ValueError as e:
-        raise UserError(str(e)) from None
+    return dualAR.user_input(codec.pick_device, name)
 
 
 def prepare(args):
@@ -390,7 +378,7 @@ def prepare(args):
     n_found = len(items)
     items = without_transcript(items, args.strict)
     for item in items.values():  # check everything before writing anything
-        read_text(item["text"])
+        dualAR.read_transcript(item["text"])
         item["seconds"] = audio_seconds(item["audio"])
         if not os.access(item["audio"].parent, os.W_OK):
             raise UserError(f"cannot write codes next to {item['audio']}: the folder is not writable")
@@ -398,10 +386,8 @@ def prepare(args):
     start = time.perf_counter()
     if todo:
         device = pick_device(args.device)
-        try:
-            dac = codec.load(args.checkpoint, device, codec.pick_dtype(None, device))
-        except (ValueError, OSError) as e:
-            raise UserError(str(e)) from None
+        # fp32 on every device, as dualAR encodes references: a clip gets the same codes everywhere
+        dac = dualAR.user_input(codec.load, args.checkpoint, device, torch.float32)
         for item in tqdm(todo, desc="encode", unit="file"):
             try:
                 codes = codec.encode(dac, codec.load_audio(item["audio"]).to(device))[0]
@@ -432,7 +418,7 @@ def load_samples(data_dir: Path, model: dualAR.DualAR, strict=False, max_length=
             codes = codec.read_codes(item["codes"], rows=cfg["num_codebooks"], vocab=cfg["codebook_size"])
         except (ValueError, OSError) as e:
             raise UserError(str(e)) from None
-        name, text = str(stem.relative_to(data_dir)), read_text(item["text"])
+        name, text = str(stem.relative_to(data_dir)), dualAR.read_transcript(item["text"])
         if max_length and sample_tokens(model, text, codes)[0].size(1) > max_length:
             too_long.append(name)
             continue
@@ -485,6 +471,9 @@ def usual_permissions(path: Path):
     path.chmod(0o666 & ~umask)
 
 
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)  # a full disk: torch.save and safetensors' own
+
+
 def write_atomic(path: Path, write):
     """Write through a temp file in the same folder: a crash never leaves a half-written file."""
     tmp = path.with_name(f".{path.name}.part")
@@ -492,8 +481,8 @@ def write_atomic(path: Path, write):
         write(tmp)
         usual_permissions(tmp)
         os.replace(tmp, path)
-    except OSError as e:
-        raise UserError(f"cannot write {path}: {e.strerror or e}") from None
+    except WRITE_ERRORS as e:
+        raise UserError(f"cannot write {path}: {getattr(e, 'strerror', None) or e}") from None
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -511,6 +500,8 @@ def save_state(out: Path, model, optimizer, step: int):
     rng = dict(torch=torch.get_rng_state())
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
+    if torch.backends.mps.is_available():
+        rng["mps"] = torch.mps.get_rng_state()
     state = dict(step=step, lora=lora_state_dict(model), optimizer=optimizer.state_dict(), rng=rng)
     write_atomic(out / STATE_FILE, lambda tmp: torch.save(state, tmp))
     save_lora(out / LORA_FILE, model)
@@ -521,14 +512,19 @@ def load_state(out: Path, model, optimizer) -> int:
         state = torch.load(out / STATE_FILE, map_location="cpu", weights_only=True)
     except Exception as e:
         raise UserError(f"cannot read {out / STATE_FILE}: {str(e).strip().splitlines()[0]}") from None
-    with torch.no_grad():
-        for name, m in lora_modules(model).items():
-            m.lora_A.copy_(state["lora"][f"model.{name}.lora_A"])
-            m.lora_B.copy_(state["lora"][f"model.{name}.lora_B"])
-    optimizer.load_state_dict(state["optimizer"])
+    try:
+        with torch.no_grad():
+            for name, m in lora_modules(model).items():
+                m.lora_A.copy_(state["lora"][f"model.{name}.lora_A"])
+                m.lora_B.copy_(state["lora"][f"model.{name}.lora_B"])
+        optimizer.load_state_dict(state["optimizer"])
+    except (KeyError, RuntimeError, ValueError) as e:
+        raise UserError(f"{out / STATE_FILE} does not fit this run's LoRA: {e}") from None
     torch.set_rng_state(state["rng"]["torch"])
     if "cuda" in state["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+    if "mps" in state["rng"] and torch.backends.mps.is_available():
+        torch.mps.set_rng_state(state["rng"]["mps"])
     return state["step"]
 
 
@@ -545,9 +541,12 @@ def check_out(args) -> dict:
         if not (out / RUN_FILE).is_file() or not (out / STATE_FILE).is_file():
             raise UserError(f"--resume: {out} holds no run with a checkpoint ({RUN_FILE} + {STATE_FILE})")
         try:
-            return json.loads((out / RUN_FILE).read_text())
+            run = json.loads((out / RUN_FILE).read_text())
         except ValueError as e:
             raise UserError(f"cannot read {out / RUN_FILE}: {e}") from None
+        if not isinstance(run, dict) or not {*RUN_SETTINGS, "samples"} <= run.keys():
+            raise UserError(f"{out / RUN_FILE} is not the settings of a train_lora.py run")
+        return run
     if existing:
         what = "another run" if (out / RUN_FILE).exists() else "other files"
         raise UserError(f"--out {out} already holds {what}: pass --resume to continue it, or another --out")
@@ -747,8 +746,8 @@ def merge(args):
         tmp.mkdir()
         export(model, base, tmp, args.format)
         os.replace(tmp, out)
-    except OSError as e:
-        raise UserError(f"cannot write {out}: {e.strerror or e}") from None
+    except WRITE_ERRORS as e:
+        raise UserError(f"cannot write {out}: {getattr(e, 'strerror', None) or e}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     size = sum(f.stat().st_size for f in out.iterdir()) / 2**30
@@ -756,26 +755,6 @@ def merge(args):
 
 
 # ----------------------------------------------------------------------------- benchmark
-def random_model(cfg: dict, device, dtype) -> dualAR.DualAR:
-    """A DualAR of these dimensions with torch.rand weights, built without an fp32 copy on the way."""
-    tokenizer = dualAR.demo_tokenizer(cfg["codebook_size"])
-    with torch.device("meta"):
-        model = dualAR.DualAR(dict(cfg, **dualAR.special_ids(tokenizer)))
-    torch.manual_seed(0)
-    model.load_state_dict({k: (torch.rand(v.shape, dtype=dtype, device=device) - 0.5) * 0.1
-                           for k, v in model.state_dict().items()}, assign=True)
-    model.make_rope()  # the RoPE buffers were built on the meta device too
-    model.tokenizer = tokenizer
-    return model
-
-
-def peak_memory(device) -> str:
-    if device.type == "cuda":
-        return f"peak {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB allocated"
-    import resource
-    return f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB (process so far)"
-
-
 def bench(args):
     """Training steps/s and peak memory at the real S2-Pro size (or --config) with random weights."""
     device = pick_device(args.device)
@@ -783,7 +762,7 @@ def bench(args):
     cfg = dict(dualAR.read_config(Path(args.config)) if args.config else dualAR.CONFIG)
     if args.n_layer:
         cfg["n_layer"] = args.n_layer
-    model = random_model(cfg, device, dtype)
+    model = dualAR.random_model(cfg, device, dtype)
     params = add_lora(model, RANK, ALPHA, DROPOUT)
     optimizer = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
     model.train()
@@ -801,7 +780,7 @@ def bench(args):
     for checkpointing in (True, False):
         if device.type == "cuda":
             torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats(device)
+        codec.reset_peak_memory(device)
         try:
             for i in range(args.steps + 1):  # the first step warms up
                 if i == 1:
@@ -814,10 +793,11 @@ def bench(args):
                 optimizer.zero_grad(set_to_none=True)
             dualAR.synchronize(device)
             rate = args.steps / (time.perf_counter() - start)
-            figures = f"{rate:.3f} steps/s, {rate * inputs[:, 0].numel():.0f} tokens/s, {peak_memory(device)}"
+            tokens = rate * inputs[:, 0].numel()
+            figures = f"{rate:.3f} steps/s, {tokens:.0f} tokens/s, {codec.peak_memory(device)}"
         except torch.OutOfMemoryError:
             optimizer.zero_grad(set_to_none=True)
-            figures = f"out of memory ({peak_memory(device)})"
+            figures = f"out of memory ({codec.peak_memory(device)})"
         print(f"gradient checkpointing {'on ' if checkpointing else 'off'}: {figures}")
 
 

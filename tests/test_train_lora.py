@@ -359,6 +359,21 @@ def run_folder(tmp_path, content):
     return data
 
 
+def foreign_run(tmp_path):
+    data = run_folder(tmp_path, "run.json")
+    (tmp_path / "out/state.pt").write_bytes(b"")
+    return train_args(tmp_path, data, None, "--resume")
+
+
+def edited_run(tmp_path):
+    """A real run whose run.json was edited afterwards: its checkpoint no longer fits."""
+    data = write_codes_data(tmp_path / "data")
+    train_lora.main(train_args(tmp_path, data, None, "--max-steps", "1", "--val-every", "1"))
+    run = json.loads((tmp_path / "out/run.json").read_text())
+    (tmp_path / "out/run.json").write_text(json.dumps(dict(run, rank=4)))
+    return train_args(tmp_path, data, None, "--resume", "--max-steps", "2")
+
+
 def merge_args(t, lora=GOLDEN / "lora_weights.safetensors", out=None):
     return ["merge", "--checkpoint", str(CKPT), "--lora", str(lora), "--out", str(out or t / "merged")]
 
@@ -397,6 +412,8 @@ BAD = {  # name: (setup(tmp_path) -> argv, words the error must contain)
                                        "holds other files"),
     "train: --resume without a run": (lambda t: train_args(t, write_codes_data(t / "data"), None, "--resume"),
                                       "holds no run"),
+    "train: --resume a folder that is not our run": (foreign_run, "is not the settings of a train_lora"),
+    "train: --resume a run whose settings were edited": (edited_run, "state.pt does not fit this run's LoRA"),
     "merge: LoRA names the base lacks": (lambda t: merge_args(t, renamed_lora(t, "layers.1.", "layers.7.")),
                                          "LoRA for 'layers.7.attention."),
     "merge: LoRA shapes do not fit": (lambda t: merge_args(t, reshaped_lora(t)),

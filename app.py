@@ -356,6 +356,8 @@ class App:
 
     def whole_wave(self, request) -> torch.Tensor:
         codes = request.codes()
+        if request.cancelled:  # the client hung up: nobody to decode for
+            raise ConnectionError("the client hung up")
         return codec.decode(self.dac, codes.to(self.device))[0] if codes.size(1) else torch.zeros(0)
 
 

@@ -529,6 +529,7 @@ class Handler(BaseHTTPRequestHandler):
         """Submit the job, then send its audio: whole, as raw chunked bytes, or as server-sent events."""
         if not self.app.alive:
             raise HTTPError(503, "the engine stopped (see the server's log): restart the server")
+        self.app.engine.check_room()  # before the clips are encoded for nothing
         references = self.app.references(job)
         request = self.app.engine.submit(dict(text=job["text"], references=references,
                                               max_context=self.app.max_context, **job["sampling"]))

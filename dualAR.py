@@ -862,16 +862,23 @@ class Engine:
             for gone in [r for r in self.waiting if r.cancelled]:  # hung up while waiting: no room taken
                 self.waiting.remove(gone)
                 gone.finish()
-            if len(self.waiting) >= self.max_queue:
-                raise QueueFull(f"{len(self.waiting)} requests are waiting already: try again later")
+            self.check_room()
             self.waiting.append(request)
         self.wake.set()
         return request
 
+    def queued(self) -> int:
+        """Requests waiting for a slot (not those cancelled meanwhile)."""
+        return sum(not r.cancelled for r in list(self.waiting))
+
+    def check_room(self):
+        """QueueFull if a new request could not wait for a slot now (a server asks before costly work)."""
+        if self.queued() >= self.max_queue:
+            raise QueueFull(f"{self.max_queue} requests are waiting already: try again later")
+
     def stats(self) -> dict:
         busy = sum(r is not None for r in self.rows)
-        queued = sum(not r.cancelled for r in list(self.waiting))
-        return dict(slots=self.slots, busy=busy, free=self.slots - busy, queued=queued)
+        return dict(slots=self.slots, busy=busy, free=self.slots - busy, queued=self.queued())
 
     def prefill(self, row: int, request: Request):
         """Prompt of the request's current text batch into `row`, and its first frame (no repetition window,

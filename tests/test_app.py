@@ -443,6 +443,8 @@ def test_full_queue_gives_503_with_retry_after_and_hangups_free_everything(locke
     status, headers, data = call(locked, "POST", SPEECH, body, headers=key)
     assert status == 503 and int(headers["Retry-After"]) > 0
     assert json.loads(data)["error"]["type"] == "server_busy"
+    with_clip = dict(body, references=[dict(audio=b64(silence_wav(31)), text="x")])  # too long: a 400...
+    assert call(locked, "POST", SPEECH, with_clip, headers=key)[0] == 503  # ...were it encoded before
     second[0].close()
     first[0].close()
     wait_for(lambda: health(locked)["busy"] + health(locked)["queued"] == 0, 10,

@@ -17,12 +17,12 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
+from safetensors import SafetensorError
 import soundfile as sf
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-from safetensors import SafetensorError
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
@@ -389,11 +389,8 @@ def prepare(args):
         # fp32 on every device, as dualAR encodes references: a clip gets the same codes everywhere
         dac = dualAR.user_input(codec.load, args.checkpoint, device, torch.float32)
         for item in tqdm(todo, desc="encode", unit="file"):
-            try:
-                codes = codec.encode(dac, codec.load_audio(item["audio"]).to(device))[0]
-                codec.save_codes(item["audio"].with_suffix(".npy"), codes)
-            except (ValueError, OSError) as e:
-                raise UserError(str(e)) from None
+            codes = codec.encode(dac, dualAR.user_input(codec.load_audio, item["audio"]))[0]
+            dualAR.user_input(codec.save_codes, item["audio"].with_suffix(".npy"), codes)
     wall = time.perf_counter() - start
     hours = sum(item["seconds"] for item in items.values()) / 3600
     print(f"prepared {len(items)} of {n_found} audio files ({hours:.3f} h): {len(todo)} encoded in"
@@ -414,10 +411,7 @@ def load_samples(data_dir: Path, model: dualAR.DualAR, strict=False, max_length=
                         f" run `python train_lora.py prepare {data_dir}` first")
     samples, too_long = [], []
     for stem, item in items.items():
-        try:
-            codes = codec.read_codes(item["codes"], rows=cfg["num_codebooks"], vocab=cfg["codebook_size"])
-        except (ValueError, OSError) as e:
-            raise UserError(str(e)) from None
+        codes = dualAR.reference_codes("codes", item["codes"], cfg, dac=None)
         name, text = str(stem.relative_to(data_dir)), dualAR.read_transcript(item["text"])
         if max_length and sample_tokens(model, text, codes)[0].size(1) > max_length:
             too_long.append(name)

@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 import traceback
+import weakref
 from pathlib import Path
 
 import soundfile as sf
@@ -68,6 +69,10 @@ class UserError(ValueError):
 
 class QueueFull(RuntimeError):
     """Every slot is busy and the waiting queue is full."""
+
+
+class EngineClosed(RuntimeError):
+    """The engine was closed: a server error (the server is shutting down), not bad input."""
 
 
 def unreadable(path, error: Exception) -> UserError:
@@ -182,10 +187,10 @@ class Attention(nn.Module):
             keys, values = cache.k_cache[:B, :, : pos + 1], cache.v_cache[:B, :, : pos + 1]
             y = F.scaled_dot_product_attention(q, keys, values, enable_gqa=gqa)
         else:
-            rows = torch.arange(B, device=x.device)
+            rows = torch.arange(B, device=x.device)  # the first B rows of the cache (see batch_bucket)
             cache.k_cache[rows, :, pos] = k[:, :, 0]
             cache.v_cache[rows, :, pos] = v[:, :, 0]
-            y = decode_attention(q, cache.k_cache, cache.v_cache, pos, self.flex)
+            y = decode_attention(q, cache.k_cache[:B], cache.v_cache[:B], pos, self.flex)
         return self.wo(y.transpose(1, 2).reshape(B, S, -1))
 
 
@@ -231,16 +236,18 @@ class Block(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-def resized(cache, batch: int, seq_len: int, n_heads: int, head_dim: int, like: Tensor) -> KVCache:
-    """`cache` if it already has this shape, dtype and device, else a new one holding its contents."""
-    same = cache is not None and cache.k_cache.shape[0] == batch and cache.k_cache.size(1) == n_heads \
-        and cache.k_cache.dtype == like.dtype and cache.k_cache.device == like.device
-    if same and cache.k_cache.size(2) == seq_len:
+def grown(cache, batch: int, seq_len: int, n_heads: int, head_dim: int, like: Tensor) -> KVCache:
+    """`cache` if it holds `batch` rows of `seq_len` positions in like's dtype and device, else a bigger one
+    that keeps its contents. Caches never shrink: a compiled step guards on the cache tensors themselves,
+    so every new cache costs a compile (and on CUDA new graphs)."""
+    if cache is None or (cache.k_cache.dtype, cache.k_cache.device) != (like.dtype, like.device):
+        return KVCache(batch, seq_len, n_heads, head_dim, like.dtype, like.device)
+    rows, length = cache.k_cache.size(0), cache.k_cache.size(2)
+    if batch <= rows and seq_len <= length:
         return cache
-    new = KVCache(batch, seq_len, n_heads, head_dim, like.dtype, like.device)
-    if same and cache.k_cache.size(2) < seq_len:
-        new.k_cache[:, :, : cache.k_cache.size(2)] = cache.k_cache
-        new.v_cache[:, :, : cache.v_cache.size(2)] = cache.v_cache
+    new = KVCache(max(batch, rows), max(seq_len, length), n_heads, head_dim, like.dtype, like.device)
+    new.k_cache[:rows, :, :length] = cache.k_cache
+    new.v_cache[:rows, :, :length] = cache.v_cache
     return new
 
 
@@ -269,6 +276,8 @@ class DualAR(nn.Module):
         self.fast_output = nn.Linear(cfg["fast_dim"], cfg["codebook_size"], bias=False)
         if "semantic_begin_id" in cfg:
             self.head_window = sampling_window(cfg)
+        self.compiled_step = None  # the frame step as one graph, set by `compile_model`
+        self.engine = None  # a weak reference to the Engine that owns the KV caches
         self.make_rope()
 
     def make_rope(self):
@@ -280,20 +289,26 @@ class DualAR(nn.Module):
                                                      cfg["rope_base"]).to(device), persistent=False)
 
     def setup_caches(self, batch: int, seq_len: int):
-        """Static KV caches: `batch` rows of `seq_len` slow positions. Caches of that shape stay as they are
-        (a compiled step keeps its graph). Slow caches that grow keep their contents."""
+        """Static KV caches of at least `batch` rows and `seq_len` slow positions (rounded up to whole
+        flex-attention blocks). Caches only grow, keeping their contents (see `grown`)."""
         cfg, weight = self.config, self.embeddings.weight
+        seq_len = -(-seq_len // FLEX_BLOCK) * FLEX_BLOCK  # the block mask covers whole blocks
         for layer in self.layers:
-            layer.attention.kv_cache = resized(layer.attention.kv_cache, batch, seq_len, cfg["n_local_heads"],
-                                               cfg["head_dim"], weight)
+            layer.attention.kv_cache = grown(layer.attention.kv_cache, batch, seq_len, cfg["n_local_heads"],
+                                             cfg["head_dim"], weight)
         for layer in self.fast_layers:  # scratch: rewritten from position 0 every frame
-            layer.attention.kv_cache = resized(layer.attention.kv_cache, batch, cfg["num_codebooks"],
-                                               cfg["fast_n_local_heads"], cfg["fast_head_dim"], weight)
+            layer.attention.kv_cache = grown(layer.attention.kv_cache, batch, cfg["num_codebooks"],
+                                             cfg["fast_n_local_heads"], cfg["fast_head_dim"], weight)
 
     @property
     def cache_len(self) -> int:
         cache = self.layers[0].attention.kv_cache
         return 0 if cache is None else cache.k_cache.size(2)
+
+    @property
+    def cache_rows(self) -> int:
+        cache = self.layers[0].attention.kv_cache
+        return 0 if cache is None else cache.k_cache.size(0)
 
     def embed(self, tokens: Tensor) -> Tensor:
         """tokens (B, 1 + num_codebooks, S): row 0 token ids, rows 1.. codes at semantic positions."""
@@ -436,9 +451,11 @@ def special_ids(tokenizer) -> dict:
     return dict(semantic_begin_id=begin, semantic_end_id=end, im_end_id=vocab["<|im_end|>"])
 
 
-def load(checkpoint, device="cpu", dtype=torch.float32, quant=None, compile=False) -> DualAR:
+def load(checkpoint, device="cpu", dtype=torch.float32, quant=None, compile=False,
+         compile_cache=None) -> DualAR:
     """Load config.json, tokenizer.json and the weights of an S2-Pro checkpoint directory.
-    quant: one of QUANT_SCHEMES (torchao), compile: the frame step as one compiled graph."""
+    quant: one of QUANT_SCHEMES (torchao), compile: the frame step as one compiled graph, compile_cache:
+    the folder where compiled kernels are kept for the next process (default `default_compile_cache()`)."""
     device = torch.device(device)
     check_quant(quant, device, dtype)
     from tokenizers import Tokenizer
@@ -459,36 +476,43 @@ def load(checkpoint, device="cpu", dtype=torch.float32, quant=None, compile=Fals
     load_weights(model, ckpt, device, dtype)
     model.make_rope()
     model.tokenizer = tokenizer
-    return prepare(model.requires_grad_(False).eval(), quant, compile)
+    return prepare(model.requires_grad_(False).eval(), quant, compile, compile_cache)
 
 
-def prepare(model: DualAR, quant=None, compile=False) -> DualAR:
+def prepare(model: DualAR, quant=None, compile=False, compile_cache=None) -> DualAR:
     """Quantize and/or compile a loaded model."""
     if quant and quant != "none":
         quantize(model, quant)
     if compile:
-        compile_model(model)
+        compile_model(model, compile_cache)
     return model
 
 
 # ----------------------------------------------------------------------------- quantization, compilation
 QUANT_SCHEMES = ("none", "int8wo", "int4wo", "fp8", "nvfp4")
-CUDA_CAPABILITY = {"fp8": (8, 9), "nvfp4": (10, 0)}  # fp8 dynamic per-row and nvfp4 tensor-core kernels
+# int4 tile-packed (tinygemm) needs Ampere, fp8 dynamic per-row and nvfp4 their tensor-core kernels
+CUDA_CAPABILITY = {"int4wo": (8, 0), "fp8": (8, 9), "nvfp4": (10, 0)}
 
 
 def check_quant(scheme, device: torch.device, dtype):
+    """What each scheme needs, said before any weight is read."""
     if scheme is None or scheme == "none":
         return
     if scheme not in QUANT_SCHEMES:
         raise UserError(f"quantization {scheme!r} is not one of {', '.join(QUANT_SCHEMES)}")
+    try:
+        import torchao.quantization  # noqa: F401
+    except Exception as e:  # missing, or built for another torch
+        raise UserError(f"--quant {scheme} needs torchao, which does not import here: {type(e).__name__}:"
+                        f" {str(e).splitlines()[0] if str(e) else ''} (pip install torchao==0.18.0)") from None
     cuda = device.type == "cuda"
-    if scheme == "int4wo" and not (cuda and dtype == torch.bfloat16):
-        raise UserError("--quant int4wo needs CUDA and bf16 (torchao's tinygemm int4 kernel): use int8wo")
     need = CUDA_CAPABILITY.get(scheme)
     if need and not (cuda and torch.cuda.get_device_capability(device) >= need):
         have = f"compute capability {torch.cuda.get_device_capability(device)}" if cuda else device.type
         raise UserError(f"--quant {scheme} needs an NVIDIA GPU of compute capability >= {need[0]}.{need[1]}"
                         f" (this device: {have})")
+    if scheme in ("int4wo", "fp8", "nvfp4") and dtype != torch.bfloat16:
+        raise UserError(f"--quant {scheme} needs bf16 weights (torchao's kernels): add --dtype bf16")
 
 
 def quant_config(scheme: str):
@@ -512,27 +536,33 @@ def quantize(model: DualAR, scheme: str):
     model.quant = scheme
 
 
-def compile_model(model: DualAR):
-    """The frame step as one graph (flex-decoding inside), on CUDA replayed as a CUDA graph. On CPU,
-    inductor's freezing prepacks the weights: they are constants of this model's graph."""
+def default_compile_cache() -> Path:
+    """Where compiled kernels are kept between processes unless told: $XDG_CACHE_HOME/fishfast/compile."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fishfast" / "compile"
+
+
+RECOMPILE_GUARD = 64  # graphs of decode_step per process (dynamo's default, 8, is hit by a few cache sizes)
+
+
+def compile_model(model: DualAR, cache=None, backend="inductor"):
+    """The frame step as one graph per (rows, cache) shape (see `batch_bucket`, `cache_bucket`), with
+    flex-decoding inside; on CUDA replayed as CUDA graphs. Inductor keeps what it compiles in `cache`
+    (or $TORCHINDUCTOR_CACHE_DIR, or `default_compile_cache()`): the next process with the same shapes
+    loads it instead of compiling again. backend="aot_eager": the same graph capture, no codegen (smoke runs)."""
+    if cache is not None or "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache or default_compile_cache()).expanduser())
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_GUARD)
     for layer in model.layers:
         layer.attention.flex = True
-    # the head's rows as a tensor of their own: inductor's CPU GEMM template reads a frozen slice of the
-    # embedding table from the table's first row (measured: wrong logits), a contiguous copy it reads right
+    # the head's rows as a tensor of their own (a slice of the embedding table is a view into it)
     weight = (model.embeddings if model.config["tie_word_embeddings"] else model.output).weight
     model.register_buffer("head_rows", weight[slice(*model.head_window)].clone(), persistent=False)
     step = functools.partial(decode_step, model)
-    if model.embeddings.weight.device.type == "cuda":
-        model.compiled_step = torch.compile(step, fullgraph=True, dynamic=False, mode="reduce-overhead")
-        return
-    # frozen weights, and inductor's own C++ GEMMs picked by max-autotune: measured on 2 cores at s2-mid
-    # dims, 9.6 frames/s at batch 1 and 25.5 at batch 4, against eager's 3.9 and 7.0 (README, Speed).
-    # The global flag: the options={"freezing": True} of torch.compile leaves the weights unfrozen
-    torch._inductor.config.freezing = True
-    torch._inductor.config.max_autotune_report_choices_stats = False  # quiet, it is not our output
-    torch._inductor.config.autotune_num_choices_displayed = 0
-    model.compiled_step = torch.compile(step, fullgraph=True, dynamic=False,
-                                        mode="max-autotune-no-cudagraphs")
+    cuda = model.embeddings.weight.device.type == "cuda"
+    # CPU: plain inductor. Frozen weights (freezing + max-autotune) were no faster at the sizes we measured
+    # and cannot be cached (mkldnn weights do not pickle): README, Speed
+    mode = "reduce-overhead" if cuda and backend == "inductor" else None
+    model.compiled_step = torch.compile(step, fullgraph=True, dynamic=False, backend=backend, mode=mode)
 
 
 # ----------------------------------------------------------------------------- prompt
@@ -829,9 +859,12 @@ class Engine:
     """`slots` rows of KV cache and one (compiled) frame step for all of them. Requests are admitted into
     free rows between two frames, prefilled alone, then join the batched step. They leave when they end.
     Each row samples with its own parameters and random stream, so its codes do not depend on the others.
+    A frame runs only the first `batch_bucket` rows that hold every busy row; a free row stays at
+    position 0 (its attention reads one cache block).
 
     Synchronous use: `add` requests, call `step()` until `busy` is false (what `generate_many` does).
     Threaded use: `start()`, then `submit()` from any thread and iterate the returned request, then `close()`.
+    One engine owns a model's KV caches at a time: another one is refused while this one is live.
     """
 
     def __init__(self, model: DualAR, slots: int = 1, context: int = None, max_queue: int = 64,
@@ -841,27 +874,56 @@ class Engine:
         # frames made on the device before the host reads them: on CUDA the GPU then never waits for Python
         self.sync_every = sync_every or (4 if device.type == "cuda" else 1)
         self.fixed_context = context
-        model.setup_caches(slots, context or cache_bucket(1, cfg))
         self.rows, self.waiting = [None] * slots, collections.deque()
-        self.frames = torch.zeros(slots, 1 + cfg["num_codebooks"], dtype=torch.long, device=device)
-        self.pos = torch.zeros(slots, dtype=torch.long, device=device)
-        self.window = torch.zeros(slots, RAS_WINDOW, dtype=torch.long, device=device)
-        self.params = sampling_params(model, [(0.7, 0.7, 30)] * slots)
-        self.made = torch.zeros(self.sync_every, *self.frames.shape, dtype=torch.long, device=device)
-        self.uniform = torch.empty(slots, 2 * cfg["vocab_size"] + (cfg["num_codebooks"] - 1)
-                                   * cfg["codebook_size"], device=device)
-        self.decode = getattr(model, "compiled_step", None) or functools.partial(decode_step, model)
-        self.lock, self.wake, self.thread = threading.Lock(), threading.Event(), None
+        self.thread, self.closed = None, False
+        self.lock, self.wake = threading.Lock(), threading.Event()
+        self.claim()
+        # inference tensors, as the caches: made outside inference mode, the compiled step would see
+        # tensors of another kind (another dispatch key) and compile again
+        with torch.inference_mode():
+            self.frames = torch.zeros(slots, 1 + cfg["num_codebooks"], dtype=torch.long, device=device)
+            self.pos = torch.zeros(slots, dtype=torch.long, device=device)
+            self.live = torch.zeros(slots, dtype=torch.long, device=device)  # 1: the row holds a request
+            self.window = torch.zeros(slots, RAS_WINDOW, dtype=torch.long, device=device)
+            self.params = sampling_params(model, [(0.7, 0.7, 30)] * slots)
+            self.made = torch.zeros(self.sync_every, *self.frames.shape, dtype=torch.long, device=device)
+            self.uniform = torch.empty(slots, 2 * cfg["vocab_size"] + (cfg["num_codebooks"] - 1)
+                                       * cfg["codebook_size"], device=device)
+        self.decode = model.compiled_step or functools.partial(decode_step, model)
 
     @property
     def busy(self) -> bool:
         return any(self.rows) or bool(self.waiting)
 
+    @property
+    def live_engine(self) -> bool:
+        """Holding requests or serving from its thread: its rows' KV cache must stay as it is."""
+        return self.busy or (self.thread is not None and not self.closed)
+
+    @property
+    def owner(self):
+        """The engine that has the model's KV caches, if it still exists."""
+        return self.model.engine and self.model.engine()
+
+    @torch.inference_mode()
+    def claim(self):
+        """Take the model's KV caches (sized for this engine's rows), unless another live engine has them."""
+        owner = self.owner
+        if owner is not None and owner is not self and owner.live_engine:
+            raise RuntimeError("this model's KV caches belong to another live Engine: close it (or let it"
+                               " finish) first, or submit to it")
+        self.model.engine = weakref.ref(self)
+        self.model.setup_caches(self.slots, self.fixed_context or cache_bucket(1, self.model.config))
+
     def add(self, request: Request) -> Request:
+        if self.closed:
+            raise EngineClosed("the engine was closed")
         with self.lock:
             for gone in [r for r in self.waiting if r.cancelled]:  # hung up while waiting: no room taken
                 self.waiting.remove(gone)
                 gone.finish()
+            if not self.busy and self.owner is not self:
+                self.claim()
             self.check_room()
             self.waiting.append(request)
         self.wake.set()
@@ -872,8 +934,10 @@ class Engine:
         return sum(not r.cancelled for r in list(self.waiting))
 
     def check_room(self):
-        """QueueFull if a new request could not wait for a slot now (a server asks before costly work)."""
-        if self.queued() >= self.max_queue:
+        """QueueFull if a new request could neither take a free row nor wait for one (a server asks before
+        costly work). max_queue 0: no waiting room, a free row still takes a request."""
+        free = sum(r is None for r in self.rows)
+        if self.queued() >= self.max_queue + free:
             raise QueueFull(f"{self.max_queue} requests are waiting already: try again later")
 
     def stats(self) -> dict:
@@ -893,7 +957,7 @@ class Engine:
         frame = sample_frame(model, logits, hidden, no_window, params, slow_noise, fast_noise)
         for key in ("temperature", "top_p", "top_k"):
             self.params[key][row] = params[key][0]
-        self.frames[row], self.pos[row] = frame[0], prompt.size(1)
+        self.frames[row], self.pos[row], self.live[row] = frame[0], prompt.size(1), 1
         self.window[row] = 0
         self.rows[row], request.row = request, row
         request.prefill_tokens += prompt.size(1)
@@ -925,9 +989,14 @@ class Engine:
             except Exception as e:
                 self.drop(row, request, e)
 
+    def free(self, row: int):
+        """The row holds no request: back to position 0, where its frames read one cache block."""
+        self.rows[row] = None
+        self.pos[row], self.live[row] = 0, 0
+
     def drop(self, row: int, request: Request, error: Exception):
         """End a request whose prefill failed, on bad input or a bug: the other rows go on."""
-        self.rows[row] = None
+        self.free(row)
         if not isinstance(error, UserError):
             traceback.print_exc()
             error = RuntimeError(f"generation failed: {type(error).__name__}: {error}")
@@ -940,7 +1009,7 @@ class Engine:
         request = self.rows[row]
         if not request.add_frame(frame):
             return False
-        self.rows[row] = None
+        self.free(row)
         if rewind is not None:
             request.generator.set_state(rewind)
         try:
@@ -953,29 +1022,38 @@ class Engine:
         request.finish()
         return True
 
+    @torch.inference_mode()
+    def run_frames(self, n: int, generators: list) -> tuple:
+        """`sync_every` frames for rows 0..n-1 (generators: each row's, None for a free row) -> the frames
+        (sync_every, slots, 1 + num_codebooks) on the host (one sync), and each row's generator state
+        before each frame (a text batch that ends early rewinds to it)."""
+        states = []
+        rows = {k: v if k == "bias" else v[:n] for k, v in self.params.items()}
+        for i in range(self.sync_every):
+            if self.sync_every > 1:
+                states.append([g and g.get_state() for g in generators])
+            slow_noise, fast_noise = draw_noise(self.model, generators, self.uniform[:n])
+            frames = self.decode(self.frames[:n], self.pos[:n], self.window[:n], rows, slow_noise, fast_noise)
+            self.frames[:n] = frames
+            self.made[i, :n] = frames  # a CUDA graph overwrites its output at the next replay
+            self.pos[:n] += self.live[:n]
+            self.pos.clamp_(max=self.model.cache_len - 1)  # a row that ended within these frames runs on
+            self.window[:n] = torch.cat([self.window[:n, 1:], frames[:, :1]], dim=1)
+        return self.made.to("cpu", copy=True), states
+
+    @torch.inference_mode()
     def step(self):
-        """Admit waiting requests, then `sync_every` frames for every row, then read them (one host sync)."""
+        """Admit waiting requests, then `sync_every` frames for every busy row, then hand them out."""
         for row, request in enumerate(self.rows):
             if request is not None and request.cancelled:
-                self.rows[row] = None
+                self.free(row)
                 request.finish()
         self.admit()
         active = [r for r, request in enumerate(self.rows) if request is not None]
         if not active:
             return
-        generators = [request and request.generator for request in self.rows]
-        states = []  # each row's generator state before each frame: a batch that ends early rewinds
-        for i in range(self.sync_every):
-            if self.sync_every > 1:
-                states.append([g and g.get_state() for g in generators])
-            slow_noise, fast_noise = draw_noise(self.model, generators, self.uniform)
-            frames = self.decode(self.frames, self.pos, self.window, self.params, slow_noise, fast_noise)
-            self.frames.copy_(frames)
-            self.made[i].copy_(frames)  # a CUDA graph overwrites its output at the next replay
-            self.pos += 1
-            self.pos.clamp_(max=self.model.cache_len - 1)  # idle rows must stay inside the cache
-            self.window = torch.cat([self.window[:, 1:], frames[:, :1]], dim=1)
-        made = self.made.to("cpu", copy=True)  # the host sync: who has said <|im_end|>
+        n = min(batch_bucket(active[-1] + 1), self.slots)
+        made, states = self.run_frames(n, [request and request.generator for request in self.rows[:n]])
         for row in active:
             for i in range(self.sync_every):
                 rewind = states[i + 1][row] if i + 1 < len(states) else None
@@ -986,16 +1064,31 @@ class Engine:
         while self.busy:
             self.step()
 
+    def warm_up(self, report=None):
+        """Compile (on CUDA also record) the frame step for every row count this engine runs, before the
+        first request pays for it. report(rows, seconds) after each."""
+        with torch.inference_mode():
+            for n in sorted({min(batch_bucket(r), self.slots) for r in range(1, self.slots + 1)}):
+                start = time.perf_counter()
+                self.run_frames(n, [None] * n)  # free rows: position 0, nothing kept
+                if report:
+                    report(n, time.perf_counter() - start)
+
     # threaded use
     def start(self) -> "Engine":
-        self.closed = False
-        self.thread = threading.Thread(target=self.loop, name="fishfast-engine", daemon=True)
-        self.thread.start()
+        if self.closed:
+            raise EngineClosed("the engine was closed")
+        if self.thread is None:
+            self.thread = threading.Thread(target=self.loop, name="fishfast-engine", daemon=True)
+            self.thread.start()
         return self
 
     def submit(self, request: dict) -> Request:
-        """Validate and enqueue a request (generate's keyword arguments) -> the request to iterate."""
-        return self.add(Request(self.model, **request))
+        """Validate and enqueue a request (generate's keyword arguments) -> the request to iterate.
+        The engine's thread starts with the first submit if `start()` was not called."""
+        made = Request(self.model, **request)
+        self.start()
+        return self.add(made)
 
     def loop(self):
         with torch.inference_mode():
@@ -1013,7 +1106,7 @@ class Engine:
     def fail(self, error: Exception):
         for row, request in enumerate(self.rows):
             if request is not None:
-                self.rows[row] = None
+                self.free(row)
                 request.finish(error)
 
     def __enter__(self):
@@ -1025,11 +1118,18 @@ class Engine:
     def close(self):
         self.closed = True
         self.wake.set()
-        if self.thread is not None:
+        if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join()
         for request in [*self.rows, *self.waiting]:
             if request is not None and not request.done:
-                request.finish(UserError("the engine was closed"))
+                request.finish(EngineClosed("the engine was closed"))
+        self.rows, self.waiting = [None] * self.slots, collections.deque()
+
+
+def batch_bucket(rows: int) -> int:
+    """Rows a frame step runs when the busy rows are among the first `rows`: 1, 4, 8, 16, ... (capped
+    at the engine's slots): a partly filled engine runs a smaller graph, and there are few graphs."""
+    return 1 if rows <= 1 else max(4, 1 << (rows - 1).bit_length())
 
 
 def cache_bucket(needed: int, cfg: dict) -> int:
@@ -1045,9 +1145,12 @@ def stream(model: DualAR, text: str, **kwargs):
     made: the first as soon as one frame of speech exists, then every `chunk_frames` frames."""
     engine = Engine(model, slots=1)
     request = engine.add(Request(model, text, **kwargs))
-    while engine.busy:
-        engine.step()
-        yield from request.ready()
+    try:
+        while engine.busy:
+            engine.step()
+            yield from request.ready()
+    finally:  # also when the reader stops early: the model is free for the next engine
+        engine.close()
 
 
 @torch.inference_mode()
@@ -1057,9 +1160,10 @@ def generate_many(model: DualAR, requests: list, slots: int = None, context: int
     shape) instead of one that grows with the longest request."""
     made = [Request(model, **r) for r in requests]  # every request is checked before any work
     engine = Engine(model, slots=slots or len(made), context=context, max_queue=len(made))
-    for request in made:
-        engine.add(request)
-    engine.run()
+    with engine:
+        for request in made:
+            engine.add(request)
+        engine.run()
     return [request.codes() for request in made]
 
 
@@ -1207,39 +1311,28 @@ def random_model(config, device, dtype) -> DualAR:
     return model.requires_grad_(False).eval()
 
 
-def step_inputs(model: DualAR, batch: int, generators: list):
-    """A batch of rows mid-way through a generation, as the engine's step sees them."""
-    cfg, device = model.config, model.embeddings.weight.device
-    frames = torch.zeros(batch, 1 + cfg["num_codebooks"], dtype=torch.long, device=device)
-    frames[:, 0] = cfg["semantic_begin_id"]
-    pos = torch.full((batch,), BENCH_PROMPT, dtype=torch.long, device=device)
-    window = torch.zeros(batch, RAS_WINDOW, dtype=torch.long, device=device)
-    slow, fast = draw_noise(model, generators)
-    return frames, pos, window, sampling_params(model, [(0.7, 0.7, 30)] * batch), slow, fast
-
-
 @torch.inference_mode()
 def time_steps(model: DualAR, batch: int, frames: int) -> tuple:
-    """-> (frame steps per second, seconds of the first call: the compile) for `frames` steps of
-    `batch` rows, random numbers drawn per row and step as the engine does, end-of-speech ignored."""
+    """-> (frame steps per second, seconds of the first call: the compile) of the engine's own step, for
+    `batch` busy rows mid-way through a generation (random numbers drawn per row and frame as in serving,
+    one host sync every `sync_every` frames, end-of-speech ignored)."""
     device = model.embeddings.weight.device
-    model.setup_caches(batch, cache_bucket(BENCH_PROMPT + frames + 1, model.config))
-    step = getattr(model, "compiled_step", None) or functools.partial(decode_step, model)
-    generators = [torch.Generator(device).manual_seed(i) for i in range(batch)]
-    synchronize(device)
-    start = time.perf_counter()
-    step(*step_inputs(model, batch, generators))
-    synchronize(device)
-    first = time.perf_counter() - start
-    step(*step_inputs(model, batch, generators))
-    synchronize(device)
-    start = time.perf_counter()
-    for i in range(frames):
-        inputs = step_inputs(model, batch, generators)
-        inputs[1].add_(i)
-        step(*inputs)
-    synchronize(device)
-    return frames / (time.perf_counter() - start), first
+    context = cache_bucket(BENCH_PROMPT + frames + 9, model.config)
+    with Engine(model, slots=batch, context=context) as engine:
+        engine.frames[:, 0] = model.config["semantic_begin_id"]
+        engine.pos.fill_(BENCH_PROMPT)
+        engine.live.fill_(1)
+        generators = [torch.Generator(device).manual_seed(i) for i in range(batch)]
+        rows = min(batch_bucket(batch), batch)
+        start = time.perf_counter()
+        engine.run_frames(rows, generators)
+        first = time.perf_counter() - start
+        engine.run_frames(rows, generators)
+        calls = max(1, frames // engine.sync_every)
+        start = time.perf_counter()
+        for _ in range(calls):
+            engine.run_frames(rows, generators)
+        return calls * engine.sync_every / (time.perf_counter() - start), first
 
 
 @torch.inference_mode()
@@ -1409,7 +1502,7 @@ def bench(args):
     else:
         model, name = random_model(args.config, device, dtype), args.config
     reference = head_logits(model) if args.quant and args.quant != "none" else None
-    prepare(model, args.quant, compiled)
+    prepare(model, args.quant, compiled, args.compile_cache)
     if reference is not None:
         for part, ref, got in zip(("slow", "fast"), reference, head_logits(model)):
             error = ((got - ref).abs().max() / ref.abs().max()).item()
@@ -1565,6 +1658,8 @@ def parse_args(argv=None):
                     " nvfp4: >= 10.0)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, help="one compiled graph per frame"
                     " (default: on for CUDA, off on CPU where compiling takes minutes, see README)")
+    ap.add_argument("--compile-cache", help="folder that keeps compiled kernels for the next run"
+                    f" (default $TORCHINDUCTOR_CACHE_DIR, else {default_compile_cache()})")
     ap.add_argument("--demo", action="store_true",
                     help="run on a tiny random checkpoint built on the fly (the audio is noise)")
     bench_flags = ap.add_argument_group("benchmark (--bench)")
@@ -1611,7 +1706,7 @@ def run(args):
     device = user_input(codec.pick_device, args.device)
     dtype, compiled = device_defaults(device, args.dtype, args.compile)
     codes_path, wav_path = output_paths(args)
-    model = load(args.checkpoint, device, dtype, args.quant, compiled)
+    model = load(args.checkpoint, device, dtype, args.quant, compiled, args.compile_cache)
     if wav_path is not None and not (Path(args.checkpoint) / "codec.pth").is_file():
         if args.stream:
             raise UserError(f"--stream needs {args.checkpoint}/codec.pth")

@@ -6,6 +6,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -552,6 +553,7 @@ def test_frames_read_every_few_steps_give_the_same_codes(model, eos_model, sync_
 
 
 def test_engine_thread_fails_the_requests_in_flight_when_a_step_breaks_and_keeps_serving(model):
+    solo = dualAR.generate(model, **MIXED[1])
     engine = dualAR.Engine(model, slots=2).start()
     try:
         broken = engine.decode
@@ -560,7 +562,7 @@ def test_engine_thread_fails_the_requests_in_flight_when_a_step_breaks_and_keeps
         with pytest.raises(RuntimeError, match="generation failed: ZeroDivisionError"):
             doomed.codes()
         engine.decode = broken
-        assert torch.equal(engine.submit(MIXED[1]).codes(), dualAR.generate(model, **MIXED[1]))
+        assert torch.equal(engine.submit(MIXED[1]).codes(), solo)
     finally:
         engine.close()
 
@@ -575,12 +577,24 @@ def test_engine_rejects_bad_requests_and_a_full_queue(model):
         engine.submit(dict(text="Hi.", top_k=1e30))
     with pytest.raises(dualAR.UserError, match="seed must be an integer"):
         engine.submit(dict(text="Hi.", seed=2**64))
-    first = engine.submit(dict(text="Hi."))
+    first, second = (engine.add(dualAR.Request(model, "Hi.")) for _ in range(2))  # the free row, the queue
     with pytest.raises(dualAR.QueueFull):
-        engine.submit(dict(text="Hi."))
-    first.cancel()  # its client hung up while it waited: its place in the queue is free again
-    engine.submit(dict(text="Hi."))
-    assert first.done and engine.stats()["queued"] == 1
+        engine.add(dualAR.Request(model, "Hi."))
+    first.cancel()  # its client hung up while it waited: its place is free again
+    engine.add(dualAR.Request(model, "Hi."))
+    assert first.done and engine.stats()["queued"] == 2
+    second.cancel()
+    assert engine.stats() == dict(slots=1, busy=0, free=1, queued=1)
+
+
+def test_no_waiting_room_still_serves_a_free_row(model):
+    engine = dualAR.Engine(model, slots=1, max_queue=0)
+    served = engine.add(dualAR.Request(model, **MIXED[1]))
+    with pytest.raises(dualAR.QueueFull):
+        engine.add(dualAR.Request(model, "Hi."))
+    with torch.inference_mode():
+        engine.run()
+    assert torch.equal(served.codes(), dualAR.generate(model, **MIXED[1]))
 
 
 def test_a_request_whose_prefill_breaks_fails_alone(model):
@@ -611,6 +625,145 @@ def test_fixed_context_engine_refuses_what_does_not_fit(model):
         request.codes()
 
 
+# ----------------------------------------------------------------------------- engine rows, shapes, owner
+def test_a_free_row_goes_back_to_position_0_and_stays_there(model):
+    """A row without a request reads one cache block per frame (flex), not the cache up to the end."""
+    engine = dualAR.Engine(model, slots=2)
+    short, long = (engine.add(dualAR.Request(model, **r)) for r in (MIXED[1], MIXED[3]))
+    with torch.inference_mode():
+        while not short.done:
+            engine.step()
+        assert engine.rows[0] is None and (engine.pos[0], engine.live[0]) == (0, 0) and engine.pos[1] > 0
+        for _ in range(5):
+            engine.step()
+        assert engine.pos[0] == 0
+        engine.run()
+    assert engine.pos.tolist() == [0, 0]
+    assert torch.equal(long.codes(), dualAR.generate(model, **MIXED[3]))
+
+
+def test_a_partly_filled_engine_runs_the_smallest_batch_that_holds_its_rows(model):
+    engine = dualAR.Engine(model, slots=8)
+    decode, rows_run = engine.decode, []
+    engine.decode = lambda frames, *rest: rows_run.append(frames.size(0)) or decode(frames, *rest)
+    made = [engine.add(dualAR.Request(model, **r)) for r in MIXED[::-1]]  # the longest in row 0
+    with torch.inference_mode():
+        engine.run()
+    assert rows_run[0] == 4 and rows_run[-1] == 1 and set(rows_run) == {1, 4}  # never 8: 4 rows were used
+    assert all(torch.equal(r.codes(), c) for r, c in zip(made, solo_codes(model, MIXED[::-1]), strict=True))
+
+
+def test_a_second_engine_on_a_live_model_is_refused(model):
+    """Two engines on one model would write the same KV cache rows: the second is refused while the first
+    has work (or its thread), and takes the model once the first is done."""
+    first = dualAR.Engine(model, slots=1)
+    first.add(dualAR.Request(model, **MIXED[1]))
+    for make in (lambda: dualAR.Engine(model, slots=2), lambda: dualAR.generate(model, "Hi.")):
+        with pytest.raises(RuntimeError, match="belong to another live Engine"):
+            make()
+    with torch.inference_mode():
+        first.run()
+    solo = dualAR.generate(model, **MIXED[1])  # a new engine takes the model
+    again = first.add(dualAR.Request(model, **MIXED[1]))  # and the idle first one takes it back
+    with torch.inference_mode():
+        first.run()
+    assert torch.equal(again.codes(), solo)
+
+
+def test_a_stream_left_early_frees_the_model(model):
+    chunks = dualAR.stream(model, **dict(MIXED[3], chunk_frames=2))
+    next(chunks)
+    chunks.close()
+    assert torch.equal(dualAR.generate(model, **MIXED[1]), dualAR.generate(model, **MIXED[1]))
+
+
+def test_a_closed_engine_is_a_server_error_not_bad_input(model):
+    solo = dualAR.generate(model, **MIXED[1])
+    engine = dualAR.Engine(model, slots=1)
+    try:  # submit starts the thread of an engine nobody started
+        assert torch.equal(engine.submit(MIXED[1]).codes(), solo) and engine.thread.is_alive()
+    finally:
+        engine.close()
+    with pytest.raises(dualAR.EngineClosed, match="the engine was closed"):
+        engine.submit(MIXED[1])
+    engine = dualAR.Engine(model, slots=1)
+    waiting = engine.add(dualAR.Request(model, **MIXED[1]))
+    engine.close()
+    with pytest.raises(dualAR.EngineClosed):
+        waiting.codes()
+    assert not issubclass(dualAR.EngineClosed, dualAR.UserError)  # the app answers 503, not 400
+
+
+class CountingBackend:
+    """A torch.compile backend that records each graph dynamo hands it and runs it eagerly: the tracing,
+    guards and recompiles of `compile_model`, in seconds instead of inductor's minutes."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, graph, example_inputs):
+        self.graphs.append([tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)])
+        return graph.forward
+
+
+def test_a_compiled_model_compiles_each_shape_once_and_many_shapes_fit():
+    """20 generate calls of different lengths, then generate_many and an engine thread: one graph per
+    (rows, KV cache) shape, none when it all runs again. Then more shapes than dynamo's default limit of
+    8 graphs per function (warm_up compiles every row count an engine runs). A small model: its trace
+    is quick, and shapes do not depend on its size."""
+    model = dualAR.random_model(dict(dualAR.BENCH_CONFIGS["tiny"], n_layer=1, num_codebooks=3), "cpu",
+                                torch.float32)
+    backend = CountingBackend()
+    dualAR.compile_model(model, backend=backend)
+    texts = [dict(text=t, seed=i, max_new_tokens=8 + 3 * i) for i, t in enumerate(["Hi.", "Hello there", "Ok"])]
+
+    def serve():
+        lengths = [dualAR.generate(model, "Hi there.", seed=i, max_new_tokens=2 + i).size(1) for i in range(20)]
+        assert lengths == list(range(1, 21))
+        dualAR.generate_many(model, texts[::-1], slots=4)  # the longest in row 0: 4 rows, then 1
+        with dualAR.Engine(model, slots=4).start() as engine:
+            assert [r.codes().size(1) for r in [engine.submit(t) for t in texts]] == [7, 10, 13]
+
+    serve()
+    # one row with the first cache (1 row x 256), then 4 rows and 1 row with the grown cache (4 x 256)
+    assert len(backend.graphs) == 3 and (model.cache_rows, model.cache_len) == (4, 256)
+    serve()
+    assert len(backend.graphs) == 3
+    warmed = []
+    for context in (512, 1024, 2048):
+        with dualAR.Engine(model, slots=8, context=context) as engine:
+            engine.warm_up(lambda rows, seconds: warmed.append((context, rows)))
+    assert warmed == [(c, r) for c in (512, 1024, 2048) for r in (1, 4, 8)] and len(backend.graphs) == 12
+    assert dualAR.generate(model, "Hi.", seed=0, max_new_tokens=5).size(1) == 4  # no 13th graph
+    assert len(backend.graphs) == 12
+
+
+def test_a_context_of_partial_flex_blocks_is_rounded_up_to_whole_blocks(model):
+    compiled = dualAR.load(CKPT)
+    dualAR.compile_model(compiled, backend=CountingBackend())
+    many = dualAR.generate_many(compiled, [MIXED[1]], context=100)
+    assert compiled.cache_len == 128
+    assert torch.equal(many[0], dualAR.generate(model, **MIXED[1]))
+
+
+def test_a_second_process_loads_the_compiled_step_from_the_cache(tmp_path):
+    """Run the compiled CLI twice with one --compile-cache: the second process compiles nothing new (its
+    graph is found in the cache folder, which it leaves as it was) and writes the same codes."""
+    cache = tmp_path / "cache"
+    args = ["--checkpoint", str(CKPT), "--text", "Hi.", "--seed", "1", "--max-new-tokens", "8", "--no-prompt",
+            "--codes-only", "--compile", "--compile-cache", str(cache), "--max-context", "256"]
+    times, entries = [], []
+    for run in range(2):
+        start = time.perf_counter()
+        result = cli(args + ["--out", f"run{run}.npy"], tmp_path)
+        assert result.returncode == 0, result.stderr
+        times.append(time.perf_counter() - start)
+        entries.append(sorted(p.relative_to(cache) for p in (cache / "fxgraph").rglob("*") if p.is_file()))
+    print(f"compiled CLI, tiny checkpoint: cold {times[0]:.1f} s, warm {times[1]:.1f} s (process start to end)")
+    assert entries[0] and entries[1] == entries[0]
+    assert np.array_equal(np.load(tmp_path / "run0.npy"), np.load(tmp_path / "run1.npy"))
+
+
 # ----------------------------------------------------------------------------- quantization
 @torch.inference_mode()
 def test_int8_weight_only_runs_and_its_logits_stay_close(model):
@@ -627,10 +780,21 @@ def test_int8_weight_only_runs_and_its_logits_stay_close(model):
     assert dualAR.generate(quantized, "Hi.", seed=0, max_new_tokens=6).shape == (10, 5)
 
 
-def test_quantization_schemes_the_device_cannot_run_are_named():
-    for scheme, need in [("fp8", "compute capability >= 8.9"), ("nvfp4", ">= 10.0"), ("int4wo", "CUDA")]:
+def test_quantization_schemes_the_device_cannot_run_are_named(monkeypatch):
+    for scheme, need in [("fp8", "capability >= 8.9"), ("nvfp4", ">= 10.0"), ("int4wo", ">= 8.0")]:
         with pytest.raises(dualAR.UserError, match=need):
             dualAR.check_quant(scheme, torch.device("cpu"), torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))  # a T4
+    with pytest.raises(dualAR.UserError, match="int4wo needs an NVIDIA GPU of compute capability >= 8.0"):
+        dualAR.check_quant("int4wo", torch.device("cuda"), torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H100
+    for scheme in ("fp8", "int4wo"):  # torchao asserts bf16 for these: said before any weight is read
+        with pytest.raises(dualAR.UserError, match=f"--quant {scheme} needs bf16 weights"):
+            dualAR.check_quant(scheme, torch.device("cuda"), torch.float32)
+    dualAR.check_quant("fp8", torch.device("cuda"), torch.bfloat16)
+    monkeypatch.setitem(sys.modules, "torchao.quantization", None)  # a torchao that does not import
+    with pytest.raises(dualAR.UserError, match="needs torchao, which does not import here: ModuleNotFoundError"):
+        dualAR.check_quant("int8wo", torch.device("cpu"), torch.float32)
 
 
 def test_bench_prints_a_table_and_one_machine_readable_line_per_batch(capsys):

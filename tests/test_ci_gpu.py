@@ -1,0 +1,21 @@
+"""`.ci/gpu` cannot rot between the rare GPU runs: its CPU smoke run takes every step at the tiny size."""
+import os
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = ["a preflight", "b goldens (tiny)", "c frame step + ttfa (tiny)", "d codec bench", "e lora bench",
+         "f batch 4, int8wo (tiny)"]
+
+
+def test_gpu_script_cpu_smoke_runs_every_step_and_prints_the_summary(tmp_path):
+    result = subprocess.run(["bash", str(ROOT / ".ci/gpu"), "--cpu-smoke"], env=dict(os.environ, OUT=str(tmp_path)),
+                            capture_output=True, text=True, timeout=600)
+    log = (tmp_path / "gpu.log").read_text()
+    assert result.returncode == 0, log[-4000:]
+    assert "gpu_check: 5 passed, 0 failed" in log
+    summary = log[log.index("step                         status"):].splitlines()
+    assert [row[:28].strip() for row in summary[1:-1]] == STEPS
+    assert all(row[28:38].strip() == "ok" for row in summary[1:-1])
+    assert "ttfa_ms=" in summary[3] and "frames_per_s=" in summary[6]  # the key figure of each step
+    assert summary[-1].startswith("total ") and summary[-1].endswith(" 0 step(s) failed or timed out")

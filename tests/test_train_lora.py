@@ -287,6 +287,63 @@ def test_batches_visit_every_training_sample_once_per_epoch():
     assert batches[:3] != batches[3:]  # a new order each epoch
 
 
+class Crash(Exception):
+    """A crash (power cut, kill -9) while a file is being written."""
+
+
+@pytest.mark.parametrize("file", [train_lora.STATE_FILE, train_lora.RUN_FILE])
+def test_a_crash_while_the_run_starts_leaves_a_folder_the_same_command_accepts(tmp_path, monkeypatch, file):
+    data = write_codes_data(tmp_path / "data")
+    write_atomic = train_lora.write_atomic
+
+    def crash_at(path, write):
+        if path.name == file:
+            raise Crash
+        write_atomic(path, write)
+
+    monkeypatch.setattr(train_lora, "write_atomic", crash_at)
+    with pytest.raises(Crash):
+        train(data, tmp_path / "run", "--max-steps", "1")
+    monkeypatch.undo()
+    train(data, tmp_path / "run", "--max-steps", "1")
+    assert [r["step"] for r in metrics(tmp_path / "run") if "loss" in r] == [1]
+
+
+def test_samples_are_tokenized_once_per_run(tmp_path, monkeypatch):
+    calls = []
+    sample_tokens = train_lora.sample_tokens
+    monkeypatch.setattr(train_lora, "sample_tokens", lambda *a: calls.append(a[1]) or sample_tokens(*a))
+    train(write_codes_data(tmp_path / "data"), tmp_path / "run", "--max-steps", "3", "--val-every", "1")
+    assert sorted(calls) == sorted(TEXTS)  # 6 samples, each once, for 3 steps and 4 validations
+
+
+def test_validation_loss_is_the_loss_of_the_whole_held_out_set_as_one_batch(tmp_path):
+    """3 held-out samples of 3 lengths in batches of 2 and 1: a mean of the two batch means would weigh
+    the third sample as much as the first two."""
+    data = write_codes_data(tmp_path / "data")
+    train(data, tmp_path / "run", "--max-steps", "1", "--val-size", "3")
+    names = json.loads((tmp_path / "run/run.json").read_text())["samples"]
+    held_out = [name for name, in train_lora.split([(n,) for n in names], 3, seed=42)[1]]
+    model = dualAR.load(CKPT)
+    torch.manual_seed(42)
+    train_lora.add_lora(model)  # the run's LoRA at step 0
+    samples = [((data / f"{n}.lab").read_text(), torch.from_numpy(np.load(data / f"{n}.npy")))
+               for n in held_out]
+    inputs, labels, _ = train_lora.make_batch(model, samples)
+    with torch.no_grad():
+        whole = train_lora.training_loss(model.eval(), inputs, labels)["loss"].item()
+    assert metrics(tmp_path / "run")[0] == dict(step=0, val_loss=pytest.approx(whole, rel=1e-6))
+
+
+def test_ctrl_c_during_the_first_validation_is_a_one_line_error(tmp_path, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_lora, "validation_loss", interrupted)
+    with pytest.raises(UserError, match="^interrupted at step 0: continue from the last checkpoint with"):
+        train(write_codes_data(tmp_path / "data"), tmp_path / "run", "--max-steps", "1")
+
+
 # ----------------------------------------------------------------------------- prepare
 def test_prepare_encodes_each_audio_once_next_to_it(tmp_path, capsys):
     data = tmp_path / "data"

@@ -722,7 +722,7 @@ def train(args):
     loss_module = TrainingLoss(model, run["checkpointing"])
     if world > 1:  # only the LoRA parameters require gradients: only they are all-reduced
         ids = [device] if device.type == "cuda" else None
-        loss_module = DistributedDataParallel(loss_module, device_ids=ids, broadcast_buffers=False)
+        loss_module = DistributedDataParallel(loss_module, device_ids=ids, forward_sync_buffers=False)
     out, first_step, vals, losses, tokens = Path(args.out), step, [], [], 0
     bar = tqdm(total=args.max_steps, initial=step, unit="step", desc="train", disable=rank > 0)
     try:

@@ -381,8 +381,32 @@ def pick_device(name):
     return dualAR.user_input(codec.pick_device, name)
 
 
+def join_processes(device: torch.device) -> tuple:
+    """-> (rank, number of processes, this process's device). Under torchrun (RANK is set) this joins the
+    process group: NCCL with one GPU per process (cuda:LOCAL_RANK), gloo on CPU."""
+    if "RANK" not in os.environ:
+        return 0, 1, device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def sum_over_processes(values: list, device) -> list:
+    """Each value summed over the processes; with one process the values as they are."""
+    if not dist.is_initialized():
+        return values
+    total = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return total.tolist()
+
+
 def prepare(args):
-    """Encode every audio file that has a transcript into <stem>.npy codes next to it, once."""
+    """Encode every audio file that has a transcript into <stem>.npy codes next to it, once. Under torchrun
+    each process encodes every world-th file."""
+    rank, world, device = join_processes(pick_device(args.device))
     data_dir = Path(args.data_dir)
     items = {s: it for s, it in find_items(data_dir).items() if "audio" in it}
     if not items:
@@ -396,14 +420,19 @@ def prepare(args):
         if not os.access(item["audio"].parent, os.W_OK):
             raise UserError(f"cannot write codes next to {item['audio']}: the folder is not writable")
     todo = [item for item in items.values() if not up_to_date(item)]
+    if world > 1:
+        dist.barrier()  # every process has its list before any writes codes
     start = time.perf_counter()
-    if todo:
-        device = pick_device(args.device)
+    if todo[rank::world]:
         # fp32 on every device, as dualAR encodes references: a clip gets the same codes everywhere
         dac = dualAR.user_input(codec.load, args.checkpoint, device, torch.float32)
-        for item in tqdm(todo, desc="encode", unit="file"):
+        for item in tqdm(todo[rank::world], desc="encode", unit="file", disable=rank > 0):
             codes = codec.encode(dac, dualAR.user_input(codec.load_audio, item["audio"]))[0]
             dualAR.user_input(codec.save_codes, item["audio"].with_suffix(".npy"), codes)
+    if world > 1:
+        dist.barrier()
+    if rank > 0:
+        return
     wall = time.perf_counter() - start
     hours = sum(item["seconds"] for item in items.values()) / 3600
     print(f"prepared {len(items)} of {n_found} audio files ({hours:.3f} h): {len(todo)} encoded in"
@@ -444,28 +473,6 @@ def lr_at(step: int, lr: float, warmup: int) -> float:
     """Linear warm-up over `warmup` optimizer steps, then constant: upstream's schedule, counted from 1
     so that the first step does not run at lr 0."""
     return lr * min(1.0, (step + 1) / max(1, warmup))
-
-
-def join_processes(device: torch.device) -> tuple:
-    """-> (rank, number of processes, this process's device). Under torchrun (RANK is set) this joins the
-    process group: NCCL with one GPU per process (cuda:LOCAL_RANK), gloo on CPU."""
-    if "RANK" not in os.environ:
-        return 0, 1, device
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def sum_over_processes(values: list, device) -> list:
-    """Each value summed over the processes; with one process the values as they are."""
-    if not dist.is_initialized():
-        return values
-    total = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(total)
-    return total.tolist()
 
 
 def batch_indices(n: int, batch_size: int, seed: int, k: int) -> list:

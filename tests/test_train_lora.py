@@ -429,6 +429,19 @@ def test_prepare_encodes_each_audio_once_next_to_it(tmp_path, capsys):
     assert np.load(data / "alice/a.npy").shape == (10, math.ceil(0.5 * 44100 / 2048))
 
 
+def test_prepare_under_torchrun_shares_the_files_between_the_processes(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(3):
+        write_audio(data / f"a{i}.wav", seconds=0.2 + 0.1 * i)
+    stdout = torchrun("prepare", str(data), "--checkpoint", str(CKPT))
+    assert stdout.count("prepared 3 of 3 audio files") == 1 and ": 3 encoded in" in stdout
+    dac = codec.load(CKPT)
+    for i in range(3):
+        want = codec.encode(dac, codec.load_audio(data / f"a{i}.wav"))[0].numpy()
+        assert np.array_equal(np.load(data / f"a{i}.npy"), want)
+
+
 def test_audio_without_transcript_is_listed_and_skipped(tmp_path, capsys):
     data = tmp_path / "data"
     data.mkdir()

@@ -6,6 +6,7 @@ merges into a checkpoint upstream serves, and upstream's LoRA weights merge here
     python train_lora.py prepare data/                  # audio + .lab/.txt -> cached .npy codes
     python train_lora.py train data/ --out runs/me      # -> runs/me/lora.safetensors, metrics.jsonl
     python train_lora.py merge --lora runs/me --out s2-pro-me    # a checkpoint dualAR.py loads
+    torchrun --nproc-per-node N train_lora.py train data/ --out runs/me     # N GPUs (DDP); prepare too
 """
 import argparse
 import json
@@ -309,7 +310,8 @@ def training_loss(model: dualAR.DualAR, inputs: Tensor, labels: Tensor, padding_
         y = blocks(model.fast_layers, y, model.fast_rope, checkpointing)  # (chunk, num_codebooks, dim)
         total = total + call(fast_loss_sum, model, y, codes[i:i + chunk], checkpointing=checkpointing)
     semantic_loss = total / codes.numel()
-    return dict(loss=base_loss + semantic_loss, base_loss=base_loss, semantic_loss=semantic_loss)
+    return dict(loss=base_loss + semantic_loss, base_loss=base_loss, semantic_loss=semantic_loss,
+                positions=n, codes=codes.numel())  # what base_loss and semantic_loss average over
 
 
 class TrainingLoss(nn.Module):
@@ -493,7 +495,6 @@ def autocast(device):
 def validation_loss(model, samples: list, batch_size: int, device, rank=0, world=1) -> float:
     """The loss of all the samples as one batch: each part of the loss is a sum over positions divided
     by their number, so batches (and processes, every world-th sample each) add sums and counts."""
-    cfg = model.config
     model.eval()
     sums = [0.0] * 4  # base loss, scored positions, semantic loss, scored codes
     mine = samples[rank::world]
@@ -502,10 +503,7 @@ def validation_loss(model, samples: list, batch_size: int, device, rank=0, world
         inputs, labels, _ = collate([(x, y) for _, x, y in mine[i:i + batch_size]])
         with autocast(device):
             result = training_loss(model, inputs.to(device), labels.to(device))
-        ids = labels[:, 0]
-        n = int((ids != IGNORE).sum())
-        codes = int(((ids >= cfg["semantic_begin_id"]) & (ids <= cfg["semantic_end_id"])).sum())
-        codes *= cfg["num_codebooks"]
+        n, codes = result["positions"], result["codes"]
         parts = (result["base_loss"].item() * n, n, result["semantic_loss"].item() * codes, codes)
         sums = [a + b for a, b in zip(sums, parts)]
     model.train()
@@ -912,7 +910,8 @@ def parse_args(argv=None):
     t.add_argument("--out", required=True,
                    help="run folder: run.json, metrics.jsonl, lora.safetensors, state.pt")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint"
-                   " (its stored settings: only --max-steps, --val-every and --save-every may change)")
+                   " (its stored settings: only --max-steps, --val-every and --save-every may change), on"
+                   " any number of processes that divides its micro-batches per step")
     t.add_argument("--rank", type=int, default=RANK, help=f"LoRA rank (default {RANK})")
     t.add_argument("--alpha", type=float, default=ALPHA,
                    help=f"LoRA alpha, scaling alpha/rank (default {ALPHA})")
@@ -920,7 +919,8 @@ def parse_args(argv=None):
     t.add_argument("--lr", type=float, default=LR, help=f"AdamW learning rate (default {LR})")
     t.add_argument("--warmup", type=int, default=WARMUP, help=f"linear warm-up steps (default {WARMUP})")
     t.add_argument("--batch-size", type=int, default=4, help="samples per micro-batch (default 4)")
-    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step and process"
+                   " (default 1): N processes with G see what one process with N*G sees")
     t.add_argument("--max-steps", type=int, default=1000, help="optimizer steps in all (default 1000)")
     t.add_argument("--max-length", type=int, default=4096,
                    help="skip samples longer than this many tokens (default 4096, upstream's)")

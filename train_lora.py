@@ -659,8 +659,8 @@ def start_run(args, rank: int, world: int, device) -> tuple:
     if world > 1:
         dist.barrier()  # every process has checked --out before rank 0 writes in it
     if args.resume and run["grad_accum"] % world:
-        raise UserError(f"--resume: {out} takes {run['grad_accum']} micro-batches per step, which"
-                        f" {world} processes cannot share: resume on a number of processes that divides it")
+        raise UserError(f"--resume: {out} has {run['grad_accum']} micro-batch(es) per step, which {world}"
+                        " processes cannot share: resume on a number of processes that divides it")
     if not args.resume:
         run["grad_accum"] *= world  # run.json: micro-batches per step over all processes
     model = dualAR.load(run["checkpoint"], device, torch.bfloat16 if device.type == "cuda" else torch.float32)

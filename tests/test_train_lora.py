@@ -346,9 +346,9 @@ def test_ctrl_c_during_the_first_validation_is_a_one_line_error(tmp_path, monkey
 
 
 # ----------------------------------------------------------------------------- several processes (torchrun)
-def torchrun(*argv, processes=2) -> str:
+def torchrun(*argv, processes=2, ok=True) -> subprocess.CompletedProcess:
     """python -m torch.distributed.run (= torchrun) train_lora.py *argv on `processes` CPU processes (gloo),
-    one thread each -> its stdout."""
+    one thread each."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -357,13 +357,13 @@ def torchrun(*argv, processes=2) -> str:
                *argv]
     run = subprocess.run(command, capture_output=True, text=True, timeout=300,
                          env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert run.returncode == 0, run.stderr[-3000:]
-    return run.stdout
+    assert run.returncode == 0 or not ok, run.stderr[-3000:]
+    return run
 
 
-def torchrun_train(data, out, *extra) -> str:
+def torchrun_train(data, out, *extra, ok=True) -> subprocess.CompletedProcess:
     return torchrun("train", str(data), "--checkpoint", str(CKPT), "--out", str(out), "--batch-size", "2",
-                    "--val-size", "2", *extra)
+                    "--val-size", "2", *extra, ok=ok)
 
 
 def train_steps(run: Path) -> list:
@@ -376,7 +376,7 @@ def test_two_processes_train_as_one_process_with_twice_the_micro_batches(tmp_pat
     max |difference| of the LoRA weights after 4 steps 1.2e-7 (with --grad-accum 1: bit-identical)."""
     data = write_codes_data(tmp_path / "data")
     common = ["--max-steps", "4", "--lr", "1e-2", "--dropout", "0", "--val-every", "2"]
-    stdout = torchrun_train(data, tmp_path / "two", "--grad-accum", "2", *common)
+    stdout = torchrun_train(data, tmp_path / "two", "--grad-accum", "2", *common).stdout
     train(data, tmp_path / "one", "--grad-accum", "4", *common)
     two, one = load_file(tmp_path / "two/lora.safetensors"), load_file(tmp_path / "one/lora.safetensors")
     assert sorted(two) == sorted(one) and len(two) == 38
@@ -420,6 +420,16 @@ def test_a_two_process_run_resumes_on_one_process_with_the_same_batches(tmp_path
     assert train_steps(tmp_path / "run") == train_steps(tmp_path / "one")
 
 
+def test_resume_on_processes_that_cannot_share_a_step_is_a_one_line_error(tmp_path):
+    data = write_codes_data(tmp_path / "data")
+    train(data, tmp_path / "run", "--max-steps", "1")  # one micro-batch per step
+    before = tree(tmp_path / "run")
+    run = torchrun_train(data, tmp_path / "run", "--max-steps", "2", "--resume", ok=False)
+    assert run.returncode != 0
+    assert "has 1 micro-batch(es) per step, which 2 processes cannot share: resume on" in run.stderr
+    assert tree(tmp_path / "run") == before
+
+
 # ----------------------------------------------------------------------------- prepare
 def test_prepare_encodes_each_audio_once_next_to_it(tmp_path, capsys):
     data = tmp_path / "data"
@@ -449,7 +459,7 @@ def test_prepare_under_torchrun_shares_the_files_between_the_processes(tmp_path)
     data.mkdir()
     for i in range(3):
         write_audio(data / f"a{i}.wav", seconds=0.2 + 0.1 * i)
-    stdout = torchrun("prepare", str(data), "--checkpoint", str(CKPT))
+    stdout = torchrun("prepare", str(data), "--checkpoint", str(CKPT)).stdout
     assert stdout.count("prepared 3 of 3 audio files") == 1 and ": 3 encoded in" in stdout
     dac = codec.load(CKPT)
     for i in range(3):

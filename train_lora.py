@@ -6,6 +6,7 @@ merges into a checkpoint upstream serves, and upstream's LoRA weights merge here
     python train_lora.py prepare data/                  # audio + .lab/.txt -> cached .npy codes
     python train_lora.py train data/ --out runs/me      # -> runs/me/lora.safetensors, metrics.jsonl
     python train_lora.py merge --lora runs/me --out s2-pro-me    # a checkpoint dualAR.py loads
+    torchrun --nproc-per-node N train_lora.py train data/ --out runs/me     # N GPUs (DDP); prepare too
 """
 import argparse
 import json
@@ -20,9 +21,11 @@ from pathlib import Path
 from safetensors import SafetensorError
 import soundfile as sf
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
@@ -307,7 +310,19 @@ def training_loss(model: dualAR.DualAR, inputs: Tensor, labels: Tensor, padding_
         y = blocks(model.fast_layers, y, model.fast_rope, checkpointing)  # (chunk, num_codebooks, dim)
         total = total + call(fast_loss_sum, model, y, codes[i:i + chunk], checkpointing=checkpointing)
     semantic_loss = total / codes.numel()
-    return dict(loss=base_loss + semantic_loss, base_loss=base_loss, semantic_loss=semantic_loss)
+    return dict(loss=base_loss + semantic_loss, base_loss=base_loss, semantic_loss=semantic_loss,
+                positions=n, codes=codes.numel())  # what base_loss and semantic_loss average over
+
+
+class TrainingLoss(nn.Module):
+    """training_loss as a module's forward: DistributedDataParallel syncs the gradients of its forward."""
+
+    def __init__(self, model: dualAR.DualAR, checkpointing: bool):
+        super().__init__()
+        self.model, self.checkpointing = model, checkpointing
+
+    def forward(self, inputs: Tensor, labels: Tensor) -> dict:
+        return training_loss(self.model, inputs, labels, checkpointing=self.checkpointing)
 
 
 # ----------------------------------------------------------------------------- data
@@ -368,8 +383,32 @@ def pick_device(name):
     return dualAR.user_input(codec.pick_device, name)
 
 
+def join_processes(device: torch.device) -> tuple:
+    """-> (rank, number of processes, this process's device). Under torchrun (RANK is set) this joins the
+    process group: NCCL with one GPU per process (cuda:LOCAL_RANK), gloo on CPU."""
+    if "RANK" not in os.environ:
+        return 0, 1, device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def sum_over_processes(values: list, device) -> list:
+    """Each value summed over the processes; with one process the values as they are."""
+    if not dist.is_initialized():
+        return values
+    total = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(total)
+    return total.tolist()
+
+
 def prepare(args):
-    """Encode every audio file that has a transcript into <stem>.npy codes next to it, once."""
+    """Encode every audio file that has a transcript into <stem>.npy codes next to it, once. Under torchrun
+    each process encodes every world-th file."""
+    rank, world, device = join_processes(pick_device(args.device))
     data_dir = Path(args.data_dir)
     items = {s: it for s, it in find_items(data_dir).items() if "audio" in it}
     if not items:
@@ -383,14 +422,19 @@ def prepare(args):
         if not os.access(item["audio"].parent, os.W_OK):
             raise UserError(f"cannot write codes next to {item['audio']}: the folder is not writable")
     todo = [item for item in items.values() if not up_to_date(item)]
+    if world > 1:
+        dist.barrier()  # every process has its list before any writes codes
     start = time.perf_counter()
-    if todo:
-        device = pick_device(args.device)
+    if todo[rank::world]:
         # fp32 on every device, as dualAR encodes references: a clip gets the same codes everywhere
         dac = dualAR.user_input(codec.load, args.checkpoint, device, torch.float32)
-        for item in tqdm(todo, desc="encode", unit="file"):
+        for item in tqdm(todo[rank::world], desc="encode", unit="file", disable=rank > 0):
             codes = codec.encode(dac, dualAR.user_input(codec.load_audio, item["audio"]))[0]
             dualAR.user_input(codec.save_codes, item["audio"].with_suffix(".npy"), codes)
+    if world > 1:
+        dist.barrier()
+    if rank > 0:
+        return
     wall = time.perf_counter() - start
     hours = sum(item["seconds"] for item in items.values()) / 3600
     print(f"prepared {len(items)} of {n_found} audio files ({hours:.3f} h): {len(todo)} encoded in"
@@ -399,7 +443,7 @@ def prepare(args):
 
 
 def load_samples(data_dir: Path, model: dualAR.DualAR, strict=False, max_length=None) -> list:
-    """Every prepared (codes + transcript) pair under data_dir -> [(name, text, codes)]."""
+    """Every prepared (codes + transcript) pair under data_dir, tokenized once -> [(name, inputs, labels)]."""
     cfg = model.config
     items = find_items(data_dir)
     if not items:
@@ -412,11 +456,12 @@ def load_samples(data_dir: Path, model: dualAR.DualAR, strict=False, max_length=
     samples, too_long = [], []
     for stem, item in items.items():
         codes = dualAR.reference_codes("codes", item["codes"], cfg, dac=None)
-        name, text = str(stem.relative_to(data_dir)), dualAR.read_transcript(item["text"])
-        if max_length and sample_tokens(model, text, codes)[0].size(1) > max_length:
+        name = str(stem.relative_to(data_dir))
+        inputs, labels = sample_tokens(model, dualAR.read_transcript(item["text"]), codes)
+        if max_length and inputs.size(1) > max_length:
             too_long.append(name)
             continue
-        samples.append((name, text, codes))
+        samples.append((name, inputs, labels))
     if too_long:
         print(f"warning: skipped {len(too_long)} sample(s) longer than --max-length {max_length} tokens:"
               f" {listing(too_long)}", file=sys.stderr)
@@ -447,15 +492,23 @@ def autocast(device):
 
 
 @torch.no_grad()
-def validation_loss(model, samples: list, batch_size: int, device) -> float:
+def validation_loss(model, samples: list, batch_size: int, device, rank=0, world=1) -> float:
+    """The loss of all the samples as one batch: each part of the loss is a sum over positions divided
+    by their number, so batches (and processes, every world-th sample each) add sums and counts."""
     model.eval()
-    losses = []
-    for i in tqdm(range(0, len(samples), batch_size), desc="validate", unit="batch", leave=False):
-        inputs, labels, _ = make_batch(model, [(t, c) for _, t, c in samples[i:i + batch_size]])
+    sums = [0.0] * 4  # base loss, scored positions, semantic loss, scored codes
+    mine = samples[rank::world]
+    for i in tqdm(range(0, len(mine), batch_size), desc="validate", unit="batch", leave=False,
+                  disable=rank > 0):
+        inputs, labels, _ = collate([(x, y) for _, x, y in mine[i:i + batch_size]])
         with autocast(device):
-            losses.append(training_loss(model, inputs.to(device), labels.to(device))["loss"].item())
+            result = training_loss(model, inputs.to(device), labels.to(device))
+        n, codes = result["positions"], result["codes"]
+        parts = (result["base_loss"].item() * n, n, result["semantic_loss"].item() * codes, codes)
+        sums = [a + b for a, b in zip(sums, parts)]
     model.train()
-    return sum(losses) / len(losses)
+    base, n, semantic, codes = sum_over_processes(sums, device)
+    return base / n + semantic / codes
 
 
 def usual_permissions(path: Path):
@@ -489,19 +542,25 @@ def save_lora(path: Path, model: nn.Module):
     write_atomic(path, lambda tmp: save_file(lora_state_dict(model), str(tmp), metadata=meta))
 
 
-def save_state(out: Path, model, optimizer, step: int):
-    """Everything a resumed run needs to continue bit for bit: LoRA, AdamW, step, random states."""
+def save_state(out: Path, model, optimizer, step: int, rank=0):
+    """Everything a resumed run needs to continue bit for bit: LoRA, AdamW, step, the random states of
+    every process (each draws its own dropout). Only rank 0 writes."""
     rng = dict(torch=torch.get_rng_state())
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     if torch.backends.mps.is_available():
         rng["mps"] = torch.mps.get_rng_state()
-    state = dict(step=step, lora=lora_state_dict(model), optimizer=optimizer.state_dict(), rng=rng)
-    write_atomic(out / STATE_FILE, lambda tmp: torch.save(state, tmp))
-    save_lora(out / LORA_FILE, model)
+    rngs = [rng]
+    if dist.is_initialized():
+        rngs = [None] * dist.get_world_size()
+        dist.all_gather_object(rngs, rng)
+    if rank == 0:
+        state = dict(step=step, lora=lora_state_dict(model), optimizer=optimizer.state_dict(), rng=rngs)
+        write_atomic(out / STATE_FILE, lambda tmp: torch.save(state, tmp))
+        save_lora(out / LORA_FILE, model)
 
 
-def load_state(out: Path, model, optimizer) -> int:
+def load_state(out: Path, model, optimizer, seed: int, rank=0, world=1) -> int:
     try:
         state = torch.load(out / STATE_FILE, map_location="cpu", weights_only=True)
     except Exception as e:
@@ -514,11 +573,19 @@ def load_state(out: Path, model, optimizer) -> int:
         optimizer.load_state_dict(state["optimizer"])
     except (KeyError, RuntimeError, ValueError) as e:
         raise UserError(f"{out / STATE_FILE} does not fit this run's LoRA: {e}") from None
-    torch.set_rng_state(state["rng"]["torch"])
-    if "cuda" in state["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-    if "mps" in state["rng"] and torch.backends.mps.is_available():
-        torch.mps.set_rng_state(state["rng"]["mps"])
+    rngs = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]  # older runs: one dict
+    if len(rngs) != world:
+        if rank == 0:
+            print(f"warning: {out} was saved by {len(rngs)} process(es), resumed by {world}: the same"
+                  " batches, but other dropout draws than an uninterrupted run", file=sys.stderr)
+        torch.manual_seed(seed + 1000 * state["step"] + rank)
+        return state["step"]
+    rng = rngs[rank]
+    torch.set_rng_state(rng["torch"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    if "mps" in rng and torch.backends.mps.is_available():
+        torch.mps.set_rng_state(rng["mps"])
     return state["step"]
 
 
@@ -530,7 +597,8 @@ def check_out(args) -> dict:
     """--out must be a new or empty folder we can write, or (with --resume) one of our runs.
     -> the run's settings: the command line's, or with --resume the stored ones."""
     out = Path(args.out)
-    existing = out.exists() and (not out.is_dir() or any(out.iterdir()))
+    started = {STATE_FILE, LORA_FILE, f".{STATE_FILE}.part", f".{LORA_FILE}.part"}  # before run.json
+    existing = out.exists() and (not out.is_dir() or any(p.name not in started for p in out.iterdir()))
     if args.resume:
         if not (out / RUN_FILE).is_file() or not (out / STATE_FILE).is_file():
             raise UserError(f"--resume: {out} holds no run with a checkpoint ({RUN_FILE} + {STATE_FILE})")
@@ -562,9 +630,10 @@ def split(samples: list, val_size, seed: int) -> tuple:
     return [samples[i] for i in order[n_val:]], held_out
 
 
-def log_metrics(out: Path, record: dict):
-    with open(out / METRICS_FILE, "a") as f:
-        f.write(json.dumps(record) + "\n")
+def log_metrics(out: Path, record: dict, rank=0):
+    if rank == 0:
+        with open(out / METRICS_FILE, "a") as f:
+            f.write(json.dumps(record) + "\n")
 
 
 def keep_metrics_up_to(out: Path, step: int):
@@ -582,11 +651,18 @@ def keep_metrics_up_to(out: Path, step: int):
     write_atomic(path, lambda tmp: tmp.write_text("".join(kept)))
 
 
-def start_run(args) -> tuple:
+def start_run(args, rank: int, world: int, device) -> tuple:
     """-> (run settings, model with LoRA, its LoRA parameters, AdamW, training and validation samples,
     step), the run folder set up (fresh) or read back (--resume)."""
     run = check_out(args)
-    out, device = Path(args.out), pick_device(args.device)
+    out = Path(args.out)
+    if world > 1:
+        dist.barrier()  # every process has checked --out before rank 0 writes in it
+    if args.resume and run["grad_accum"] % world:
+        raise UserError(f"--resume: {out} has {run['grad_accum']} micro-batch(es) per step, which {world}"
+                        " processes cannot share: resume on a number of processes that divides it")
+    if not args.resume:
+        run["grad_accum"] *= world  # run.json: micro-batches per step over all processes
     model = dualAR.load(run["checkpoint"], device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     samples = load_samples(Path(args.data_dir), model, args.strict, run["max_length"])
     names = [name for name, _, _ in samples]
@@ -596,74 +672,91 @@ def start_run(args) -> tuple:
     train_set, val_set = split(samples, run["val_size"], run["seed"])
     torch.manual_seed(run["seed"])
     params = add_lora(model, run["rank"], run["alpha"], run["dropout"])
+    if rank > 0:
+        torch.manual_seed(run["seed"] + rank)  # its own dropout draws
     optimizer = torch.optim.AdamW(params, lr=run["lr"], betas=BETAS, eps=EPS, weight_decay=0.0)
-    out.mkdir(parents=True, exist_ok=True)
     if args.resume:
-        step = load_state(out, model, optimizer)
-        keep_metrics_up_to(out, step)
+        step = load_state(out, model, optimizer, run["seed"], rank, world)
+        if rank == 0:
+            keep_metrics_up_to(out, step)
     else:
         step = 0
         run.update(samples=names, checkpoint=str(run["checkpoint"]))
-        write_atomic(out / RUN_FILE, lambda tmp: tmp.write_text(json.dumps(run, indent=1)))
-        save_state(out, model, optimizer, step)  # resumable from the start
+        if rank == 0:
+            out.mkdir(parents=True, exist_ok=True)
+        save_state(out, model, optimizer, step, rank)  # resumable from the start
+        if rank == 0:  # last: a folder with run.json has a checkpoint
+            write_atomic(out / RUN_FILE, lambda tmp: tmp.write_text(json.dumps(run, indent=1)))
     n_params = sum(p.numel() for p in params) / 1e6
-    print(f"{len(train_set)} training + {len(val_set)} validation samples, {n_params:.2f} M LoRA parameters"
-          f" (rank {run['rank']}), {device}", file=sys.stderr)
+    if rank == 0:
+        print(f"{len(train_set)} training + {len(val_set)} validation samples, {n_params:.2f} M LoRA"
+              f" parameters (rank {run['rank']}), {world} x {device}", file=sys.stderr)
     return run, model.train(), params, optimizer, train_set, val_set, step
 
 
-def optimizer_step(model, params, optimizer, run: dict, train_set: list, step: int) -> tuple:
-    """Optimizer step `step` (0-based): grad_accum micro-batches -> (mean loss, lr, real tokens seen)."""
+def optimizer_step(loss_module, params, optimizer, run: dict, train_set: list, step: int, rank=0,
+                   world=1) -> tuple:
+    """Optimizer step `step` (0-based) over grad_accum micro-batches, this process's being every world-th
+    -> (mean loss, lr, real tokens seen) over all processes."""
     device = params[0].device
     lr = lr_at(step, run["lr"], run["warmup"])
     for group in optimizer.param_groups:
         group["lr"] = lr
-    loss, tokens = 0.0, 0
-    for micro in range(run["grad_accum"]):
-        k = step * run["grad_accum"] + micro
-        batch = [train_set[i] for i in batch_indices(len(train_set), run["batch_size"], run["seed"], k)]
-        inputs, labels, padding = make_batch(model, [(text, codes) for _, text, codes in batch])
-        with autocast(device):
-            result = training_loss(model, inputs.to(device), labels.to(device),
-                                   checkpointing=run["checkpointing"])
-        (result["loss"] / run["grad_accum"]).backward()
+    loss, tokens, accum = 0.0, 0, run["grad_accum"] // world
+    for micro in range(accum):
+        k = (step * accum + micro) * world + rank
+        batch = [train_set[i][1:] for i in batch_indices(len(train_set), run["batch_size"], run["seed"], k)]
+        inputs, labels, padding = collate(batch)
+        # DDP averages the processes' gradients once per step: 1/grad_accum per micro-batch, as in one process
+        with loss_module.no_sync() if world > 1 and micro < accum - 1 else nullcontext():
+            with autocast(device):
+                result = loss_module(inputs.to(device), labels.to(device))
+            (result["loss"] / accum).backward()
         loss += result["loss"].item() / run["grad_accum"]
         tokens += int((~padding).sum())
+    loss, tokens = sum_over_processes([loss, tokens], device)
     torch.nn.utils.clip_grad_norm_(params, CLIP)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss, lr, tokens
+    return loss, lr, int(tokens)
 
 
 def train(args):
-    run, model, params, optimizer, train_set, val_set, step = start_run(args)
-    out, device, first_step = Path(args.out), params[0].device, step
-    vals = []
-    if not args.resume and val_set:
-        vals.append(validation_loss(model, val_set, run["batch_size"], device))
-        log_metrics(out, dict(step=0, val_loss=vals[-1]))
-    losses, tokens, start = [], 0, time.perf_counter()
-    bar = tqdm(total=args.max_steps, initial=step, unit="step", desc="train")
+    rank, world, device = join_processes(pick_device(args.device))
+    run, model, params, optimizer, train_set, val_set, step = start_run(args, rank, world, device)
+    loss_module = TrainingLoss(model, run["checkpointing"])
+    if world > 1:  # only the LoRA parameters require gradients: only they are all-reduced
+        ids = [device] if device.type == "cuda" else None
+        loss_module = DistributedDataParallel(loss_module, device_ids=ids, forward_sync_buffers=False)
+    out, first_step, vals, losses, tokens = Path(args.out), step, [], [], 0
+    bar = tqdm(total=args.max_steps, initial=step, unit="step", desc="train", disable=rank > 0)
     try:
+        if not args.resume and val_set:
+            vals.append(validation_loss(model, val_set, run["batch_size"], device, rank, world))
+            log_metrics(out, dict(step=0, val_loss=vals[-1]), rank)
+        start = time.perf_counter()
         while step < args.max_steps:
             t0 = time.perf_counter()
-            loss, lr, n = optimizer_step(model, params, optimizer, run, train_set, step)
+            loss, lr, n = optimizer_step(loss_module, params, optimizer, run, train_set, step, rank, world)
             step, tokens = step + 1, tokens + n
             losses.append(loss)
-            log_metrics(out, dict(step=step, loss=loss, lr=lr))
+            log_metrics(out, dict(step=step, loss=loss, lr=lr), rank)
             bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", s_step=f"{time.perf_counter() - t0:.2f}")
             bar.update()
             if val_set and (step % args.val_every == 0 or step == args.max_steps):
-                vals.append(validation_loss(model, val_set, run["batch_size"], device))
-                log_metrics(out, dict(step=step, val_loss=vals[-1]))
-                bar.write(f"step {step}: val_loss {vals[-1]:.4f}")
+                vals.append(validation_loss(model, val_set, run["batch_size"], device, rank, world))
+                log_metrics(out, dict(step=step, val_loss=vals[-1]), rank)
+                if rank == 0:
+                    bar.write(f"step {step}: val_loss {vals[-1]:.4f}")
             if step % args.save_every == 0 or step == args.max_steps:
-                save_state(out, model, optimizer, step)
+                save_state(out, model, optimizer, step, rank)
     except KeyboardInterrupt:
         bar.close()
         raise UserError(f"interrupted at step {step}: continue from the last checkpoint with --resume") \
             from None
     bar.close()
+    if rank > 0:
+        return
     if not losses:
         print(f"{out} is already at step {step} (--max-steps {args.max_steps}): nothing to do")
         return
@@ -817,7 +910,8 @@ def parse_args(argv=None):
     t.add_argument("--out", required=True,
                    help="run folder: run.json, metrics.jsonl, lora.safetensors, state.pt")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint"
-                   " (its stored settings: only --max-steps, --val-every and --save-every may change)")
+                   " (its stored settings: only --max-steps, --val-every and --save-every may change), on"
+                   " any number of processes that divides its micro-batches per step")
     t.add_argument("--rank", type=int, default=RANK, help=f"LoRA rank (default {RANK})")
     t.add_argument("--alpha", type=float, default=ALPHA,
                    help=f"LoRA alpha, scaling alpha/rank (default {ALPHA})")
@@ -825,7 +919,8 @@ def parse_args(argv=None):
     t.add_argument("--lr", type=float, default=LR, help=f"AdamW learning rate (default {LR})")
     t.add_argument("--warmup", type=int, default=WARMUP, help=f"linear warm-up steps (default {WARMUP})")
     t.add_argument("--batch-size", type=int, default=4, help="samples per micro-batch (default 4)")
-    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (default 1)")
+    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step and process"
+                   " (default 1): N processes with G see what one process with N*G sees")
     t.add_argument("--max-steps", type=int, default=1000, help="optimizer steps in all (default 1000)")
     t.add_argument("--max-length", type=int, default=4096,
                    help="skip samples longer than this many tokens (default 4096, upstream's)")
@@ -877,7 +972,11 @@ def check_args(args):
 def main(argv=None):
     args = parse_args(argv)
     check_args(args)
-    args.run(args)
+    try:
+        args.run(args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ See tests/fixtures/s2-tiny/README.md, section LoRA, for what each golden is and 
 import json
 import math
 import os
+import socket
 import stat
 import subprocess
 import sys
@@ -287,6 +288,148 @@ def test_batches_visit_every_training_sample_once_per_epoch():
     assert batches[:3] != batches[3:]  # a new order each epoch
 
 
+class Crash(Exception):
+    """A crash (power cut, kill -9) while a file is being written."""
+
+
+@pytest.mark.parametrize("file", [train_lora.STATE_FILE, train_lora.RUN_FILE])
+def test_a_crash_while_the_run_starts_leaves_a_folder_the_same_command_accepts(tmp_path, monkeypatch, file):
+    data = write_codes_data(tmp_path / "data")
+    write_atomic = train_lora.write_atomic
+
+    def crash_at(path, write):
+        if path.name == file:
+            raise Crash
+        write_atomic(path, write)
+
+    monkeypatch.setattr(train_lora, "write_atomic", crash_at)
+    with pytest.raises(Crash):
+        train(data, tmp_path / "run", "--max-steps", "1")
+    monkeypatch.undo()
+    train(data, tmp_path / "run", "--max-steps", "1")
+    assert [r["step"] for r in metrics(tmp_path / "run") if "loss" in r] == [1]
+
+
+def test_samples_are_tokenized_once_per_run(tmp_path, monkeypatch):
+    calls = []
+    sample_tokens = train_lora.sample_tokens
+    monkeypatch.setattr(train_lora, "sample_tokens", lambda *a: calls.append(a[1]) or sample_tokens(*a))
+    train(write_codes_data(tmp_path / "data"), tmp_path / "run", "--max-steps", "3", "--val-every", "1")
+    assert sorted(calls) == sorted(TEXTS)  # 6 samples, each once, for 3 steps and 4 validations
+
+
+def test_validation_loss_is_the_loss_of_the_whole_held_out_set_as_one_batch(tmp_path):
+    """3 held-out samples of 3 lengths in batches of 2 and 1: a mean of the two batch means would weigh
+    the third sample as much as the first two."""
+    data = write_codes_data(tmp_path / "data")
+    train(data, tmp_path / "run", "--max-steps", "1", "--val-size", "3")
+    names = json.loads((tmp_path / "run/run.json").read_text())["samples"]
+    held_out = [name for name, in train_lora.split([(n,) for n in names], 3, seed=42)[1]]
+    model = dualAR.load(CKPT)
+    torch.manual_seed(42)
+    train_lora.add_lora(model)  # the run's LoRA at step 0
+    samples = [((data / f"{n}.lab").read_text(), torch.from_numpy(np.load(data / f"{n}.npy")))
+               for n in held_out]
+    inputs, labels, _ = train_lora.make_batch(model, samples)
+    with torch.no_grad():
+        whole = train_lora.training_loss(model.eval(), inputs, labels)["loss"].item()
+    assert metrics(tmp_path / "run")[0] == dict(step=0, val_loss=pytest.approx(whole, rel=1e-6))
+
+
+def test_ctrl_c_during_the_first_validation_is_a_one_line_error(tmp_path, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(train_lora, "validation_loss", interrupted)
+    with pytest.raises(UserError, match="^interrupted at step 0: continue from the last checkpoint with"):
+        train(write_codes_data(tmp_path / "data"), tmp_path / "run", "--max-steps", "1")
+
+
+# ----------------------------------------------------------------------------- several processes (torchrun)
+def torchrun(*argv, processes=2, ok=True) -> subprocess.CompletedProcess:
+    """python -m torch.distributed.run (= torchrun) train_lora.py *argv on `processes` CPU processes (gloo),
+    one thread each."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(processes),
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", str(ROOT / "train_lora.py"),
+               *argv]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert run.returncode == 0 or not ok, run.stderr[-3000:]
+    return run
+
+
+def torchrun_train(data, out, *extra, ok=True) -> subprocess.CompletedProcess:
+    return torchrun("train", str(data), "--checkpoint", str(CKPT), "--out", str(out), "--batch-size", "2",
+                    "--val-size", "2", *extra, ok=ok)
+
+
+def train_steps(run: Path) -> list:
+    return [r for r in metrics(run) if "loss" in r]
+
+
+def test_two_processes_train_as_one_process_with_twice_the_micro_batches(tmp_path):
+    """2 processes x --grad-accum 2 = 1 process x --grad-accum 4: the same micro-batches, each loss
+    divided by its own tokens and by 4 in all. Only the order of the fp32 gradient sums differs: measured
+    max |difference| of the LoRA weights after 4 steps 1.2e-7 (with --grad-accum 1: bit-identical)."""
+    data = write_codes_data(tmp_path / "data")
+    common = ["--max-steps", "4", "--lr", "1e-2", "--dropout", "0", "--val-every", "2"]
+    stdout = torchrun_train(data, tmp_path / "two", "--grad-accum", "2", *common).stdout
+    train(data, tmp_path / "one", "--grad-accum", "4", *common)
+    two, one = load_file(tmp_path / "two/lora.safetensors"), load_file(tmp_path / "one/lora.safetensors")
+    assert sorted(two) == sorted(one) and len(two) == 38
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], rtol=0, atol=1e-6, msg=key)
+    steps = train_steps(tmp_path / "two")  # rank 0 alone writes: each step once
+    assert [r["step"] for r in steps] == [1, 2, 3, 4] and stdout.count(" steps/s") == 1
+    for got, want in zip(steps, train_steps(tmp_path / "one")):
+        assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
+    vals = {r["step"]: r["val_loss"] for r in metrics(tmp_path / "two") if "val_loss" in r}
+    assert sorted(vals) == [0, 2, 4] and vals[4] < vals[0] - 0.5  # measured: 22.37 -> 21.05
+    assert json.loads((tmp_path / "two/run.json").read_text())["grad_accum"] == 4
+
+
+def test_resume_under_torchrun_continues_bit_for_bit(tmp_path):
+    """Dropout on: each process's random state is in the checkpoint."""
+    data = write_codes_data(tmp_path / "data")
+    common = ["--save-every", "2", "--val-every", "2", "--lr", "1e-3"]
+    torchrun_train(data, tmp_path / "straight", "--max-steps", "4", *common)
+    torchrun_train(data, tmp_path / "resumed", "--max-steps", "2", *common)
+    torchrun_train(data, tmp_path / "resumed", "--max-steps", "4", "--resume", *common)
+    straight = load_file(tmp_path / "straight/lora.safetensors")
+    resumed = load_file(tmp_path / "resumed/lora.safetensors")
+    for key in straight:
+        assert torch.equal(straight[key], resumed[key]), key
+    assert metrics(tmp_path / "straight") == metrics(tmp_path / "resumed")
+
+
+def test_a_two_process_run_resumes_on_one_process_with_the_same_batches(tmp_path, capsys):
+    """run.json stores micro-batches per step over all processes (2 here): one process then runs both.
+    Without dropout and with one micro-batch per process the gradient sums agree bit for bit."""
+    data = write_codes_data(tmp_path / "data")
+    common = ["--lr", "1e-2", "--dropout", "0", "--save-every", "2", "--val-every", "2"]
+    torchrun_train(data, tmp_path / "run", "--max-steps", "2", *common)
+    train(data, tmp_path / "run", "--max-steps", "4", "--resume", *common)
+    assert "was saved by 2 process(es), resumed by 1" in capsys.readouterr().err
+    train(data, tmp_path / "one", "--max-steps", "4", "--grad-accum", "2", *common)
+    resumed, one = load_file(tmp_path / "run/lora.safetensors"), load_file(tmp_path / "one/lora.safetensors")
+    for key in one:
+        assert torch.equal(resumed[key], one[key]), key
+    assert train_steps(tmp_path / "run") == train_steps(tmp_path / "one")
+
+
+def test_resume_on_processes_that_cannot_share_a_step_is_a_one_line_error(tmp_path):
+    data = write_codes_data(tmp_path / "data")
+    train(data, tmp_path / "run", "--max-steps", "1")  # one micro-batch per step
+    before = tree(tmp_path / "run")
+    run = torchrun_train(data, tmp_path / "run", "--max-steps", "2", "--resume", ok=False)
+    assert run.returncode != 0
+    assert "has 1 micro-batch(es) per step, which 2 processes cannot share: resume on" in run.stderr
+    assert tree(tmp_path / "run") == before
+
+
 # ----------------------------------------------------------------------------- prepare
 def test_prepare_encodes_each_audio_once_next_to_it(tmp_path, capsys):
     data = tmp_path / "data"
@@ -309,6 +452,19 @@ def test_prepare_encodes_each_audio_once_next_to_it(tmp_path, capsys):
     train_lora.main(["prepare", str(data), "--checkpoint", str(CKPT)])
     assert "1 encoded" in capsys.readouterr().out
     assert np.load(data / "alice/a.npy").shape == (10, math.ceil(0.5 * 44100 / 2048))
+
+
+def test_prepare_under_torchrun_shares_the_files_between_the_processes(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for i in range(3):
+        write_audio(data / f"a{i}.wav", seconds=0.2 + 0.1 * i)
+    stdout = torchrun("prepare", str(data), "--checkpoint", str(CKPT)).stdout
+    assert stdout.count("prepared 3 of 3 audio files") == 1 and ": 3 encoded in" in stdout
+    dac = codec.load(CKPT)
+    for i in range(3):
+        want = codec.encode(dac, codec.load_audio(data / f"a{i}.wav"))[0].numpy()
+        assert np.array_equal(np.load(data / f"a{i}.npy"), want)
 
 
 def test_audio_without_transcript_is_listed_and_skipped(tmp_path, capsys):

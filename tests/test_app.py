@@ -5,8 +5,10 @@ import http.client
 import io
 import json
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -28,6 +30,8 @@ CHECKPOINT = FIXTURES / "checkpoint"
 CLIP = FIXTURES / "golden" / "audio_in.wav"
 TEXT = "Hello from the server test."
 SPEECH = "/v1/audio/speech"
+MSGPACK = "application/msgpack"
+FOREIGN = "http://localhost:9"  # a page of another site than the server's 127.0.0.1
 CLIP_B64 = base64.b64encode(CLIP.read_bytes()).decode()
 
 
@@ -63,9 +67,9 @@ def server(root):
 
 @pytest.fixture(scope="module")
 def locked(tmp_path_factory):
-    """One slot, a queue of one, an API key."""
+    """One slot, a queue of one, an API key, pages of one other origin allowed."""
     server = start_server(tmp_path_factory.mktemp("locked"), "--slots", "1", "--queue", "1",
-                          "--api-key", "secret")
+                          "--api-key", "secret", "--allow-origin", FOREIGN)
     yield server
     stop_server(server)
 
@@ -316,6 +320,15 @@ BAD = [
         ("top_k", 1e30), ("top_k", 10**30), ("temperature", 10**400), ("seed", 10**400),
         ("speed", 1.5), ("speed", "fast"), ("response_format", "aac"), ("stream_format", "chunks")]],
     ("POST", SPEECH, b"{", 400),
+    ("POST", SPEECH, b"[" * 100_000 + b"]" * 100_000, 400),  # deeper than Python's recursion limit
+    ("POST", SPEECH, b'{"input": "hi", "temperature": ' + b"[" * 900 + b"]" * 900 + b"}", 400),
+    ("POST", SPEECH, dict(input="hi", instructions="Speak cheerfully."), 400),
+    ("POST", "/v1/tts", dict(text="hi", streaming=True, format="mp3"), 400),
+    ("POST", "/v1/tts", dict(text="hi", streaming=True, format="pcm"), 400),
+    ("POST", "/v1/tts", ("application/msgpack", b"\xc1"), 400),
+    ("POST", "/v1/tts", ("application/msgpack", b"\x91\x01"), 400),
+    ("POST", "/v1/tts", ("application/msgpack", b"\x91" * 100_000 + b"\x01"), 400),
+    ("POST", "/v1/tts", ("application/msgpack", b"\x81\xa4text\x05"), 400),
     ("POST", SPEECH, b"[1, 2]", 400),
     ("POST", SPEECH, b'{"input": "hi", "temperature": NaN}', 400),
     ("POST", SPEECH, b'{"input": "\xff"}', 400),
@@ -344,6 +357,7 @@ BAD = [
     ("DELETE", "/v1/audio/voices/", None, 400),
     ("DELETE", "/v1/audio/voices/nobody", None, 404),
     ("GET", "/nope", None, 404),
+    ("OPTIONS", "/nope", None, 404),
     ("GET", "/v1/audio/speech/x", None, 404),
     ("GET", SPEECH, None, 405),
     ("DELETE", "/v1/audio/voices", None, 405),
@@ -359,7 +373,8 @@ def tree(folder: Path) -> list:
 
 @pytest.mark.parametrize("method, path, body, status", BAD,
                          ids=[f"{i}-{method}-{path}" for i, (method, path, *_) in enumerate(BAD)])
-def test_bad_input_gets_its_4xx_and_json_error_and_changes_no_file(server, root, method, path, body, status):
+def test_bad_input_gets_its_4xx_and_json_error_and_changes_no_file(server, root, method, path, body, status,
+                                                                   capfd):
     content_type = "application/json"
     if isinstance(body, tuple):
         content_type, body = body
@@ -372,6 +387,7 @@ def test_bad_input_gets_its_4xx_and_json_error_and_changes_no_file(server, root,
     assert not list(Path("/tmp").glob("fishfast-evil*")) and not list(Path("/").glob("evil*"))
     if status == 405:
         assert headers["Allow"]
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def raw_request(server, path: str, headers: dict, body: bytes):
@@ -404,6 +420,120 @@ def test_an_upload_that_expects_100_continue_still_gets_its_error(server, root):
     assert tree(root.parent) == before
 
 
+# ----------------------------------------------------------------------------- other sites' pages
+def test_a_cross_site_form_post_is_refused_and_writes_nothing(server, root):
+    content_type, form = multipart(dict(name="evil", text="x", audio=CLIP.read_bytes()))
+    before = tree(root.parent)
+    for headers in ({"Origin": FOREIGN}, {"Origin": "null"}, {"Sec-Fetch-Site": "cross-site"},
+                    {"Origin": "http://127.0.0.1:1", "Sec-Fetch-Site": "same-site"}):
+        status, response_headers, body = call(server, "POST", "/v1/audio/voices", form, headers, content_type)
+        assert status == 403 and "--allow-origin" in json.loads(body)["error"]["message"], headers
+        assert "Access-Control-Allow-Origin" not in response_headers
+    assert tree(root.parent) == before
+    own = {"Origin": "http://%s:%d" % server.server_address[:2], "Sec-Fetch-Site": "same-origin"}
+    assert call(server, "POST", "/v1/tts", dict(text=TEXT, max_new_tokens=4), own)[0] == 200  # our own page
+
+
+def test_an_allowed_origin_gets_cors_headers_and_its_preflight(locked):
+    ask = {"Origin": FOREIGN, "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization,content-type"}
+    status, headers, body = call(locked, "OPTIONS", SPEECH, headers=ask)  # a preflight carries no key
+    assert status == 204 and body == b"" and headers["Access-Control-Allow-Origin"] == FOREIGN
+    assert "POST" in headers["Access-Control-Allow-Methods"]
+    assert headers["Access-Control-Allow-Headers"] == "authorization,content-type"
+    key = {"Origin": FOREIGN, "Authorization": "Bearer secret"}
+    status, headers, _ = call(locked, "POST", "/v1/tts", dict(text=TEXT, max_new_tokens=4), key)
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == FOREIGN and headers["Vary"] == "Origin"
+    status, headers, _ = call(locked, "POST", SPEECH, dict(input="hi"), {"Origin": FOREIGN})
+    assert status == 401 and headers["Access-Control-Allow-Origin"] == FOREIGN  # its page can read why
+    other = {"Origin": "http://evil.example", "Authorization": "Bearer secret"}
+    status, headers, _ = call(locked, "POST", "/v1/tts", dict(text=TEXT, max_new_tokens=4), other)
+    assert status == 403 and "Access-Control-Allow-Origin" not in headers
+    status, headers, _ = call(locked, "OPTIONS", SPEECH, headers=dict(ask, Origin="http://evil.example"))
+    assert status == 204 and "Access-Control-Allow-Origin" not in headers
+
+
+# ----------------------------------------------------------------------------- upstream's clients
+def upstream_request(**fields) -> dict:
+    """ServeTTSRequest with every field, as upstream's tools/api_client.py packs it (its defaults)."""
+    return dict(dict(text=TEXT, chunk_length=200, format="wav", latency="normal", references=[],
+                     reference_id=None, seed=None, use_memory_cache="off", normalize=True, streaming=False,
+                     max_new_tokens=1024, top_p=0.8, repetition_penalty=1.1, temperature=0.8), **fields)
+
+
+def test_upstream_msgpack_request_gives_the_json_requests_audio(server, monkeypatch):
+    msgpack = pytest.importorskip("msgpack")
+    clip = dict(audio=CLIP.read_bytes(), text="The reference clip says this.")  # ServeReferenceAudio
+    request = upstream_request(references=[clip], seed=21, max_new_tokens=12)
+    headers = {"authorization": "Bearer YOUR_API_KEY"}  # the client's default; no key on this server
+    status, response_headers, audio = call(server, "POST", "/v1/tts?format=msgpack", msgpack.packb(request),
+                                           headers, MSGPACK)
+    assert status == 200 and response_headers["Content-Type"] == "audio/wav" and len(audio) > 44
+    as_json = dict(request, references=[dict(clip, audio=CLIP_B64)])
+    assert call(server, "POST", "/v1/tts", as_json)[2] == audio
+    no_effect = dict(as_json, repetition_penalty=1.9, normalize=False, latency="balanced",
+                     use_memory_cache="on")
+    assert call(server, "POST", "/v1/tts", no_effect)[2] == audio
+    streamed = call(server, "POST", "/v1/tts", dict(as_json, streaming=True))[2]
+    assert_close_pcm(wav_samples(streamed), wav_samples(audio))
+    monkeypatch.setattr(app, "MSGPACK", None)
+    status, _, body = call(server, "POST", "/v1/tts", msgpack.packb(request), content_type=MSGPACK)
+    assert status == 415 and "pip install ormsgpack" in json.loads(body)["error"]["message"]
+
+
+@pytest.mark.parametrize("field, value, kind", [
+    ("temperature", 1.5, "less_than_equal"), ("top_p", 0.05, "greater_than_equal"),
+    ("repetition_penalty", 2.5, "less_than_equal"), ("repetition_penalty", "1.2", "float_type"),
+    ("temperature", True, "float_type"), ("temperature", None, "float_type"),
+    ("latency", "low", "literal_error"),
+    ("use_memory_cache", "yes", "literal_error"), ("format", "aac", "literal_error")])
+def test_upstream_schema_ranges_are_a_422_in_pydantics_shape(server, field, value, kind):
+    status, _, body = call(server, "POST", "/v1/tts", {"text": "hi", field: value})
+    [error] = json.loads(body)
+    assert status == 422 and error["type"] == kind and error["loc"] == [field] and error["in"] == "body"
+    assert error["input"] == value and error["msg"].startswith("Input should be")
+
+
+def test_upstream_references_and_vqgan_routes(server, root, ref):
+    msgpack = pytest.importorskip("msgpack")
+    as_json = {"Accept": "application/json"}
+    content_type, form = multipart(dict(id="up voice", text="What the clip says.", audio=CLIP.read_bytes()))
+    status, headers, body = call(server, "POST", "/v1/references/add", form, content_type=content_type)
+    assert status == 200 and headers["Content-Type"] == "application/msgpack"  # upstream's default
+    assert msgpack.unpackb(body)["success"] is True and msgpack.unpackb(body)["reference_id"] == "up voice"
+    status, _, body = call(server, "POST", "/v1/references/add", form, as_json, content_type)
+    assert status == 409 and json.loads(body)["success"] is False
+    listed = json.loads(call(server, "GET", "/v1/references/list", headers=as_json)[2])["reference_ids"]
+    assert {"up voice", "keep"} <= set(listed)
+    assert listed == json.loads(call(server, "GET", "/v1/audio/voices")[2])["voices"]  # the same voices
+    rename = dict(old_reference_id="up voice", new_reference_id="up renamed")
+    assert call(server, "POST", "/v1/references/update", rename, as_json)[0] == 200
+    assert call(server, "POST", "/v1/references/update", rename, as_json)[0] == 404
+    taken = dict(old_reference_id="up renamed", new_reference_id="keep")
+    assert call(server, "POST", "/v1/references/update", taken, as_json)[0] == 409
+    delete = msgpack.packb(dict(reference_id="up renamed"))
+    assert call(server, "DELETE", "/v1/references/delete", delete, content_type=MSGPACK)[0] == 200
+    status, _, body = call(server, "DELETE", "/v1/references/delete", delete, content_type=MSGPACK)
+    assert status == 404 and msgpack.unpackb(body)["success"] is False
+    status, _, body = call(server, "DELETE", "/v1/references/delete", dict(reference_id="../keep"), as_json)
+    assert status == 400 and json.loads(body) == dict(success=False, reference_id="../keep",
+                                                      message=json.loads(body)["message"])
+    assert not list((root / "prompt").glob("up *")) and (root / "prompt" / "keep.txt").is_file()
+
+    encode = msgpack.packb(dict(audios=[CLIP.read_bytes()]))
+    tokens = msgpack.unpackb(call(server, "POST", "/v1/vqgan/encode", encode, content_type=MSGPACK)[2])
+    assert torch.equal(torch.tensor(tokens["tokens"][0]), clip_codes(ref))
+    decode = msgpack.packb(tokens)
+    audios = msgpack.unpackb(call(server, "POST", "/v1/vqgan/decode", decode, content_type=MSGPACK)[2])
+    wave = np.frombuffer(audios["audios"][0], "<f2").astype(np.float32)
+    assert np.abs(wave - codec.decode(ref[1], clip_codes(ref))[0].numpy()).max() < 2e-3  # float16 samples
+    for path, body in (("/v1/vqgan/decode", dict(tokens=[[[1, 2]]])), ("/v1/vqgan/decode", dict(tokens="x")),
+                       ("/v1/vqgan/encode", dict(audios=[b64(b"not audio")])),
+                       ("/v1/vqgan/encode", dict(audios=[]))):
+        status, _, data = call(server, "POST", path, body, as_json)
+        assert status == 400 and json.loads(data)["error"]["message"]
+
+
 # ----------------------------------------------------------------------------- serving
 def test_health_models_and_page(server):
     info = health(server)
@@ -415,11 +545,20 @@ def test_health_models_and_page(server):
     assert status == 200 and headers["Content-Type"].startswith("text/html")
     assert b"<script>" in page and b"http" not in page.split(b"<script>")[1]  # no CDN: works offline
     assert b"NOISE" not in page
+    assert b'<link rel="icon" href="data:' in page  # no favicon request, no 404
     conn = http.client.HTTPConnection(*server.server_address[:2], timeout=30)
-    for method, status in (("GET", 200), ("GET", 200), ("OPTIONS", 501)):  # one kept-alive connection
-        conn.request(method, "/health")
-        response = conn.getresponse()
-        assert response.status == status and json.loads(response.read())
+    for path in ("/", "/health", "/v1/models", "/v1/audio/voices", "/v1/references/list", "/v1/health"):
+        for method in ("GET", "HEAD", "OPTIONS"):  # one kept-alive connection
+            conn.request(method, path)
+            response = conn.getresponse()
+            body = response.read()
+            assert response.status == dict(GET=200, HEAD=200, OPTIONS=204)[method], (method, path)
+            if method == "GET":
+                length = response.headers["Content-Length"]
+            elif method == "HEAD":
+                assert body == b"" and response.headers["Content-Length"] == length
+            else:
+                assert body == b"" and {"GET", "HEAD"} <= set(response.headers["Allow"].split(", "))
     conn.close()
 
 

@@ -629,6 +629,137 @@ def test_demo_model_says_it_is_noise(tmp_path, monkeypatch):
     assert not Path(demo.demo_dir).exists()
 
 
+def raw_exchange(server, request: bytes, close="half") -> bytes:
+    """Send `request` on a socket, then half-close it (shutdown SHUT_WR, as some clients and proxies do) and
+    read the whole answer, or close it at once (close="full") -> the bytes read."""
+    with socket.create_connection(server.server_address[:2], timeout=60) as sock:
+        sock.sendall(request)
+        if close == "full":
+            return b""
+        sock.shutdown(socket.SHUT_WR)
+        answer = b""
+        for data in iter(lambda: sock.recv(65536), b""):
+            answer += data
+        return answer
+
+
+def post_bytes(path: str, body: dict, length=None) -> bytes:
+    data = json.dumps(body).encode()
+    return (f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length or len(data)}\r\n\r\n").encode() + data
+
+
+@pytest.mark.parametrize("fmt", ["wav", "flac"])
+def test_a_half_closed_client_gets_its_whole_answer(server, ref, fmt):
+    answer = raw_exchange(server, post_bytes(SPEECH, dict(input=TEXT, seed=14, max_new_tokens=12,
+                                                          response_format=fmt)))
+    response = http.client.HTTPResponse(FakeSocket(answer))
+    response.begin()
+    assert response.status == 200
+    assert_close_pcm(wav_samples(response.read()) if fmt == "wav" else
+                     sf.read(io.BytesIO(response.read()), dtype="int16")[0],
+                     expected_pcm(ref, seed=14, max_new_tokens=12))
+
+
+class FakeSocket:
+    """Bytes already read, for http.client.HTTPResponse to parse (chunked transfer included)."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def makefile(self, mode):
+        return io.BytesIO(self.data)
+
+
+def test_a_body_shorter_than_its_length_gets_a_400_and_a_gone_client_no_traceback(server, capfd):
+    answer = raw_exchange(server, post_bytes(SPEECH, dict(input=TEXT), length=500))
+    assert answer.startswith(b"HTTP/1.1 400") and b"Content-Length" in answer.split(b"\r\n\r\n")[1]
+    for _ in range(5):
+        raw_exchange(server, post_bytes(SPEECH, dict(input=TEXT), length=500), close="full")
+        raw_exchange(server, post_bytes(SPEECH, dict(input=TEXT, max_new_tokens=4)), close="full")
+    wait_for(lambda: health(server)["busy"] == 0, 10, "the requests to end")
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_hundred_clients_connecting_at_once_are_all_served(server):
+    results, start = [None] * 100, threading.Barrier(100)
+
+    def client(i):
+        start.wait()
+        began = time.perf_counter()
+        status = call(server, "GET", "/health")[0]
+        results[i] = status, time.perf_counter() - began
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(100)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [status for status, _ in results] == [200] * 100
+    times = sorted(seconds for _, seconds in results)
+    print(f"\n100 concurrent connects to /health: median {times[50] * 1000:.0f} ms, slowest"
+          f" {times[-1] * 1000:.0f} ms, {sum(t >= 1 for t in times)} took 1 s or more")
+
+
+def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
+    """docker stop and systemd send SIGTERM: the demo checkpoint in /tmp goes, as with Ctrl-C."""
+    command = [sys.executable, str(Path(app.__file__).resolve()), "--device", "cpu", "--port", "0"]
+    server = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    try:
+        line = server.stdout.readline()
+        url = line.split("-> ")[1].strip()
+        with urllib.request.urlopen(url + "/health", timeout=60) as response:
+            checkpoint = Path(json.loads(response.read())["checkpoint"])
+        assert checkpoint.is_dir()
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(60) == 0
+    finally:
+        server.kill()
+    assert not checkpoint.exists() and "Traceback" not in server.stderr.read()
+
+
+# ----------------------------------------------------------------------------- OpenAI's client
+def test_openai_client_builtin_voices_instructions_and_every_format(server, ref, root, monkeypatch):
+    openai = pytest.importorskip("openai")
+    url = "http://%s:%d/v1" % server.server_address[:2]
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+    speech, extra = client.audio.speech, dict(seed=31, max_new_tokens=8)
+    want = expected_pcm(ref, seed=31, max_new_tokens=8)
+    alloy = speech.create(model="tts-1", voice="alloy", input=TEXT, response_format="wav", extra_body=extra)
+    assert_close_pcm(wav_samples(alloy.content), want)  # a built-in name: plain text-to-speech
+    with pytest.raises(openai.BadRequestError, match="inline tags"):
+        speech.create(model="tts-1", voice="alloy", input=TEXT, instructions="Speak cheerfully.")
+    for fmt in ("mp3", "opus", "aac", "flac", "wav", "pcm"):
+        if fmt not in app.FORMATS:  # aac; mp3 and opus where soundfile cannot write them
+            with pytest.raises(openai.BadRequestError, match="not supported here"):
+                speech.create(model="tts-1", voice="alloy", input=TEXT, response_format=fmt, extra_body=extra)
+            continue
+        audio = speech.create(model="tts-1", voice="alloy", input=TEXT, response_format=fmt, extra_body=extra)
+        if fmt in ("wav", "pcm", "flac"):
+            got = np.frombuffer(audio.content, "<i2") if fmt == "pcm" else wav_samples(audio.content)
+            assert_close_pcm(got, want)
+        else:
+            seconds = len(sf.read(io.BytesIO(audio.content))[0]) / app.SOUNDFILE_FORMATS[fmt][2]
+            assert abs(seconds - len(want) / 44100) < 0.1, fmt
+    with speech.with_streaming_response.create(model="tts-1", voice="alloy", input=TEXT,
+                                               response_format="wav", stream_format="sse",
+                                               extra_body=extra) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "speech.audio.done" and events[-1]["usage"]["output_tokens"] == 7
+    audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    assert_close_pcm(wav_samples(audio), want)
+    monkeypatch.setattr(server.app, "default_voice", "keep")
+    assert server.app.builtin_voice("alloy") == "keep" and server.app.builtin_voice("me") == "me"
+    shutil.copy(root / "prompt" / "keep.npy", root / "prompt" / "nova.npy")
+    shutil.copy(root / "prompt" / "keep.txt", root / "prompt" / "nova.txt")
+    try:
+        assert server.app.builtin_voice("nova") == "nova"  # a saved voice of that name wins
+    finally:
+        (root / "prompt" / "nova.npy").unlink()
+        (root / "prompt" / "nova.txt").unlink()
+
+
 # ----------------------------------------------------------------------------- a real browser
 class Browser:
     """Headless Chromium over the W3C WebDriver protocol: chromedriver speaks plain HTTP + JSON."""

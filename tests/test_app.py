@@ -1,6 +1,8 @@
 """app.py against the tiny checkpoint: a real server on 127.0.0.1 (one per module, in a thread), real HTTP,
 and a real headless Chromium for the page."""
 import base64
+import collections
+import contextlib
 import http.client
 import io
 import json
@@ -758,6 +760,86 @@ def test_openai_client_builtin_voices_instructions_and_every_format(server, ref,
     finally:
         (root / "prompt" / "nova.npy").unlink()
         (root / "prompt" / "nova.txt").unlink()
+
+
+# ----------------------------------------------------------------------------- replicas
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """Two servers sharing one voices folder, as two GPUs' replicas would; A has no waiting room."""
+    folder = tmp_path_factory.mktemp("replicas")
+    servers = start_server(folder, "--slots", "1", "--queue", "0"), start_server(folder, "--slots", "2")
+    yield servers
+    for server in servers:
+        stop_server(server)
+
+
+def test_queue_zero_serves_an_idle_server_and_refuses_a_busy_one(pair):
+    a = pair[0]
+    assert call(a, "POST", "/v1/tts", dict(text=TEXT, max_new_tokens=4))[0] == 200
+    conn, response = open_stream(a, dict(input=TEXT, max_new_tokens=0, response_format="pcm"))
+    assert len(response.read(2)) == 2  # the one slot is busy
+    status, headers, _ = call(a, "POST", "/v1/tts", dict(text=TEXT, max_new_tokens=4))
+    assert status == 503 and headers["Retry-After"]
+    conn.close()
+    wait_for(lambda: health(a)["busy"] == 0, 10, "the slot to be freed")
+
+
+def test_a_voice_saved_on_one_replica_is_used_and_deleted_on_the_other(pair):
+    a, b = pair
+    content_type, form = multipart(dict(name="shared", text="What the clip says.", audio=CLIP.read_bytes()))
+    assert call(a, "POST", "/v1/audio/voices", form, content_type=content_type)[0] == 201
+    assert "shared" in json.loads(call(b, "GET", "/v1/audio/voices")[2])["voices"]
+    body = dict(input=TEXT, voice="shared", seed=15, max_new_tokens=8, response_format="flac")
+    status, _, on_b = call(b, "POST", SPEECH, body)
+    assert status == 200 and on_b == call(a, "POST", SPEECH, body)[2]
+    assert call(b, "DELETE", "/v1/audio/voices/shared")[0] == 200
+    status, _, data = call(a, "POST", SPEECH, body)
+    assert status == 400 and "unknown voice" in json.loads(data)["error"]["message"]
+
+
+def test_saves_deletes_and_reads_racing_on_two_replicas_never_see_half_a_voice(pair):
+    a, b = pair
+    folder = Path(a.app.voices)
+    content_type, form = multipart(dict(name="race", text="What the clip says.", audio=CLIP.read_bytes()))
+    seen, deadline = [], time.monotonic() + 30
+
+    def writer(server):
+        for _ in range(6):
+            status = call(server, "POST", "/v1/audio/voices", form, content_type=content_type)[0]
+            seen.append(("save", status))
+            seen.append(("delete", call(server, "DELETE", "/v1/audio/voices/race")[0]))
+
+    def reader(server):
+        while time.monotonic() < deadline and any(t.is_alive() for t in writers):
+            body = dict(text=TEXT, reference_id="race", max_new_tokens=2)
+            seen.append(("speak", call(server, "POST", "/v1/tts", body)[0]))
+            seen.append(("list", call(server, "GET", "/v1/audio/voices")[0]))
+            for _, path in dualAR.default_references(folder):  # what the CLI would read: whole, or gone
+                with contextlib.suppress(FileNotFoundError):
+                    codec.read_codes(path)
+
+    writers = [threading.Thread(target=writer, args=(server,)) for server in pair]
+    readers = [threading.Thread(target=reader, args=(server,)) for server in pair]
+    for thread in writers + readers:
+        thread.start()
+    for thread in writers + readers:
+        thread.join()
+    allowed = dict(save={201, 409}, delete={200, 404}, speak={200, 400, 503}, list={200})
+    assert all(status in allowed[kind] for kind, status in seen), seen
+    assert {status for kind, status in seen if kind == "save"} >= {201}
+    assert not [p for p in folder.iterdir() if p.name.endswith(".part")]
+    print("\nracing replicas:", collections.Counter(seen))
+
+
+def test_device_takes_a_gpu_index():
+    assert app.parse_args(["--device", "cuda:1"]).device == "cuda:1"
+    with pytest.raises(SystemExit):
+        app.parse_args(["--device", "gpu1"])
+    if torch.cuda.device_count() < 2:
+        with pytest.raises(ValueError, match="--device cuda"):
+            app.pick_device("cuda:1")
+    else:
+        assert app.pick_device("cuda:1") == torch.device("cuda", 1)
 
 
 # ----------------------------------------------------------------------------- a real browser

@@ -903,7 +903,7 @@ def render_page(app: App) -> str:
                   ' (see README).</p>')
     config = dict(sampleRate=SAMPLE_RATE, hop=codec.hop_length(), auth=app.api_key is not None,
                   model=f"{app.info['model']} on {app.info['device']} ({app.info['dtype']})",
-                  maxReferences=dualAR.MAX_REFERENCES)
+                  maxReferences=dualAR.MAX_REFERENCES, maxFrames=DEMO_FRAMES if app.info["demo"] else 0)
     config = json.dumps(config).replace("<", "\\u003c")  # nothing in it can close the <script>
     return PAGE.replace("{{banner}}", banner).replace("{{config}}", config)
 
@@ -935,6 +935,7 @@ button { font: inherit; padding: .3rem .8rem; border-radius: 6px; border: 1px so
 button.primary { background: #1f5fd1; border-color: #1f5fd1; color: #fff; font-weight: 600; }
 button:disabled { opacity: .5; cursor: default; }
 audio { width: 100%; margin: .5rem 0 .2rem; }
+canvas { width: 100%; height: 80px; background: #f7f9fc; border-radius: 4px; }
 #figures { font-variant-numeric: tabular-nums; color: #2b3342; }
 #error { color: #b3261e; white-space: pre-wrap; } #message { color: #1d7a3a; }
 </style></head>
@@ -976,6 +977,7 @@ audio { width: 100%; margin: .5rem 0 .2rem; }
     <a id="download" download="fishfast.wav" hidden>Download WAV</a>
   </div>
   <audio id="audio" controls></audio>
+  <canvas id="wave" width="820" height="80"></canvas>
   <div id="figures"></div>
   <div id="message"></div>
   <div id="error" role="alert"></div>
@@ -1001,6 +1003,7 @@ async function errorOf(res) {
 async function loadVoices(select) {
   const res = await fetch('/v1/audio/voices', {headers: headers()});
   if (!res.ok) return say(await errorOf(res));
+  say();  // a 401 shown before the key was entered is answered now
   const voices = (await res.json()).voices, box = $('voice'), keep = select ?? box.value;
   box.length = 1;
   for (const name of voices) box.add(new Option(name, name));
@@ -1074,19 +1077,51 @@ function wavHeader(samples) {  // the whole file's header: 16-bit mono PCM, the 
 function showFigures(t0) {
   const wall = (performance.now() - t0) / 1000, seconds = player.samples / CONFIG.sampleRate;
   const frames = player.samples / CONFIG.hop;
-  $('figures').textContent = (player.state === 'generating' ? 'generating\u2026 ' : '')
+  $('figures').textContent = ({generating: 'generating\u2026 ', stopped: 'stopped: '}[player.state] || '')
     + 'first audio after ' + player.firstAudio.toFixed(2) + ' s \u00b7 ' + frames.toFixed(0) + ' frames in '
     + wall.toFixed(2) + ' s = ' + (frames / wall).toFixed(1) + ' frames/s \u00b7 RTF '
     + (wall / seconds).toFixed(2) + ' (' + seconds.toFixed(2) + ' s of audio)';
 }
 
+const BLOCK = 512;  // samples of one min/max pair of the waveform
+function addPeaks(pcm) {
+  for (let i = 0; i < pcm.length; i += BLOCK) {
+    let low = 0, high = 0;
+    for (let j = i; j < Math.min(i + BLOCK, pcm.length); j++) {
+      low = Math.min(low, pcm[j]);
+      high = Math.max(high, pcm[j]);
+    }
+    player.peaks.push(low / 32768, high / 32768);
+  }
+}
+
+function playhead() {  // seconds played: of the file once it is whole, else of the stream
+  const audio = $('audio');
+  if (audio.src && !audio.srcObject) return audio.currentTime;
+  return player.start != null ? Math.max(0, player.ctx.currentTime - player.start) : null;
+}
+
+function draw() {  // the waveform as it arrives (it fills the canvas, then shrinks to fit), the playhead red
+  const canvas = $('wave'), g = canvas.getContext('2d'), peaks = player.peaks || [];
+  const w = canvas.width, h = canvas.height, n = peaks.length / 2, scale = w / Math.max(w, n);
+  g.clearRect(0, 0, w, h);
+  g.fillStyle = '#1f5fd1';
+  for (let i = 0; i < n; i++) {
+    const [low, high] = [peaks[2 * i], peaks[2 * i + 1]];
+    g.fillRect(i * scale, (1 - high) * h / 2, 1, Math.max(1, (high - low) * h / 2));
+  }
+  const t = playhead();
+  g.fillStyle = '#b3261e';
+  if (t !== null) g.fillRect(t * CONFIG.sampleRate / BLOCK * scale, 0, 2, h);
+  requestAnimationFrame(draw);
+}
+
 // 16-bit PCM arrives as the server makes it; each piece is scheduled on the Web Audio clock right after the
 // one before and played through the <audio> element (a MediaStream), so playback starts with the first piece.
 async function play(reader, t0) {
-  const ctx = new AudioContext({sampleRate: CONFIG.sampleRate}), out = ctx.createMediaStreamDestination();
-  const audio = $('audio'), pieces = [];
-  let carry = new Uint8Array(0), next = 0, last = null;
-  Object.assign(player, {ctx, samples: 0, firstAudio: null, start: null});
+  const ctx = player.ctx = new AudioContext({sampleRate: CONFIG.sampleRate});
+  const out = ctx.createMediaStreamDestination(), audio = $('audio');
+  let carry = new Uint8Array(0), next = 0;
   for (;;) {
     const {done, value} = await reader.read();
     if (done) break;
@@ -1100,10 +1135,11 @@ async function play(reader, t0) {
     const buffer = ctx.createBuffer(1, pcm.length, CONFIG.sampleRate);
     const data = buffer.getChannelData(0);
     for (let i = 0; i < pcm.length; i++) data[i] = pcm[i] / 32768;
-    pieces.push(pcm);
-    last = ctx.createBufferSource();
-    last.buffer = buffer;
-    last.connect(out);
+    player.pieces.push(pcm);
+    addPeaks(pcm);
+    const source = player.last = ctx.createBufferSource();
+    source.buffer = buffer;
+    source.connect(out);
     if (player.firstAudio === null) {
       player.firstAudio = (performance.now() - t0) / 1000;
       audio.removeAttribute('src');
@@ -1112,12 +1148,26 @@ async function play(reader, t0) {
       player.start = next = ctx.currentTime + 0.05;
     }
     next = Math.max(next, ctx.currentTime);
-    last.start(next);
+    source.start(next);
     next += buffer.duration;
     player.samples += pcm.length;
     showFigures(t0);
   }
-  return {pieces, last, ctx};
+}
+
+function offer(t0) {  // the figures and a download of what was made: all of it, or what came before Stop
+  showFigures(t0);
+  const wav = new Blob([wavHeader(player.samples), ...player.pieces], {type: 'audio/wav'});
+  const url = URL.createObjectURL(wav);
+  $('download').href = url;
+  $('download').hidden = false;
+  const toFile = () => {  // then the element replays (and seeks in) the file
+    $('audio').srcObject = null;
+    $('audio').src = url;
+    player.ctx.close();
+  };
+  if (player.state === 'done') player.last.onended = toFile;
+  else toFile();  // stopped or failed: the player ends now
 }
 
 async function generate() {
@@ -1134,8 +1184,8 @@ async function generate() {
   if (references.length) body.references = references;
   for (const key of ['temperature', 'top_p', 'top_k', 'seed', 'max_new_tokens'])
     if ($(key).value !== '') body[key] = Number($(key).value);
-  player.abort = new AbortController();
-  player.state = 'generating';
+  Object.assign(player, {abort: new AbortController(), state: 'generating', pieces: [], peaks: [], samples: 0,
+                         firstAudio: null, start: null, last: null});
   $('generate').disabled = true;
   $('stop').disabled = false;
   const t0 = performance.now();
@@ -1143,27 +1193,22 @@ async function generate() {
     const res = await fetch('/v1/audio/speech', {method: 'POST', headers: headers(true),
                                                   body: JSON.stringify(body), signal: player.abort.signal});
     if (!res.ok) throw new Error(await errorOf(res));
-    const {pieces, last, ctx} = await play(res.body.getReader(), t0);
+    await play(res.body.getReader(), t0);
     player.state = 'done';
-    if (!last) throw new Error('the model said nothing (it stopped at once): try another seed or text');
-    showFigures(t0);
-    const url = URL.createObjectURL(new Blob([wavHeader(player.samples), ...pieces], {type: 'audio/wav'}));
-    $('download').href = url;
-    $('download').hidden = false;
-    last.onended = () => {  // then the element replays (and seeks in) the whole file
-      $('audio').srcObject = null;
-      $('audio').src = url;
-      ctx.close();
-    };
+    if (!player.last) throw new Error('the model said nothing (it stopped at once): try another seed, text');
   } catch (e) {
-    player.state = 'failed';
-    say(e.name === 'AbortError' ? 'stopped' : e.message);
+    player.state = e.name === 'AbortError' ? 'stopped' : 'failed';
+    const failed = player.state === 'failed';
+    say(failed ? e.message : '', failed ? '' : 'stopped');
   }
+  if (player.samples) offer(t0);
+  else if (player.ctx && player.ctx.state !== 'closed') player.ctx.close();
   $('generate').disabled = false;
   $('stop').disabled = true;
 }
 
 $('model').textContent = CONFIG.model;
+$('max_new_tokens').value = CONFIG.maxFrames;
 $('key-label').hidden = !CONFIG.auth;
 $('api-key').value = localStorage.getItem('fishfast-key') || '';
 $('api-key').onchange = () => {
@@ -1175,6 +1220,7 @@ $('delete-voice').onclick = deleteVoice;
 $('generate').onclick = generate;
 $('stop').onclick = () => player.abort && player.abort.abort();
 loadVoices();
+draw();
 </script>
 </body></html>
 """

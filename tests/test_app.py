@@ -3,7 +3,9 @@ and a real headless Chromium for the page."""
 import base64
 import collections
 import contextlib
+import functools
 import http.client
+import http.server
 import io
 import json
 import shutil
@@ -625,7 +627,7 @@ def test_demo_model_says_it_is_noise(tmp_path, monkeypatch):
     demo = app.App(app.parse_args(["--device", "cpu", "--voices", str(tmp_path / "prompt")]))
     try:
         assert demo.health()["demo"] is True and "noise" in demo.health()["note"]
-        assert "the audio is NOISE" in app.render_page(demo)
+        assert "the audio is NOISE" in app.render_page(demo) and '"maxFrames": 200' in app.render_page(demo)
     finally:
         demo.close()
     assert not Path(demo.demo_dir).exists()
@@ -935,6 +937,7 @@ def test_browser_uploads_a_voice_and_plays_while_generating(server, root, tmp_pa
         busy = health(server)["busy"]
         assert playing["state"] == "generating" and busy == 1, (playing, busy)  # playing before the end
         assert not playing["paused"] and playing["heard"] > 0
+        assert browser.js(PAINTED) > 0 and browser.js("return window.player.peaks.length") > 0  # drawn now
         wait_for(lambda: browser.js(state)["state"] != "generating", 120, "the generation to end")
         assert browser.js(state)["state"] == "done", browser.js("return document.body.innerText")
         page = browser.js("""return {href: document.getElementById('download').href,
@@ -953,3 +956,60 @@ def test_browser_uploads_a_voice_and_plays_while_generating(server, root, tmp_pa
         assert (tmp_path / "app.png").stat().st_size > 10_000
     finally:
         browser.close()
+
+
+PAINTED = """const c = document.getElementById('wave');
+             return c.getContext('2d').getImageData(0, 0, c.width, c.height).data.filter(v => v).length;"""
+
+
+def test_browser_stop_keeps_what_was_made_and_other_sites_cannot_save_a_voice(server, locked, root, tmp_path):
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "index.html").write_text("<!doctype html><title>another site</title>")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path / "site"))
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    browser = Browser(Path(tempfile.mkdtemp(dir=tmp_path)))
+    base = "http://%s:%d/" % server.server_address[:2]
+    try:
+        browser.call("POST", "/url", {"url": "http://localhost:%d/" % other.server_address[1]})
+        before = tree(root / "prompt")
+        script = """const done = arguments[1], form = new FormData();
+            form.append('name', 'evil');
+            form.append('text', 'What the clip says.');
+            const clip = Uint8Array.from(atob(arguments[0]), c => c.charCodeAt(0));
+            form.append('audio', new Blob([clip]), 'a.wav');
+            fetch('%sv1/audio/voices', {method: 'POST', mode: 'no-cors', body: form})
+              .then(() => done('sent'), e => done(String(e)));""" % base
+        sent = browser.call("POST", "/execute/async", {"script": script, "args": [CLIP_B64]})
+        assert sent == "sent" and tree(root / "prompt") == before  # a form POST needs no preflight: refused
+
+        browser.call("POST", "/url", {"url": base})
+        browser.type("#text", "Hello from a real browser, stopped before it ends. " * 3)
+        browser.type("#seed", "6")
+        browser.type("#max_new_tokens", "1500")
+        browser.click("#generate")
+        wait_for(lambda: browser.js("return document.getElementById('audio').currentTime") > 0.2, 60,
+                 "the audio element to play")
+        browser.click("#stop")
+        wait_for(lambda: browser.js("return window.player.state") != "generating", 30, "Stop to end it")
+        page = browser.js("""const p = window.player, a = document.getElementById('audio');
+            return {state: p.state, ctx: p.ctx.state, stream: a.srcObject, src: a.src, paused: a.paused,
+                    samples: p.samples, figures: document.getElementById('figures').textContent,
+                    hidden: document.getElementById('download').hidden,
+                    error: document.getElementById('error').textContent};""")
+        assert page["state"] == "stopped" and page["ctx"] == "closed" and page["stream"] is None, page
+        assert page["src"].startswith("blob:") and page["paused"] and not page["hidden"]
+        assert page["error"] == ""
+        assert page["figures"].startswith("stopped: ") and "frames/s" in page["figures"]
+        assert 0 < page["samples"] < 1499 * 2048
+        wait_for(lambda: health(server)["busy"] == 0, 10, "the server to end the stopped request")
+
+        browser.call("POST", "/url", {"url": "http://%s:%d/" % locked.server_address[:2]})
+        error = "return document.getElementById('error').textContent"
+        wait_for(lambda: "API key" in browser.js(error), 30, "the 401 to be shown")
+        browser.type("#api-key", "secret")
+        browser.click("h1")  # the key field loses focus: its change event
+        wait_for(lambda: browser.js(error) == "", 30, "the 401 message to go once the key works")
+    finally:
+        browser.close()
+        other.shutdown()

@@ -20,7 +20,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import msgpack  # requirements-test.txt: upstream's client speaks msgpack
 import numpy as np
+import openai
 import pytest
 import soundfile as sf
 import torch
@@ -466,7 +468,6 @@ def upstream_request(**fields) -> dict:
 
 
 def test_upstream_msgpack_request_gives_the_json_requests_audio(server, monkeypatch):
-    msgpack = pytest.importorskip("msgpack")
     clip = dict(audio=CLIP.read_bytes(), text="The reference clip says this.")  # ServeReferenceAudio
     request = upstream_request(references=[clip], seed=21, max_new_tokens=12)
     headers = {"authorization": "Bearer YOUR_API_KEY"}  # the client's default; no key on this server
@@ -499,7 +500,6 @@ def test_upstream_schema_ranges_are_a_422_in_pydantics_shape(server, field, valu
 
 
 def test_upstream_references_and_vqgan_routes(server, root, ref):
-    msgpack = pytest.importorskip("msgpack")
     as_json = {"Accept": "application/json"}
     content_type, form = multipart(dict(id="up voice", text="What the clip says.", audio=CLIP.read_bytes()))
     status, headers, body = call(server, "POST", "/v1/references/add", form, content_type=content_type)
@@ -725,7 +725,6 @@ def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
 
 # ----------------------------------------------------------------------------- OpenAI's client
 def test_openai_client_builtin_voices_instructions_and_every_format(server, ref, root, monkeypatch):
-    openai = pytest.importorskip("openai")
     url = "http://%s:%d/v1" % server.server_address[:2]
     client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
     speech, extra = client.audio.speech, dict(seed=31, max_new_tokens=8)

@@ -863,19 +863,19 @@ class Handler(BaseHTTPRequestHandler):
         poller.register(sock, select.POLLIN)
 
         def run():
-            while not request.done:
-                if not app.alive:
-                    return request.finish(RuntimeError("the engine stopped: see the server's log"))
-                events = poller.poll(50)
-                if events and events[0][1] & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
-                    return request.cancel()
-                if events:
-                    try:
-                        if sock.recv(1, socket.MSG_PEEK):
-                            return  # bytes of a next request: the client is still there
-                    except OSError:
+            try:
+                while not request.done:
+                    if not app.alive:
+                        return request.finish(RuntimeError("the engine stopped: see the server's log"))
+                    events = poller.poll(50)
+                    if events and events[0][1] & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
                         return request.cancel()
-                    poller.modify(sock, 0)  # an EOF: from now on only a reset or a hang-up
+                    if events and sock.recv(1, socket.MSG_PEEK):
+                        return  # bytes of a next request: the client is still there
+                    if events:
+                        poller.modify(sock, 0)  # an EOF: from now on only a reset or a hang-up
+            except (OSError, ValueError):  # a reset, or the socket closed: a no-op once the answer is sent
+                request.cancel()
 
         threading.Thread(target=run, name="fishfast-watch", daemon=True).start()
 

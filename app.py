@@ -383,18 +383,18 @@ class App:
         return name
 
     def voice_reference(self, name: str) -> tuple:
-        kind, path = self.voice_files().get(check_voice_name(name), (None, None))
-        if path is None:
-            known = ", ".join(sorted(self.voice_files())) or "none yet"
-            raise dualAR.UserError(f"unknown voice {name!r} (saved voices: {known}). Save one with"
-                                   " POST /v1/audio/voices, or send no voice for plain text-to-speech")
-        try:
-            codes = dualAR.reference_codes(kind, path, self.model.config, lambda: self.dac)
-            return codes, dualAR.read_transcript(path.with_suffix(".txt"))
-        except dualAR.UserError as e:  # the server's file, not the client's input
-            if name not in self.voice_files():  # deleted meanwhile
-                raise dualAR.UserError(f"unknown voice {name!r}") from None
-            raise HTTPError(500, f"voice {name!r} cannot be read: {e}") from None
+        for again in (True, False):  # deleted (and maybe saved anew) by another server while we read: afresh
+            kind, path = self.voice_files().get(check_voice_name(name), (None, None))
+            if path is None:
+                known = ", ".join(sorted(self.voice_files())) or "none yet"
+                raise dualAR.UserError(f"unknown voice {name!r} (saved voices: {known}). Save one with"
+                                       " POST /v1/audio/voices, or send no voice for plain text-to-speech")
+            try:
+                codes = dualAR.reference_codes(kind, path, self.model.config, lambda: self.dac)
+                return codes, dualAR.read_transcript(path.with_suffix(".txt"))
+            except dualAR.UserError as e:  # the server's file, not the client's input
+                if not again:
+                    raise HTTPError(500, f"voice {name!r} cannot be read: {e}") from None
 
     def clip_codes(self, data: bytes, what: str) -> torch.Tensor:
         """Uploaded audio bytes (any format soundfile reads) -> codes (10, T)."""
@@ -449,20 +449,18 @@ class App:
                  and p.suffix.lower() in {".npy", *codec.AUDIO_EXTENSIONS}]
         return [self.voices / f"{name}.txt", *found]
 
-    def check_new_voice(self, name: str):
-        if name in self.voice_files():
-            raise HTTPError(409, f"voice {name!r} exists already: delete it first")
-
-    def check_saved_voice(self, name: str):
-        if name not in self.voice_files():
-            raise HTTPError(404, f"no voice named {name!r}")
+    def check_voice(self, name: str, saved=True):
+        """A 404 unless voice `name` is saved, or with saved=False a 409 if it is."""
+        if (name in self.voice_files()) != saved:
+            raise HTTPError(404, f"no voice named {name!r}") if saved else \
+                HTTPError(409, f"voice {name!r} exists already: delete it first")
 
     def save_voice(self, name: str, audio: bytes, text: str) -> dict:
-        self.check_new_voice(name)
+        self.check_voice(name, saved=False)  # checked before the lock too: a refusal creates no lock file
         codes = self.clip_codes(audio, "audio")  # everything is checked before anything is written
         npy, txt = self.voices / f"{name}.npy", self.voices / f"{name}.txt"
         with self.voices_locked():
-            self.check_new_voice(name)
+            self.check_voice(name, saved=False)
             try:
                 codec.save_codes(npy, codes)
                 # the voice appears (listed and usable) only once the transcript exists, written whole
@@ -473,17 +471,17 @@ class App:
         return dict(name=name, frames=codes.size(1), seconds=round(codes.size(1) / frame_rate(), 2))
 
     def delete_voice(self, name: str):
-        self.check_saved_voice(name)  # first: a refused request leaves the folder as it was
+        self.check_voice(name)
         with self.voices_locked():
-            self.check_saved_voice(name)
+            self.check_voice(name)
             for path in self.voice_paths(name):
                 path.unlink(missing_ok=True)
 
     def rename_voice(self, old: str, new: str):
-        self.check_saved_voice(old)
+        self.check_voice(old)
         with self.voices_locked():
-            self.check_saved_voice(old)
-            self.check_new_voice(new)
+            self.check_voice(old)
+            self.check_voice(new, saved=False)
             for path in reversed(self.voice_paths(old)):  # the transcript last: then the new name appears
                 path.rename(path.with_name(new + path.suffix))
 
@@ -705,10 +703,14 @@ class Handler(BaseHTTPRequestHandler):
         self.send_json(dict(voices=sorted(self.app.voice_files())))
 
     def save_voice(self):
+        self.send_json(self.upload("name"), 201)
+
+    def upload(self, key: str) -> dict:
+        """A voice to save: its name (`key`), text and audio, as JSON, msgpack or a form -> what was saved."""
         data = self.data(form=True)
-        name = check_voice_name(data.get("name"))
+        name = self.echo("reference_id", data.get(key))
         text = check_text(data.get("text"), "text (the clip's transcript)", MAX_TRANSCRIPT)
-        self.send_json(self.app.save_voice(name, decode_base64(data.get("audio"), "audio"), text), 201)
+        return self.app.save_voice(name, decode_base64(data.get("audio"), "audio"), text)
 
     def delete_voice(self):
         name = check_voice_name(self.name)
@@ -727,18 +729,15 @@ class Handler(BaseHTTPRequestHandler):
     def upstream(self, **ids):
         self.packed, self.error_fields = self.wants_msgpack(), dict(success=False, **ids)
 
-    def echo(self, **given):
-        """An id from the request, into upstream's error answer too -> the id."""
-        [(key, value)] = given.items()
-        self.error_fields[key] = value if isinstance(value, str) else ""
-        return value
+    def echo(self, key: str, name) -> str:
+        """A voice name from the request -> the name, checked; upstream's error answers repeat it."""
+        if self.error_fields:
+            self.error_fields[key] = name if isinstance(name, str) else ""
+        return check_voice_name(name)
 
     def add_reference(self):
         self.upstream(reference_id="")
-        data = self.data(form=True)
-        name = check_voice_name(self.echo(reference_id=data.get("id")))
-        text = check_text(data.get("text"), "text (the clip's transcript)", MAX_TRANSCRIPT)
-        self.app.save_voice(name, decode_base64(data.get("audio"), "audio"), text)
+        name = self.upload("id")["name"]
         self.send_json(dict(success=True, message=f"reference {name!r} added", reference_id=name))
 
     def list_references(self):
@@ -748,40 +747,39 @@ class Handler(BaseHTTPRequestHandler):
 
     def delete_reference(self):
         self.upstream(reference_id="")
-        name = check_voice_name(self.echo(reference_id=self.data().get("reference_id")))
+        name = self.echo("reference_id", self.data().get("reference_id"))
         self.app.delete_voice(name)
         self.send_json(dict(success=True, message=f"reference {name!r} deleted", reference_id=name))
 
     def update_reference(self):
         self.upstream(old_reference_id="", new_reference_id="")
         data = self.data()
-        old, new = (check_voice_name(self.echo(**{key: data.get(key)}))
-                    for key in ("old_reference_id", "new_reference_id"))
+        old, new = (self.echo(key, data.get(key)) for key in ("old_reference_id", "new_reference_id"))
         if old == new:
             raise dualAR.UserError("new_reference_id must differ from old_reference_id")
         self.app.rename_voice(old, new)
         self.send_json(dict(success=True, message=f"reference {old!r} renamed to {new!r}",
                             old_reference_id=old, new_reference_id=new))
 
+    def batch(self, key: str) -> list:
+        """Upstream's /v1/vqgan body: {key: [1 to MAX_CODES items]} -> [(item, its name for errors)]."""
+        self.packed = self.wants_msgpack()
+        items = self.data().get(key)
+        if not isinstance(items, list) or not 1 <= len(items) <= MAX_CODES:
+            raise dualAR.UserError(f"{key} must be a list of 1 to {MAX_CODES} items")
+        return [(item, f"{key}[{i}]") for i, item in enumerate(items)]
+
     def vqgan_encode(self):
         """{audios: [audio file bytes]} -> {tokens: [codes (10, T) as nested lists]}."""
-        self.packed = self.wants_msgpack()
-        audios = self.data().get("audios")
-        if not isinstance(audios, list) or not 1 <= len(audios) <= MAX_CODES:
-            raise dualAR.UserError(f"audios must be a list of 1 to {MAX_CODES} audio files")
-        tokens = [self.app.clip_codes(decode_base64(audio, f"audios[{i}]"), f"audios[{i}]").tolist()
-                  for i, audio in enumerate(audios)]
+        tokens = [self.app.clip_codes(decode_base64(audio, what), what).tolist()
+                  for audio, what in self.batch("audios")]
         self.send_json(dict(tokens=tokens))
 
     def vqgan_decode(self):
-        """{tokens: [codes (10, T)]} -> {audios: [float16 samples, bytes]}, as upstream."""
-        self.packed = self.wants_msgpack()
-        tokens = self.data().get("tokens")
-        if not isinstance(tokens, list) or not 1 <= len(tokens) <= MAX_CODES:
-            raise dualAR.UserError(f"tokens must be a list of 1 to {MAX_CODES} code arrays (10, T)")
-        waves = [codec.decode(self.app.dac, self.app.check_codes(codes, f"tokens[{i}]"))[0]
-                 for i, codes in enumerate(tokens)]
-        self.send_json(dict(audios=[wave.float().cpu().numpy().astype("<f2").tobytes() for wave in waves]))
+        """{tokens: [codes (10, T)]} -> {audios: [float16 samples, as bytes]}, as upstream."""
+        waves = [codec.decode(self.app.dac, self.app.check_codes(codes, what))[0]
+                 for codes, what in self.batch("tokens")]
+        self.send_json(dict(audios=[wave.cpu().numpy().astype("<f2").tobytes() for wave in waves]))
 
     def answer(self, job: dict):
         """Submit the job, then send its audio: whole, as raw chunked bytes, or as server-sent events."""

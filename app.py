@@ -298,6 +298,11 @@ def wav_header(data_bytes=0xFFFFFFFF) -> bytes:
             + b"data" + struct.pack("<I", data_bytes))
 
 
+def jsonable(value):
+    """json.dumps' fallback: bytes (audio, or msgpack input echoed in an error) as base64, else repr."""
+    return base64.b64encode(value).decode() if isinstance(value, bytes) else repr(value)
+
+
 def sse_event(**payload) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
@@ -537,6 +542,7 @@ class Handler(BaseHTTPRequestHandler):
         if path.startswith("/v1/audio/voices/"):
             route, self.name = "/v1/audio/voices/{name}", unquote(path[len("/v1/audio/voices/"):])
         try:
+            self.check_origin()
             methods = self.routes.get(route)
             if methods is None:
                 raise HTTPError(404, f"no route {path[:100]}: see README for the API")
@@ -544,7 +550,6 @@ class Handler(BaseHTTPRequestHandler):
             if self.command not in allowed:
                 raise HTTPError(405, f"{self.command} is not allowed on {route}: use {', '.join(allowed)}",
                                 {"Allow": ", ".join(allowed)})
-            self.check_origin()
             if self.command == "OPTIONS":
                 return self.preflight(allowed)
             if path.startswith("/v1/"):
@@ -644,7 +649,7 @@ class Handler(BaseHTTPRequestHandler):
         if self.packed:
             self.send_bytes(MSGPACK.packb(data), "application/msgpack", status, headers)
         else:
-            body = json.dumps(data, default=lambda b: base64.b64encode(b).decode()).encode()
+            body = json.dumps(data, default=jsonable).encode()
             self.send_bytes(body, "application/json", status, headers)
 
     def end_headers(self):

@@ -1248,7 +1248,7 @@ def parse_args(argv=None):
     ap.add_argument("--max-context", type=int, default=dualAR.DEFAULT_CONTEXT, help="positions (prompt +"
                     f" frames) a request may use, as the CLI's (default {dualAR.DEFAULT_CONTEXT})")
     ap.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot, beyond that"
-                    " a 503 (default 16)")
+                    " a 503 (default 16; 0: served only while a slot is free)")
     ap.add_argument("--voices", default="prompt", help="folder of saved voices, <name>.npy + <name>.txt"
                     " (default prompt/, as the CLI)")
     ap.add_argument("--api-key", default=os.environ.get("FISHFAST_API_KEY"),

@@ -440,7 +440,7 @@ def test_a_cross_site_form_post_is_refused_and_writes_nothing(server, root):
     assert call(server, "POST", "/v1/tts", dict(text=TEXT, max_new_tokens=4), own)[0] == 200  # our own page
 
 
-def test_an_allowed_origin_gets_cors_headers_and_its_preflight(locked):
+def test_an_allowed_origin_gets_cors_headers_and_its_preflight(locked, monkeypatch):
     ask = {"Origin": FOREIGN, "Access-Control-Request-Method": "POST",
            "Access-Control-Request-Headers": "authorization,content-type"}
     status, headers, body = call(locked, "OPTIONS", SPEECH, headers=ask)  # a preflight carries no key
@@ -457,6 +457,9 @@ def test_an_allowed_origin_gets_cors_headers_and_its_preflight(locked):
     assert status == 403 and "Access-Control-Allow-Origin" not in headers
     status, headers, _ = call(locked, "OPTIONS", SPEECH, headers=dict(ask, Origin="http://evil.example"))
     assert status == 204 and "Access-Control-Allow-Origin" not in headers
+    monkeypatch.setattr(locked.app, "allow_origins", {"*"})  # --allow-origin '*'
+    status, headers, _ = call(locked, "GET", "/v1/models", headers=other)
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == "http://evil.example"
 
 
 # ----------------------------------------------------------------------------- upstream's clients

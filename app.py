@@ -421,14 +421,11 @@ class App:
     def check_codes(self, codes, what: str) -> torch.Tensor:
         """Codes sent by a client (nested lists) -> (10, T) on the device; values above a codebook's size
         are clamped by the codec, as upstream."""
-        rows = self.model.config["num_codebooks"]
-        try:
+        rows, frames = self.model.config["num_codebooks"], self.max_context
+        with contextlib.suppress(TypeError, ValueError, RuntimeError, OverflowError):  # ragged, not numbers
             codes = torch.tensor(codes, dtype=torch.long)
-        except (TypeError, ValueError, RuntimeError, OverflowError):
-            codes = None
-        frames = self.max_context
-        if codes is None or codes.dim() != 2 or codes.size(0) != rows or not 0 < codes.size(1) <= frames \
-                or codes.min() < 0:
+        if not isinstance(codes, torch.Tensor) or codes.dim() != 2 or codes.size(0) != rows \
+                or not 0 < codes.size(1) <= frames or codes.min() < 0:
             raise dualAR.UserError(f"{what} must be {rows} equal lists of 1 to {frames} integers >= 0")
         return codes.to(self.device)
 

@@ -11,16 +11,20 @@ in its own thread: it validates, submits, and turns the codes into audio through
 import argparse
 import base64
 import binascii
+import contextlib
 import email.parser
 import email.policy
+import fcntl
 import hmac
+import importlib
 import io
 import json
 import math
 import os
 import re
-import selectors
+import select
 import shutil
+import signal
 import socket
 import struct
 import sys
@@ -30,7 +34,7 @@ import time
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 import numpy as np
 import soundfile as sf
@@ -53,15 +57,33 @@ SOUNDFILE_FORMATS = dict(flac=("FLAC", "PCM_16", SAMPLE_RATE), mp3=("MP3", "MPEG
                          opus=("OGG", "OPUS", 48000))
 FORMATS = [*STREAMABLE, *(name for name, (f, sub, _) in SOUNDFILE_FORMATS.items() if sf.check_format(f, sub))]
 MEDIA_TYPES = dict(wav="audio/wav", pcm="audio/pcm", flac="audio/flac", mp3="audio/mpeg", opus="audio/ogg")
-ERROR_TYPES = {401: "authentication_error", 404: "not_found_error", 500: "server_error", 503: "server_busy"}
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
+               500: "server_error", 503: "server_busy"}
 OPENAI_DEFAULTS = dict(temperature=0.7, top_p=0.7, top_k=30, max_new_tokens=0, chunk_length=300)  # the CLI's
-FISH_DEFAULTS = dict(temperature=0.8, top_p=0.8, top_k=30, max_new_tokens=512, chunk_length=200)  # upstream's
+FISH_DEFAULTS = dict(temperature=0.8, top_p=0.8, top_k=30, max_new_tokens=1024, chunk_length=200)  # upstream
+# upstream's ServeTTSRequest (fish_speech/utils/schema.py): what its pydantic model answers with a 422
+UPSTREAM_RANGES = dict(top_p=(0.1, 1.0), temperature=(0.1, 1.0), repetition_penalty=(0.9, 2.0))
+UPSTREAM_CHOICES = dict(format=tuple(FORMATS), latency=("normal", "balanced"), use_memory_cache=("on", "off"))
+OPENAI_VOICES = {"alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer",
+                 "verse"}
+MAX_CODES = 8  # audios or token arrays in one /v1/vqgan request
+DEMO_FRAMES = 200  # the page's default length with the demo model: seconds of noise, not half a minute
+
+
+def optional_module(*names):
+    for name in names:
+        with contextlib.suppress(ImportError):
+            return importlib.import_module(name)
+    return None
+
+
+MSGPACK = optional_module("ormsgpack", "msgpack")  # upstream's clients send msgpack; both have packb/unpackb
 
 
 class HTTPError(Exception):
-    def __init__(self, status: int, message: str, headers=None):
+    def __init__(self, status: int, message: str, headers=None, body=None):
         super().__init__(message)
-        self.status, self.headers = status, headers or {}
+        self.status, self.headers, self.body = status, headers or {}, body
 
 
 def is_voice_name(name) -> bool:
@@ -96,8 +118,24 @@ def parse_json(body: bytes) -> dict:
         data = json.loads(body, parse_constant=no_constant)
     except (ValueError, UnicodeDecodeError) as e:
         raise dualAR.UserError(f"malformed JSON body: {e}") from None
+    except RecursionError:
+        raise dualAR.UserError("the JSON body is nested too deeply") from None
     if not isinstance(data, dict):
         raise dualAR.UserError("the JSON body must be an object")
+    return data
+
+
+def parse_msgpack(body: bytes) -> dict:
+    """application/msgpack, as upstream's tools/api_client.py sends it (bytes stay bytes: raw audio)."""
+    if MSGPACK is None:
+        raise HTTPError(415, "application/msgpack needs a msgpack library on the server: pip install"
+                             " ormsgpack (or msgpack), or send JSON")
+    try:
+        data = MSGPACK.unpackb(body)
+    except (ValueError, TypeError, RecursionError) as e:  # both libraries' errors, their depth limit too
+        raise dualAR.UserError(f"malformed msgpack body: {str(e)[:100]}") from None
+    if not isinstance(data, dict):
+        raise dualAR.UserError("the msgpack body must be a map")
     return data
 
 
@@ -116,6 +154,9 @@ def parse_form(content_type: str, body: bytes) -> dict:
 
 
 def decode_base64(value, what: str) -> bytes:
+    """base64 text (JSON) -> bytes; bytes (msgpack, multipart) are the audio itself."""
+    if isinstance(value, bytes) and value:
+        return value
     if not isinstance(value, str) or not value:
         raise dualAR.UserError(f"{what} must be a base64 string of an audio file")
     if value.startswith("data:") and ";base64," in value:  # a data URL, as browsers make them
@@ -131,12 +172,17 @@ def number(body: dict, key: str, default, integer=False, low=None):
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not finite(value):
-        raise dualAR.UserError(f"{key} must be a finite number, got {json.dumps(value)[:40]}")
+        raise dualAR.UserError(f"{key} must be a finite number, got {short(value)}")
     if integer and value != int(value):
         raise dualAR.UserError(f"{key} must be an integer, got {value}")
     if low is not None and value < low:
         raise dualAR.UserError(f"{key} must be >= {low}, got {value}")
     return int(value) if integer else float(value)
+
+
+def short(value) -> str:
+    """A value for an error message, never deep: a nested list is named, not printed."""
+    return repr(value)[:40] if isinstance(value, (str, int, float, type(None))) else type(value).__name__
 
 
 def finite(value) -> bool:
@@ -187,6 +233,9 @@ def openai_job(body: dict) -> dict:
     stream = body.get("stream_format", "audio")
     if stream not in ("audio", "sse"):
         raise dualAR.UserError("stream_format must be 'audio' or 'sse'")
+    if body.get("instructions"):
+        raise dualAR.UserError("instructions are not supported: S2-Pro takes style as inline tags in the"
+                               " input text itself, e.g. '[whispering] Hello' (see README)")
     voice = body.get("voice")
     voice = voice.get("id") if isinstance(voice, dict) else voice  # OpenAI's custom voice object {id}
     references = clips(body.get("references", []))
@@ -198,16 +247,46 @@ def openai_job(body: dict) -> dict:
                 send="sse" if stream == "sse" else "chunked" if fmt in STREAMABLE else "whole")
 
 
+def upstream_errors(body: dict) -> list:
+    """The fields upstream's pydantic model refuses with a 422 -> its error list, in pydantic's shape."""
+    errors = []
+    for key, (low, high) in UPSTREAM_RANGES.items():
+        value = body.get(key, low)
+        if isinstance(value, bool) or not isinstance(value, (int, float)):  # strict: no "0.5", no true
+            errors.append(dict(type="float_type", loc=[key], msg="Input should be a valid number",
+                               input=value))
+        elif not low <= value <= high:
+            kind, op, bound = (("greater_than_equal", "ge", low) if not value >= low
+                               else ("less_than_equal", "le", high))
+            words = kind.replace("_than_", " than or ").replace("equal", "equal to")
+            errors.append(dict(type=kind, loc=[key], msg=f"Input should be {words} {bound:g}", input=value,
+                               ctx={op: bound}))
+    for key, allowed in UPSTREAM_CHOICES.items():
+        if key in body and not any(body[key] == choice for choice in allowed):
+            expected = ", ".join(map(repr, allowed[:-1])) + f" or {allowed[-1]!r}"
+            errors.append(dict(type="literal_error", loc=[key], msg=f"Input should be {expected}",
+                               input=body[key], ctx=dict(expected=expected)))
+    return [dict(error, **{"in": "body"}) for error in errors]
+
+
 def fish_job(body: dict) -> dict:
-    """POST /v1/tts, upstream fish-speech's ServeTTSRequest: its defaults, reference_id = a saved voice."""
+    """POST /v1/tts, upstream fish-speech's ServeTTSRequest: its defaults and checks, reference_id = a saved
+    voice. repetition_penalty, normalize, latency and use_memory_cache are checked and have no effect:
+    upstream's S2-Pro sampler uses none of them either (README)."""
+    errors = upstream_errors(body)
+    if errors:
+        message = "; ".join(f"{e['loc'][0]}: {e['msg']}" for e in errors)
+        raise HTTPError(422, message, body=errors)
     streaming = body.get("streaming", False)
     if not isinstance(streaming, bool):
         raise dualAR.UserError("streaming must be true or false")
     fmt = response_format(body.get("format", "wav"))
+    if streaming and fmt != "wav":
+        raise dualAR.UserError(f"streaming: only format 'wav' can be streamed, not {fmt!r} (as upstream)")
     voice = body.get("reference_id")
     return dict(text=check_text(body.get("text"), "text"), voice=check_voice_name(voice) if voice else None,
                 clips=clips(body.get("references") or []), sampling=sampling(body, FISH_DEFAULTS), format=fmt,
-                send="chunked" if streaming and fmt in STREAMABLE else "whole")
+                send="chunked" if streaming else "whole")
 
 
 # ----------------------------------------------------------------------------- audio bytes
@@ -217,6 +296,11 @@ def wav_header(data_bytes=0xFFFFFFFF) -> bytes:
     return (b"RIFF" + struct.pack("<I", riff) + b"WAVEfmt "
             + struct.pack("<IHHIIHH", 16, 1, 1, SAMPLE_RATE, 2 * SAMPLE_RATE, 2, 16)
             + b"data" + struct.pack("<I", data_bytes))
+
+
+def jsonable(value):
+    """json.dumps' fallback: bytes (audio, or msgpack input echoed in an error) as base64, else repr."""
+    return base64.b64encode(value).decode() if isinstance(value, bytes) else repr(value)
 
 
 def sse_event(**payload) -> bytes:
@@ -248,7 +332,7 @@ class App:
     """The models, the engine and the voices folder, shared by every request thread."""
 
     def __init__(self, args):
-        self.device = codec.pick_device(args.device)  # first: a bad --device leaves no demo folder behind
+        self.device = pick_device(args.device)  # first: a bad --device leaves no demo folder behind
         self.demo_dir = None
         if args.checkpoint is None and not Path(dualAR.DEFAULT_CHECKPOINT).exists():
             self.demo_dir = tempfile.mkdtemp(prefix="fishfast-demo-")
@@ -258,11 +342,12 @@ class App:
         self.model = dualAR.load(self.checkpoint, self.device, dtype, args.quant, compiled)
         self.dac = codec.load(self.checkpoint, self.device, torch.float32)  # references encode in fp32
         self.max_context = min(args.max_context, self.model.config["max_seq_len"])
-        # a fixed cache of --max-context positions a row: the compiled frame step is built once
+        # a fixed cache of --max-context positions a row: the compiled frame step is built once. The engine's
+        # own queue limit never binds: check_room counts the free slots too, so --queue 0 still serves
         self.engine = dualAR.Engine(self.model, slots=args.slots, context=self.max_context,
-                                    max_queue=args.queue).start()
-        self.voices, self.api_key = Path(args.voices), args.api_key
-        self.voices_lock = threading.Lock()
+                                    max_queue=args.slots + args.queue).start()
+        self.queue, self.voices, self.api_key = args.queue, Path(args.voices), args.api_key
+        self.default_voice, self.allow_origins = args.default_voice, set(args.allow_origin or ())
         self.name = "s2-pro" if self.demo_dir is None else "fishfast-demo"
         self.info = dict(model=self.name, checkpoint=str(self.checkpoint), device=str(self.device),
                          dtype=str(dtype).replace("torch.", ""), quant=args.quant or "none", compile=compiled,
@@ -277,6 +362,13 @@ class App:
     def alive(self) -> bool:
         return self.engine.thread.is_alive()
 
+    def check_room(self):
+        """QueueFull unless a slot or a place among the --queue waiting is free, before any costly work."""
+        stats = self.engine.stats()
+        if stats["busy"] + stats["queued"] >= stats["slots"] + self.queue:
+            raise dualAR.QueueFull(f"all {stats['slots']} slots are busy and {stats['queued']} requests wait"
+                                   f" (--queue {self.queue}): try again later")
+
     def health(self) -> dict:
         note = dict(note="DEMO: a tiny random model, the audio is noise") if self.demo_dir else {}
         status = "ok" if self.alive else "the engine stopped: see the server's log"
@@ -288,19 +380,26 @@ class App:
         found = dualAR.default_references(self.voices)
         return {path.stem: (kind, path) for kind, path in found if is_voice_name(path.stem)}
 
+    def builtin_voice(self, name):
+        """OpenAI's built-in names (clients hard-code them): a saved voice of that name, else --default-voice,
+        else none (plain text-to-speech)."""
+        if name in OPENAI_VOICES and name not in self.voice_files():
+            return self.default_voice
+        return name
+
     def voice_reference(self, name: str) -> tuple:
-        kind, path = self.voice_files().get(check_voice_name(name), (None, None))
-        if path is None:
-            known = ", ".join(sorted(self.voice_files())) or "none yet"
-            raise dualAR.UserError(f"unknown voice {name!r} (saved voices: {known}). Save one with"
-                                   " POST /v1/audio/voices, or send no voice for plain text-to-speech")
-        try:
-            codes = dualAR.reference_codes(kind, path, self.model.config, lambda: self.dac)
-            return codes, dualAR.read_transcript(path.with_suffix(".txt"))
-        except dualAR.UserError as e:  # the server's file, not the client's input
-            if name not in self.voice_files():  # deleted meanwhile
-                raise dualAR.UserError(f"unknown voice {name!r}") from None
-            raise HTTPError(500, f"voice {name!r} cannot be read: {e}") from None
+        for again in (True, False):  # deleted (and maybe saved anew) by another server while we read: afresh
+            kind, path = self.voice_files().get(check_voice_name(name), (None, None))
+            if path is None:
+                known = ", ".join(sorted(self.voice_files())) or "none yet"
+                raise dualAR.UserError(f"unknown voice {name!r} (saved voices: {known}). Save one with"
+                                       " POST /v1/audio/voices, or send no voice for plain text-to-speech")
+            try:
+                codes = dualAR.reference_codes(kind, path, self.model.config, lambda: self.dac)
+                return codes, dualAR.read_transcript(path.with_suffix(".txt"))
+            except dualAR.UserError as e:  # the server's file, not the client's input
+                if not again:
+                    raise HTTPError(500, f"voice {name!r} cannot be read: {e}") from None
 
     def clip_codes(self, data: bytes, what: str) -> torch.Tensor:
         """Uploaded audio bytes (any format soundfile reads) -> codes (10, T)."""
@@ -319,19 +418,51 @@ class App:
                                    f" {MAX_CLIP_SECONDS} s are allowed")
         return codec.encode(self.dac, wave)[0].cpu()
 
+    def check_codes(self, codes, what: str) -> torch.Tensor:
+        """Codes sent by a client (nested lists) -> (10, T) on the device; values above a codebook's size
+        are clamped by the codec, as upstream."""
+        rows, frames = self.model.config["num_codebooks"], self.max_context
+        with contextlib.suppress(TypeError, ValueError, RuntimeError, OverflowError):  # ragged, not numbers
+            codes = torch.tensor(codes, dtype=torch.long)
+        if not isinstance(codes, torch.Tensor) or codes.dim() != 2 or codes.size(0) != rows \
+                or not 0 < codes.size(1) <= frames or codes.min() < 0:
+            raise dualAR.UserError(f"{what} must be {rows} equal lists of 1 to {frames} integers >= 0")
+        return codes.to(self.device)
+
     def references(self, job: dict) -> list:
         given = [self.voice_reference(job["voice"])] if job["voice"] else []
         dualAR.check_reference_count(len(given) + len(job["clips"]))  # before any clip is encoded
         return given + [(self.clip_codes(audio, f"reference {i} audio"), text)
                         for i, (audio, text) in enumerate(job["clips"], 1)]
 
+    @contextlib.contextmanager
+    def voices_locked(self):
+        """One save, delete or rename at a time, among threads and among every server sharing the folder (an
+        flock: each call opens its own descriptor). Readers take no lock: a voice appears when its
+        transcript is renamed into place and is gone once it is deleted, so they never see half of one."""
+        self.voices.mkdir(parents=True, exist_ok=True)
+        with open(self.voices / ".fishfast-lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    def voice_paths(self, name: str) -> list:
+        """A voice's files, the transcript first: removed first, the voice is gone before its codes are."""
+        found = [p for p in self.voices.glob("*") if p.stem == name
+                 and p.suffix.lower() in {".npy", *codec.AUDIO_EXTENSIONS}]
+        return [self.voices / f"{name}.txt", *found]
+
+    def check_voice(self, name: str, saved=True):
+        """A 404 unless voice `name` is saved, or with saved=False a 409 if it is."""
+        if (name in self.voice_files()) != saved:
+            raise HTTPError(404, f"no voice named {name!r}") if saved else \
+                HTTPError(409, f"voice {name!r} exists already: delete it first")
+
     def save_voice(self, name: str, audio: bytes, text: str) -> dict:
+        self.check_voice(name, saved=False)  # checked before the lock too: a refusal creates no lock file
         codes = self.clip_codes(audio, "audio")  # everything is checked before anything is written
         npy, txt = self.voices / f"{name}.npy", self.voices / f"{name}.txt"
-        with self.voices_lock:
-            if name in self.voice_files():
-                raise HTTPError(409, f"voice {name!r} exists already: delete it first")
-            self.voices.mkdir(parents=True, exist_ok=True)
+        with self.voices_locked():
+            self.check_voice(name, saved=False)
             try:
                 codec.save_codes(npy, codes)
                 # the voice appears (listed and usable) only once the transcript exists, written whole
@@ -342,12 +473,19 @@ class App:
         return dict(name=name, frames=codes.size(1), seconds=round(codes.size(1) / frame_rate(), 2))
 
     def delete_voice(self, name: str):
-        with self.voices_lock:
-            if name not in self.voice_files():
-                raise HTTPError(404, f"no voice named {name!r}")
-            for path in self.voices.iterdir():
-                if path.stem == name and path.suffix.lower() in {".npy", ".txt", *codec.AUDIO_EXTENSIONS}:
-                    path.unlink()
+        self.check_voice(name)
+        with self.voices_locked():
+            self.check_voice(name)
+            for path in self.voice_paths(name):
+                path.unlink(missing_ok=True)
+
+    def rename_voice(self, old: str, new: str):
+        self.check_voice(old)
+        with self.voices_locked():
+            self.check_voice(old)
+            self.check_voice(new, saved=False)
+            for path in reversed(self.voice_paths(old)):  # the transcript last: then the new name appears
+                path.rename(path.with_name(new + path.suffix))
 
     def waves(self, request):
         """A submitted request's codes chunks -> their waveforms (n * 2048,), decoded as they come."""
@@ -374,7 +512,14 @@ class Handler(BaseHTTPRequestHandler):
     routes = {"/": dict(GET="page"), "/health": dict(GET="health"), "/v1/models": dict(GET="models"),
               "/v1/audio/speech": dict(POST="speech"), "/v1/tts": dict(POST="tts"),
               "/v1/audio/voices": dict(GET="list_voices", POST="save_voice"),
-              "/v1/audio/voices/{name}": dict(DELETE="delete_voice")}
+              "/v1/audio/voices/{name}": dict(DELETE="delete_voice"),
+              # upstream fish-speech's API (tools/server/views.py)
+              "/v1/health": dict(GET="health", POST="health"),
+              "/v1/references/add": dict(POST="add_reference"),
+              "/v1/references/list": dict(GET="list_references"),
+              "/v1/references/delete": dict(DELETE="delete_reference"),
+              "/v1/references/update": dict(POST="update_reference"),
+              "/v1/vqgan/encode": dict(POST="vqgan_encode"), "/v1/vqgan/decode": dict(POST="vqgan_decode")}
 
     @property
     def app(self) -> App:
@@ -382,7 +527,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def handle_one_request(self):
         self.started = False  # whether this response's headers went out: then no other status can
-        super().handle_one_request()
+        self.cors, self.packed, self.error_fields = None, False, None  # see check_origin, send_json
+        try:
+            super().handle_one_request()
+        except (ConnectionError, TimeoutError):  # gone while we wrote, even an error: nobody to tell
+            self.close_connection = True
 
     def dispatch(self):
         path = urlsplit(self.path).path
@@ -390,17 +539,21 @@ class Handler(BaseHTTPRequestHandler):
         if path.startswith("/v1/audio/voices/"):
             route, self.name = "/v1/audio/voices/{name}", unquote(path[len("/v1/audio/voices/"):])
         try:
+            self.check_origin()
             methods = self.routes.get(route)
             if methods is None:
                 raise HTTPError(404, f"no route {path[:100]}: see README for the API")
-            if self.command not in methods:
-                raise HTTPError(405, f"{self.command} is not allowed on {route}: use {', '.join(methods)}",
-                                {"Allow": ", ".join(methods)})
+            allowed = [*methods, *(["HEAD"] if "GET" in methods else []), "OPTIONS"]
+            if self.command not in allowed:
+                raise HTTPError(405, f"{self.command} is not allowed on {route}: use {', '.join(allowed)}",
+                                {"Allow": ", ".join(allowed)})
+            if self.command == "OPTIONS":
+                return self.preflight(allowed)
             if path.startswith("/v1/"):
                 self.authorize()
-            getattr(self, methods[self.command])()
+            getattr(self, methods["GET" if self.command == "HEAD" else self.command])()
         except HTTPError as e:
-            self.send_json_error(e.status, str(e), e.headers)
+            self.send_json_error(e.status, str(e), e.headers, e.body)
         except dualAR.UserError as e:
             self.send_json_error(400, str(e))
         except dualAR.QueueFull as e:
@@ -411,7 +564,29 @@ class Handler(BaseHTTPRequestHandler):
             traceback.print_exc()
             self.send_json_error(500, "internal error: see the server's log")
 
-    do_GET = do_POST = do_DELETE = do_PUT = do_PATCH = dispatch
+    do_GET = do_HEAD = do_POST = do_DELETE = do_PUT = do_PATCH = do_OPTIONS = dispatch
+
+    def check_origin(self):
+        """A page of another site may read nothing and change nothing here unless --allow-origin names it.
+        Refusing only the answer is not enough: a form POST reaches the server without a CORS preflight."""
+        origin, site = self.headers.get("Origin"), self.headers.get("Sec-Fetch-Site")
+        own = origin is None or urlsplit(origin).netloc == self.headers.get("Host")
+        if own and site not in ("cross-site", "same-site"):
+            return  # our own page, or not a browser (curl, SDKs send no Origin)
+        if origin and ({"*", origin} & self.app.allow_origins):
+            self.cors = origin
+        elif self.command not in ("GET", "HEAD", "OPTIONS"):
+            raise HTTPError(403, f"cross-site request from {str(origin)[:100]} refused: start the server with"
+                                 " --allow-origin ORIGIN to let that site's pages use the API")
+
+    def preflight(self, allowed: list):
+        """OPTIONS: which methods a route takes, and for an allowed origin the CORS preflight's answer."""
+        headers = {"Allow": ", ".join(allowed)}
+        if self.cors:
+            asked = self.headers.get("Access-Control-Request-Headers", "Authorization, Content-Type")
+            headers.update({"Access-Control-Allow-Methods": ", ".join(allowed),
+                            "Access-Control-Allow-Headers": asked, "Access-Control-Max-Age": "600"})
+        self.send_bytes(b"", None, 204, headers)
 
     def authorize(self):
         if self.app.api_key is None:
@@ -433,7 +608,10 @@ class Handler(BaseHTTPRequestHandler):
             raise HTTPError(400, "Content-Length must be a number of bytes")
         if length > MAX_BODY:
             raise HTTPError(413, f"the request body must be 0 to {MAX_BODY >> 20} MiB")
-        return self.rfile.read(length)
+        data = self.rfile.read(length)
+        if len(data) < length:
+            raise HTTPError(400, f"the body ended after {len(data)} of its {length} bytes (Content-Length)")
+        return data
 
     def content_type(self, *allowed) -> str:
         kind = self.headers.get_content_type()
@@ -441,21 +619,40 @@ class Handler(BaseHTTPRequestHandler):
             raise HTTPError(415, f"Content-Type {kind} is not supported here: send {' or '.join(allowed)}")
         return kind
 
-    def json_body(self) -> dict:
-        self.content_type("application/json")
-        return parse_json(self.body())
+    def data(self, form=False) -> dict:
+        """The body as a dict: JSON, msgpack (upstream's client) or, where `form`, multipart/form-data (its
+        fields as text, the audio as bytes)."""
+        kinds = ("application/json", "application/msgpack", *(["multipart/form-data"] if form else []))
+        kind, body = self.content_type(*kinds), self.body()
+        if kind == "application/json":
+            return parse_json(body)
+        if kind == "application/msgpack":
+            return parse_msgpack(body)
+        fields = parse_form(self.headers["Content-Type"], body)
+        return {key: value if key == "audio" else value.decode("utf-8", "replace")
+                for key, value in fields.items()}
+
+    def wants_msgpack(self) -> bool:
+        """Upstream's rule: msgpack unless ?format=json or an Accept that names JSON and not msgpack."""
+        asked = parse_qs(urlsplit(self.path).query).get("format", [""])[0].lower()
+        accept = self.headers.get("Accept", "").lower()
+        if asked in ("json", "application/json", "msgpack", "application/msgpack"):
+            return MSGPACK is not None and "msgpack" in asked
+        return MSGPACK is not None and ("application/json" not in accept or "application/msgpack" in accept)
 
     # --- writing
     def send_json(self, data, status=200, headers=None):
-        body = json.dumps(data).encode()
-        self.send_response(status)
-        for key, value in {"Content-Type": "application/json", **(headers or {})}.items():
-            self.send_header(key, value)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+        """JSON (bytes as base64), or msgpack for upstream's routes when the client asks for it."""
+        if self.packed:
+            self.send_bytes(MSGPACK.packb(data), "application/msgpack", status, headers)
+        else:
+            body = json.dumps(data, default=jsonable).encode()
+            self.send_bytes(body, "application/json", status, headers)
 
     def end_headers(self):
+        if self.cors:
+            self.send_header("Access-Control-Allow-Origin", self.cors)
+            self.send_header("Vary", "Origin")
         self.started = True
         super().end_headers()
 
@@ -464,24 +661,31 @@ class Handler(BaseHTTPRequestHandler):
         self.started = False  # that was '100 Continue' (curl sends Expect on big uploads): a status follows
         return True
 
-    def send_json_error(self, status: int, message: str, headers=None):
+    def send_json_error(self, status: int, message: str, headers=None, body=None):
+        """Ours: {error: {message, type}}. Upstream's routes: its {success: false, message, ...ids}, and its
+        422, pydantic's list of errors, for /v1/tts."""
         self.close_connection = True  # the request's body may be left unread
         if self.started:  # too late for a status: the client sees a cut-off body
             return
         kind = ERROR_TYPES.get(status, "invalid_request_error")
-        headers = {"Connection": "close", **(headers or {})}
-        self.send_json(dict(error=dict(message=message, type=kind)), status, headers)
+        if body is None:
+            body = dict(self.error_fields, message=message) if self.error_fields else \
+                dict(error=dict(message=message, type=kind))
+        self.send_json(body, status, {"Connection": "close", **(headers or {})})
 
     def send_error(self, code, message=None, explain=None):
         """The base class's own errors (bad request line, oversized headers) as JSON too."""
         self.send_json_error(code, message or self.responses.get(code, ("error",))[0])
 
-    def send_bytes(self, body: bytes, media_type: str):
-        self.send_response(200)
-        self.send_header("Content-Type", media_type)
+    def send_bytes(self, body: bytes, media_type, status=200, headers=None):
+        self.send_response(status)
+        for key, value in {"Content-Type": media_type, **(headers or {})}.items():
+            if value:
+                self.send_header(key, value)
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
-        self.wfile.write(body)
+        if self.command != "HEAD":
+            self.wfile.write(body)
 
     def write_chunk(self, data: bytes):
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
@@ -501,18 +705,14 @@ class Handler(BaseHTTPRequestHandler):
         self.send_json(dict(voices=sorted(self.app.voice_files())))
 
     def save_voice(self):
-        kind = self.content_type("application/json", "multipart/form-data")
-        body = self.body()
-        if kind == "application/json":
-            data = parse_json(body)
-        else:
-            data = parse_form(self.headers["Content-Type"], body)
-            data = {key: value if key == "audio" else value.decode("utf-8", "replace")
-                    for key, value in data.items()}
-        name = check_voice_name(data.get("name"))
+        self.send_json(self.upload("name"), 201)
+
+    def upload(self, key: str) -> dict:
+        """A voice to save: its name (`key`), text and audio, as JSON, msgpack or a form -> what was saved."""
+        data = self.data(form=True)
+        name = self.echo("reference_id", data.get(key))
         text = check_text(data.get("text"), "text (the clip's transcript)", MAX_TRANSCRIPT)
-        audio = decode_base64(data.get("audio"), "audio") if kind == "application/json" else data.get("audio")
-        self.send_json(self.app.save_voice(name, audio, text), 201)
+        return self.app.save_voice(name, decode_base64(data.get("audio"), "audio"), text)
 
     def delete_voice(self):
         name = check_voice_name(self.name)
@@ -520,16 +720,74 @@ class Handler(BaseHTTPRequestHandler):
         self.send_json(dict(deleted=name))
 
     def speech(self):
-        self.answer(openai_job(self.json_body()))
+        job = openai_job(self.data())
+        job["voice"] = self.app.builtin_voice(job["voice"])
+        self.answer(job)
 
     def tts(self):
-        self.answer(fish_job(self.json_body()))
+        self.answer(fish_job(self.data()))
+
+    # upstream's answers: {success, message, ids}, as JSON or msgpack (wants_msgpack), errors too
+    def upstream(self, **ids):
+        self.packed, self.error_fields = self.wants_msgpack(), dict(success=False, **ids)
+
+    def echo(self, key: str, name) -> str:
+        """A voice name from the request -> the name, checked; upstream's error answers repeat it."""
+        if self.error_fields:
+            self.error_fields[key] = name if isinstance(name, str) else ""
+        return check_voice_name(name)
+
+    def add_reference(self):
+        self.upstream(reference_id="")
+        name = self.upload("id")["name"]
+        self.send_json(dict(success=True, message=f"reference {name!r} added", reference_id=name))
+
+    def list_references(self):
+        self.upstream()
+        names = sorted(self.app.voice_files())
+        self.send_json(dict(success=True, reference_ids=names, message=f"{len(names)} references"))
+
+    def delete_reference(self):
+        self.upstream(reference_id="")
+        name = self.echo("reference_id", self.data().get("reference_id"))
+        self.app.delete_voice(name)
+        self.send_json(dict(success=True, message=f"reference {name!r} deleted", reference_id=name))
+
+    def update_reference(self):
+        self.upstream(old_reference_id="", new_reference_id="")
+        data = self.data()
+        old, new = (self.echo(key, data.get(key)) for key in ("old_reference_id", "new_reference_id"))
+        if old == new:
+            raise dualAR.UserError("new_reference_id must differ from old_reference_id")
+        self.app.rename_voice(old, new)
+        self.send_json(dict(success=True, message=f"reference {old!r} renamed to {new!r}",
+                            old_reference_id=old, new_reference_id=new))
+
+    def batch(self, key: str) -> list:
+        """Upstream's /v1/vqgan body: {key: [1 to MAX_CODES items]} -> [(item, its name for errors)]."""
+        self.packed = self.wants_msgpack()
+        items = self.data().get(key)
+        if not isinstance(items, list) or not 1 <= len(items) <= MAX_CODES:
+            raise dualAR.UserError(f"{key} must be a list of 1 to {MAX_CODES} items")
+        return [(item, f"{key}[{i}]") for i, item in enumerate(items)]
+
+    def vqgan_encode(self):
+        """{audios: [audio file bytes]} -> {tokens: [codes (10, T) as nested lists]}."""
+        tokens = [self.app.clip_codes(decode_base64(audio, what), what).tolist()
+                  for audio, what in self.batch("audios")]
+        self.send_json(dict(tokens=tokens))
+
+    def vqgan_decode(self):
+        """{tokens: [codes (10, T)]} -> {audios: [float16 samples, as bytes]}, as upstream."""
+        waves = [codec.decode(self.app.dac, self.app.check_codes(codes, what))[0]
+                 for codes, what in self.batch("tokens")]
+        self.send_json(dict(audios=[wave.cpu().numpy().astype("<f2").tobytes() for wave in waves]))
 
     def answer(self, job: dict):
         """Submit the job, then send its audio: whole, as raw chunked bytes, or as server-sent events."""
         if not self.app.alive:
             raise HTTPError(503, "the engine stopped (see the server's log): restart the server")
-        self.app.engine.check_room()  # before the clips are encoded for nothing
+        self.app.check_room()  # before the clips are encoded for nothing
         references = self.app.references(job)
         request = self.app.engine.submit(dict(text=job["text"], references=references,
                                               max_context=self.app.max_context, **job["sampling"]))
@@ -598,23 +856,26 @@ class Handler(BaseHTTPRequestHandler):
 
     def watch(self, request):
         """Cancel `request` as soon as the client hangs up, even while it waits in the queue: a thread that
-        peeks at the socket until the request is done. If the engine thread dies, end the request too."""
-        sock, app = self.connection, self.app
+        polls the socket until the request is done. A hang-up is a reset (or a failed write, in stream):
+        an EOF is only a half-close (some clients and proxies send one after the request), and the client
+        still reads its answer. If the engine thread dies, end the request too."""
+        sock, app, poller = self.connection, self.app, select.poll()
+        poller.register(sock, select.POLLIN)
 
         def run():
-            with selectors.DefaultSelector() as selector:
-                selector.register(sock, selectors.EVENT_READ)
+            try:
                 while not request.done:
                     if not app.alive:
                         return request.finish(RuntimeError("the engine stopped: see the server's log"))
-                    if selector.select(0.05):
-                        try:
-                            gone = not sock.recv(1, socket.MSG_PEEK)
-                        except OSError:
-                            gone = True
-                        if gone:
-                            request.cancel()
-                        return  # or bytes of a next request: the client is still there
+                    events = poller.poll(50)
+                    if events and events[0][1] & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
+                        return request.cancel()
+                    if events and sock.recv(1, socket.MSG_PEEK):
+                        return  # bytes of a next request: the client is still there
+                    if events:
+                        poller.modify(sock, 0)  # an EOF: from now on only a reset or a hang-up
+            except (OSError, ValueError):  # a reset, or the socket closed: a no-op once the answer is sent
+                request.cancel()
 
         threading.Thread(target=run, name="fishfast-watch", daemon=True).start()
 
@@ -626,6 +887,8 @@ class Handler(BaseHTTPRequestHandler):
 
 
 class Server(ThreadingHTTPServer):
+    request_queue_size = 128  # connections the kernel holds before accept: 5 made every 6th of 100 wait 1 s
+
     def __init__(self, address, app: App):
         self.app = app
         super().__init__(address, Handler)
@@ -640,7 +903,7 @@ def render_page(app: App) -> str:
                   ' (see README).</p>')
     config = dict(sampleRate=SAMPLE_RATE, hop=codec.hop_length(), auth=app.api_key is not None,
                   model=f"{app.info['model']} on {app.info['device']} ({app.info['dtype']})",
-                  maxReferences=dualAR.MAX_REFERENCES)
+                  maxReferences=dualAR.MAX_REFERENCES, maxFrames=DEMO_FRAMES if app.info["demo"] else 0)
     config = json.dumps(config).replace("<", "\\u003c")  # nothing in it can close the <script>
     return PAGE.replace("{{banner}}", banner).replace("{{config}}", config)
 
@@ -649,6 +912,8 @@ PAGE = r"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <title>fishfast: S2-Pro text-to-speech</title>
+<link rel="icon" href="data:image/svg+xml,%3Csvg xmlns='http://www.w3.org/2000/svg'
+ viewBox='0 0 16 16'%3E%3Cpath fill='%231f5fd1' d='M1 8q5-6 11 0q-6 6-11 0zM11 8l4-4v8z'/%3E%3C/svg%3E">
 <style>
 body { font: 15px/1.45 system-ui, sans-serif; color: #1d2330; background: #f4f6f9; max-width: 860px;
        margin: 1.2rem auto; padding: 0 1rem; }
@@ -670,6 +935,7 @@ button { font: inherit; padding: .3rem .8rem; border-radius: 6px; border: 1px so
 button.primary { background: #1f5fd1; border-color: #1f5fd1; color: #fff; font-weight: 600; }
 button:disabled { opacity: .5; cursor: default; }
 audio { width: 100%; margin: .5rem 0 .2rem; }
+canvas { width: 100%; height: 80px; background: #f7f9fc; border-radius: 4px; }
 #figures { font-variant-numeric: tabular-nums; color: #2b3342; }
 #error { color: #b3261e; white-space: pre-wrap; } #message { color: #1d7a3a; }
 </style></head>
@@ -711,6 +977,7 @@ audio { width: 100%; margin: .5rem 0 .2rem; }
     <a id="download" download="fishfast.wav" hidden>Download WAV</a>
   </div>
   <audio id="audio" controls></audio>
+  <canvas id="wave" width="820" height="80"></canvas>
   <div id="figures"></div>
   <div id="message"></div>
   <div id="error" role="alert"></div>
@@ -736,6 +1003,7 @@ async function errorOf(res) {
 async function loadVoices(select) {
   const res = await fetch('/v1/audio/voices', {headers: headers()});
   if (!res.ok) return say(await errorOf(res));
+  say();  // a 401 shown before the key was entered is answered now
   const voices = (await res.json()).voices, box = $('voice'), keep = select ?? box.value;
   box.length = 1;
   for (const name of voices) box.add(new Option(name, name));
@@ -809,19 +1077,51 @@ function wavHeader(samples) {  // the whole file's header: 16-bit mono PCM, the 
 function showFigures(t0) {
   const wall = (performance.now() - t0) / 1000, seconds = player.samples / CONFIG.sampleRate;
   const frames = player.samples / CONFIG.hop;
-  $('figures').textContent = (player.state === 'generating' ? 'generating\u2026 ' : '')
+  $('figures').textContent = ({generating: 'generating\u2026 ', stopped: 'stopped: '}[player.state] || '')
     + 'first audio after ' + player.firstAudio.toFixed(2) + ' s \u00b7 ' + frames.toFixed(0) + ' frames in '
     + wall.toFixed(2) + ' s = ' + (frames / wall).toFixed(1) + ' frames/s \u00b7 RTF '
     + (wall / seconds).toFixed(2) + ' (' + seconds.toFixed(2) + ' s of audio)';
 }
 
+const BLOCK = 512;  // samples of one min/max pair of the waveform
+function addPeaks(pcm) {
+  for (let i = 0; i < pcm.length; i += BLOCK) {
+    let low = 0, high = 0;
+    for (let j = i; j < Math.min(i + BLOCK, pcm.length); j++) {
+      low = Math.min(low, pcm[j]);
+      high = Math.max(high, pcm[j]);
+    }
+    player.peaks.push(low / 32768, high / 32768);
+  }
+}
+
+function playhead() {  // seconds played: of the file once it is whole, else of the stream
+  const audio = $('audio');
+  if (audio.src && !audio.srcObject) return audio.currentTime;
+  return player.start != null ? Math.max(0, player.ctx.currentTime - player.start) : null;
+}
+
+function draw() {  // the waveform as it arrives (it fills the canvas, then shrinks to fit), the playhead red
+  const canvas = $('wave'), g = canvas.getContext('2d'), peaks = player.peaks || [];
+  const w = canvas.width, h = canvas.height, n = peaks.length / 2, scale = w / Math.max(w, n);
+  g.clearRect(0, 0, w, h);
+  g.fillStyle = '#1f5fd1';
+  for (let i = 0; i < n; i++) {
+    const [low, high] = [peaks[2 * i], peaks[2 * i + 1]];
+    g.fillRect(i * scale, (1 - high) * h / 2, 1, Math.max(1, (high - low) * h / 2));
+  }
+  const t = playhead();
+  g.fillStyle = '#b3261e';
+  if (t !== null) g.fillRect(t * CONFIG.sampleRate / BLOCK * scale, 0, 2, h);
+  requestAnimationFrame(draw);
+}
+
 // 16-bit PCM arrives as the server makes it; each piece is scheduled on the Web Audio clock right after the
 // one before and played through the <audio> element (a MediaStream), so playback starts with the first piece.
 async function play(reader, t0) {
-  const ctx = new AudioContext({sampleRate: CONFIG.sampleRate}), out = ctx.createMediaStreamDestination();
-  const audio = $('audio'), pieces = [];
-  let carry = new Uint8Array(0), next = 0, last = null;
-  Object.assign(player, {ctx, samples: 0, firstAudio: null, start: null});
+  const ctx = player.ctx = new AudioContext({sampleRate: CONFIG.sampleRate});
+  const out = ctx.createMediaStreamDestination(), audio = $('audio');
+  let carry = new Uint8Array(0), next = 0;
   for (;;) {
     const {done, value} = await reader.read();
     if (done) break;
@@ -835,10 +1135,11 @@ async function play(reader, t0) {
     const buffer = ctx.createBuffer(1, pcm.length, CONFIG.sampleRate);
     const data = buffer.getChannelData(0);
     for (let i = 0; i < pcm.length; i++) data[i] = pcm[i] / 32768;
-    pieces.push(pcm);
-    last = ctx.createBufferSource();
-    last.buffer = buffer;
-    last.connect(out);
+    player.pieces.push(pcm);
+    addPeaks(pcm);
+    const source = player.last = ctx.createBufferSource();
+    source.buffer = buffer;
+    source.connect(out);
     if (player.firstAudio === null) {
       player.firstAudio = (performance.now() - t0) / 1000;
       audio.removeAttribute('src');
@@ -847,12 +1148,26 @@ async function play(reader, t0) {
       player.start = next = ctx.currentTime + 0.05;
     }
     next = Math.max(next, ctx.currentTime);
-    last.start(next);
+    source.start(next);
     next += buffer.duration;
     player.samples += pcm.length;
     showFigures(t0);
   }
-  return {pieces, last, ctx};
+}
+
+function offer(t0) {  // the figures and a download of what was made: all of it, or what came before Stop
+  showFigures(t0);
+  const wav = new Blob([wavHeader(player.samples), ...player.pieces], {type: 'audio/wav'});
+  const url = URL.createObjectURL(wav);
+  $('download').href = url;
+  $('download').hidden = false;
+  const toFile = () => {  // then the element replays (and seeks in) the file
+    $('audio').srcObject = null;
+    $('audio').src = url;
+    player.ctx.close();
+  };
+  if (player.state === 'done') player.last.onended = toFile;
+  else toFile();  // stopped or failed: the player ends now
 }
 
 async function generate() {
@@ -869,8 +1184,8 @@ async function generate() {
   if (references.length) body.references = references;
   for (const key of ['temperature', 'top_p', 'top_k', 'seed', 'max_new_tokens'])
     if ($(key).value !== '') body[key] = Number($(key).value);
-  player.abort = new AbortController();
-  player.state = 'generating';
+  Object.assign(player, {abort: new AbortController(), state: 'generating', pieces: [], peaks: [], samples: 0,
+                         firstAudio: null, start: null, last: null});
   $('generate').disabled = true;
   $('stop').disabled = false;
   const t0 = performance.now();
@@ -878,27 +1193,22 @@ async function generate() {
     const res = await fetch('/v1/audio/speech', {method: 'POST', headers: headers(true),
                                                   body: JSON.stringify(body), signal: player.abort.signal});
     if (!res.ok) throw new Error(await errorOf(res));
-    const {pieces, last, ctx} = await play(res.body.getReader(), t0);
+    await play(res.body.getReader(), t0);
     player.state = 'done';
-    if (!last) throw new Error('the model said nothing (it stopped at once): try another seed or text');
-    showFigures(t0);
-    const url = URL.createObjectURL(new Blob([wavHeader(player.samples), ...pieces], {type: 'audio/wav'}));
-    $('download').href = url;
-    $('download').hidden = false;
-    last.onended = () => {  // then the element replays (and seeks in) the whole file
-      $('audio').srcObject = null;
-      $('audio').src = url;
-      ctx.close();
-    };
+    if (!player.last) throw new Error('the model said nothing (it stopped at once): try another seed, text');
   } catch (e) {
-    player.state = 'failed';
-    say(e.name === 'AbortError' ? 'stopped' : e.message);
+    player.state = e.name === 'AbortError' ? 'stopped' : 'failed';
+    const failed = player.state === 'failed';
+    say(failed ? e.message : '', failed ? '' : 'stopped');
   }
+  if (player.samples) offer(t0);
+  else if (player.ctx && player.ctx.state !== 'closed') player.ctx.close();
   $('generate').disabled = false;
   $('stop').disabled = true;
 }
 
 $('model').textContent = CONFIG.model;
+$('max_new_tokens').value = CONFIG.maxFrames;
 $('key-label').hidden = !CONFIG.auth;
 $('api-key').value = localStorage.getItem('fishfast-key') || '';
 $('api-key').onchange = () => {
@@ -910,6 +1220,7 @@ $('delete-voice').onclick = deleteVoice;
 $('generate').onclick = generate;
 $('stop').onclick = () => player.abort && player.abort.abort();
 loadVoices();
+draw();
 </script>
 </body></html>
 """
@@ -923,7 +1234,8 @@ def parse_args(argv=None):
     ap.add_argument("--host", default="127.0.0.1",
                     help="address to bind (default 127.0.0.1: this machine only)")
     ap.add_argument("--port", type=int, default=7560, help="port (default 7560, 0: any free one)")
-    ap.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: cuda > mps > cpu")
+    ap.add_argument("--device", help="cpu, mps, cuda or cuda:N (one server per GPU: README, Replicas);"
+                    " default: cuda > mps > cpu")
     ap.add_argument("--dtype", choices=list(dualAR.DTYPES), help="default bf16 on CUDA, fp32 elsewhere")
     ap.add_argument("--quant", choices=dualAR.QUANT_SCHEMES, help="torchao weight quantization, as"
                     " dualAR.py's (int8wo: CPU and GPU. int4wo: CUDA bf16. fp8, nvfp4: recent NVIDIA GPUs)")
@@ -933,15 +1245,34 @@ def parse_args(argv=None):
     ap.add_argument("--max-context", type=int, default=dualAR.DEFAULT_CONTEXT, help="positions (prompt +"
                     f" frames) a request may use, as the CLI's (default {dualAR.DEFAULT_CONTEXT})")
     ap.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot, beyond that"
-                    " a 503 (default 16)")
+                    " a 503 (default 16; 0: served only while a slot is free)")
     ap.add_argument("--voices", default="prompt", help="folder of saved voices, <name>.npy + <name>.txt"
                     " (default prompt/, as the CLI)")
     ap.add_argument("--api-key", default=os.environ.get("FISHFAST_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on /v1/ (default $FISHFAST_API_KEY, else none)")
+    ap.add_argument("--allow-origin", action="append", metavar="ORIGIN", help="let pages of this origin"
+                    " (e.g. https://app.example.com, or *) use the API from a browser, with CORS; repeatable."
+                    " Default: pages of other sites can neither write nor generate here")
+    ap.add_argument("--default-voice", metavar="NAME", help="the saved voice OpenAI's built-in voice names"
+                    " (alloy, ash, ...) speak with, unless a saved voice has that name (default: none:"
+                    " plain TTS)")
     args = ap.parse_args(argv)
     if args.slots < 1 or args.queue < 0 or args.max_context < 2:
         ap.error("--slots must be >= 1, --queue >= 0 and --max-context >= 2")
+    if args.device and not re.fullmatch(r"cpu|mps|cuda(:\d+)?", args.device):
+        ap.error(f"--device {args.device}: use cpu, mps, cuda or cuda:N")
+    if args.default_voice and not is_voice_name(args.default_voice):
+        ap.error(f"--default-voice {args.default_voice!r}: use 1-64 letters, digits, '_', '-', inner spaces")
     return args
+
+
+def pick_device(name) -> torch.device:
+    """--device as codec.py picks it, plus an index: cuda:N."""
+    kind, _, index = (name or "").partition(":")
+    device = codec.pick_device(kind or None)
+    if index and int(index) >= torch.cuda.device_count():
+        raise dualAR.UserError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA devices")
+    return torch.device(name) if index else device
 
 
 def make_server(args) -> Server:
@@ -965,6 +1296,7 @@ def main(argv=None):
     host, port = server.server_address[:2]
     print(f"fishfast: {app.info['model']} on {app.info['device']}, {args.slots} slots,"
           f" voices in {app.voices}/ -> http://{host}:{port}", flush=True)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # docker stop, systemd: clean up as Ctrl-C
     try:
         server.serve_forever()
     except KeyboardInterrupt:

@@ -1,12 +1,18 @@
 """app.py against the tiny checkpoint: a real server on 127.0.0.1 (one per module, in a thread), real HTTP,
 and a real headless Chromium for the page."""
 import base64
+import collections
+import contextlib
+import functools
 import http.client
+import http.server
 import io
 import json
 import shutil
+import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -14,7 +20,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import msgpack  # requirements-test.txt: upstream's client speaks msgpack
 import numpy as np
+import openai
 import pytest
 import soundfile as sf
 import torch
@@ -28,6 +36,8 @@ CHECKPOINT = FIXTURES / "checkpoint"
 CLIP = FIXTURES / "golden" / "audio_in.wav"
 TEXT = "Hello from the server test."
 SPEECH = "/v1/audio/speech"
+MSGPACK = "application/msgpack"
+FOREIGN = "http://localhost:9"  # a page of another site than the server's 127.0.0.1
 CLIP_B64 = base64.b64encode(CLIP.read_bytes()).decode()
 
 
@@ -63,9 +73,9 @@ def server(root):
 
 @pytest.fixture(scope="module")
 def locked(tmp_path_factory):
-    """One slot, a queue of one, an API key."""
+    """One slot, a queue of one, an API key, pages of one other origin allowed."""
     server = start_server(tmp_path_factory.mktemp("locked"), "--slots", "1", "--queue", "1",
-                          "--api-key", "secret")
+                          "--api-key", "secret", "--allow-origin", FOREIGN)
     yield server
     stop_server(server)
 
@@ -316,6 +326,15 @@ BAD = [
         ("top_k", 1e30), ("top_k", 10**30), ("temperature", 10**400), ("seed", 10**400),
         ("speed", 1.5), ("speed", "fast"), ("response_format", "aac"), ("stream_format", "chunks")]],
     ("POST", SPEECH, b"{", 400),
+    ("POST", SPEECH, b"[" * 100_000 + b"]" * 100_000, 400),  # deeper than Python's recursion limit
+    ("POST", SPEECH, b'{"input": "hi", "temperature": ' + b"[" * 900 + b"]" * 900 + b"}", 400),
+    ("POST", SPEECH, dict(input="hi", instructions="Speak cheerfully."), 400),
+    ("POST", "/v1/tts", dict(text="hi", streaming=True, format="mp3"), 400),
+    ("POST", "/v1/tts", dict(text="hi", streaming=True, format="pcm"), 400),
+    ("POST", "/v1/tts", ("application/msgpack", b"\xc1"), 400),
+    ("POST", "/v1/tts", ("application/msgpack", b"\x91\x01"), 400),
+    ("POST", "/v1/tts", ("application/msgpack", b"\x91" * 100_000 + b"\x01"), 400),
+    ("POST", "/v1/tts", ("application/msgpack", b"\x81\xa4text\x05"), 400),
     ("POST", SPEECH, b"[1, 2]", 400),
     ("POST", SPEECH, b'{"input": "hi", "temperature": NaN}', 400),
     ("POST", SPEECH, b'{"input": "\xff"}', 400),
@@ -344,6 +363,7 @@ BAD = [
     ("DELETE", "/v1/audio/voices/", None, 400),
     ("DELETE", "/v1/audio/voices/nobody", None, 404),
     ("GET", "/nope", None, 404),
+    ("OPTIONS", "/nope", None, 404),
     ("GET", "/v1/audio/speech/x", None, 404),
     ("GET", SPEECH, None, 405),
     ("DELETE", "/v1/audio/voices", None, 405),
@@ -359,7 +379,8 @@ def tree(folder: Path) -> list:
 
 @pytest.mark.parametrize("method, path, body, status", BAD,
                          ids=[f"{i}-{method}-{path}" for i, (method, path, *_) in enumerate(BAD)])
-def test_bad_input_gets_its_4xx_and_json_error_and_changes_no_file(server, root, method, path, body, status):
+def test_bad_input_gets_its_4xx_and_json_error_and_changes_no_file(server, root, method, path, body, status,
+                                                                   capfd):
     content_type = "application/json"
     if isinstance(body, tuple):
         content_type, body = body
@@ -372,6 +393,7 @@ def test_bad_input_gets_its_4xx_and_json_error_and_changes_no_file(server, root,
     assert not list(Path("/tmp").glob("fishfast-evil*")) and not list(Path("/").glob("evil*"))
     if status == 405:
         assert headers["Allow"]
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def raw_request(server, path: str, headers: dict, body: bytes):
@@ -404,6 +426,121 @@ def test_an_upload_that_expects_100_continue_still_gets_its_error(server, root):
     assert tree(root.parent) == before
 
 
+# ----------------------------------------------------------------------------- other sites' pages
+def test_a_cross_site_form_post_is_refused_and_writes_nothing(server, root):
+    content_type, form = multipart(dict(name="evil", text="x", audio=CLIP.read_bytes()))
+    before = tree(root.parent)
+    for headers in ({"Origin": FOREIGN}, {"Origin": "null"}, {"Sec-Fetch-Site": "cross-site"},
+                    {"Origin": "http://127.0.0.1:1", "Sec-Fetch-Site": "same-site"}):
+        status, response_headers, body = call(server, "POST", "/v1/audio/voices", form, headers, content_type)
+        assert status == 403 and "--allow-origin" in json.loads(body)["error"]["message"], headers
+        assert "Access-Control-Allow-Origin" not in response_headers
+    assert tree(root.parent) == before
+    own = {"Origin": "http://%s:%d" % server.server_address[:2], "Sec-Fetch-Site": "same-origin"}
+    assert call(server, "POST", "/v1/tts", dict(text=TEXT, max_new_tokens=4), own)[0] == 200  # our own page
+
+
+def test_an_allowed_origin_gets_cors_headers_and_its_preflight(locked, monkeypatch):
+    ask = {"Origin": FOREIGN, "Access-Control-Request-Method": "POST",
+           "Access-Control-Request-Headers": "authorization,content-type"}
+    status, headers, body = call(locked, "OPTIONS", SPEECH, headers=ask)  # a preflight carries no key
+    assert status == 204 and body == b"" and headers["Access-Control-Allow-Origin"] == FOREIGN
+    assert "POST" in headers["Access-Control-Allow-Methods"]
+    assert headers["Access-Control-Allow-Headers"] == "authorization,content-type"
+    key = {"Origin": FOREIGN, "Authorization": "Bearer secret"}
+    status, headers, _ = call(locked, "POST", "/v1/tts", dict(text=TEXT, max_new_tokens=4), key)
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == FOREIGN and headers["Vary"] == "Origin"
+    status, headers, _ = call(locked, "POST", SPEECH, dict(input="hi"), {"Origin": FOREIGN})
+    assert status == 401 and headers["Access-Control-Allow-Origin"] == FOREIGN  # its page can read why
+    other = {"Origin": "http://evil.example", "Authorization": "Bearer secret"}
+    status, headers, _ = call(locked, "POST", "/v1/tts", dict(text=TEXT, max_new_tokens=4), other)
+    assert status == 403 and "Access-Control-Allow-Origin" not in headers
+    status, headers, _ = call(locked, "OPTIONS", SPEECH, headers=dict(ask, Origin="http://evil.example"))
+    assert status == 204 and "Access-Control-Allow-Origin" not in headers
+    monkeypatch.setattr(locked.app, "allow_origins", {"*"})  # --allow-origin '*'
+    status, headers, _ = call(locked, "GET", "/v1/models", headers=other)
+    assert status == 200 and headers["Access-Control-Allow-Origin"] == "http://evil.example"
+
+
+# ----------------------------------------------------------------------------- upstream's clients
+def upstream_request(**fields) -> dict:
+    """ServeTTSRequest with every field, as upstream's tools/api_client.py packs it (its defaults)."""
+    return dict(dict(text=TEXT, chunk_length=200, format="wav", latency="normal", references=[],
+                     reference_id=None, seed=None, use_memory_cache="off", normalize=True, streaming=False,
+                     max_new_tokens=1024, top_p=0.8, repetition_penalty=1.1, temperature=0.8), **fields)
+
+
+def test_upstream_msgpack_request_gives_the_json_requests_audio(server, monkeypatch):
+    clip = dict(audio=CLIP.read_bytes(), text="The reference clip says this.")  # ServeReferenceAudio
+    request = upstream_request(references=[clip], seed=21, max_new_tokens=12)
+    headers = {"authorization": "Bearer YOUR_API_KEY"}  # the client's default; no key on this server
+    status, response_headers, audio = call(server, "POST", "/v1/tts?format=msgpack", msgpack.packb(request),
+                                           headers, MSGPACK)
+    assert status == 200 and response_headers["Content-Type"] == "audio/wav" and len(audio) > 44
+    as_json = dict(request, references=[dict(clip, audio=CLIP_B64)])
+    assert call(server, "POST", "/v1/tts", as_json)[2] == audio
+    no_effect = dict(as_json, repetition_penalty=1.9, normalize=False, latency="balanced",
+                     use_memory_cache="on")
+    assert call(server, "POST", "/v1/tts", no_effect)[2] == audio
+    streamed = call(server, "POST", "/v1/tts", dict(as_json, streaming=True))[2]
+    assert_close_pcm(wav_samples(streamed), wav_samples(audio))
+    monkeypatch.setattr(app, "MSGPACK", None)
+    status, _, body = call(server, "POST", "/v1/tts", msgpack.packb(request), content_type=MSGPACK)
+    assert status == 415 and "pip install ormsgpack" in json.loads(body)["error"]["message"]
+
+
+@pytest.mark.parametrize("field, value, kind", [
+    ("temperature", 1.5, "less_than_equal"), ("top_p", 0.05, "greater_than_equal"),
+    ("repetition_penalty", 2.5, "less_than_equal"), ("repetition_penalty", "1.2", "float_type"),
+    ("temperature", True, "float_type"), ("temperature", None, "float_type"),
+    ("latency", "low", "literal_error"),
+    ("use_memory_cache", "yes", "literal_error"), ("format", "aac", "literal_error")])
+def test_upstream_schema_ranges_are_a_422_in_pydantics_shape(server, field, value, kind):
+    status, _, body = call(server, "POST", "/v1/tts", {"text": "hi", field: value})
+    [error] = json.loads(body)
+    assert status == 422 and error["type"] == kind and error["loc"] == [field] and error["in"] == "body"
+    assert error["input"] == value and error["msg"].startswith("Input should be")
+
+
+def test_upstream_references_and_vqgan_routes(server, root, ref):
+    as_json = {"Accept": "application/json"}
+    content_type, form = multipart(dict(id="up voice", text="What the clip says.", audio=CLIP.read_bytes()))
+    status, headers, body = call(server, "POST", "/v1/references/add", form, content_type=content_type)
+    assert status == 200 and headers["Content-Type"] == "application/msgpack"  # upstream's default
+    assert msgpack.unpackb(body)["success"] is True and msgpack.unpackb(body)["reference_id"] == "up voice"
+    status, _, body = call(server, "POST", "/v1/references/add", form, as_json, content_type)
+    assert status == 409 and json.loads(body)["success"] is False
+    listed = json.loads(call(server, "GET", "/v1/references/list", headers=as_json)[2])["reference_ids"]
+    assert {"up voice", "keep"} <= set(listed)
+    assert listed == json.loads(call(server, "GET", "/v1/audio/voices")[2])["voices"]  # the same voices
+    rename = dict(old_reference_id="up voice", new_reference_id="up renamed")
+    assert call(server, "POST", "/v1/references/update", rename, as_json)[0] == 200
+    assert call(server, "POST", "/v1/references/update", rename, as_json)[0] == 404
+    taken = dict(old_reference_id="up renamed", new_reference_id="keep")
+    assert call(server, "POST", "/v1/references/update", taken, as_json)[0] == 409
+    delete = msgpack.packb(dict(reference_id="up renamed"))
+    assert call(server, "DELETE", "/v1/references/delete", delete, content_type=MSGPACK)[0] == 200
+    status, _, body = call(server, "DELETE", "/v1/references/delete", delete, content_type=MSGPACK)
+    assert status == 404 and msgpack.unpackb(body)["success"] is False
+    status, _, body = call(server, "DELETE", "/v1/references/delete", dict(reference_id="../keep"), as_json)
+    assert status == 400 and json.loads(body) == dict(success=False, reference_id="../keep",
+                                                      message=json.loads(body)["message"])
+    assert not list((root / "prompt").glob("up *")) and (root / "prompt" / "keep.txt").is_file()
+
+    encode = msgpack.packb(dict(audios=[CLIP.read_bytes()]))
+    tokens = msgpack.unpackb(call(server, "POST", "/v1/vqgan/encode", encode, content_type=MSGPACK)[2])
+    assert torch.equal(torch.tensor(tokens["tokens"][0]), clip_codes(ref))
+    decode = msgpack.packb(tokens)
+    audios = msgpack.unpackb(call(server, "POST", "/v1/vqgan/decode", decode, content_type=MSGPACK)[2])
+    wave = np.frombuffer(audios["audios"][0], "<f2").astype(np.float32)
+    assert np.abs(wave - codec.decode(ref[1], clip_codes(ref))[0].numpy()).max() < 2e-3  # float16 samples
+    for path, body in (("/v1/vqgan/decode", dict(tokens=[[[1, 2]]])), ("/v1/vqgan/decode", dict(tokens="x")),
+                       ("/v1/vqgan/encode", dict(audios=[b64(b"not audio")])),
+                       ("/v1/vqgan/encode", dict(audios=[]))):
+        status, _, data = call(server, "POST", path, body, as_json)
+        assert status == 400 and json.loads(data)["error"]["message"]
+
+
 # ----------------------------------------------------------------------------- serving
 def test_health_models_and_page(server):
     info = health(server)
@@ -415,11 +552,20 @@ def test_health_models_and_page(server):
     assert status == 200 and headers["Content-Type"].startswith("text/html")
     assert b"<script>" in page and b"http" not in page.split(b"<script>")[1]  # no CDN: works offline
     assert b"NOISE" not in page
+    assert b'<link rel="icon" href="data:' in page  # no favicon request, no 404
     conn = http.client.HTTPConnection(*server.server_address[:2], timeout=30)
-    for method, status in (("GET", 200), ("GET", 200), ("OPTIONS", 501)):  # one kept-alive connection
-        conn.request(method, "/health")
-        response = conn.getresponse()
-        assert response.status == status and json.loads(response.read())
+    for path in ("/", "/health", "/v1/models", "/v1/audio/voices", "/v1/references/list", "/v1/health"):
+        for method in ("GET", "HEAD", "OPTIONS"):  # one kept-alive connection
+            conn.request(method, path)
+            response = conn.getresponse()
+            body = response.read()
+            assert response.status == dict(GET=200, HEAD=200, OPTIONS=204)[method], (method, path)
+            if method == "GET":
+                length = response.headers["Content-Length"]
+            elif method == "HEAD":
+                assert body == b"" and response.headers["Content-Length"] == length
+            else:
+                assert body == b"" and {"GET", "HEAD"} <= set(response.headers["Allow"].split(", "))
     conn.close()
 
 
@@ -484,10 +630,226 @@ def test_demo_model_says_it_is_noise(tmp_path, monkeypatch):
     demo = app.App(app.parse_args(["--device", "cpu", "--voices", str(tmp_path / "prompt")]))
     try:
         assert demo.health()["demo"] is True and "noise" in demo.health()["note"]
-        assert "the audio is NOISE" in app.render_page(demo)
+        assert "the audio is NOISE" in app.render_page(demo) and '"maxFrames": 200' in app.render_page(demo)
     finally:
         demo.close()
     assert not Path(demo.demo_dir).exists()
+
+
+def raw_exchange(server, request: bytes, close="half") -> bytes:
+    """Send `request` on a socket, then half-close it (shutdown SHUT_WR, as some clients and proxies do) and
+    read the whole answer, or close it at once (close="full") -> the bytes read."""
+    with socket.create_connection(server.server_address[:2], timeout=60) as sock:
+        sock.sendall(request)
+        if close == "full":
+            return b""
+        sock.shutdown(socket.SHUT_WR)
+        answer = b""
+        for data in iter(lambda: sock.recv(65536), b""):
+            answer += data
+        return answer
+
+
+def post_bytes(path: str, body: dict, length=None) -> bytes:
+    data = json.dumps(body).encode()
+    return (f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length or len(data)}\r\n\r\n").encode() + data
+
+
+class FakeSocket:
+    """Bytes already read, for http.client.HTTPResponse to parse (chunked transfer included)."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+
+    def makefile(self, mode):
+        return io.BytesIO(self.data)
+
+
+@pytest.mark.parametrize("fmt", ["wav", "flac"])
+def test_a_half_closed_client_gets_its_whole_answer(server, ref, fmt):
+    answer = raw_exchange(server, post_bytes(SPEECH, dict(input=TEXT, seed=14, max_new_tokens=12,
+                                                          response_format=fmt)))
+    response = http.client.HTTPResponse(FakeSocket(answer))
+    response.begin()
+    assert response.status == 200
+    assert_close_pcm(wav_samples(response.read()) if fmt == "wav" else
+                     sf.read(io.BytesIO(response.read()), dtype="int16")[0],
+                     expected_pcm(ref, seed=14, max_new_tokens=12))
+
+
+def request_threads() -> list:
+    """The servers' threads still handling a connection (ThreadingHTTPServer names them so)."""
+    return [t for t in threading.enumerate() if "process_request_thread" in t.name]
+
+
+def test_a_body_shorter_than_its_length_gets_a_400_and_a_gone_client_no_traceback(server, capfd):
+    answer = raw_exchange(server, post_bytes(SPEECH, dict(input=TEXT), length=500))
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and "ended after" in json.loads(body)["error"]["message"]
+    for _ in range(5):
+        raw_exchange(server, post_bytes(SPEECH, dict(input=TEXT), length=500), close="full")
+        raw_exchange(server, post_bytes(SPEECH, dict(input=TEXT, max_new_tokens=4)), close="full")
+    wait_for(lambda: not request_threads(), 30, "the server's threads for those clients to end (and log)")
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_hundred_clients_connecting_at_once_are_all_served(server):
+    results, start = [None] * 100, threading.Barrier(100)
+
+    def client(i):
+        start.wait()
+        began = time.perf_counter()
+        status = call(server, "GET", "/health")[0]
+        results[i] = status, time.perf_counter() - began
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(100)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert [status for status, _ in results] == [200] * 100
+    times = sorted(seconds for _, seconds in results)
+    print(f"\n100 concurrent connects to /health: median {times[50] * 1000:.0f} ms, slowest"
+          f" {times[-1] * 1000:.0f} ms, {sum(t >= 1 for t in times)} took 1 s or more")
+
+
+def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
+    """docker stop and systemd send SIGTERM: the demo checkpoint in /tmp goes, as with Ctrl-C."""
+    command = [sys.executable, str(Path(app.__file__).resolve()), "--device", "cpu", "--port", "0"]
+    server = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True)
+    try:
+        line = server.stdout.readline()
+        url = line.split("-> ")[1].strip()
+        with urllib.request.urlopen(url + "/health", timeout=60) as response:
+            checkpoint = Path(json.loads(response.read())["checkpoint"])
+        assert checkpoint.is_dir()
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(60) == 0
+    finally:
+        server.kill()
+    assert not checkpoint.exists() and "Traceback" not in server.stderr.read()
+
+
+# ----------------------------------------------------------------------------- OpenAI's client
+def test_openai_client_builtin_voices_instructions_and_every_format(server, ref, root, monkeypatch):
+    url = "http://%s:%d/v1" % server.server_address[:2]
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+    speech, extra = client.audio.speech, dict(seed=31, max_new_tokens=8)
+    want = expected_pcm(ref, seed=31, max_new_tokens=8)
+    alloy = speech.create(model="tts-1", voice="alloy", input=TEXT, response_format="wav", extra_body=extra)
+    assert_close_pcm(wav_samples(alloy.content), want)  # a built-in name: plain text-to-speech
+    with pytest.raises(openai.BadRequestError, match="inline tags"):
+        speech.create(model="tts-1", voice="alloy", input=TEXT, instructions="Speak cheerfully.")
+    for fmt in ("mp3", "opus", "aac", "flac", "wav", "pcm"):
+        if fmt not in app.FORMATS:  # aac; mp3 and opus where soundfile cannot write them
+            with pytest.raises(openai.BadRequestError, match="not supported here"):
+                speech.create(model="tts-1", voice="alloy", input=TEXT, response_format=fmt, extra_body=extra)
+            continue
+        audio = speech.create(model="tts-1", voice="alloy", input=TEXT, response_format=fmt, extra_body=extra)
+        if fmt in ("wav", "pcm", "flac"):
+            got = np.frombuffer(audio.content, "<i2") if fmt == "pcm" else wav_samples(audio.content)
+            assert_close_pcm(got, want)
+        else:
+            seconds = len(sf.read(io.BytesIO(audio.content))[0]) / app.SOUNDFILE_FORMATS[fmt][2]
+            assert abs(seconds - len(want) / 44100) < 0.1, fmt
+    with speech.with_streaming_response.create(model="tts-1", voice="alloy", input=TEXT,
+                                               response_format="wav", stream_format="sse",
+                                               extra_body=extra) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "speech.audio.done" and events[-1]["usage"]["output_tokens"] == 7
+    audio = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    assert_close_pcm(wav_samples(audio), want)
+    monkeypatch.setattr(server.app, "default_voice", "keep")
+    assert server.app.builtin_voice("alloy") == "keep" and server.app.builtin_voice("me") == "me"
+    shutil.copy(root / "prompt" / "keep.npy", root / "prompt" / "nova.npy")
+    shutil.copy(root / "prompt" / "keep.txt", root / "prompt" / "nova.txt")
+    try:
+        assert server.app.builtin_voice("nova") == "nova"  # a saved voice of that name wins
+    finally:
+        (root / "prompt" / "nova.npy").unlink()
+        (root / "prompt" / "nova.txt").unlink()
+
+
+# ----------------------------------------------------------------------------- replicas
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """Two servers sharing one voices folder, as two GPUs' replicas would; A has no waiting room."""
+    folder = tmp_path_factory.mktemp("replicas")
+    servers = start_server(folder, "--slots", "1", "--queue", "0"), start_server(folder, "--slots", "2")
+    yield servers
+    for server in servers:
+        stop_server(server)
+
+
+def test_queue_zero_serves_an_idle_server_and_refuses_a_busy_one(pair):
+    a = pair[0]
+    assert call(a, "POST", "/v1/tts", dict(text=TEXT, max_new_tokens=4))[0] == 200
+    conn, response = open_stream(a, dict(input=TEXT, max_new_tokens=0, response_format="pcm"))
+    assert len(response.read(2)) == 2  # the one slot is busy
+    status, headers, _ = call(a, "POST", "/v1/tts", dict(text=TEXT, max_new_tokens=4))
+    assert status == 503 and headers["Retry-After"]
+    conn.close()
+    wait_for(lambda: health(a)["busy"] == 0, 10, "the slot to be freed")
+
+
+def test_a_voice_saved_on_one_replica_is_used_and_deleted_on_the_other(pair):
+    a, b = pair
+    content_type, form = multipart(dict(name="shared", text="What the clip says.", audio=CLIP.read_bytes()))
+    assert call(a, "POST", "/v1/audio/voices", form, content_type=content_type)[0] == 201
+    assert "shared" in json.loads(call(b, "GET", "/v1/audio/voices")[2])["voices"]
+    body = dict(input=TEXT, voice="shared", seed=15, max_new_tokens=8, response_format="flac")
+    status, _, on_b = call(b, "POST", SPEECH, body)
+    assert status == 200 and on_b == call(a, "POST", SPEECH, body)[2]
+    assert call(b, "DELETE", "/v1/audio/voices/shared")[0] == 200
+    status, _, data = call(a, "POST", SPEECH, body)
+    assert status == 400 and "unknown voice" in json.loads(data)["error"]["message"]
+
+
+def test_saves_deletes_and_reads_racing_on_two_replicas_never_see_half_a_voice(pair):
+    a, b = pair
+    folder = Path(a.app.voices)
+    content_type, form = multipart(dict(name="race", text="What the clip says.", audio=CLIP.read_bytes()))
+    seen, deadline = [], time.monotonic() + 30
+
+    def writer(server):
+        for _ in range(6):
+            status = call(server, "POST", "/v1/audio/voices", form, content_type=content_type)[0]
+            seen.append(("save", status))
+            seen.append(("delete", call(server, "DELETE", "/v1/audio/voices/race")[0]))
+
+    def reader(server):
+        while time.monotonic() < deadline and any(t.is_alive() for t in writers):
+            body = dict(text=TEXT, reference_id="race", max_new_tokens=2)
+            seen.append(("speak", call(server, "POST", "/v1/tts", body)[0]))
+            seen.append(("list", call(server, "GET", "/v1/audio/voices")[0]))
+            for _, path in dualAR.default_references(folder):  # what the CLI would read: whole, or gone
+                with contextlib.suppress(FileNotFoundError):
+                    codec.read_codes(path)
+
+    writers = [threading.Thread(target=writer, args=(server,)) for server in pair]
+    readers = [threading.Thread(target=reader, args=(server,)) for server in pair]
+    for thread in writers + readers:
+        thread.start()
+    for thread in writers + readers:
+        thread.join()
+    allowed = dict(save={201, 409}, delete={200, 404}, speak={200, 400, 503}, list={200})
+    assert all(status in allowed[kind] for kind, status in seen), seen
+    assert {status for kind, status in seen if kind == "save"} >= {201}
+    assert not [p for p in folder.iterdir() if p.name.endswith(".part")]
+    print("\nracing replicas:", collections.Counter(seen))
+
+
+def test_device_takes_a_gpu_index():
+    assert app.parse_args(["--device", "cuda:1"]).device == "cuda:1"
+    with pytest.raises(SystemExit):
+        app.parse_args(["--device", "gpu1"])
+    if torch.cuda.device_count() < 2:
+        with pytest.raises(ValueError, match="--device cuda"):
+            app.pick_device("cuda:1")
+    else:
+        assert app.pick_device("cuda:1") == torch.device("cuda", 1)
 
 
 # ----------------------------------------------------------------------------- a real browser
@@ -583,6 +945,7 @@ def test_browser_uploads_a_voice_and_plays_while_generating(server, root, tmp_pa
         busy = health(server)["busy"]
         assert playing["state"] == "generating" and busy == 1, (playing, busy)  # playing before the end
         assert not playing["paused"] and playing["heard"] > 0
+        assert browser.js(PAINTED) > 0 and browser.js("return window.player.peaks.length") > 0  # drawn now
         wait_for(lambda: browser.js(state)["state"] != "generating", 120, "the generation to end")
         assert browser.js(state)["state"] == "done", browser.js("return document.body.innerText")
         page = browser.js("""return {href: document.getElementById('download').href,
@@ -601,3 +964,60 @@ def test_browser_uploads_a_voice_and_plays_while_generating(server, root, tmp_pa
         assert (tmp_path / "app.png").stat().st_size > 10_000
     finally:
         browser.close()
+
+
+PAINTED = """const c = document.getElementById('wave');
+             return c.getContext('2d').getImageData(0, 0, c.width, c.height).data.filter(v => v).length;"""
+
+
+def test_browser_stop_keeps_what_was_made_and_other_sites_cannot_save_a_voice(server, locked, root, tmp_path):
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "index.html").write_text("<!doctype html><title>another site</title>")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path / "site"))
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    browser = Browser(Path(tempfile.mkdtemp(dir=tmp_path)))
+    base = "http://%s:%d/" % server.server_address[:2]
+    try:
+        browser.call("POST", "/url", {"url": "http://localhost:%d/" % other.server_address[1]})
+        before = tree(root / "prompt")
+        script = """const done = arguments[1], form = new FormData();
+            form.append('name', 'evil');
+            form.append('text', 'What the clip says.');
+            const clip = Uint8Array.from(atob(arguments[0]), c => c.charCodeAt(0));
+            form.append('audio', new Blob([clip]), 'a.wav');
+            fetch('%sv1/audio/voices', {method: 'POST', mode: 'no-cors', body: form})
+              .then(() => done('sent'), e => done(String(e)));""" % base
+        sent = browser.call("POST", "/execute/async", {"script": script, "args": [CLIP_B64]})
+        assert sent == "sent" and tree(root / "prompt") == before  # a form POST needs no preflight: refused
+
+        browser.call("POST", "/url", {"url": base})
+        browser.type("#text", "Hello from a real browser, stopped before it ends. " * 3)
+        browser.type("#seed", "6")
+        browser.type("#max_new_tokens", "1500")
+        browser.click("#generate")
+        wait_for(lambda: browser.js("return document.getElementById('audio').currentTime") > 0.2, 60,
+                 "the audio element to play")
+        browser.click("#stop")
+        wait_for(lambda: browser.js("return window.player.state") != "generating", 30, "Stop to end it")
+        page = browser.js("""const p = window.player, a = document.getElementById('audio');
+            return {state: p.state, ctx: p.ctx.state, stream: a.srcObject, src: a.src, paused: a.paused,
+                    samples: p.samples, figures: document.getElementById('figures').textContent,
+                    hidden: document.getElementById('download').hidden,
+                    error: document.getElementById('error').textContent};""")
+        assert page["state"] == "stopped" and page["ctx"] == "closed" and page["stream"] is None, page
+        assert page["src"].startswith("blob:") and page["paused"] and not page["hidden"]
+        assert page["error"] == ""
+        assert page["figures"].startswith("stopped: ") and "frames/s" in page["figures"]
+        assert 0 < page["samples"] < 1499 * 2048
+        wait_for(lambda: health(server)["busy"] == 0, 10, "the server to end the stopped request")
+
+        browser.call("POST", "/url", {"url": "http://%s:%d/" % locked.server_address[:2]})
+        error = "return document.getElementById('error').textContent"
+        wait_for(lambda: "API key" in browser.js(error), 30, "the 401 to be shown")
+        browser.type("#api-key", "secret")
+        browser.click("h1")  # the key field loses focus: its change event
+        wait_for(lambda: browser.js(error) == "", 30, "the 401 message to go once the key works")
+    finally:
+        browser.close()
+        other.shutdown()

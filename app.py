@@ -339,14 +339,18 @@ class App:
             dualAR.make_demo_checkpoint(Path(self.demo_dir))
         self.checkpoint = self.demo_dir or args.checkpoint or dualAR.DEFAULT_CHECKPOINT
         dtype, compiled = dualAR.device_defaults(self.device, args.dtype, args.compile)  # as the CLI
-        self.model = dualAR.load(self.checkpoint, self.device, dtype, args.quant, compiled)
+        self.model = dualAR.load(self.checkpoint, self.device, dtype, args.quant, compiled, args.compile_cache)
         self.dac = codec.load(self.checkpoint, self.device, torch.float32)  # references encode in fp32
         self.max_context = min(args.max_context, self.model.config["max_seq_len"])
-        # a fixed cache of --max-context positions a row: the compiled frame step is built once. The engine's
-        # own queue limit never binds: check_room counts the free slots too, so --queue 0 still serves
+        # a fixed cache of --max-context positions a row: each row count's frame step is compiled once, here
         self.engine = dualAR.Engine(self.model, slots=args.slots, context=self.max_context,
-                                    max_queue=args.slots + args.queue).start()
-        self.queue, self.voices, self.api_key = args.queue, Path(args.voices), args.api_key
+                                    max_queue=args.queue)
+        if compiled:
+            print("compiling the frame step for every row count the engine runs (--compile)...", file=sys.stderr)
+            self.engine.warm_up(lambda rows, seconds: print(f"  {rows} row(s): {seconds:.1f} s", file=sys.stderr,
+                                                            flush=True))
+        self.engine.start()
+        self.voices, self.api_key = Path(args.voices), args.api_key
         self.default_voice, self.allow_origins = args.default_voice, set(args.allow_origin or ())
         self.name = "s2-pro" if self.demo_dir is None else "fishfast-demo"
         self.info = dict(model=self.name, checkpoint=str(self.checkpoint), device=str(self.device),
@@ -361,13 +365,6 @@ class App:
     @property
     def alive(self) -> bool:
         return self.engine.thread.is_alive()
-
-    def check_room(self):
-        """QueueFull unless a slot or a place among the --queue waiting is free, before any costly work."""
-        stats = self.engine.stats()
-        if stats["busy"] + stats["queued"] >= stats["slots"] + self.queue:
-            raise dualAR.QueueFull(f"all {stats['slots']} slots are busy and {stats['queued']} requests wait"
-                                   f" (--queue {self.queue}): try again later")
 
     def health(self) -> dict:
         note = dict(note="DEMO: a tiny random model, the audio is noise") if self.demo_dir else {}
@@ -558,6 +555,8 @@ class Handler(BaseHTTPRequestHandler):
             self.send_json_error(400, str(e))
         except dualAR.QueueFull as e:
             self.send_json_error(503, f"the server is busy: {e}", {"Retry-After": "2"})
+        except dualAR.EngineClosed as e:
+            self.send_json_error(503, f"the server is shutting down: {e}")
         except (ConnectionError, TimeoutError):  # the client went away
             self.close_connection = True
         except Exception:
@@ -787,7 +786,7 @@ class Handler(BaseHTTPRequestHandler):
         """Submit the job, then send its audio: whole, as raw chunked bytes, or as server-sent events."""
         if not self.app.alive:
             raise HTTPError(503, "the engine stopped (see the server's log): restart the server")
-        self.app.check_room()  # before the clips are encoded for nothing
+        self.app.engine.check_room()  # before the clips are encoded for nothing
         references = self.app.references(job)
         request = self.app.engine.submit(dict(text=job["text"], references=references,
                                               max_context=self.app.max_context, **job["sampling"]))
@@ -1239,6 +1238,8 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", choices=list(dualAR.DTYPES), help="default bf16 on CUDA, fp32 elsewhere")
     ap.add_argument("--quant", choices=dualAR.QUANT_SCHEMES, help="torchao weight quantization, as"
                     " dualAR.py's (int8wo: CPU and GPU. int4wo: CUDA bf16. fp8, nvfp4: recent NVIDIA GPUs)")
+    ap.add_argument("--compile-cache", help="folder that keeps compiled kernels for the next start"
+                    " (default $TORCHINDUCTOR_CACHE_DIR, else ~/.cache/fishfast/compile)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, help="one compiled graph per frame"
                     " (default: on for CUDA, off on CPU where compiling takes minutes)")
     ap.add_argument("--slots", type=int, default=4, help="requests generated together (default 4)")

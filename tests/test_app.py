@@ -625,6 +625,24 @@ def test_a_failed_frame_step_is_a_500_and_the_server_keeps_serving(tmp_path):
         stop_server(server)
 
 
+def test_a_request_waiting_when_the_engine_closes_is_a_503(tmp_path):
+    server = start_server(tmp_path, "--slots", "1", "--queue", "2")
+    try:
+        conn, _ = open_stream(server, dict(input=TEXT, response_format="pcm"))  # holds the one slot
+        answers = []
+        waiting = threading.Thread(target=lambda: answers.append(call(server, "POST", "/v1/tts",
+                                                                      dict(text=TEXT, max_new_tokens=8))))
+        waiting.start()
+        wait_for(lambda: health(server)["queued"] == 1, 10, "the second request to wait")
+        server.app.engine.close()  # as at shutdown
+        waiting.join(30)
+        conn.close()
+        status, _, body = answers[0]
+        assert status == 503 and "shutting down" in json.loads(body)["error"]["message"]  # not a 400
+    finally:
+        stop_server(server)
+
+
 def test_demo_model_says_it_is_noise(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no ./s2-pro here
     demo = app.App(app.parse_args(["--device", "cpu", "--voices", str(tmp_path / "prompt")]))

@@ -2,7 +2,7 @@
 exit status is the number of checks that failed (every check runs, also after a failure).
 
     python3 .ci/gpu_check.py                                     # CUDA: fp32 eager, bf16 compiled
-    python3 .ci/gpu_check.py --device cpu --backend aot_eager    # the CPU smoke run: same checks, no codegen
+    python3 .ci/gpu_check.py --device cpu --backend eager    # the CPU smoke run: same checks, no codegen
 """
 import argparse
 import functools
@@ -119,7 +119,7 @@ def teacher_forced(model, backend):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--backend", default="inductor", help="torch.compile backend (aot_eager: no codegen)")
+    ap.add_argument("--backend", default="inductor", help="torch.compile backend (eager: the same graph capture, no codegen)")
     args = ap.parse_args()
     device = torch.device(args.device)
     eager_goldens(dualAR.load(TINY / "checkpoint", device, torch.float32))

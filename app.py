@@ -339,16 +339,18 @@ class App:
             dualAR.make_demo_checkpoint(Path(self.demo_dir))
         self.checkpoint = self.demo_dir or args.checkpoint or dualAR.DEFAULT_CHECKPOINT
         dtype, compiled = dualAR.device_defaults(self.device, args.dtype, args.compile)  # as the CLI
-        self.model = dualAR.load(self.checkpoint, self.device, dtype, args.quant, compiled, args.compile_cache)
+        self.model = dualAR.load(self.checkpoint, self.device, dtype, args.quant, compiled,
+                                 args.compile_cache)
         self.dac = codec.load(self.checkpoint, self.device, torch.float32)  # references encode in fp32
         self.max_context = min(args.max_context, self.model.config["max_seq_len"])
         # a fixed cache of --max-context positions a row: each row count's frame step is compiled once, here
         self.engine = dualAR.Engine(self.model, slots=args.slots, context=self.max_context,
                                     max_queue=args.queue)
         if compiled:
-            print("compiling the frame step for every row count the engine runs (--compile)...", file=sys.stderr)
-            self.engine.warm_up(lambda rows, seconds: print(f"  {rows} row(s): {seconds:.1f} s", file=sys.stderr,
-                                                            flush=True))
+            print("compiling the frame step for each row count the engine runs (--compile)...",
+                  file=sys.stderr)
+            self.engine.warm_up(lambda rows, seconds: print(f"  {rows} row(s): {seconds:.1f} s",
+                                                            file=sys.stderr, flush=True))
         self.engine.start()
         self.voices, self.api_key = Path(args.voices), args.api_key
         self.default_voice, self.allow_origins = args.default_voice, set(args.allow_origin or ())

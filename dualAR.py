@@ -504,7 +504,7 @@ def check_quant(scheme, device: torch.device, dtype):
         import torchao.quantization  # noqa: F401
     except Exception as e:  # missing, or built for another torch
         raise UserError(f"--quant {scheme} needs torchao, which does not import here: {type(e).__name__}:"
-                        f" {str(e).splitlines()[0] if str(e) else ''} (pip install torchao==0.18.0)") from None
+                        f" {(str(e).splitlines() or [''])[0]} (pip install torchao==0.18.0)") from None
     cuda = device.type == "cuda"
     need = CUDA_CAPABILITY.get(scheme)
     if need and not (cuda and torch.cuda.get_device_capability(device) >= need):
@@ -548,7 +548,7 @@ def compile_model(model: DualAR, cache=None, backend="inductor"):
     """The frame step as one graph per (rows, cache) shape (see `batch_bucket`, `cache_bucket`), with
     flex-decoding inside; on CUDA replayed as CUDA graphs. Inductor keeps what it compiles in `cache`
     (or $TORCHINDUCTOR_CACHE_DIR, or `default_compile_cache()`): the next process with the same shapes
-    loads it instead of compiling again. backend="aot_eager": the same graph capture, no codegen (smoke runs)."""
+    loads it instead of compiling again. backend="eager": the same graph capture, no codegen (smoke runs)."""
     if cache is not None or "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache or default_compile_cache()).expanduser())
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_GUARD)

@@ -119,7 +119,8 @@ def teacher_forced(model, backend):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--backend", default="inductor", help="torch.compile backend (eager: the same graph capture, no codegen)")
+    ap.add_argument("--backend", default="inductor",
+                    help="torch.compile backend (eager: the same graph capture, no codegen)")
     args = ap.parse_args()
     device = torch.device(args.device)
     eager_goldens(dualAR.load(TINY / "checkpoint", device, torch.float32))

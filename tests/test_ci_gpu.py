@@ -1,6 +1,7 @@
 """`.ci/gpu` cannot rot between the rare GPU runs: its CPU smoke run takes every step at the tiny size."""
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -9,8 +10,9 @@ STEPS = ["a preflight", "b goldens (tiny)", "c frame step + ttfa (tiny)", "d cod
 
 
 def test_gpu_script_cpu_smoke_runs_every_step_and_prints_the_summary(tmp_path):
-    result = subprocess.run(["bash", str(ROOT / ".ci/gpu"), "--cpu-smoke"], env=dict(os.environ, OUT=str(tmp_path)),
-                            capture_output=True, text=True, timeout=600)
+    env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable)
+    result = subprocess.run(["bash", str(ROOT / ".ci/gpu"), "--cpu-smoke"], env=env, capture_output=True,
+                            text=True, timeout=600)
     log = (tmp_path / "gpu.log").read_text()
     assert result.returncode == 0, log[-4000:]
     assert "gpu_check: 5 passed, 0 failed" in log

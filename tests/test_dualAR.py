@@ -715,10 +715,12 @@ def test_a_compiled_model_compiles_each_shape_once_and_many_shapes_fit():
                                 torch.float32)
     backend = CountingBackend()
     dualAR.compile_model(model, backend=backend)
-    texts = [dict(text=t, seed=i, max_new_tokens=8 + 3 * i) for i, t in enumerate(["Hi.", "Hello there", "Ok"])]
+    texts = [dict(text=t, seed=i, max_new_tokens=8 + 3 * i)
+             for i, t in enumerate(["Hi.", "Hello there", "Ok"])]
 
     def serve():
-        lengths = [dualAR.generate(model, "Hi there.", seed=i, max_new_tokens=2 + i).size(1) for i in range(20)]
+        lengths = [dualAR.generate(model, "Hi there.", seed=i, max_new_tokens=2 + i).size(1)
+                   for i in range(20)]
         assert lengths == list(range(1, 21))
         dualAR.generate_many(model, texts[::-1], slots=4)  # the longest in row 0: 4 rows, then 1
         with dualAR.Engine(model, slots=4).start() as engine:
@@ -759,7 +761,7 @@ def test_a_second_process_loads_the_compiled_step_from_the_cache(tmp_path):
         assert result.returncode == 0, result.stderr
         times.append(time.perf_counter() - start)
         entries.append(sorted(p.relative_to(cache) for p in (cache / "fxgraph").rglob("*") if p.is_file()))
-    print(f"compiled CLI, tiny checkpoint: cold {times[0]:.1f} s, warm {times[1]:.1f} s (process start to end)")
+    print(f"compiled CLI, tiny checkpoint: cold {times[0]:.1f} s, warm {times[1]:.1f} s (start to end)")
     assert entries[0] and entries[1] == entries[0]
     assert np.array_equal(np.load(tmp_path / "run0.npy"), np.load(tmp_path / "run1.npy"))
 
@@ -793,7 +795,7 @@ def test_quantization_schemes_the_device_cannot_run_are_named(monkeypatch):
             dualAR.check_quant(scheme, torch.device("cuda"), torch.float32)
     dualAR.check_quant("fp8", torch.device("cuda"), torch.bfloat16)
     monkeypatch.setitem(sys.modules, "torchao.quantization", None)  # a torchao that does not import
-    with pytest.raises(dualAR.UserError, match="needs torchao, which does not import here: ModuleNotFoundError"):
+    with pytest.raises(dualAR.UserError, match="torchao, which does not import here: ModuleNotFoundError"):
         dualAR.check_quant("int8wo", torch.device("cpu"), torch.float32)
 
 

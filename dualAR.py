@@ -1248,9 +1248,12 @@ def demo_reference(args, device):
 
 # ----------------------------------------------------------------------------- benchmark
 MID = dict(dim=1024, n_head=16, n_local_heads=4, head_dim=64, intermediate_size=3072)
-BENCH_CONFIGS = {  # random-weight models: the real size, a mid size a CPU can run, and a tiny one
+MID_B = dict(MID, n_head=8, n_local_heads=2, head_dim=128)  # the real head_dim
+BENCH_CONFIGS = {  # random-weight models: the real size, mid sizes a CPU can run, and a tiny one
     "s2-pro": CONFIG,
     "s2-mid": dict(CONFIG, vocab_size=4864, n_layer=12, **MID, **{"fast_" + k: v for k, v in MID.items()}),
+    "s2-mid-b": dict(CONFIG, vocab_size=4864, n_layer=4, n_fast_layer=2, **MID_B,
+                     **{"fast_" + k: v for k, v in MID_B.items()}),
     "tiny": dict(CONFIG, vocab_size=4864, n_layer=2, n_fast_layer=1, **DEMO_DIMS,
                  **{"fast_" + k: v for k, v in DEMO_DIMS.items()}),
 }

@@ -252,6 +252,14 @@ def test_exported_lora_changes_the_generated_codes(trained_run, tmp_path):
     assert not torch.equal(base, tuned)
 
 
+def assert_same_lora(run, other):
+    """The two runs' LoRA weights, bit for bit (38 tensors: A and B of every wrapped module)."""
+    weights, others = load_file(run / "lora.safetensors"), load_file(other / "lora.safetensors")
+    assert sorted(weights) == sorted(others) and len(weights) == 38
+    for key in weights:
+        assert torch.equal(weights[key], others[key]), key
+
+
 def test_resumed_run_ends_with_the_same_lora_as_an_uninterrupted_one(tmp_path):
     """Same seed, 6 steps: once straight, once stopped after 3 and resumed. Dropout is on (0.01), so
     the random state in the checkpoint matters."""
@@ -260,11 +268,7 @@ def test_resumed_run_ends_with_the_same_lora_as_an_uninterrupted_one(tmp_path):
     train(data, tmp_path / "straight", "--max-steps", "6", *common)
     train(data, tmp_path / "resumed", "--max-steps", "3", *common)
     train(data, tmp_path / "resumed", "--max-steps", "6", "--resume", *common)
-    straight = load_file(tmp_path / "straight/lora.safetensors")
-    resumed = load_file(tmp_path / "resumed/lora.safetensors")
-    assert sorted(straight) == sorted(resumed) and len(straight) == 38
-    for key in straight:
-        assert torch.equal(straight[key], resumed[key]), key
+    assert_same_lora(tmp_path / "straight", tmp_path / "resumed")
     straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
     assert [r for r in straight if "loss" in r] == [r for r in resumed if "loss" in r]
     resumed_vals = [r for r in resumed if "val_loss" in r and r["step"] != 3]  # it also validated at its stop
@@ -398,10 +402,7 @@ def test_resume_under_torchrun_continues_bit_for_bit(tmp_path):
     torchrun_train(data, tmp_path / "straight", "--max-steps", "4", *common)
     torchrun_train(data, tmp_path / "resumed", "--max-steps", "2", *common)
     torchrun_train(data, tmp_path / "resumed", "--max-steps", "4", "--resume", *common)
-    straight = load_file(tmp_path / "straight/lora.safetensors")
-    resumed = load_file(tmp_path / "resumed/lora.safetensors")
-    for key in straight:
-        assert torch.equal(straight[key], resumed[key]), key
+    assert_same_lora(tmp_path / "straight", tmp_path / "resumed")
     assert metrics(tmp_path / "straight") == metrics(tmp_path / "resumed")
 
 

@@ -16,6 +16,7 @@ import shutil
 import sys
 import time
 from contextlib import nullcontext
+from inspect import signature
 from pathlib import Path
 
 from safetensors import SafetensorError
@@ -727,7 +728,10 @@ def train(args):
     loss_module = TrainingLoss(model, run["checkpointing"])
     if world > 1:  # only the LoRA parameters require gradients: only they are all-reduced
         ids = [device] if device.type == "cuda" else None
-        loss_module = DistributedDataParallel(loss_module, device_ids=ids, forward_sync_buffers=False)
+        # the buffers (RoPE tables) are equal everywhere: no sync. torch 2.13 renamed the flag 2.11 has
+        flags = signature(DistributedDataParallel).parameters
+        no_sync = "forward_sync_buffers" if "forward_sync_buffers" in flags else "broadcast_buffers"
+        loss_module = DistributedDataParallel(loss_module, device_ids=ids, **{no_sync: False})
     out, first_step, vals, losses, tokens = Path(args.out), step, [], [], 0
     bar = tqdm(total=args.max_steps, initial=step, unit="step", desc="train", disable=rank > 0)
     try:

@@ -9,6 +9,7 @@ with `rvq.DownsampleResidualVectorQuantize` as it runs at inference: codes exact
 """
 import argparse
 import ctypes
+import functools
 import json
 import math
 import os
@@ -500,7 +501,9 @@ def fold_weight_norm(model):
     return model
 
 
-fused_snake = torch.compile(snake, dynamic=True)  # compiles on first use: one graph per batch size
+@functools.cache
+def fused_snake():  # one compiled snake for every model; it compiles on first use, a graph per batch size
+    return torch.compile(snake, dynamic=True)  # (made here, not at import: torch.compile imports dynamo)
 
 
 def fast_path(model, on=True):
@@ -510,7 +513,7 @@ def fast_path(model, on=True):
     whole decoder recompiles per chunk size and shape of the stream's state, 20-50 s each on 2 cores)."""
     for module in model.modules():
         if isinstance(module, Snake):
-            module.fn = fused_snake if on else snake
+            module.fn = fused_snake() if on else snake
         elif isinstance(module, CausalConv) and module.pad == 0 and module.conv.kernel_size == (1,):
             module.as_matmul = on and module.conv.groups == 1
     return model
@@ -729,7 +732,7 @@ def peak_memory(device):
     return f"peak RSS {peak / (2**30 if sys.platform == 'darwin' else 2**20):.2f} GiB (process so far)"
 
 
-def timed(fn, device):  # -> (seconds, minor page faults) of one call
+def timed(fn):  # -> (seconds, minor page faults) of one call
     faults, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
     fn().cpu()
     return time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
@@ -757,28 +760,29 @@ def bench(args):
         chunks = codes.split(n, -1)[: args.stream_chunks]
         runs.append(("stream", f"chunk={n}", sum(c.shape[-1] for c in chunks), len(chunks),
                      lambda chunks=chunks: torch.cat([w.cpu() for w in decode_stream(model, chunks)], -1)))
-    modes = [0, 1] if args.compile else [0]
+    modes, first = ([0, 1] if args.compile else [0]), {}
     for path, what, n_frames, n_chunks, fn in runs:
         walls, faults = {m: [] for m in modes}, {}
-        for m in modes:  # warm-up: first calls allocate what later calls reuse, and compile
+        for m in modes:  # warm-up: first calls allocate what later calls reuse; the first fast one compiles
             fast_path(model, m)
-            wall, _ = timed(fn, device)
-            if m and path == "decode" and what.endswith(f"={chunk}"):
-                print(f"compile: first fast decode {wall:.1f} s (TORCHINDUCTOR_CACHE_DIR="
-                      f"{os.environ.get('TORCHINDUCTOR_CACHE_DIR', 'default')})")
+            first.setdefault(m, timed(fn)[0])
+        if len(first) == 2 and path == "encode":  # the first run
+            cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "default")
+            print(f"compile: first fast encode {first[1]:.1f} s, first eager one {first[0]:.1f} s "
+                  f"(TORCHINDUCTOR_CACHE_DIR={cache})")
         for _ in range(args.repeats):
             for m in modes:
                 fast_path(model, m)
                 reset_peak_memory(device)
-                wall, faults[m] = timed(fn, device)
+                wall, faults[m] = timed(fn)
                 walls[m].append(wall)
         for m in modes:
             ws = sorted(walls[m])
             med, audio = ws[len(ws) // 2], n_frames * model.hop / cfg["sample_rate"]
             per_chunk = f" ms_per_chunk={1000 * med / n_chunks:.4g}" if path == "stream" else ""
-            print(f"{path:6s} {what:9s} {'fast ' if m else 'eager'}: RTF {ws[0] / audio:.3f} / {med / audio:.3f} / "
-                  f"{ws[-1] / audio:.3f} (min / median / max of {len(ws)}), {faults[m]} minor page faults, "
-                  f"{peak_memory(device)}")
+            rtfs = " / ".join(f"{w / audio:.3f}" for w in (ws[0], med, ws[-1]))
+            print(f"{path:6s} {what:9s} {'fast ' if m else 'eager'}: RTF {rtfs} (min / median / max of "
+                  f"{len(ws)}), {faults[m]} minor page faults, {peak_memory(device)}")
             print(f"codec_bench path={path} {what} compile={m} rtf={med / audio:.4g} "
                   f"frames_per_s={n_frames / med:.4g}{per_chunk}")
     fast_path(model, False)
@@ -813,7 +817,7 @@ def main(argv=None):
     dec.add_argument("--chunk-frames", type=int, default=CHUNK_FRAMES,
                      help=f"frames per decoder pass, keeps memory flat (default {CHUNK_FRAMES}. 0: one pass)")
     bn = sub.add_parser("bench", parents=[common], help="encode/decode RTF at the real size, random weights")
-    bn.add_argument("--config", help="a codec_config.json to time instead of the real size (e.g. the tiny one)")
+    bn.add_argument("--config", help="a codec_config.json to time instead of the real size (e.g. tiny's)")
     bn.add_argument("--seconds", type=float, default=5.0, help="seconds of audio to time (default 5)")
     bn.add_argument("--chunk-frames", type=int, default=CHUNK_FRAMES,
                     help=f"frames per pass of encode and chunked decode (default {CHUNK_FRAMES})")

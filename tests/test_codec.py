@@ -110,6 +110,34 @@ def test_stream_decode_clamps_wide_codes_like_decode_without_touching_caller(mod
     assert torch.equal(wide, before)  # the chunks are views of the caller's tensor
 
 
+@pytest.fixture(scope="module")
+def fast_model():
+    return codec.fast_path(codec.load(CKPT))
+
+
+def test_fast_path_one_shot_and_chunked_equal_eager_and_upstream(model, fast_model):
+    codes = torch.from_numpy(gold("codes_random.npy"))  # 40 frames
+    for chunk in None, 16:
+        wave = codec.decode(fast_model, codes, chunk_frames=chunk)
+        assert max_diff(wave, codec.decode(model, codes, chunk_frames=chunk)) <= 1e-5
+        assert max_diff(wave[0], gold("codec_decoded_from_given_codes.npy")) <= WAVE_ATOL
+    codes = codec.encode(fast_model, codec.load_audio(GOLD / "audio_in.wav"))
+    np.testing.assert_array_equal(codes[0].numpy(), gold("codec_codes.npy"))
+    assert codec.fast_path(codec.load(CKPT), on=False).decoder.model[-2].fn is codec.snake
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("schedule", [[1], [3], [4], [2, 5, 1, 9, 4]])
+def test_fast_path_stream_equals_eager(model, fast_model, batch, schedule):
+    codes = torch.from_numpy(gold("codes_random.npy"))
+    codes = torch.stack([codes, codes.flip(-1)])[:batch]
+    chunks = codes.split(chunk_sizes(schedule, 40), -1)
+    fast = list(codec.decode_stream(fast_model, chunks))
+    assert [tuple(p.shape) for p in fast] == [(batch, c.shape[-1] * 2048) for c in chunks]
+    # eager streams equal eager one-shot decodes to 1e-5 (test_stream_decode_equals_one_shot)
+    assert max_diff(torch.cat(fast, -1), codec.decode(model, codes, chunk_frames=None)) <= 1e-5
+
+
 def test_encode_and_decode_from_several_threads_match_sequential(model):
     audio = codec.load_audio(GOLD / "audio_in.wav")
     codes = torch.from_numpy(gold("codes_random.npy"))
@@ -263,6 +291,21 @@ def test_cli_defaults_read_prompt_and_generate_folders_and_any_audio(tmp_path):
     np.testing.assert_array_equal(np.load(tmp_path / "prompt" / "ref.npy"), expected.numpy())
     wave, rate = sf.read(tmp_path / "generate" / "out.wav")
     assert rate == 44100 and wave.shape == (40 * 2048,)
+
+
+def test_cli_bench_prints_eager_and_fast_lines_with_plausible_figures(capsys):
+    codec.main(["bench", "--device", "cpu", "--compile", "--seconds", "0.2", "--repeats", "1",
+                "--stream-frames", "1", "--stream-chunks", "2", "--config", str(CKPT / "codec_config.json")])
+    lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("codec_bench ")]
+    rows = {(f["path"], f["chunk"], f["compile"]): f for f in (dict(w.split("=") for w in line[1:])
+                                                               for line in lines)}
+    assert set(rows) == {(p, c, m) for p, c in [("encode", "16"), ("decode", "16"), ("decode", "0"),
+                                                ("stream", "1")] for m in "01"}
+    for (path, chunk, _), f in rows.items():
+        rtf, fps = float(f["rtf"]), float(f["frames_per_s"])
+        assert 1e-4 < rtf < 1e3 and abs(rtf * fps * 2048 / 44100 - 1) < 1e-3  # rtf = seconds per 21.5 frames
+        if path == "stream":
+            assert abs(float(f["ms_per_chunk"]) - 1000 / fps) < 0.01 * 1000 / fps
 
 
 def test_cli_decodes_raw_int16_code_files(tmp_path):

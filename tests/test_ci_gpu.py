@@ -5,8 +5,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = ["a preflight", "b goldens (tiny)", "c frame step + ttfa (tiny)", "d codec bench", "e lora bench",
-         "f batch 4, int8wo (tiny)"]
+STEPS = ["a preflight", "b goldens (tiny)", "c frame step + ttfa (tiny)", "d codec bench (tiny)",
+         "e lora bench", "f batch 4, int8wo (tiny)"]
 
 
 def test_gpu_script_cpu_smoke_runs_every_step_and_prints_the_summary(tmp_path):

@@ -575,19 +575,22 @@ def swap_linears(module: nn.Module, bits: int):
             swap_linears(child, bits)
 
 
+def block_scheme(scheme: str, fast: bool) -> str:
+    """Group-wise int4 breaks the fast transformer on GPU (reported): it gets int8 unless INT4_FAST."""
+    return "int8wo" if fast and scheme == "int4wo" and not INT4_FAST else scheme
+
+
 def quantize(model: DualAR, scheme: str):
     """The linear layers of both transformers: on CPU int8wo/int4wo as QuantLinear, else through torchao.
-    Embeddings and heads stay as they are. Group-wise int4 breaks the fast transformer on GPU (reported,
-    and measured by --bench): it gets int8 unless INT4_FAST."""
-    fast = "int8wo" if scheme == "int4wo" and not INT4_FAST else scheme
+    Embeddings and heads stay as they are."""
     if model.embeddings.weight.device.type == "cpu" and scheme in CPU_BITS:
-        for layers, s in ((model.layers, scheme), (model.fast_layers, fast)):
+        for fast, layers in ((False, model.layers), (True, model.fast_layers)):
             for block in layers:  # block by block: one layer's fp32 copy at a time
-                swap_linears(block, CPU_BITS[s])
+                swap_linears(block, CPU_BITS[block_scheme(scheme, fast)])
     else:
         from torchao.quantization import quantize_
         quantize_(model.layers, quant_config(scheme))
-        quantize_(model.fast_layers, quant_config(fast))
+        quantize_(model.fast_layers, quant_config(block_scheme(scheme, True)))
     model.quant = scheme
 
 
@@ -1355,17 +1358,24 @@ def frame_bytes(model: DualAR) -> int:
         + (n - 1) * size(model.fast_output)
 
 
-def random_model(config, device, dtype) -> DualAR:
+def random_model(config, device, dtype, quant=None) -> DualAR:
     """A config (or a BENCH_CONFIGS name) with torch.rand weights (randn differs between CPUs), and the
-    demo tokenizer."""
+    demo tokenizer. quant (int8wo, int4wo, CPU): each block quantized as soon as it is drawn, so the
+    unquantized model never exists whole (the real size: 17.6 GB in fp32)."""
     cfg = BENCH_CONFIGS[config] if isinstance(config, str) else config
     tokenizer = demo_tokenizer(cfg["codebook_size"])
     with torch.device("meta"):
         model = DualAR(dict(cfg, **special_ids(tokenizer)))
     torch.manual_seed(0)
-    state = {k: ((torch.rand(v.shape, device=device) - 0.5) * 0.1).to(dtype)
-             for k, v in model.state_dict().items()}
-    model.load_state_dict(state, assign=True)
+    for part in model.children():  # in state-dict order
+        for piece in part if isinstance(part, nn.ModuleList) else [part]:
+            for m in piece.modules():
+                for name, p in m.named_parameters(recurse=False):
+                    weight = ((torch.rand(p.shape, device=device) - 0.5) * 0.1).to(dtype)
+                    setattr(m, name, nn.Parameter(weight, requires_grad=False))
+            if quant:
+                swap_linears(piece, CPU_BITS[block_scheme(quant, part is model.fast_layers)])
+    model.quant = quant
     model.make_rope()
     model.tokenizer = tokenizer
     return model.requires_grad_(False).eval()
@@ -1589,11 +1599,13 @@ def bench(args):
     if args.checkpoint:
         model, name = load(args.checkpoint, device, dtype), Path(args.checkpoint).name
     else:
-        model, name = random_model(args.config, device, dtype), args.config
-    quantized = args.quant and args.quant != "none"
+        # the real size quantized on CPU: drawn block by block, there is no unquantized model to compare with
+        direct = device.type == "cpu" and args.quant in CPU_BITS and args.config == "s2-pro"
+        model, name = random_model(args.config, device, dtype, args.quant if direct else None), args.config
+    quantized = args.quant and args.quant != "none" and not getattr(model, "quant", None)
     if quantized:  # the same input through the unquantized and the quantized model
         reference, codes = head_logits(model), seeded_frames(model, CODES_FRAMES)
-    prepare(model, args.quant, compiled, args.compile_cache)
+    prepare(model, args.quant if quantized else None, compiled, args.compile_cache)
     if quantized:
         for part, ref, got in zip(("slow", "fast"), reference, head_logits(model)):
             error = ((got - ref).abs().max() / ref.abs().max()).item()
@@ -1603,13 +1615,14 @@ def bench(args):
         same = (seeded_frames(model, CODES_FRAMES, codes) == codes).all(-1).float().mean().item()
         print(f"{args.quant}: {100 * same:.0f} % of {CODES_FRAMES} seeded frames (eager, each from the"
               f" unquantized model's previous frame) have all the unquantized model's codes")
-    codec.reset_peak_memory(device)  # peak_mem_gb: the model as it runs, not as it was built
     n_params = sum(p.numel() for p in model.parameters()) / 1e9
-    per_frame, bandwidth = frame_bytes(model), copy_bandwidth(device)
+    per_frame, bandwidth, built = frame_bytes(model), copy_bandwidth(device), peak_memory_gb(device)
+    codec.reset_peak_memory(device)  # peak_mem_gb: the model as it runs, not as it was built (or the copy)
     prefill = prefill_speed(model)
     print(f"{name}: {n_params:.2f} G params, {per_frame / 1e9:.2f} GB read per frame step, {dtype}, {device}"
           f" ({torch.get_num_threads()} threads), quant {args.quant or 'none'}, compile {int(compiled)},"
-          f" measured copy bandwidth {bandwidth:.1f} GB/s, prefill {prefill:.0f} tokens/s")
+          f" measured copy bandwidth {bandwidth:.1f} GB/s, prefill {prefill:.0f} tokens/s, peak memory"
+          f" {built:.2f} GB until here")
     print(f"{'batch':>5} {'frames/s':>9} {'GB/s':>7} {'% bw':>5} {'matmul ceiling':>15} {'% ceil':>6}"
           f" {'RTF':>6} {'compile s':>9}")
     seconds_per_frame = codec.hop_length() / codec.CONFIG["sample_rate"]

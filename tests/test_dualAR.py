@@ -786,8 +786,8 @@ def prefill_and_step_logits(model, step=None):
 def test_cpu_quantization_runs_eager_and_compiled_and_its_logits_stay_close(model, scheme, bound):
     """int8wo / int4wo on CPU (QuantLinear, torch's own kernels, bf16 activations), max error in % of the
     largest logit on this checkpoint, measured: int8wo 1.0 (slow) / 0.9 (fast) at the prefill, 0.9 / 0.9 at
-    a frame step, eager and compiled alike; int4wo (groups of 32 here: dims of 32 to 96) 18.2 / 15.9 at the
-    prefill, 15.8 / 15.9 at a step. Bounds 3 % and 25 %."""
+    a frame step, eager and compiled alike; int4wo (groups of 32 here: dims of 32 to 96) 18.2 / 16.9 at the
+    prefill, 15.8 / 17.0 at a step. Bounds 3 % and 25 %."""
     quantized = dualAR.load(CKPT, quant=scheme)
     reference, eager = prefill_and_step_logits(model), prefill_and_step_logits(quantized)
     with torch.inference_mode():
@@ -801,13 +801,13 @@ def test_cpu_quantization_runs_eager_and_compiled_and_its_logits_stay_close(mode
 
 def test_quantized_weights_stay_small(model):
     """The linear weights of both transformers in int8 (+ a bf16 scale per row) are ~1/4 of fp32's bytes,
-    in int4 (+ a bf16 scale and zero per group of 32) 1/6.5 here (1/7.5 at S2-Pro's groups of 128); the fast
-    transformer stays int8 under int4wo (dualAR.INT4_FAST)."""
+    in int4 (+ a bf16 scale and zero per group of 32 inputs here, of 128 at S2-Pro's size: 1/7.5) 1/6.5 in
+    the slow transformer and 1/5.8 in the fast one, whose w2 (80 inputs) stays int8."""
     def linear_bytes(layers):
         return sum(dualAR.tensor_bytes(p) for m in layers.modules()
                    if isinstance(m, (torch.nn.Linear, dualAR.QuantLinear)) for p in m.parameters())
 
-    for scheme, slow, fast in (("int8wo", 3.7, 3.7), ("int4wo", 6.2, 3.7)):
+    for scheme, slow, fast in (("int8wo", 3.7, 3.7), ("int4wo", 6.2, 5.2)):
         quantized = dualAR.load(CKPT, quant=scheme)
         assert linear_bytes(model.layers) / linear_bytes(quantized.layers) > slow
         assert linear_bytes(model.fast_layers) / linear_bytes(quantized.fast_layers) > fast

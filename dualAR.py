@@ -1606,7 +1606,7 @@ def bench(args):
     quantized = args.quant and args.quant != "none" and not getattr(model, "quant", None)
     if quantized:  # the same input through the unquantized and the quantized model
         reference, codes = head_logits(model), seeded_frames(model, CODES_FRAMES)
-    prepare(model, args.quant if quantized else None, compiled, args.compile_cache)
+    prepare(model, args.quant if quantized else None)
     if quantized:
         for part, ref, got in zip(("slow", "fast"), reference, head_logits(model)):
             error = ((got - ref).abs().max() / ref.abs().max()).item()
@@ -1616,6 +1616,7 @@ def bench(args):
         same = (seeded_frames(model, CODES_FRAMES, codes) == codes).all(-1).float().mean().item()
         print(f"{args.quant}: {100 * same:.0f} % of {CODES_FRAMES} seeded frames (eager, each from the"
               f" unquantized model's previous frame) have all the unquantized model's codes")
+    prepare(model, compile=compiled, compile_cache=args.compile_cache)
     n_params = sum(m.in_features * m.out_features if isinstance(m, QuantLinear) else
                    sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()) / 1e9
     built, per_frame, bandwidth = peak_memory_gb(device), frame_bytes(model), copy_bandwidth(device)

@@ -1764,9 +1764,9 @@ def parse_args(argv=None):
                     help="UTF-8 bytes of dialogue turns per batch (default 300, as upstream)")
     ap.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: cuda > mps > cpu")
     ap.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="default bf16 on CUDA, fp32 elsewhere")
-    ap.add_argument("--quant", choices=QUANT_SCHEMES, help="torchao weight quantization of both transformers"
-                    " (int8wo: CPU and GPU. int4wo: CUDA bf16. fp8: compute capability >= 8.9."
-                    " nvfp4: >= 10.0)")
+    ap.add_argument("--quant", choices=QUANT_SCHEMES, help="weight quantization of both transformers"
+                    " (int8wo, int4wo on CPU: torch's own kernels, any dtype; on GPU torchao: int4wo bf16 and"
+                    " compute capability >= 8.0, fp8 >= 8.9, nvfp4 >= 10.0)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, help="one compiled graph per frame"
                     " (default: on for CUDA, off on CPU where compiling takes minutes, see README)")
     ap.add_argument("--compile-cache", help="folder that keeps compiled kernels for the next run"

@@ -492,6 +492,8 @@ def prepare(model: DualAR, quant=None, compile=False, compile_cache=None) -> Dua
 QUANT_SCHEMES = ("none", "int8wo", "int4wo", "fp8", "nvfp4")
 # int4 tile-packed (tinygemm) needs Ampere, fp8 dynamic per-row and nvfp4 their tensor-core kernels
 CUDA_CAPABILITY = {"int4wo": (8, 0), "fp8": (8, 9), "nvfp4": (10, 0)}
+CPU_BITS = {"int8wo": 8, "int4wo": 4}  # on CPU: torch's own kernels (QuantLinear), any model dtype
+INT4_GROUP = 128  # int4 inputs sharing one scale and zero
 
 
 def check_quant(scheme, device: torch.device, dtype):
@@ -500,6 +502,8 @@ def check_quant(scheme, device: torch.device, dtype):
         return
     if scheme not in QUANT_SCHEMES:
         raise UserError(f"quantization {scheme!r} is not one of {', '.join(QUANT_SCHEMES)}")
+    if device.type == "cpu" and scheme in CPU_BITS:
+        return
     try:
         import torchao.quantization  # noqa: F401
     except Exception as e:  # missing, or built for another torch
@@ -527,12 +531,67 @@ def quant_config(scheme: str):
     return NVFP4DynamicActivationNVFP4WeightConfig()
 
 
+class QuantLinear(nn.Module):
+    """nn.Linear with int8 weights (a scale per output row) or int4 ones (a scale and zero per INT4_GROUP
+    inputs, w = (q - 8) * scale + zero), gpt-fast style, read by torch's own CPU kernels (aten
+    _weight_int8pack_mm, _weight_int4pack_mm_for_cpu; inductor calls the same ones). They are fast with
+    bf16 activations only (fp32 takes a scalar path, 10-30x slower): x goes in as bf16, y out in x's dtype."""
+
+    def __init__(self, linear: nn.Linear, bits: int):
+        super().__init__()
+        w = linear.weight.detach().float()
+        self.out_features, self.in_features = w.shape
+        self.group = math.gcd(INT4_GROUP, self.in_features)
+        self.bits = 8 if self.group < 32 else bits  # the int4 kernel takes groups of 32 to 256 inputs
+        if self.bits == 8:
+            scale = w.abs().amax(1).clamp(min=1e-12) / 127
+            weight = torch.round(w / scale[:, None]).to(torch.int8)  # (out, in)
+        else:
+            groups = w.view(self.out_features, -1, self.group)
+            low, scale = groups.amin(-1), (groups.amax(-1) - groups.amin(-1)).clamp(min=1e-12) / 15
+            q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+            weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(w.shape), 1)  # (out, in / 2)
+            scale = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1)  # (in / group, out, 2)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.scales = nn.Parameter(scale.to(torch.bfloat16).contiguous(), requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if self.bits == 8:
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight, self.group, self.scales)
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def swap_linears(module: nn.Module, bits: int):
+    for name, child in module.named_children():
+        if isinstance(child, nn.Linear):
+            setattr(module, name, QuantLinear(child, bits))
+        else:
+            swap_linears(child, bits)
+
+
+def block_scheme(scheme: str, fast: bool, cpu: bool) -> str:
+    """Group-wise int4 (tinygemm) breaks the fast transformer on GPU (reported): it gets int8 there. On CPU
+    int4 there costs about the logit error and codes of int4 in the slow transformer alone, and makes the
+    frame's linear layers 1.8x faster than int8 there (README, Speed)."""
+    return "int8wo" if fast and scheme == "int4wo" and not cpu else scheme
+
+
 def quantize(model: DualAR, scheme: str):
-    """The linear layers of both transformers, through torchao. Embeddings and heads stay as they are.
-    Group-wise int4 breaks the fast transformer (reported, and measured by --bench): it gets int8."""
-    from torchao.quantization import quantize_
-    quantize_(model.layers, quant_config(scheme))
-    quantize_(model.fast_layers, quant_config("int8wo" if scheme == "int4wo" else scheme))
+    """The linear layers of both transformers: on CPU int8wo/int4wo as QuantLinear, else through torchao.
+    Embeddings and heads stay as they are."""
+    if model.embeddings.weight.device.type == "cpu" and scheme in CPU_BITS:
+        for fast, layers in ((False, model.layers), (True, model.fast_layers)):
+            for block in layers:  # block by block: one layer's fp32 copy at a time
+                swap_linears(block, CPU_BITS[block_scheme(scheme, fast, cpu=True)])
+    else:
+        from torchao.quantization import quantize_
+        quantize_(model.layers, quant_config(scheme))
+        quantize_(model.fast_layers, quant_config(block_scheme(scheme, True, cpu=False)))
     model.quant = scheme
 
 
@@ -544,11 +603,12 @@ def default_compile_cache() -> Path:
 RECOMPILE_GUARD = 64  # graphs of decode_step per process (dynamo's default, 8, is hit by a few cache sizes)
 
 
-def compile_model(model: DualAR, cache=None, backend="inductor"):
+def compile_model(model: DualAR, cache=None, backend="inductor", step=None):
     """The frame step as one graph per (rows, cache) shape (see `batch_bucket`, `cache_bucket`), with
     flex-decoding inside; on CUDA replayed as CUDA graphs. Inductor keeps what it compiles in `cache`
     (or $TORCHINDUCTOR_CACHE_DIR, or `default_compile_cache()`): the next process with the same shapes
-    loads it instead of compiling again. backend="eager": the same graph capture, no codegen (smoke runs)."""
+    loads it instead of compiling again. backend="eager": the same graph capture, no codegen (smoke runs).
+    step: another function of (model, ...) compiled the same way (tests)."""
     if cache is not None or "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache or default_compile_cache()).expanduser())
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_GUARD)
@@ -557,12 +617,15 @@ def compile_model(model: DualAR, cache=None, backend="inductor"):
     # the head's rows as a tensor of their own (a slice of the embedding table is a view into it)
     weight = (model.embeddings if model.config["tie_word_embeddings"] else model.output).weight
     model.register_buffer("head_rows", weight[slice(*model.head_window)].clone(), persistent=False)
-    step = functools.partial(decode_step, model)
+    step = functools.partial(step or decode_step, model)
     cuda = model.embeddings.weight.device.type == "cuda"
     # CPU: plain inductor. Frozen weights (freezing + max-autotune) were no faster at the sizes we measured
     # and cannot be cached (mkldnn weights do not pickle): README, Speed
     mode = "reduce-overhead" if cuda and backend == "inductor" else None
-    model.compiled_step = torch.compile(step, fullgraph=True, dynamic=False, backend=backend, mode=mode)
+    # QuantLinear's cast to bf16 would become an epilogue of CPU flex-attention, which cannot take one
+    quant = not cuda and backend == "inductor" and any(isinstance(m, QuantLinear) for m in model.modules())
+    model.compiled_step = torch.compile(step, fullgraph=True, dynamic=False, backend=backend, mode=mode,
+                                        options={"epilogue_fusion": False} if quant else None)
 
 
 # ----------------------------------------------------------------------------- prompt
@@ -1258,6 +1321,7 @@ BENCH_CONFIGS = {  # random-weight models: the real size, mid sizes a CPU can ru
                  **{"fast_" + k: v for k, v in DEMO_DIMS.items()}),
 }
 BENCH_PROMPT = 256  # prompt tokens before the timed frames
+CODES_FRAMES = 64  # seeded frames a quantized model's codes are compared over
 
 
 def synchronize(device):
@@ -1300,17 +1364,24 @@ def frame_bytes(model: DualAR) -> int:
         + (n - 1) * size(model.fast_output)
 
 
-def random_model(config, device, dtype) -> DualAR:
+def random_model(config, device, dtype, quant=None) -> DualAR:
     """A config (or a BENCH_CONFIGS name) with torch.rand weights (randn differs between CPUs), and the
-    demo tokenizer."""
+    demo tokenizer. quant (int8wo, int4wo, CPU): each block quantized as soon as it is drawn, so the
+    unquantized model never exists whole (the real size: 17.6 GB in fp32)."""
     cfg = BENCH_CONFIGS[config] if isinstance(config, str) else config
     tokenizer = demo_tokenizer(cfg["codebook_size"])
     with torch.device("meta"):
         model = DualAR(dict(cfg, **special_ids(tokenizer)))
     torch.manual_seed(0)
-    state = {k: ((torch.rand(v.shape, device=device) - 0.5) * 0.1).to(dtype)
-             for k, v in model.state_dict().items()}
-    model.load_state_dict(state, assign=True)
+    for part in model.children():  # in state-dict order
+        for piece in part if isinstance(part, nn.ModuleList) else [part]:
+            for m in piece.modules():
+                for name, p in m.named_parameters(recurse=False):
+                    weight = ((torch.rand(p.shape, device=device) - 0.5) * 0.1).to(dtype)
+                    setattr(m, name, nn.Parameter(weight, requires_grad=False))
+            if quant:
+                swap_linears(piece, CPU_BITS[block_scheme(quant, part is model.fast_layers, cpu=True)])
+    model.quant = quant
     model.make_rope()
     model.tokenizer = tokenizer
     return model.requires_grad_(False).eval()
@@ -1345,8 +1416,8 @@ def matmul_ceiling(model: DualAR, batch: int, repeats: int = 8) -> float:
     """Frame steps per second if a step were nothing but its weight matmuls (eager, the same weights,
     `batch` rows): what torch's own F.linear can read."""
     device, n = model.embeddings.weight.device, model.config["num_codebooks"]
-    slow = [m for m in model.layers.modules() if isinstance(m, nn.Linear)]
-    fast = [m for m in model.fast_layers.modules() if isinstance(m, nn.Linear)]
+    slow = [m for m in model.layers.modules() if isinstance(m, (nn.Linear, QuantLinear))]
+    fast = [m for m in model.fast_layers.modules() if isinstance(m, (nn.Linear, QuantLinear))]
     start, stop = model.head_window
     head = model.embeddings.weight[start:stop]
     calls = slow + fast * n + [model.fast_output] * (n - 1)
@@ -1379,25 +1450,54 @@ def prefill_speed(model: DualAR) -> float:
     return BENCH_PROMPT / (time.perf_counter() - start)
 
 
-@torch.inference_mode()
-def head_logits(model: DualAR) -> tuple:
-    """Slow logits (sampling window) at the end of a fixed prompt, and the fast logits of every codebook
-    teacher-forced with codes 0: what quantization must not move."""
+def bench_prompt(model: DualAR, frames: int = 0) -> Tensor:
+    """A fixed prompt of BENCH_PROMPT semantic positions, in caches of one row with room for `frames` more."""
     cfg, device = model.config, model.embeddings.weight.device
     tokens = torch.zeros(1 + cfg["num_codebooks"], BENCH_PROMPT, dtype=torch.long, device=device)
     tokens[0] = cfg["semantic_begin_id"] + torch.arange(BENCH_PROMPT, device=device) % cfg["codebook_size"]
     tokens[1:] = torch.arange(BENCH_PROMPT, device=device) % cfg["codebook_size"]
-    model.setup_caches(1, cache_bucket(BENCH_PROMPT, cfg))
-    slow, hidden = model.prefill(tokens)
+    model.setup_caches(1, cache_bucket(BENCH_PROMPT + frames + 1, cfg))
+    return tokens
+
+
+@torch.inference_mode()
+def head_logits(model: DualAR) -> tuple:
+    """Slow logits (sampling window) at the end of a fixed prompt, and the fast logits of every codebook
+    teacher-forced with codes 0: what quantization must not move."""
+    slow, hidden = model.prefill(bench_prompt(model))
     fast = [model.forward_fast(hidden, 0)]
-    code = torch.zeros(1, dtype=torch.long, device=device)
-    fast += [model.forward_fast(model.fast_embeddings(code), i) for i in range(1, cfg["num_codebooks"])]
+    code = torch.zeros(1, dtype=torch.long, device=hidden.device)
+    n = model.config["num_codebooks"]
+    fast += [model.forward_fast(model.fast_embeddings(code), i) for i in range(1, n)]
     return slow.float(), torch.cat(fast).float()
 
 
+@torch.inference_mode()
+def seeded_frames(model: DualAR, frames: int, forced: Tensor = None) -> Tensor:
+    """`frames` frames (eager, seed 0) after the fixed prompt, each from the previous frame of `forced` if
+    given (teacher forcing: a quantized model judged frame by frame on the reference's history) -> (frames,
+    1 + num_codebooks)."""
+    logits, hidden = model.prefill(bench_prompt(model, frames))
+    p = sampling_params(model, [(0.7, 0.7, 30)])
+    generator = torch.Generator(hidden.device).manual_seed(0)
+    frame = sample_frame(model, logits, hidden, torch.full((1, RAS_WINDOW), -1, device=hidden.device), p,
+                         *draw_noise(model, [generator]))
+    made, window = [frame], torch.zeros(1, RAS_WINDOW, dtype=torch.long, device=hidden.device)
+    for i in range(1, frames):
+        last = made[-1] if forced is None else forced[i - 1: i]
+        window = torch.cat([window[:, 1:], last[:, :1]], dim=1)
+        pos = torch.tensor([BENCH_PROMPT + i - 1], device=hidden.device)
+        made.append(decode_step(model, last, pos, window, p, *draw_noise(model, [generator])))
+    return torch.cat(made)
+
+
 def peak_memory_gb(device) -> float:
+    """Peak memory since `codec.reset_peak_memory` (on Linux CPUs: the peak resident set, VmHWM)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
+    status = Path("/proc/self/status")
+    if status.is_file():
+        return int(re.search(r"VmHWM:\s+(\d+)", status.read_text())[1]) / 1e6  # kB
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
 
 
@@ -1505,21 +1605,32 @@ def bench(args):
     if args.checkpoint:
         model, name = load(args.checkpoint, device, dtype), Path(args.checkpoint).name
     else:
-        model, name = random_model(args.config, device, dtype), args.config
-    reference = head_logits(model) if args.quant and args.quant != "none" else None
-    prepare(model, args.quant, compiled, args.compile_cache)
-    if reference is not None:
+        # the real size quantized on CPU: drawn block by block, there is no unquantized model to compare with
+        direct = device.type == "cpu" and args.quant in CPU_BITS and args.config == "s2-pro"
+        model, name = random_model(args.config, device, dtype, args.quant if direct else None), args.config
+    quantized = args.quant and args.quant != "none" and not getattr(model, "quant", None)
+    if quantized:  # the same input through the unquantized and the quantized model
+        reference, codes = head_logits(model), seeded_frames(model, CODES_FRAMES)
+    prepare(model, args.quant if quantized else None)
+    if quantized:
         for part, ref, got in zip(("slow", "fast"), reference, head_logits(model)):
             error = ((got - ref).abs().max() / ref.abs().max()).item()
             same = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
             print(f"{args.quant} {part} logits vs unquantized: max error {100 * error:.2f} % of the largest"
                   f" logit, same argmax {100 * same:.0f} %")
-    n_params = sum(p.numel() for p in model.parameters()) / 1e9
-    per_frame, bandwidth = frame_bytes(model), copy_bandwidth(device)
+        same = (seeded_frames(model, CODES_FRAMES, codes) == codes).all(-1).float().mean().item()
+        print(f"{args.quant}: {100 * same:.0f} % of {CODES_FRAMES} seeded frames (eager, each from the"
+              f" unquantized model's previous frame) have all the unquantized model's codes")
+    prepare(model, compile=compiled, compile_cache=args.compile_cache)
+    n_params = sum(m.in_features * m.out_features if isinstance(m, QuantLinear) else
+                   sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()) / 1e9
+    built, per_frame, bandwidth = peak_memory_gb(device), frame_bytes(model), copy_bandwidth(device)
+    codec.reset_peak_memory(device)  # peak_mem_gb: the model as it runs, not as it was built (or the copy)
     prefill = prefill_speed(model)
     print(f"{name}: {n_params:.2f} G params, {per_frame / 1e9:.2f} GB read per frame step, {dtype}, {device}"
           f" ({torch.get_num_threads()} threads), quant {args.quant or 'none'}, compile {int(compiled)},"
-          f" measured copy bandwidth {bandwidth:.1f} GB/s, prefill {prefill:.0f} tokens/s")
+          f" measured copy bandwidth {bandwidth:.1f} GB/s, prefill {prefill:.0f} tokens/s, peak memory"
+          f" {built:.2f} GB until here")
     print(f"{'batch':>5} {'frames/s':>9} {'GB/s':>7} {'% bw':>5} {'matmul ceiling':>15} {'% ceil':>6}"
           f" {'RTF':>6} {'compile s':>9}")
     seconds_per_frame = codec.hop_length() / codec.CONFIG["sample_rate"]
@@ -1658,9 +1769,9 @@ def parse_args(argv=None):
                     help="UTF-8 bytes of dialogue turns per batch (default 300, as upstream)")
     ap.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: cuda > mps > cpu")
     ap.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="default bf16 on CUDA, fp32 elsewhere")
-    ap.add_argument("--quant", choices=QUANT_SCHEMES, help="torchao weight quantization of both transformers"
-                    " (int8wo: CPU and GPU. int4wo: CUDA bf16. fp8: compute capability >= 8.9."
-                    " nvfp4: >= 10.0)")
+    ap.add_argument("--quant", choices=QUANT_SCHEMES, help="weight quantization of both transformers"
+                    " (int8wo, int4wo on CPU: torch's own kernels, any dtype; on GPU torchao: int4wo bf16 and"
+                    " compute capability >= 8.0, fp8 >= 8.9, nvfp4 >= 10.0)")
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, help="one compiled graph per frame"
                     " (default: on for CUDA, off on CPU where compiling takes minutes, see README)")
     ap.add_argument("--compile-cache", help="folder that keeps compiled kernels for the next run"

@@ -260,15 +260,21 @@ def assert_same_lora(run, other):
         assert torch.equal(weights[key], others[key]), key
 
 
+def straight_and_resumed(train_run, tmp_path, steps: int, stop: int):
+    """Train `steps` steps in one go (straight/), and stopped after `stop` then resumed (resumed/): the
+    same LoRA weights, bit for bit."""
+    data = write_codes_data(tmp_path / "data")
+    common = ["--val-every", "2", "--save-every", "2", "--lr", "1e-3"]
+    train_run(data, tmp_path / "straight", "--max-steps", str(steps), *common)
+    train_run(data, tmp_path / "resumed", "--max-steps", str(stop), *common)
+    train_run(data, tmp_path / "resumed", "--max-steps", str(steps), "--resume", *common)
+    assert_same_lora(tmp_path / "straight", tmp_path / "resumed")
+
+
 def test_resumed_run_ends_with_the_same_lora_as_an_uninterrupted_one(tmp_path):
     """Same seed, 6 steps: once straight, once stopped after 3 and resumed. Dropout is on (0.01), so
     the random state in the checkpoint matters."""
-    data = write_codes_data(tmp_path / "data")
-    common = ["--val-every", "2", "--save-every", "2", "--lr", "1e-3"]
-    train(data, tmp_path / "straight", "--max-steps", "6", *common)
-    train(data, tmp_path / "resumed", "--max-steps", "3", *common)
-    train(data, tmp_path / "resumed", "--max-steps", "6", "--resume", *common)
-    assert_same_lora(tmp_path / "straight", tmp_path / "resumed")
+    straight_and_resumed(train, tmp_path, steps=6, stop=3)
     straight, resumed = metrics(tmp_path / "straight"), metrics(tmp_path / "resumed")
     assert [r for r in straight if "loss" in r] == [r for r in resumed if "loss" in r]
     resumed_vals = [r for r in resumed if "val_loss" in r and r["step"] != 3]  # it also validated at its stop
@@ -397,12 +403,7 @@ def test_two_processes_train_as_one_process_with_twice_the_micro_batches(tmp_pat
 
 def test_resume_under_torchrun_continues_bit_for_bit(tmp_path):
     """Dropout on: each process's random state is in the checkpoint."""
-    data = write_codes_data(tmp_path / "data")
-    common = ["--save-every", "2", "--val-every", "2", "--lr", "1e-3"]
-    torchrun_train(data, tmp_path / "straight", "--max-steps", "4", *common)
-    torchrun_train(data, tmp_path / "resumed", "--max-steps", "2", *common)
-    torchrun_train(data, tmp_path / "resumed", "--max-steps", "4", "--resume", *common)
-    assert_same_lora(tmp_path / "straight", tmp_path / "resumed")
+    straight_and_resumed(torchrun_train, tmp_path, steps=4, stop=2)
     assert metrics(tmp_path / "straight") == metrics(tmp_path / "resumed")
 
 

@@ -625,6 +625,12 @@ def test_a_failed_frame_step_is_a_500_and_the_server_keeps_serving(tmp_path):
         stop_server(server)
 
 
+def test_the_streamed_wav_header_says_its_sizes_are_unknown():
+    header = app.wav_header()
+    assert len(header) == 44 and header[:4] == b"RIFF" and header[36:40] == b"data"
+    assert header[4:8] == b"\xff\xff\xff\xff" and header[40:44] == b"\xff\xff\xff\xff"
+
+
 def test_a_request_waiting_when_the_engine_closes_is_a_503(tmp_path):
     server = start_server(tmp_path, "--slots", "1", "--queue", "2")
     try:

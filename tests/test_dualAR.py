@@ -267,6 +267,12 @@ def test_each_row_samples_with_its_own_parameters():
     torch.testing.assert_close(rows[2], torch.tensor([0.625, 0.375, 0.0, 0.0]))
 
 
+def test_sampling_window_is_whole_64_row_blocks_and_keeps_im_end_far_below_the_semantic_ids():
+    cfg = dict(semantic_begin_id=1000, semantic_end_id=1999, im_end_id=10, vocab_size=4096)
+    assert dualAR.sampling_window(cfg) == (0, 2048)
+    assert dualAR.sampling_window(dict(cfg, im_end_id=3000)) == (960, 3008)
+
+
 def test_trimmed_head_draws_what_the_full_head_draws():
     """Logits over the sampling window only (semantic tokens + <|im_end|>) give the full vocabulary's
     probabilities bit for bit, so every draw is the same. At the real vocabulary size, random logits."""
@@ -641,6 +647,22 @@ def test_a_free_row_goes_back_to_position_0_and_stays_there(model):
         engine.run()
     assert engine.pos.tolist() == [0, 0]
     assert torch.equal(long.codes(), dualAR.generate(model, **MIXED[3]))
+
+
+def test_a_reused_row_starts_with_an_empty_repetition_window(model):
+    """Two identical seeded requests, one after the other through one row: the second is admitted with an
+    empty window (not the first one's last tokens), and both give the solo codes."""
+    engine = dualAR.Engine(model, slots=1)
+    first = engine.add(dualAR.Request(model, **MIXED[0]))
+    with torch.inference_mode():
+        engine.run()
+        assert engine.window[0].ne(0).any()  # the first request's last tokens
+        second = engine.add(dualAR.Request(model, **MIXED[0]))
+        engine.admit()
+        assert engine.rows[0] is second and engine.window[0].eq(0).all()
+        engine.run()
+    solo = dualAR.generate(model, **MIXED[0])
+    assert torch.equal(first.codes(), solo) and torch.equal(second.codes(), solo)
 
 
 def test_a_partly_filled_engine_runs_the_smallest_batch_that_holds_its_rows(model):

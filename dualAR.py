@@ -277,6 +277,7 @@ class DualAR(nn.Module):
         if "semantic_begin_id" in cfg:
             self.head_window = sampling_window(cfg)
         self.compiled_step = None  # the frame step as one graph, set by `compile_model`
+        self.quant = None  # the quantization scheme, set by `quantize`
         self.engine = None  # a weak reference to the Engine that owns the KV caches
         self.make_rope()
 
@@ -1435,21 +1436,6 @@ def matmul_ceiling(model: DualAR, batch: int, repeats: int = 8) -> float:
     return repeats / (time.perf_counter() - t0)
 
 
-@torch.inference_mode()
-def prefill_speed(model: DualAR) -> float:
-    """Prompt tokens per second of one row's prefill."""
-    cfg, device = model.config, model.embeddings.weight.device
-    tokens = torch.zeros(1 + cfg["num_codebooks"], BENCH_PROMPT, dtype=torch.long, device=device)
-    tokens[0] = cfg["semantic_begin_id"]
-    model.setup_caches(1, cache_bucket(BENCH_PROMPT, cfg))
-    model.prefill(tokens)
-    synchronize(device)
-    start = time.perf_counter()
-    model.prefill(tokens)
-    synchronize(device)
-    return BENCH_PROMPT / (time.perf_counter() - start)
-
-
 def bench_prompt(model: DualAR, frames: int = 0) -> Tensor:
     """A fixed prompt of BENCH_PROMPT semantic positions, in caches of one row with room for `frames` more."""
     cfg, device = model.config, model.embeddings.weight.device
@@ -1458,6 +1444,18 @@ def bench_prompt(model: DualAR, frames: int = 0) -> Tensor:
     tokens[1:] = torch.arange(BENCH_PROMPT, device=device) % cfg["codebook_size"]
     model.setup_caches(1, cache_bucket(BENCH_PROMPT + frames + 1, cfg))
     return tokens
+
+
+@torch.inference_mode()
+def prefill_speed(model: DualAR) -> float:
+    """Prompt tokens per second of one row's prefill."""
+    device, tokens = model.embeddings.weight.device, bench_prompt(model)
+    model.prefill(tokens)
+    synchronize(device)
+    start = time.perf_counter()
+    model.prefill(tokens)
+    synchronize(device)
+    return BENCH_PROMPT / (time.perf_counter() - start)
 
 
 @torch.inference_mode()
@@ -1608,7 +1606,7 @@ def bench(args):
         # the real size quantized on CPU: drawn block by block, there is no unquantized model to compare with
         direct = device.type == "cpu" and args.quant in CPU_BITS and args.config == "s2-pro"
         model, name = random_model(args.config, device, dtype, args.quant if direct else None), args.config
-    quantized = args.quant and args.quant != "none" and not getattr(model, "quant", None)
+    quantized = args.quant and args.quant != "none" and not model.quant
     if quantized:  # the same input through the unquantized and the quantized model
         reference, codes = head_logits(model), seeded_frames(model, CODES_FRAMES)
     prepare(model, args.quant if quantized else None)

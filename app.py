@@ -332,13 +332,14 @@ class App:
     """The models, the engine and the voices folder, shared by every request thread."""
 
     def __init__(self, args):
-        self.device = pick_device(args.device)  # first: a bad --device leaves no demo folder behind
+        self.device = dualAR.pick_device(args.device)  # first: a bad --device leaves no demo folder behind
         self.demo_dir = None
         if args.checkpoint is None and not Path(dualAR.DEFAULT_CHECKPOINT).exists():
             self.demo_dir = tempfile.mkdtemp(prefix="fishfast-demo-")
             dualAR.make_demo_checkpoint(Path(self.demo_dir))
         self.checkpoint = self.demo_dir or args.checkpoint or dualAR.DEFAULT_CHECKPOINT
-        dtype, compiled = dualAR.device_defaults(self.device, args.dtype, args.compile)  # as the CLI
+        dtype = dualAR.pick_dtype(args.dtype, self.device)  # as the CLI
+        compiled = self.device.type == "cuda" if args.compile is None else args.compile
         self.model = dualAR.load(self.checkpoint, self.device, dtype, args.quant, compiled,
                                  args.compile_cache)
         self.dac = codec.load(self.checkpoint, self.device, torch.float32)  # references encode in fp32
@@ -465,8 +466,8 @@ class App:
             try:
                 codec.save_codes(npy, codes)
                 # the voice appears (listed and usable) only once the transcript exists, written whole
-                codec._write_atomic(txt, lambda f: f.write((text.strip() + "\n").encode("utf-8")))
-            except ValueError as e:  # codec's writers: OSError as a one-line ValueError
+                dualAR.write_atomic(txt, lambda tmp: tmp.write_text(text.strip() + "\n", encoding="utf-8"))
+            except dualAR.UserError as e:  # a full disk, a folder gone
                 npy.unlink(missing_ok=True)
                 raise HTTPError(500, f"cannot save voice {name!r}: {e}") from None
         return dict(name=name, frames=codes.size(1), seconds=round(codes.size(1) / frame_rate(), 2))
@@ -1269,15 +1270,6 @@ def parse_args(argv=None):
     return args
 
 
-def pick_device(name) -> torch.device:
-    """--device as codec.py picks it, plus an index: cuda:N."""
-    kind, _, index = (name or "").partition(":")
-    device = codec.pick_device(kind or None)
-    if index and int(index) >= torch.cuda.device_count():
-        raise dualAR.UserError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA devices")
-    return torch.device(name) if index else device
-
-
 def make_server(args) -> Server:
     """Load the models and bind the port (not yet serving: call serve_forever)."""
     app = App(args)
@@ -1310,7 +1302,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (ValueError, OSError) as e:  # UserError and the codec's one-line errors
-        sys.exit(f"error: {e}")
+    dualAR.cli(main)

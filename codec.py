@@ -27,6 +27,8 @@ import torch.nn.functional as F
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 
+import dualAR  # the LM's blocks (RMSNorm, FeedForward, RoPE: upstream's arithmetic) and shared helpers
+
 CONFIG = dict(  # the real S2-Pro codec (upstream fish_speech/configs/modded_dac_vq.yaml)
     sample_rate=44100,
     encoder_dim=64,
@@ -110,8 +112,8 @@ class CausalConvT(nn.Module):
     def __init__(self, cin, cout, kernel, stride, wn=True):
         super().__init__()
         if kernel not in (stride, 2 * stride):  # forward adds the overlap of one block only
-            raise ValueError(f"codec config: an upsampling kernel of {kernel} for stride {stride} is not"
-                             " supported (kernel = stride or 2 * stride)")
+            raise dualAR.UserError(f"codec config: an upsampling kernel of {kernel} for stride {stride}"
+                                   " is not supported (kernel = stride or 2 * stride)")
         conv = nn.ConvTranspose1d(cin, cout, kernel, stride=stride)
         self.conv = weight_norm(conv) if wn else conv
         self.stride, self.overlap = stride, kernel // stride - 1
@@ -167,18 +169,6 @@ class ConvNeXt(nn.Module):
         return x + (self.gamma * y).transpose(1, 2)
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim, eps):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x):
-        xf = x.float()  # upstream normalises in fp32
-        xf = xf * torch.rsqrt(torch.mean(xf * xf, dim=-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * self.weight
-
-
 class LayerScale(nn.Module):
     def __init__(self, dim):
         super().__init__()
@@ -186,20 +176,6 @@ class LayerScale(nn.Module):
 
     def forward(self, x):
         return x * self.gamma
-
-
-def rope_table(length, head_dim, base, start=0):  # positions start.. -> (length, head_dim / 2, 2): cos, sin
-    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
-    angles = torch.outer(torch.arange(start, start + length), freqs)
-    rot = torch.polar(torch.ones_like(angles), angles)
-    return torch.stack([rot.real, rot.imag], -1).to(torch.bfloat16).float()  # upstream rounds it to bf16
-
-
-def apply_rope(x, rope):  # x (B, T, H, hd), rope (T or B, T, ...): interleaved pairs (x[2j], x[2j+1])
-    xs = x.float().reshape(*x.shape[:-1], -1, 2)
-    cos, sin = rope[..., None, :, 0], rope[..., None, :, 1]  # broadcast over heads
-    out = torch.stack([xs[..., 0] * cos - xs[..., 1] * sin, xs[..., 1] * cos + xs[..., 0] * sin], -1)
-    return out.flatten(3).type_as(x)
 
 
 def windowed_attention(q, k, v, window):  # q (B, H, T, hd), k/v (B, H, P + T, hd): P past keys first
@@ -226,7 +202,7 @@ class Attention(nn.Module):
     def forward(self, x, rope, window, cache=None):  # (B, T, D)
         B, T, _ = x.shape
         q, k, v = self.wqkv(x).view(B, T, 3, self.n_head, self.head_dim).unbind(2)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k = dualAR.apply_rope(q, rope), dualAR.apply_rope(k, rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, hd)
         if cache is not None:  # a stream: its last window - 1 keys and values are all a new query can see
             if self in cache:
@@ -237,24 +213,13 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
-class FeedForward(nn.Module):
-    def __init__(self, dim, hidden):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x):
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
 class Block(nn.Module):
     def __init__(self, dim, n_head, ffn, cfg):
         super().__init__()
         self.attention = Attention(dim, n_head, cfg["head_dim"])
-        self.feed_forward = FeedForward(dim, ffn)
-        self.ffn_norm = RMSNorm(dim, cfg["norm_eps"])
-        self.attention_norm = RMSNorm(dim, cfg["norm_eps"])
+        self.feed_forward = dualAR.FeedForward(dim, ffn)
+        self.ffn_norm = dualAR.RMSNorm(dim, cfg["norm_eps"])
+        self.attention_norm = dualAR.RMSNorm(dim, cfg["norm_eps"])
         self.attention_layer_scale = LayerScale(dim)
         self.ffn_layer_scale = LayerScale(dim)
 
@@ -269,7 +234,7 @@ class Transformer(nn.Module):
     def __init__(self, dim, n_layer, n_head, ffn, window, cfg):
         super().__init__()
         self.layers = nn.ModuleList(Block(dim, n_head, ffn, cfg) for _ in range(n_layer))
-        self.norm = RMSNorm(dim, cfg["norm_eps"])
+        self.norm = dualAR.RMSNorm(dim, cfg["norm_eps"])
         self.window, self.head_dim, self.rope_base = window, cfg["head_dim"], cfg["rope_base"]
 
     def forward(self, x, cache=None):
@@ -277,7 +242,7 @@ class Transformer(nn.Module):
         start = 0 if cache is None else cache.get(self, 0)  # positions count from a stream's first frame
         if cache is not None:
             cache[self] = start + x.shape[1]
-        rope = rope_table(x.shape[1], self.head_dim, self.rope_base, start).to(x.device)
+        rope = dualAR.rope_table(x.shape[1], self.head_dim, self.rope_base, start).to(x.device)
         for layer in self.layers:
             x = layer(x, rope, self.window, cache)
         return self.norm(x).transpose(1, 2)
@@ -422,7 +387,8 @@ def read_config(path):
             quantizer_window=q["post_module"]["window_size"], head_dim=general["head_dim"],
             rope_base=general["rope_base"], norm_eps=general["norm_eps"])
     except KeyError as e:
-        raise ValueError(f"{path} has no key {e}: expected upstream's modded_dac_vq config as json") from None
+        raise dualAR.UserError(f"{path} has no key {e}: expected upstream's modded_dac_vq config as json") \
+            from None
 
 
 def _rename_weight_norm(key, wanted):
@@ -440,15 +406,15 @@ def load(path="s2-pro", device="cpu", dtype=torch.float32):
     path = Path(path)
     pth = path / "codec.pth" if path.is_dir() else path
     if not path.exists():
-        raise FileNotFoundError(f"checkpoint {path} not found — download fishaudio/s2-pro (see README)")
+        raise dualAR.UserError(f"checkpoint {path} not found — download fishaudio/s2-pro (see README)")
     if not pth.is_file():
-        raise FileNotFoundError(f"checkpoint dir {path} has no codec.pth — download fishaudio/s2-pro")
+        raise dualAR.UserError(f"checkpoint dir {path} has no codec.pth — download fishaudio/s2-pro")
     with torch.device("meta"):
         model = DAC(read_config(pth.parent / "codec_config.json"))
     try:
         state = torch.load(pth, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise ValueError(f"cannot read {pth} as a state_dict ({type(e).__name__})") from None
+        raise dualAR.UserError(f"cannot read {pth} as a state_dict ({type(e).__name__})") from None
     state = state.get("state_dict", state)
     if any(k.startswith("generator.") for k in state):  # a training checkpoint: keep the generator
         state = {k[len("generator."):]: v for k, v in state.items() if k.startswith("generator.")}
@@ -464,13 +430,13 @@ def load(path="s2-pro", device="cpu", dtype=torch.float32):
     wrong = [k for k in tensors if tensors[k].shape != wanted[k].shape]
     hint = "codec_config.json does not match it, or it is not an S2-Pro codec"
     if missing:
-        raise ValueError(f"{pth} lacks {len(missing)} tensors (first: {missing[0]}) — {hint}")
+        raise dualAR.UserError(f"{pth} lacks {len(missing)} tensors (first: {missing[0]}) — {hint}")
     if unexpected:
         first = unexpected[0]
-        raise ValueError(f"{pth} has {len(unexpected)} unexpected tensors (first: {first}) — {hint}")
+        raise dualAR.UserError(f"{pth} has {len(unexpected)} unexpected tensors (first: {first}) — {hint}")
     for k in wrong:
         got, want = list(tensors[k].shape), list(wanted[k].shape)
-        raise ValueError(f"{pth}: {k} has shape {got}, expected {want} — {hint}")
+        raise dualAR.UserError(f"{pth}: {k} has shape {got}, expected {want} — {hint}")
     model.load_state_dict(tensors, assign=True)
     keep_freed_memory()
     return fold_weight_norm(model).requires_grad_(False).eval().to(device=device, dtype=dtype)
@@ -533,7 +499,7 @@ def encode(model, wave, chunk_frames=CHUNK_FRAMES):
     p = next(model.parameters())
     wave = torch.as_tensor(wave)
     if wave.shape[-1] == 0:
-        raise ValueError("empty audio: nothing to encode")
+        raise dualAR.UserError("empty audio: nothing to encode")
     x = wave.to(p.device, p.dtype).reshape(-1, 1, wave.shape[-1])
     x = F.pad(x, (0, -x.shape[-1] % model.hop))  # upstream pads right with zeros to whole frames
     cache = {}
@@ -570,9 +536,10 @@ def clamped_codes(model, codes):
     codes = codes[None] if codes.dim() == 2 else codes
     rows = cfg["n_codebooks"] + 1
     if codes.dim() != 3 or codes.shape[1] != rows or codes.shape[2] == 0:
-        raise ValueError(f"codes must have shape [{rows}, T] or [B, {rows}, T]. Got {list(codes.shape)}")
+        raise dualAR.UserError(f"codes must have shape [{rows}, T] or [B, {rows}, T]."
+                               f" Got {list(codes.shape)}")
     if codes.min() < 0:
-        raise ValueError(f"codes must be >= 0, found {codes.min().item()}")
+        raise dualAR.UserError(f"codes must be >= 0, found {codes.min().item()}")
     codes = codes.to(p.device, torch.long, copy=True)
     codes[:, 0].clamp_(max=cfg["semantic_codebook_size"] - 1)
     codes[:, 1:].clamp_(max=cfg["codebook_size"] - 1)
@@ -582,13 +549,14 @@ def clamped_codes(model, codes):
 def load_audio(path, sample_rate=44100):
     """Any file soundfile reads -> float32 mono tensor (N,) at sample_rate (channels averaged, soxr)."""
     if not Path(path).is_file():
-        raise FileNotFoundError(f"audio file {path} not found")
+        raise dualAR.UserError(f"audio file {path} not found")
     try:
         data, rate = sf.read(str(path), dtype="float32", always_2d=True)
     except Exception as e:
-        raise ValueError(f"{path} is not a readable audio file ({str(e).strip().splitlines()[-1]})") from None
+        detail = str(e).strip().splitlines()[-1]
+        raise dualAR.UserError(f"{path} is not a readable audio file ({detail})") from None
     if data.shape[0] == 0:
-        raise ValueError(f"{path} contains no audio samples")
+        raise dualAR.UserError(f"{path} contains no audio samples")
     mono = data.mean(1)
     if rate != sample_rate:
         mono = soxr.resample(mono, rate, sample_rate)
@@ -599,7 +567,7 @@ def read_codes(path, rows=10, vocab=FAST_VOCAB):
     """Codes (rows, T) int64 from a .npy, or a raw little-endian int16 .code file laid out as [rows, T]."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"codes file {path} not found")
+        raise dualAR.UserError(f"codes file {path} not found")
     if path.suffix == ".code":
         codes = np.fromfile(path, dtype="<i2")
         codes = codes.reshape(rows, -1) if codes.size % rows == 0 else codes
@@ -607,59 +575,31 @@ def read_codes(path, rows=10, vocab=FAST_VOCAB):
         try:
             codes = np.load(path, allow_pickle=False)
         except Exception as e:
-            raise ValueError(f"{path} is not a .npy array ({type(e).__name__})") from None
+            raise dualAR.UserError(f"{path} is not a .npy array ({type(e).__name__})") from None
     codes = codes[0] if codes.ndim == 3 and codes.shape[0] == 1 else codes
     if codes.ndim != 2 or codes.shape[0] != rows or codes.shape[1] == 0:
-        raise ValueError(f"{path}: codes have shape {list(codes.shape)}, expected [{rows}, T] with T > 0")
+        raise dualAR.UserError(f"{path}: codes have shape {list(codes.shape)},"
+                               f" expected [{rows}, T] with T > 0")
     if not np.issubdtype(codes.dtype, np.integer):
-        raise ValueError(f"{path}: codes must be integers, got {codes.dtype}")
+        raise dualAR.UserError(f"{path}: codes must be integers, got {codes.dtype}")
     if codes.min() < 0 or codes.max() >= vocab:
-        raise ValueError(f"{path}: codes must lie in 0..{vocab - 1}, found {codes.min()}..{codes.max()}")
+        raise dualAR.UserError(f"{path}: codes must lie in 0..{vocab - 1},"
+                               f" found {codes.min()}..{codes.max()}")
     return torch.from_numpy(codes.astype(np.int64))
-
-
-def _write_atomic(path, write):
-    """Write via a temp file in the same folder, so a failure never leaves a partial output behind."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.part")
-    try:
-        with open(tmp, "wb") as f:
-            write(f)
-        os.replace(tmp, path)
-    except OSError as e:
-        raise ValueError(f"cannot write {path}: {e.strerror or e}") from None
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def save_wav(path, wave, sample_rate=44100):
     """Mono float waveform -> PCM-16 .wav."""
     data = torch.as_tensor(wave).detach().float().cpu().reshape(-1).clamp(-1, 1).numpy()
-    _write_atomic(path, lambda f: sf.write(f, data, sample_rate, format="WAV", subtype="PCM_16"))
+    dualAR.write_atomic(path, lambda tmp: sf.write(str(tmp), data, sample_rate, format="WAV",
+                                                   subtype="PCM_16"))
 
 
 def save_codes(path, codes):
-    _write_atomic(path, lambda f: np.save(f, codes.cpu().numpy().astype(np.int64)))
+    dualAR.write_atomic(path, lambda tmp: np.save(tmp.open("wb"), codes.cpu().numpy().astype(np.int64)))
 
 
 # ----------------------------------------------------------------------------- CLI
-def pick_device(name):
-    available = dict(cpu=True, cuda=torch.cuda.is_available(), mps=torch.backends.mps.is_available())
-    if name and not available[name]:
-        raise ValueError(f"--device {name}: no {name} device on this machine")
-    if name:
-        return torch.device(name)
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    return torch.device("mps" if torch.backends.mps.is_available() else "cpu")
-
-
-def pick_dtype(name, device):
-    name = name or ("fp16" if device.type == "cuda" else "fp32")
-    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
-
-
 def output_paths(inputs, out, suffix):
     """One output per input: beside it, the --out file, or in the --out folder (made on writing)."""
     folder = out is not None and (len(inputs) > 1 or Path(out).is_dir())
@@ -670,17 +610,18 @@ def output_paths(inputs, out, suffix):
     else:
         outputs = [Path(out) / p.with_suffix(suffix).name for p in inputs]
     if len(set(outputs)) < len(outputs):
-        raise ValueError(f"two inputs would write the same {suffix} file: rename one, or give --out per file")
+        raise dualAR.UserError(f"two inputs would write the same {suffix} file: rename one,"
+                               " or give --out per file")
     for path in outputs:  # fail before any work is done
         parent = path.parent.parent if folder and not path.parent.exists() else path.parent  # made later
         if not (parent.is_dir() and os.access(parent, os.W_OK)) or path.is_dir():
-            raise ValueError(f"cannot write {path}: not a writable file location")
+            raise dualAR.UserError(f"cannot write {path}: not a writable file location")
     return outputs
 
 
 def run_files(args):
     if getattr(args, "chunk_frames", 0) < 0:
-        raise ValueError("--chunk-frames must be >= 0")
+        raise dualAR.UserError("--chunk-frames must be >= 0")
     encoding = args.command == "encode"
     if args.paths:
         inputs = [Path(p) for p in args.paths]
@@ -690,11 +631,11 @@ def run_files(args):
         inputs = sorted(Path("generate").glob("*.npy"))
     if not inputs:
         folder = "prompt" if encoding else "generate"
-        raise ValueError(f"no input files: pass paths, or put them in {folder}/")
+        raise dualAR.UserError(f"no input files: pass paths, or put them in {folder}/")
     data = [load_audio(p) if encoding else read_codes(p) for p in inputs]  # check every input before writing
     outputs = output_paths(inputs, args.out, ".npy" if encoding else ".wav")
-    device = pick_device(args.device)
-    model = load(args.checkpoint, device, pick_dtype(args.dtype, device))
+    device = dualAR.pick_device(args.device)
+    model = load(args.checkpoint, device, dualAR.pick_dtype(args.dtype, device, cuda="fp16"))
     from tqdm import tqdm
 
     start, seconds = time.perf_counter(), 0.0
@@ -712,26 +653,6 @@ def run_files(args):
           f"RTF {wall / seconds:.3f}")
 
 
-def reset_peak_memory(device):
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    elif Path("/proc/self/clear_refs").exists():  # Linux: the peak RSS (VmHWM) restarts from the current RSS
-        try:
-            Path("/proc/self/clear_refs").write_text("5")
-        except OSError:  # some containers forbid it: the peak is then the process's so far
-            pass
-
-
-def peak_memory(device):
-    if device.type == "cuda":
-        return f"peak {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB allocated"
-    if Path("/proc/self/status").exists():
-        kib = int(Path("/proc/self/status").read_text().split("VmHWM:")[1].split()[0])
-        return f"peak RSS {kib / 2**20:.2f} GiB"
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS, KiB elsewhere
-    return f"peak RSS {peak / (2**30 if sys.platform == 'darwin' else 2**20):.2f} GiB (process so far)"
-
-
 def timed(fn):  # -> (seconds, minor page faults) of one call
     faults, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
     fn().cpu()
@@ -741,8 +662,8 @@ def timed(fn):  # -> (seconds, minor page faults) of one call
 def bench(args):
     """Encode / decode / streaming speed, page faults and peak memory at the real size, random weights;
     with --compile, the fast path and the eager one side by side (interleaved, min/median/max)."""
-    device = pick_device(args.device)
-    dtype = pick_dtype(args.dtype, device)
+    device = dualAR.pick_device(args.device)
+    dtype = dualAR.pick_dtype(args.dtype, device, cuda="fp16")
     torch.manual_seed(0)
     keep_freed_memory()
     cfg = read_config(args.config) if args.config else CONFIG
@@ -773,7 +694,7 @@ def bench(args):
         for _ in range(args.repeats):
             for m in modes:
                 fast_path(model, m)
-                reset_peak_memory(device)
+                dualAR.reset_peak_memory(device)
                 wall, faults[m] = timed(fn)
                 walls[m].append(wall)
         for m in modes:
@@ -782,7 +703,8 @@ def bench(args):
             per_chunk = f" ms_per_chunk={1000 * med / n_chunks:.4g}" if path == "stream" else ""
             rtfs = " / ".join(f"{w / audio:.3f}" for w in (ws[0], med, ws[-1]))
             print(f"{path:6s} {what:9s} {'fast ' if m else 'eager'}: RTF {rtfs} (min / median / max of "
-                  f"{len(ws)}), {faults[m]} minor page faults, {peak_memory(device)}")
+                  f"{len(ws)}), {faults[m]} minor page faults,"
+                  f" peak memory {dualAR.peak_memory_gb(device):.2f} GB")
             print(f"codec_bench path={path} {what} compile={m} rtf={med / audio:.4g} "
                   f"frames_per_s={n_frames / med:.4g}{per_chunk}")
     fast_path(model, False)
@@ -833,10 +755,9 @@ def main(argv=None):
             bench(args)
         else:
             run_files(args)
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    except OSError as e:
+        raise dualAR.UserError(str(e)) from None
 
 
 if __name__ == "__main__":
-    main()
+    dualAR.cli(main)

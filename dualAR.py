@@ -31,8 +31,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from tqdm import tqdm
 
-import codec
-from codec import FeedForward, RMSNorm, apply_rope, rope_table  # the same upstream arithmetic as the LM
+import codec  # the CLI's audio; codec.py takes its blocks (RMSNorm, FeedForward, RoPE) from this file
 
 # The real fishaudio/s2-pro dimensions, with upstream's flat `dual_ar` key names.
 CONFIG = dict(
@@ -82,6 +81,81 @@ def unreadable(path, error: Exception) -> UserError:
     return UserError(f"cannot read {path}: {detail}")
 
 
+def cli(main, argv=None):
+    """Run a CLI's main(argv): bad input is one `error: ...` line and exit status 2; anything else is a
+    bug and keeps its traceback."""
+    try:
+        main(argv)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def pick_device(name: str = None) -> torch.device:
+    """--device as given (cpu, mps, cuda, cuda:N), else cuda > mps > cpu."""
+    kind, _, index = (name or "").partition(":")
+    available = dict(cpu=True, cuda=torch.cuda.is_available(), mps=torch.backends.mps.is_available())
+    if kind and not available.get(kind, False):
+        raise UserError(f"--device {name}: no {kind} device on this machine")
+    if index and int(index) >= torch.cuda.device_count():
+        raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA devices")
+    if name:
+        return torch.device(name)
+    if available["cuda"]:
+        return torch.device("cuda")
+    return torch.device("mps" if available["mps"] else "cpu")
+
+
+def pick_dtype(name: str, device: torch.device, cuda: str = "bf16") -> torch.dtype:
+    """--dtype as given, else `cuda` on CUDA and fp32 elsewhere."""
+    return DTYPES[name or (cuda if device.type == "cuda" else "fp32")]
+
+
+def write_atomic(path, write):
+    """write(tmp) fills a temp file in the same folder, which then replaces `path`: a failure (a full
+    disk, a missing folder) is one UserError and never leaves a half-written file."""
+    from safetensors import SafetensorError
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.part")
+    try:
+        write(tmp)
+        usual_permissions(tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: torch.save's and safetensors' own
+        raise UserError(f"cannot write {path}: {getattr(e, 'strerror', None) or e}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def usual_permissions(path: Path):
+    """safetensors makes files only their owner can read: give them the permissions of any new file."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
+
+
+def reset_peak_memory(device: torch.device):
+    """Restart `peak_memory_gb` from the memory in use now (where the platform allows it)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif Path("/proc/self/clear_refs").exists():  # Linux: the peak RSS (VmHWM) restarts from the current RSS
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:  # some containers forbid it: the peak is then the process's so far
+            pass
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory since `reset_peak_memory`: CUDA allocations, else the peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    status = Path("/proc/self/status")
+    if status.is_file():
+        return int(re.search(r"VmHWM:\s+(\d+)", status.read_text())[1]) / 1e6  # kB
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS, kB elsewhere
+    return peak / (1e9 if sys.platform == "darwin" else 1e6)
+
+
 # ----------------------------------------------------------------------------- config
 def config_from_flat(flat: dict) -> dict:
     """Upstream's flat `dual_ar` dict (defaults and fast-model fallbacks applied) -> our CONFIG shape."""
@@ -129,6 +203,45 @@ def block_config(cfg: dict, fast: bool) -> dict:
 
 
 # ----------------------------------------------------------------------------- building blocks
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()  # upstream normalises in fp32
+        xf = xf * torch.rsqrt(torch.mean(xf * xf, dim=-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def rope_table(length: int, head_dim: int, base: float, start: int = 0) -> Tensor:
+    """Positions start.. -> (length, head_dim / 2, 2): cos, sin."""
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+    angles = torch.outer(torch.arange(start, start + length), freqs)
+    rot = torch.polar(torch.ones_like(angles), angles)
+    return torch.stack([rot.real, rot.imag], -1).to(torch.bfloat16).float()  # upstream rounds it to bf16
+
+
+def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
+    """x (B, T, H, hd), rope (T or B, T, ...): rotates the interleaved pairs (x[2j], x[2j+1])."""
+    xs = x.float().reshape(*x.shape[:-1], -1, 2)
+    cos, sin = rope[..., None, :, 0], rope[..., None, :, 1]  # broadcast over heads
+    out = torch.stack([xs[..., 0] * cos - xs[..., 1] * sin, xs[..., 1] * cos + xs[..., 0] * sin], -1)
+    return out.flatten(3).type_as(x)
+
+
 class KVCache(nn.Module):
     """Static K/V buffers (batch, kv heads, seq_len, head_dim). Row b of the batch belongs to one request."""
 
@@ -268,14 +381,16 @@ class DualAR(nn.Module):
         self.norm = RMSNorm(cfg["dim"], cfg["norm_eps"])
         if not cfg["tie_word_embeddings"]:
             self.output = nn.Linear(cfg["dim"], cfg["vocab_size"], bias=False)
-        if cfg["fast_dim"] != cfg["dim"]:
-            self.fast_project_in = nn.Linear(cfg["dim"], cfg["fast_dim"])
+        same = cfg["fast_dim"] == cfg["dim"]
+        self.fast_project_in = nn.Identity() if same else nn.Linear(cfg["dim"], cfg["fast_dim"])
         self.fast_embeddings = nn.Embedding(cfg["codebook_size"], cfg["fast_dim"])
         self.fast_layers = nn.ModuleList(Block(fast) for _ in range(cfg["n_fast_layer"]))
         self.fast_norm = RMSNorm(cfg["fast_dim"], cfg["norm_eps"])
         self.fast_output = nn.Linear(cfg["fast_dim"], cfg["codebook_size"], bias=False)
-        if "semantic_begin_id" in cfg:
-            self.head_window = sampling_window(cfg)
+        # the vocabulary rows sampling can pick (needs the tokenizer's ids: None for a bare config)
+        self.head_window = sampling_window(cfg) if "semantic_begin_id" in cfg else None
+        self.register_buffer("head_rows", None, persistent=False)  # those rows apart: `compile_model`
+        self.tokenizer = None  # set by `load` (and `random_model`)
         self.compiled_step = None  # the frame step as one graph, set by `compile_model`
         self.quant = None  # the quantization scheme, set by `quantize`
         self.engine = None  # a weak reference to the Engine that owns the KV caches
@@ -311,30 +426,49 @@ class DualAR(nn.Module):
         cache = self.layers[0].attention.kv_cache
         return 0 if cache is None else cache.k_cache.size(0)
 
-    def embed(self, tokens: Tensor) -> Tensor:
-        """tokens (B, 1 + num_codebooks, S): row 0 token ids, rows 1.. codes at semantic positions."""
+    @property
+    def head_weight(self) -> Tensor:
+        return (self.embeddings if self.config["tie_word_embeddings"] else self.output).weight
+
+    def embed(self, tokens: Tensor, scale: bool = True) -> Tensor:
+        """tokens (B, 1 + num_codebooks, S): row 0 token ids, rows 1.. codes at semantic positions.
+        scale=False: without the 1 / sqrt(num_codebooks + 1) (upstream's training embedding lacks it)."""
         cfg = self.config
         offsets = torch.arange(cfg["num_codebooks"], device=tokens.device) * cfg["codebook_size"]
         codes = self.codebook_embeddings(tokens[:, 1:] + offsets[None, :, None]).sum(dim=1)
         ids = tokens[:, 0]
         semantic = ((ids >= cfg["semantic_begin_id"]) & (ids <= cfg["semantic_end_id"]))[..., None]
         x = self.embeddings(ids) + torch.where(semantic, codes, 0.0)
-        if cfg["scale_codebook_embeddings"]:
+        if scale and cfg["scale_codebook_embeddings"]:
             x = torch.where(semantic, x / math.sqrt(cfg["num_codebooks"] + 1), x)
+        return x
+
+    def fast_input(self, x: Tensor) -> Tensor:
+        """Slow hidden states (before the final norm) -> the fast transformer's input."""
+        return self.fast_project_in(self.norm(x) if self.config["norm_fastlayer_input"] else x)
+
+    def slow_states(self, tokens: Tensor, call=None) -> Tensor:
+        """Training: tokens (B, 1 + num_codebooks, S) -> slow hidden states (B, S, dim) before the final
+        norm, causal attention within the sequence, no KV cache, the training embedding. call(layer, x,
+        rope) runs each block (e.g. with activation checkpointing)."""
+        x, rope = self.embed(tokens, scale=False), self.rope[: tokens.size(-1)]
+        for layer in self.layers:
+            x = call(layer, x, rope) if call else layer(x, rope)
+        return x
+
+    def fast_states(self, x: Tensor, call=None) -> Tensor:
+        """Training: fast inputs (N, num_codebooks, fast_dim) -> fast hidden states before fast_norm."""
+        for layer in self.fast_layers:
+            x = call(layer, x, self.fast_rope) if call else layer(x, self.fast_rope)
         return x
 
     def head(self, x: Tensor, full: bool = False):
         """Last slow hidden state x (B, dim) -> (logits, fast-model input). The logits cover only the
         rows sampling can pick (`sampling_window`) unless `full`."""
-        h = self.norm(x)
-        weight = (self.embeddings if self.config["tie_word_embeddings"] else self.output).weight
+        weight = self.head_weight
         if not full:  # a compiled model keeps the window's rows apart (see compile_model)
-            weight = self.head_rows if hasattr(self, "head_rows") else weight[slice(*self.head_window)]
-        logits = F.linear(h, weight)
-        hidden = h if self.config["norm_fastlayer_input"] else x
-        if hasattr(self, "fast_project_in"):
-            hidden = self.fast_project_in(hidden)
-        return logits, hidden
+            weight = self.head_rows if self.head_rows is not None else weight[slice(*self.head_window)]
+        return F.linear(self.norm(x), weight), self.fast_input(x)
 
     def prefill(self, tokens: Tensor, row: int = 0, full: bool = False):
         """A whole prompt (1 + num_codebooks, T) into cache row `row` -> (logits, fast input) of its last
@@ -616,8 +750,8 @@ def compile_model(model: DualAR, cache=None, backend="inductor", step=None):
     for layer in model.layers:
         layer.attention.flex = True
     # the head's rows as a tensor of their own (a slice of the embedding table is a view into it)
-    weight = (model.embeddings if model.config["tie_word_embeddings"] else model.output).weight
-    model.register_buffer("head_rows", weight[slice(*model.head_window)].clone(), persistent=False)
+    model.register_buffer("head_rows", model.head_weight[slice(*model.head_window)].clone(),
+                          persistent=False)
     step = functools.partial(step or decode_step, model)
     cuda = model.embeddings.weight.device.type == "cuda"
     # CPU: plain inductor. Frozen weights (freezing + max-autotune) were no faster at the sizes we measured
@@ -1489,16 +1623,6 @@ def seeded_frames(model: DualAR, frames: int, forced: Tensor = None) -> Tensor:
     return torch.cat(made)
 
 
-def peak_memory_gb(device) -> float:
-    """Peak memory since `codec.reset_peak_memory` (on Linux CPUs: the peak resident set, VmHWM)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    status = Path("/proc/self/status")
-    if status.is_file():
-        return int(re.search(r"VmHWM:\s+(\d+)", status.read_text())[1]) / 1e6  # kB
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
-
-
 @torch.inference_mode()
 def bench_attention(model: DualAR, contexts=(4096, 32768), filled=300):
     """One decode step's attention in one layer, a row `filled` positions into caches of several sizes:
@@ -1597,8 +1721,9 @@ def bench_serving(args, model: DualAR, device):
 
 def bench(args):
     """gpt-fast style: frames/s of the frame step per batch size, against the measured bandwidth."""
-    device = user_input(codec.pick_device, args.device)
-    dtype, compiled = device_defaults(device, args.dtype, args.compile)
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    compiled = device.type == "cuda" if args.compile is None else args.compile  # CPU: minutes (README)
     check_quant(args.quant, device, dtype)
     if args.checkpoint:
         model, name = load(args.checkpoint, device, dtype), Path(args.checkpoint).name
@@ -1623,7 +1748,7 @@ def bench(args):
     n_params = sum(m.in_features * m.out_features if isinstance(m, QuantLinear) else
                    sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()) / 1e9
     built, per_frame, bandwidth = peak_memory_gb(device), frame_bytes(model), copy_bandwidth(device)
-    codec.reset_peak_memory(device)  # peak_mem_gb: the model as it runs, not as it was built (or the copy)
+    reset_peak_memory(device)  # peak_mem_gb: the model as it runs, not as it was built (or the copy)
     prefill = prefill_speed(model)
     print(f"{name}: {n_params:.2f} G params, {per_frame / 1e9:.2f} GB read per frame step, {dtype}, {device}"
           f" ({torch.get_num_threads()} threads), quant {args.quant or 'none'}, compile {int(compiled)},"
@@ -1695,29 +1820,14 @@ def reference_codes(kind: str, path: Path, cfg: dict, dac) -> Tensor:
     """A reference file -> codes (num_codebooks, T): a codes file as it is, an audio file through the codec
     (`dac()` gives it: codes alone never load it). A file that cannot be read is a UserError."""
     if kind == "codes":
-        return user_input(codec.read_codes, path, rows=cfg["num_codebooks"], vocab=cfg["codebook_size"])
-    return codec.encode(dac(), user_input(codec.load_audio, path))[0].cpu()
-
-
-def device_defaults(device, dtype: str = None, compile: bool = None) -> tuple:
-    """--dtype and --compile as given, else bf16 and compiled on CUDA, fp32 and eager elsewhere (on CPU
-    compiling takes minutes: README, Speed) -> (torch dtype, compile)."""
-    cuda = device.type == "cuda"
-    return DTYPES[dtype or ("bf16" if cuda else "fp32")], cuda if compile is None else compile
-
-
-def user_input(read, *args, **kwargs):
-    """Call a codec.py reader of user files: its ValueError/OSError becomes a one-line UserError."""
-    try:
-        return read(*args, **kwargs)
-    except (ValueError, OSError) as e:
-        raise UserError(str(e)) from None
+        return codec.read_codes(path, rows=cfg["num_codebooks"], vocab=cfg["codebook_size"])
+    return codec.encode(dac(), codec.load_audio(path))[0].cpu()
 
 
 def codec_model(args, device):
     """The codec, in fp32 on every device: reference clips encode to the same codes everywhere."""
     if getattr(args, "codec", None) is None:
-        args.codec = user_input(codec.load, args.checkpoint, device, torch.float32)
+        args.codec = codec.load(args.checkpoint, device, torch.float32)
     return args.codec
 
 
@@ -1817,8 +1927,9 @@ def check_args(args):
 
 def run(args):
     check_args(args)
-    device = user_input(codec.pick_device, args.device)
-    dtype, compiled = device_defaults(device, args.dtype, args.compile)
+    device = pick_device(args.device)
+    dtype = pick_dtype(args.dtype, device)
+    compiled = device.type == "cuda" if args.compile is None else args.compile  # CPU: minutes (README)
     codes_path, wav_path = output_paths(args)
     model = load(args.checkpoint, device, dtype, args.quant, compiled, args.compile_cache)
     if wav_path is not None and not (Path(args.checkpoint) / "codec.pth").is_file():
@@ -1853,7 +1964,7 @@ def speak(model: DualAR, request: Request, wav_path, args) -> Tensor:
         if wav_path is None:
             collections.deque(made, maxlen=0)  # run to the end
             return join_chunks(model, chunks)
-        wav = GrowingWav(wav_path)
+        wav = GrowingWav(wav_path, codec.CONFIG["sample_rate"])
         try:
             device = engine.pos.device
             for samples in codec.decode_stream(codec_model(args, device), (c.to(device) for c in made)):
@@ -1880,7 +1991,7 @@ class GrowingWav:
     """A PCM-16 wav written chunk by chunk, its header brought up to date after each one (a player can
     open it while it grows), removed if the run fails."""
 
-    def __init__(self, path: Path, sample_rate: int = codec.CONFIG["sample_rate"]):
+    def __init__(self, path: Path, sample_rate: int):
         self.path = Path(path)
         self.file = sf.SoundFile(str(path), "w", sample_rate, 1, "PCM_16", format="WAV")
 
@@ -1928,7 +2039,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:  # bad input: one line. Anything else is a bug and keeps its traceback
-        sys.exit(f"error: {e}")
+    import dualAR  # this file as the module codec.py imports: one UserError class
+    dualAR.cli(dualAR.main)

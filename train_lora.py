@@ -32,7 +32,7 @@ from tqdm import tqdm
 
 import codec
 import dualAR
-from dualAR import UserError
+from dualAR import UserError, write_atomic
 
 SYSTEM_PROMPT = "Speak out the provided text."  # upstream's training system turn
 IGNORE = -100  # label of positions without loss (cross_entropy's ignore_index)
@@ -380,10 +380,6 @@ def up_to_date(item: dict) -> bool:
     return codes is not None and codes.stat().st_mtime >= item["audio"].stat().st_mtime
 
 
-def pick_device(name):
-    return dualAR.user_input(codec.pick_device, name)
-
-
 def join_processes(device: torch.device) -> tuple:
     """-> (rank, number of processes, this process's device). Under torchrun (RANK is set) this joins the
     process group: NCCL with one GPU per process (cuda:LOCAL_RANK), gloo on CPU."""
@@ -409,7 +405,7 @@ def sum_over_processes(values: list, device) -> list:
 def prepare(args):
     """Encode every audio file that has a transcript into <stem>.npy codes next to it, once. Under torchrun
     each process encodes every world-th file."""
-    rank, world, device = join_processes(pick_device(args.device))
+    rank, world, device = join_processes(dualAR.pick_device(args.device))
     data_dir = Path(args.data_dir)
     items = {s: it for s, it in find_items(data_dir).items() if "audio" in it}
     if not items:
@@ -428,10 +424,10 @@ def prepare(args):
     start = time.perf_counter()
     if todo[rank::world]:
         # fp32 on every device, as dualAR encodes references: a clip gets the same codes everywhere
-        dac = dualAR.user_input(codec.load, args.checkpoint, device, torch.float32)
+        dac = codec.load(args.checkpoint, device, torch.float32)
         for item in tqdm(todo[rank::world], desc="encode", unit="file", disable=rank > 0):
-            codes = codec.encode(dac, dualAR.user_input(codec.load_audio, item["audio"]))[0]
-            dualAR.user_input(codec.save_codes, item["audio"].with_suffix(".npy"), codes)
+            codes = codec.encode(dac, codec.load_audio(item["audio"]))[0]
+            codec.save_codes(item["audio"].with_suffix(".npy"), codes)
     if world > 1:
         dist.barrier()
     if rank > 0:
@@ -510,29 +506,6 @@ def validation_loss(model, samples: list, batch_size: int, device, rank=0, world
     model.train()
     base, n, semantic, codes = sum_over_processes(sums, device)
     return base / n + semantic / codes
-
-
-def usual_permissions(path: Path):
-    """safetensors creates files only their owner can read: give them the permissions of any new file."""
-    umask = os.umask(0)
-    os.umask(umask)
-    path.chmod(0o666 & ~umask)
-
-
-WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)  # a full disk: torch.save and safetensors' own
-
-
-def write_atomic(path: Path, write):
-    """Write through a temp file in the same folder: a crash never leaves a half-written file."""
-    tmp = path.with_name(f".{path.name}.part")
-    try:
-        write(tmp)
-        usual_permissions(tmp)
-        os.replace(tmp, path)
-    except WRITE_ERRORS as e:
-        raise UserError(f"cannot write {path}: {getattr(e, 'strerror', None) or e}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def save_lora(path: Path, model: nn.Module):
@@ -723,7 +696,7 @@ def optimizer_step(loss_module, params, optimizer, run: dict, train_set: list, s
 
 
 def train(args):
-    rank, world, device = join_processes(pick_device(args.device))
+    rank, world, device = join_processes(dualAR.pick_device(args.device))
     run, model, params, optimizer, train_set, val_set, step = start_run(args, rank, world, device)
     loss_module = TrainingLoss(model, run["checkpointing"])
     if world > 1:  # only the LoRA parameters require gradients: only they are all-reduced
@@ -796,7 +769,7 @@ def save_hf_weights(state: dict, folder: Path):
         [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
     for file, names in zip(files, shards):
         save_file({dualAR.hf_name(k): state[k] for k in names}, str(folder / file))
-        usual_permissions(folder / file)
+        dualAR.usual_permissions(folder / file)
     if len(shards) > 1:
         weight_map = {dualAR.hf_name(k): file for file, names in zip(files, shards) for k in names}
         index = dict(metadata=dict(total_size=sum(t.nbytes for t in state.values())), weight_map=weight_map)
@@ -837,7 +810,7 @@ def merge(args):
         tmp.mkdir()
         export(model, base, tmp, args.format)
         os.replace(tmp, out)
-    except WRITE_ERRORS as e:
+    except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: torch.save and safetensors
         raise UserError(f"cannot write {out}: {getattr(e, 'strerror', None) or e}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -848,8 +821,8 @@ def merge(args):
 # ----------------------------------------------------------------------------- benchmark
 def bench(args):
     """Training steps/s and peak memory at the real S2-Pro size (or --config) with random weights."""
-    device = pick_device(args.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    device = dualAR.pick_device(args.device)
+    dtype = dualAR.pick_dtype(None, device)
     cfg = dict(dualAR.read_config(Path(args.config)) if args.config else dualAR.CONFIG)
     if args.n_layer:
         cfg["n_layer"] = args.n_layer
@@ -871,7 +844,7 @@ def bench(args):
     for checkpointing in (True, False):
         if device.type == "cuda":
             torch.cuda.empty_cache()
-        codec.reset_peak_memory(device)
+        dualAR.reset_peak_memory(device)
         try:
             for i in range(args.steps + 1):  # the first step warms up
                 if i == 1:
@@ -885,10 +858,11 @@ def bench(args):
             dualAR.synchronize(device)
             rate = args.steps / (time.perf_counter() - start)
             tokens = rate * inputs[:, 0].numel()
-            figures = f"{rate:.3f} steps/s, {tokens:.0f} tokens/s, {codec.peak_memory(device)}"
+            figures = (f"{rate:.3f} steps/s, {tokens:.0f} tokens/s,"
+                       f" peak memory {dualAR.peak_memory_gb(device):.2f} GB")
         except torch.OutOfMemoryError:
             optimizer.zero_grad(set_to_none=True)
-            figures = f"out of memory ({codec.peak_memory(device)})"
+            figures = f"out of memory (peak memory {dualAR.peak_memory_gb(device):.2f} GB)"
         print(f"gradient checkpointing {'on ' if checkpointing else 'off'}: {figures}")
 
 

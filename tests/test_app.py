@@ -870,10 +870,10 @@ def test_device_takes_a_gpu_index():
     with pytest.raises(SystemExit):
         app.parse_args(["--device", "gpu1"])
     if torch.cuda.device_count() < 2:
-        with pytest.raises(ValueError, match="--device cuda"):
-            app.pick_device("cuda:1")
+        with pytest.raises(dualAR.UserError, match="--device cuda"):
+            dualAR.pick_device("cuda:1")
     else:
-        assert app.pick_device("cuda:1") == torch.device("cuda", 1)
+        assert dualAR.pick_device("cuda:1") == torch.device("cuda", 1)
 
 
 # ----------------------------------------------------------------------------- a real browser

@@ -1,0 +1,290 @@
+"""fishfast's benchmark, gpt-fast style: frames/s of the frame step per batch size, the weight bytes it reads
+(GB/s, % of the measured copy bandwidth), prefill tokens/s, time to first audio, peak memory; for a
+quantized model also its logit error and code agreement against the unquantized one. Random weights
+(torch.rand: randn differs between CPUs) at the real size or smaller, or a checkpoint.
+
+    python bench.py --config s2-mid --batch 1,4 --frames 64 --compile --quant int8wo
+    python dualAR.py --bench ...                     # the same, from the main CLI
+"""
+import argparse
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+import codec
+import dualAR
+from dualAR import (CONFIG, CPU_BITS, DEMO_DIMS, DTYPES, QUANT_SCHEMES, RAS_WINDOW, DualAR, Engine,
+                    QuantLinear, batch_bucket, block_scheme, cache_bucket, decode_step, demo_tokenizer,
+                    draw_noise, sample_frame, sampling_params, special_ids, swap_linears)
+
+MID = dict(dim=1024, n_head=16, n_local_heads=4, head_dim=64, intermediate_size=3072)
+MID_B = dict(MID, n_head=8, n_local_heads=2, head_dim=128)  # the real head_dim
+BENCH_CONFIGS = {  # random-weight models: the real size, mid sizes a CPU can run, and a tiny one
+    "s2-pro": CONFIG,
+    "s2-mid": dict(CONFIG, vocab_size=4864, n_layer=12, **MID, **{"fast_" + k: v for k, v in MID.items()}),
+    "s2-mid-b": dict(CONFIG, vocab_size=4864, n_layer=4, n_fast_layer=2, **MID_B,
+                     **{"fast_" + k: v for k, v in MID_B.items()}),
+    "tiny": dict(CONFIG, vocab_size=4864, n_layer=2, n_fast_layer=1, **DEMO_DIMS,
+                 **{"fast_" + k: v for k, v in DEMO_DIMS.items()}),
+}
+BENCH_PROMPT = 256  # prompt tokens before the timed frames
+CODES_FRAMES = 64  # seeded frames a quantized model's codes are compared over
+
+
+def synchronize(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def copy_bandwidth(device, gib=1, repeats=5) -> float:
+    """Measured memory bandwidth in GB/s (read + write of a big copy): the ceiling for decoding."""
+    src = torch.ones(gib * 2**28, device=device)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    synchronize(device)
+    start = time.perf_counter()
+    for _ in range(repeats):
+        dst.copy_(src)
+    synchronize(device)
+    return 2 * src.nbytes * repeats / (time.perf_counter() - start) / 1e9
+
+
+def tensor_bytes(t: Tensor) -> int:
+    """Bytes a tensor holds, also for torchao's quantized tensors (their int data + scales)."""
+    if hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        return sum(tensor_bytes(getattr(t, name)) for name in names)
+    return t.nbytes
+
+
+def frame_bytes(model: DualAR) -> int:
+    """Weight bytes one frame step reads: the slow model and its head window once, the fast model once
+    per codebook (its output head for codebooks 1.. only)."""
+    def size(*modules):
+        return sum(tensor_bytes(p) for m in modules for p in m.parameters())
+    start, stop = model.head_window
+    head = size(model.embeddings) * (stop - start) // model.config["vocab_size"]
+    n = model.config["num_codebooks"]
+    return size(model.layers, model.norm) + head + n * size(model.fast_layers, model.fast_norm) \
+        + (n - 1) * size(model.fast_output)
+
+
+def random_model(config, device, dtype, quant=None) -> DualAR:
+    """A config (or a BENCH_CONFIGS name) with torch.rand weights (randn differs between CPUs), and the
+    demo tokenizer. quant (int8wo, int4wo, CPU): each block quantized as soon as it is drawn, so the
+    unquantized model never exists whole (the real size: 17.6 GB in fp32)."""
+    cfg = BENCH_CONFIGS[config] if isinstance(config, str) else config
+    tokenizer = demo_tokenizer(cfg["codebook_size"])
+    with torch.device("meta"):
+        model = DualAR(dict(cfg, **special_ids(tokenizer)))
+    torch.manual_seed(0)
+    for part in model.children():  # in state-dict order
+        for piece in part if isinstance(part, nn.ModuleList) else [part]:
+            for m in piece.modules():
+                for name, p in m.named_parameters(recurse=False):
+                    weight = ((torch.rand(p.shape, device=device) - 0.5) * 0.1).to(dtype)
+                    setattr(m, name, nn.Parameter(weight, requires_grad=False))
+            if quant:
+                swap_linears(piece, CPU_BITS[block_scheme(quant, part is model.fast_layers, cpu=True)])
+    model.quant = quant
+    model.make_rope()
+    model.tokenizer = tokenizer
+    return model.requires_grad_(False).eval()
+
+
+@torch.inference_mode()
+def time_steps(model: DualAR, batch: int, frames: int) -> tuple:
+    """-> (frame steps per second, seconds of the first call: the compile) of the engine's own step, for
+    `batch` busy rows mid-way through a generation (random numbers drawn per row and frame as in serving,
+    one host sync every `sync_every` frames, end-of-speech ignored)."""
+    device = model.embeddings.weight.device
+    context = cache_bucket(BENCH_PROMPT + frames + 9, model.config)
+    with Engine(model, slots=batch, context=context) as engine:
+        engine.frames[:, 0] = model.config["semantic_begin_id"]
+        engine.pos.fill_(BENCH_PROMPT)
+        engine.live.fill_(1)
+        generators = [torch.Generator(device).manual_seed(i) for i in range(batch)]
+        rows = min(batch_bucket(batch), batch)
+        start = time.perf_counter()
+        engine.run_frames(rows, generators)
+        first = time.perf_counter() - start
+        engine.run_frames(rows, generators)
+        calls = max(1, frames // engine.sync_every)
+        start = time.perf_counter()
+        for _ in range(calls):
+            engine.run_frames(rows, generators)
+        return calls * engine.sync_every / (time.perf_counter() - start), first
+
+
+def bench_prompt(model: DualAR, frames: int = 0) -> Tensor:
+    """A fixed prompt of BENCH_PROMPT semantic positions, in caches of one row with room for `frames` more."""
+    cfg, device = model.config, model.embeddings.weight.device
+    tokens = torch.zeros(1 + cfg["num_codebooks"], BENCH_PROMPT, dtype=torch.long, device=device)
+    tokens[0] = cfg["semantic_begin_id"] + torch.arange(BENCH_PROMPT, device=device) % cfg["codebook_size"]
+    tokens[1:] = torch.arange(BENCH_PROMPT, device=device) % cfg["codebook_size"]
+    model.setup_caches(1, cache_bucket(BENCH_PROMPT + frames + 1, cfg))
+    return tokens
+
+
+@torch.inference_mode()
+def prefill_speed(model: DualAR) -> float:
+    """Prompt tokens per second of one row's prefill."""
+    device, tokens = model.embeddings.weight.device, bench_prompt(model)
+    model.prefill(tokens)
+    synchronize(device)
+    start = time.perf_counter()
+    model.prefill(tokens)
+    synchronize(device)
+    return BENCH_PROMPT / (time.perf_counter() - start)
+
+
+@torch.inference_mode()
+def head_logits(model: DualAR) -> tuple:
+    """Slow logits (sampling window) at the end of a fixed prompt, and the fast logits of every codebook
+    teacher-forced with codes 0: what quantization must not move."""
+    slow, hidden = model.prefill(bench_prompt(model))
+    fast = [model.forward_fast(hidden, 0)]
+    code = torch.zeros(1, dtype=torch.long, device=hidden.device)
+    n = model.config["num_codebooks"]
+    fast += [model.forward_fast(model.fast_embeddings(code), i) for i in range(1, n)]
+    return slow.float(), torch.cat(fast).float()
+
+
+@torch.inference_mode()
+def seeded_frames(model: DualAR, frames: int, forced: Tensor = None) -> Tensor:
+    """`frames` frames (eager, seed 0) after the fixed prompt, each from the previous frame of `forced` if
+    given (teacher forcing: a quantized model judged frame by frame on the reference's history) -> (frames,
+    1 + num_codebooks)."""
+    logits, hidden = model.prefill(bench_prompt(model, frames))
+    p = sampling_params(model, [(0.7, 0.7, 30)])
+    generator = torch.Generator(hidden.device).manual_seed(0)
+    frame = sample_frame(model, logits, hidden, torch.full((1, RAS_WINDOW), -1, device=hidden.device), p,
+                         *draw_noise(model, [generator]))
+    made, window = [frame], torch.zeros(1, RAS_WINDOW, dtype=torch.long, device=hidden.device)
+    for i in range(1, frames):
+        last = made[-1] if forced is None else forced[i - 1: i]
+        window = torch.cat([window[:, 1:], last[:, :1]], dim=1)
+        pos = torch.tensor([BENCH_PROMPT + i - 1], device=hidden.device)
+        made.append(decode_step(model, last, pos, window, p, *draw_noise(model, [generator])))
+    return torch.cat(made)
+
+
+def bench_codec(args, device):
+    """The checkpoint's codec, or the real codec size with random weights (fp32, as the CLI runs it)."""
+    if args.checkpoint and (Path(args.checkpoint) / "codec.pth").is_file():
+        return codec.load(args.checkpoint, device)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return codec.fold_weight_norm(codec.DAC(codec.CONFIG)).requires_grad_(False).eval()
+
+
+BENCH_TEXT = "The quick brown fox jumps over the lazy dog, and the river is calm today."
+
+
+def time_to_first_audio(model: DualAR, dac, frames: int, repeats: int = 3) -> float:
+    """Seconds from a request to its first audio samples at batch 1 (prefill, the first frames, their
+    codec decode), median of `repeats` after one warm-up."""
+    device, times = model.embeddings.weight.device, []
+    for seed in range(repeats + 1):
+        start = time.perf_counter()
+        chunks = dualAR.stream(model, BENCH_TEXT, seed=seed, max_new_tokens=frames, chunk_frames=8)
+        with torch.inference_mode():
+            next(codec.decode_stream(dac, (c[None].to(device) for c in chunks)))
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+        chunks.close()
+    return sorted(times[1:])[repeats // 2]
+
+
+def quant_agreement(model: DualAR, scheme: str):
+    """Quantize `model` and print its logit error and code agreement against itself unquantized."""
+    reference, codes = head_logits(model), seeded_frames(model, CODES_FRAMES)
+    dualAR.quantize(model, scheme)
+    for part, ref, got in zip(("slow", "fast"), reference, head_logits(model), strict=True):
+        error = ((got - ref).abs().max() / ref.abs().max()).item()
+        same = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        print(f"{scheme} {part} logits vs unquantized: max error {100 * error:.2f} % of the largest"
+              f" logit, same argmax {100 * same:.0f} %")
+    same = (seeded_frames(model, CODES_FRAMES, codes) == codes).all(-1).float().mean().item()
+    print(f"{scheme}: {100 * same:.0f} % of {CODES_FRAMES} seeded frames (eager, each from the"
+          f" unquantized model's previous frame) have all the unquantized model's codes")
+
+
+def bench(args):
+    device = dualAR.pick_device(args.device)
+    dtype = dualAR.pick_dtype(args.dtype, device)
+    compiled = device.type == "cuda" if args.compile is None else args.compile  # CPU: minutes (README)
+    quant = args.quant if args.quant != "none" else None
+    dualAR.check_quant(quant, device, dtype)
+    if args.checkpoint:
+        model, name = dualAR.load(args.checkpoint, device, dtype), Path(args.checkpoint).name
+    else:
+        # the real size quantized on CPU: drawn block by block, there is no unquantized model to compare with
+        direct = device.type == "cpu" and quant in CPU_BITS and args.config == "s2-pro"
+        model, name = random_model(args.config, device, dtype, quant if direct else None), args.config
+    if quant and not model.quant:
+        quant_agreement(model, quant)
+    if compiled:
+        dualAR.compile_model(model, args.compile_cache)
+    n_params = sum(m.in_features * m.out_features if isinstance(m, QuantLinear) else
+                   sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()) / 1e9
+    built, per_frame, bandwidth = dualAR.peak_memory_gb(device), frame_bytes(model), copy_bandwidth(device)
+    dualAR.reset_peak_memory(device)  # peak_mem_gb: the model as it runs, not as it was built (or the copy)
+    prefill = prefill_speed(model)
+    print(f"{name}: {n_params:.2f} G params, {per_frame / 1e9:.2f} GB read per frame step, {dtype}, {device}"
+          f" ({torch.get_num_threads()} threads), quant {quant or 'none'}, compile {int(compiled)},"
+          f" measured copy bandwidth {bandwidth:.1f} GB/s, prefill {prefill:.0f} tokens/s, peak memory"
+          f" {built:.2f} GB until here")
+    print(f"{'batch':>5} {'frames/s':>9} {'GB/s':>7} {'% bw':>5} {'RTF':>6} {'compile s':>9}")
+    seconds_per_frame = codec.hop_length() / codec.CONFIG["sample_rate"]
+    short = next(k for k, v in DTYPES.items() if v == dtype)
+    for batch in args.batch:
+        steps, first = time_steps(model, batch, args.frames)
+        gbs, fps = per_frame * steps / 1e9, batch * steps
+        print(f"{batch:>5} {fps:>9.2f} {gbs:>7.1f} {100 * gbs / bandwidth:>5.0f}"
+              f" {1 / steps / seconds_per_frame:>6.2f} {first:>9.1f}")
+        print(f"bench config={name} quant={quant or 'none'} compile={int(compiled)} batch={batch}"
+              f" device={device.type} dtype={short} frames_per_s={fps:.2f} gb_per_s={gbs:.1f}"
+              f" bandwidth_pct={100 * gbs / bandwidth:.0f} prefill_tokens_per_s={prefill:.0f}"
+              f" peak_mem_gb={dualAR.peak_memory_gb(device):.2f} compile_s={first if compiled else 0:.1f}")
+    if args.ttfa:
+        ttfa = time_to_first_audio(model, bench_codec(args, device), args.frames)
+        prompt = dualAR.build_prompt(model, [], [], BENCH_TEXT).size(1)
+        print(f"time to first audio at batch 1 (prefill {prompt} tokens + first frames + their codec"
+              f" decode): {1000 * ttfa:.0f} ms")
+        print(f"bench ttfa_ms={1000 * ttfa:.0f} prompt_tokens={prompt}")
+
+
+def batch_sizes(text: str) -> list:
+    sizes = [int(b) for b in text.split(",")]
+    if not sizes or min(sizes) < 1:
+        raise ValueError(text)
+    return sizes
+
+
+def main(argv=None):
+    ap = codec.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--checkpoint", help="time this checkpoint instead of random weights")
+    ap.add_argument("--config", choices=list(BENCH_CONFIGS), default="s2-pro",
+                    help="random-weight model size (default s2-pro, the real dimensions)")
+    ap.add_argument("--batch", type=batch_sizes, default=[1], help="batch sizes, e.g. 1,4,16 (default 1)")
+    ap.add_argument("--frames", type=int, default=16, help="timed frame steps (default 16)")
+    ap.add_argument("--ttfa", action="store_true", help="also time to first audio at batch 1 (prefill,"
+                    " first frames, their codec decode at the real codec size, random weights)")
+    ap.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: cuda > mps > cpu")
+    ap.add_argument("--dtype", choices=list(DTYPES), help="default bf16 on CUDA, fp32 elsewhere")
+    ap.add_argument("--quant", choices=QUANT_SCHEMES, help="as dualAR.py --quant; also prints the logit"
+                    " error and code agreement against the unquantized model")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                    help="the compiled frame step (default: on for CUDA, off on CPU)")
+    ap.add_argument("--compile-cache", help="folder that keeps compiled kernels (as dualAR.py)")
+    bench(ap.parse_args(argv))
+
+
+if __name__ == "__main__":
+    dualAR.cli(main)

@@ -12,11 +12,9 @@ import functools
 import json
 import math
 import os
-import queue
 import re
 import resource
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -243,7 +241,7 @@ def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
 
 
 class KVCache(nn.Module):
-    """Static K/V buffers (batch, kv heads, seq_len, head_dim). Row b of the batch belongs to one request."""
+    """Static K/V buffers (rows, kv heads, positions, head_dim). Row b of the batch belongs to one request."""
 
     def __init__(self, batch: int, seq_len: int, n_heads: int, head_dim: int, dtype, device):
         super().__init__()
@@ -251,8 +249,30 @@ class KVCache(nn.Module):
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
 
+    def fill(self, row: int, k: Tensor, v: Tensor):
+        """A prefill: k, v (1, KV, S, D) at positions 0..S-1 of one row."""
+        self.k_cache[row, :, : k.size(2)] = k[0]
+        self.v_cache[row, :, : v.size(2)] = v[0]
+
+    def update(self, pos: Tensor, k: Tensor, v: Tensor) -> tuple:
+        """k, v (B, KV, 1, D) of rows 0..B-1, row b at position pos[b] -> those rows' keys and values."""
+        rows = torch.arange(k.size(0), device=k.device)
+        self.k_cache[rows, :, pos] = k[:, :, 0]
+        self.v_cache[rows, :, pos] = v[:, :, 0]
+        return self.k_cache[: k.size(0)], self.v_cache[: k.size(0)]
+
+    def update_all(self, i: int, k: Tensor, v: Tensor) -> tuple:
+        """k, v (B, KV, 1, D) of rows 0..B-1, all at position i -> their keys and values at 0..i."""
+        self.k_cache[: k.size(0), :, i] = k[:, :, 0]
+        self.v_cache[: k.size(0), :, i] = v[:, :, 0]
+        return self.k_cache[: k.size(0), :, : i + 1], self.v_cache[: k.size(0), :, : i + 1]
+
 
 class Attention(nn.Module):
+    """Grouped-query attention, four ways: `forward` (causal within x, no cache: training), `prefill` (the
+    same, keeping k and v in a cache row), `decode` (one step per row at its own position: the slow
+    model's frames), `codebook` (every row at one position: the fast model's codebooks)."""
+
     def __init__(self, c: dict):
         super().__init__()
         self.n_head, self.n_kv, self.head_dim = c["n_head"], c["n_local_heads"], c["head_dim"]
@@ -263,10 +283,10 @@ class Attention(nn.Module):
         if self.qk_norm:  # torch's own RMSNorm, per head, before RoPE (as upstream)
             self.q_norm = nn.RMSNorm(self.head_dim, c["norm_eps"])
             self.k_norm = nn.RMSNorm(self.head_dim, c["norm_eps"])
+        self.gqa = self.n_head != self.n_kv  # query head h uses kv head h // (n_head // n_kv), as upstream
         self.kv_cache = None
-        self.flex = False  # flex-decoding: set by `compile_model` (eager flex_attention is slow)
 
-    def project(self, x: Tensor, rope: Tensor):
+    def project(self, x: Tensor, rope: Tensor) -> tuple:
         """x (B, S, dim) -> q (B, H, S, D), k and v (B, KV, S, D), normed and rotated."""
         B, S, _ = x.shape
         q_dim, kv_dim = self.n_head * self.head_dim, self.n_kv * self.head_dim
@@ -279,41 +299,36 @@ class Attention(nn.Module):
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
-    def forward(self, x: Tensor, rope: Tensor, pos=None, row: int = None) -> Tensor:
-        """x (B, S, dim). `pos` says how to attend:
-        None: causal attention within x from position 0 (training, or a prefill into cache row `row`).
-        int: every row at this one position, over cache positions 0..pos (the fast model's codebooks).
-        Tensor (B,): one step per row, each at its own position over its own cache (the slow model's frames).
-        """
-        B, S, _ = x.shape
+    def out(self, y: Tensor) -> Tensor:  # (B, H, S, D) -> (B, S, dim)
+        return self.wo(y.transpose(1, 2).flatten(2))
+
+    def forward(self, x: Tensor, rope: Tensor) -> Tensor:
         q, k, v = self.project(x, rope)
-        gqa = self.n_head != self.n_kv  # query head h uses kv head h // (n_head // n_kv), as upstream
-        cache = self.kv_cache
-        if pos is None:
-            if row is not None:
-                cache.k_cache[row, :, :S] = k[0]
-                cache.v_cache[row, :, :S] = v[0]
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        elif isinstance(pos, int):
-            cache.k_cache[:B, :, pos] = k[:, :, 0]
-            cache.v_cache[:B, :, pos] = v[:, :, 0]
-            keys, values = cache.k_cache[:B, :, : pos + 1], cache.v_cache[:B, :, : pos + 1]
-            y = F.scaled_dot_product_attention(q, keys, values, enable_gqa=gqa)
-        else:
-            rows = torch.arange(B, device=x.device)  # the first B rows of the cache (see batch_bucket)
-            cache.k_cache[rows, :, pos] = k[:, :, 0]
-            cache.v_cache[rows, :, pos] = v[:, :, 0]
-            y = decode_attention(q, cache.k_cache[:B], cache.v_cache[:B], pos, self.flex)
-        return self.wo(y.transpose(1, 2).reshape(B, S, -1))
+        return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa))
+
+    def prefill(self, x: Tensor, rope: Tensor, row: int) -> Tensor:
+        q, k, v = self.project(x, rope)
+        self.kv_cache.fill(row, k, v)
+        return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa))
+
+    def decode(self, x: Tensor, rope: Tensor, pos: Tensor) -> Tensor:
+        q, k, v = self.project(x, rope)
+        return self.out(decode_attention(q, *self.kv_cache.update(pos, k, v), pos))
+
+    def codebook(self, x: Tensor, rope: Tensor, i: int) -> Tensor:
+        q, k, v = self.project(x, rope)
+        keys, values = self.kv_cache.update_all(i, k, v)
+        return self.out(F.scaled_dot_product_attention(q, keys, values, enable_gqa=self.gqa))
 
 
 FLEX_BLOCK = 128  # cache positions per flex-attention block
 
 
-def decode_attention(q: Tensor, keys: Tensor, values: Tensor, pos: Tensor, flex: bool) -> Tensor:
-    """q (B, H, 1, D) of row b at position pos[b] over keys/values (B, KV, S, D) at positions <= pos[b]."""
+def decode_attention(q: Tensor, keys: Tensor, values: Tensor, pos: Tensor) -> Tensor:
+    """q (B, H, 1, D) of row b at position pos[b] over keys/values (B, KV, S, D) at positions <= pos[b].
+    Flex-decoding inside a compiled step (eager flex_attention is slow), SDPA with a mask elsewhere."""
     B, S = q.size(0), keys.size(2)
-    if not flex:
+    if not torch.compiler.is_compiling():
         mask = torch.arange(S, device=q.device) <= pos[:, None]
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask[:, None, None],
                                               enable_gqa=q.size(1) != keys.size(1))
@@ -344,8 +359,9 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(c["dim"], c["norm_eps"])
         self.ffn_norm = RMSNorm(c["dim"], c["norm_eps"])
 
-    def forward(self, x: Tensor, rope: Tensor, pos=None, row: int = None) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, pos, row)
+    def forward(self, x: Tensor, rope: Tensor, attend: str = "forward", *where) -> Tensor:
+        """attend: the Attention method (forward, prefill, decode, codebook), `where` its row/positions."""
+        h = x + getattr(self.attention, attend)(self.attention_norm(x), rope, *where)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -476,7 +492,7 @@ class DualAR(nn.Module):
         x = self.embed(tokens[None])
         rope = self.rope[: tokens.size(1)]
         for layer in self.layers:
-            x = layer(x, rope, None, row)
+            x = layer(x, rope, "prefill", row)
         return self.head(x[:, -1], full)
 
     def forward_slow(self, frames: Tensor, pos: Tensor, full: bool = False):
@@ -484,7 +500,7 @@ class DualAR(nn.Module):
         x = self.embed(frames[:, :, None])
         rope = self.rope[pos][:, None]  # (B, 1, head_dim / 2, 2): each row at its own position
         for layer in self.layers:
-            x = layer(x, rope, pos)
+            x = layer(x, rope, "decode", pos)
         return self.head(x[:, -1], full)
 
     def forward_fast(self, x: Tensor, i: int, logits: bool = True):
@@ -492,7 +508,7 @@ class DualAR(nn.Module):
         x = x[:, None]
         rope = self.fast_rope[i: i + 1]
         for layer in self.fast_layers:
-            x = layer(x, rope, i)
+            x = layer(x, rope, "codebook", i)
         return self.fast_output(self.fast_norm(x[:, 0])) if logits else None
 
 
@@ -611,10 +627,10 @@ def load(checkpoint, device="cpu", dtype=torch.float32, quant=None, compile=Fals
     load_weights(model, ckpt, device, dtype)
     model.make_rope()
     model.tokenizer = tokenizer
-    return prepare(model.requires_grad_(False).eval(), quant, compile, compile_cache)
+    return optimize(model.requires_grad_(False).eval(), quant, compile, compile_cache)
 
 
-def prepare(model: DualAR, quant=None, compile=False, compile_cache=None) -> DualAR:
+def optimize(model: DualAR, quant=None, compile=False, compile_cache=None) -> DualAR:
     """Quantize and/or compile a loaded model."""
     if quant and quant != "none":
         quantize(model, quant)
@@ -747,8 +763,6 @@ def compile_model(model: DualAR, cache=None, backend="inductor", step=None):
     if cache is not None or "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache or default_compile_cache()).expanduser())
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_GUARD)
-    for layer in model.layers:
-        layer.attention.flex = True
     # the head's rows as a tensor of their own (a slice of the embedding table is a view into it)
     model.register_buffer("head_rows", model.head_weight[slice(*model.head_window)].clone(),
                           persistent=False)
@@ -960,8 +974,9 @@ def check_request(model: DualAR, text: str, references: list):
             raise UserError(f"reference {i} codes are not integer codes in [0, {cfg['codebook_size']})")
 # ----------------------------------------------------------------------------- requests
 class Request:
-    """One request: its text batches, sampling parameters, random stream, row, and the frames made.
-    Iterating it yields its codes chunks (num_codebooks, n) as the engine makes them."""
+    """One request: its text batches, sampling parameters, random stream, row, and what it has made:
+    `chunks`, codes (num_codebooks, n) each, grows as the engine works (the one record of its codes).
+    Iterating it yields them as they come, waiting while an engine thread works; `codes()` joins them."""
 
     def __init__(self, model: DualAR, text: str, references=(), seed=None, temperature=0.7, top_p=0.7,
                  top_k=30, max_new_tokens=0, chunk_length=300, chunk_frames=CHUNK_FRAMES, max_context=None):
@@ -980,8 +995,8 @@ class Request:
         device = model.embeddings.weight.device
         self.generator = torch.Generator(device).manual_seed(seed)
         self.prompt = self.next_prompt()  # a prompt that cannot fit fails here, before any work
-        self.frames, self.raw_frames, self.pending, self.chunks, self.row = [], [], [], 0, None
-        self.out, self.done, self.cancelled, self.result = queue.SimpleQueue(), False, False, None
+        self.batch_frames, self.raw_frames, self.pending, self.chunks, self.row = [], [], [], [], None
+        self.done, self.cancelled, self.error, self.changed = False, False, None, threading.Condition()
         self.submitted, self.first_audio = time.perf_counter(), None
         self.prefill_tokens, self.prefill_seconds = 0, 0.0
 
@@ -1001,80 +1016,79 @@ class Request:
     def add_frame(self, frame: Tensor) -> bool:
         """Record one frame (1 + num_codebooks,) -> whether this text batch is over. Every frame but the
         last of each batch is speech (upstream drops the last): hold one back, hand out the rest."""
-        self.frames.append(frame)
-        over = frame[0] == self.model.config["im_end_id"] and len(self.frames) > 1  # not the prefill frame
-        over = over or len(self.frames) >= self.frame_budget()
-        if len(self.frames) > 1:
-            self.pending.append(self.frames[-2][1:])
+        frames = self.batch_frames
+        frames.append(frame)
+        over = frame[0] == self.model.config["im_end_id"] and len(frames) > 1  # not the prefill frame
+        over = over or len(frames) >= self.frame_budget()
+        if len(frames) > 1:
+            self.pending.append(frames[-2][1:])
         size = self.chunk_frames if self.chunks else 1  # the first chunk at once: time to first audio
         if len(self.pending) >= size or (over and self.pending):
-            self.out.put(torch.stack(self.pending, dim=1))
-            self.chunks, self.pending = self.chunks + 1, []
+            with self.changed:
+                self.chunks.append(torch.stack(self.pending, dim=1))
+                self.changed.notify_all()
+            self.pending = []
         return over
 
     def end_batch(self) -> bool:
         """Close the current text batch -> whether the request has another one to speak."""
-        frames = torch.stack(self.frames, dim=1)
+        frames = torch.stack(self.batch_frames, dim=1)
         self.raw_frames.append(frames)  # kept for inspection: upstream's generate() output per batch
         self.history.append((self.texts[len(self.history)], frames[1:, :-1]))
-        self.frames = []
+        self.batch_frames = []
         if len(self.history) < len(self.texts):
             self.prompt = self.next_prompt()
             return True
         return False
 
-    def finish(self, error=None):
-        self.done = True
-        self.out.put(error)  # None ends the iteration, an exception is raised to the reader
+    def finish(self, error: Exception = None):
+        """The request is over (an error is raised to its reader)."""
+        with self.changed:
+            self.done, self.error = True, self.error or error
+            self.changed.notify_all()
 
     def cancel(self):
         """Stop this request: its row is freed before the next frame."""
         self.cancelled = True
 
     def __iter__(self):
-        """Codes chunks as they are made (blocks while the engine works in its thread)."""
-        while (item := self.out.get()) is not None:
-            if isinstance(item, Exception):
-                raise item
-            yield item
-
-    def ready(self):
-        """The chunks made so far, without waiting (for callers that run the engine themselves)."""
-        while not self.out.empty() and (item := self.out.get()) is not None:
-            if isinstance(item, Exception):
-                raise item
-            yield item
+        """Codes chunks as they are made (waits while an engine thread works)."""
+        n = 0
+        while True:
+            with self.changed:
+                self.changed.wait_for(lambda: self.done or len(self.chunks) > n)
+                new, done = self.chunks[n:], self.done
+            yield from new
+            n += len(new)
+            if done:
+                if self.error:
+                    raise self.error
+                return
 
     def codes(self) -> Tensor:
-        """Every chunk, concatenated (waits for the end): (num_codebooks, frames)."""
-        if self.result is None:
-            self.result = join_chunks(self.model, list(self))
-        return self.result
+        """Every chunk, joined (waits for the end): (num_codebooks, frames)."""
+        chunks = list(self)
+        return torch.cat(chunks, 1) if chunks else torch.zeros(self.model.config["num_codebooks"], 0,
+                                                                 dtype=torch.long)
 
 
 # ----------------------------------------------------------------------------- engine
-class Engine:
-    """`slots` rows of KV cache and one (compiled) frame step for all of them. Requests are admitted into
-    free rows between two frames, prefilled alone, then join the batched step. They leave when they end.
-    Each row samples with its own parameters and random stream, so its codes do not depend on the others.
-    A frame runs only the first `batch_bucket` rows that hold every busy row; a free row stays at
-    position 0 (its attention reads one cache block).
+class Scheduler:
+    """`slots` rows of KV cache and one (compiled) frame step for all of them, run synchronously: `add`
+    requests, then `step()` until `busy` is false (nano-vllm's shape: step = admit -> run -> hand out).
+    Requests are admitted into free rows between two frames, prefilled alone, then join the batched step;
+    they leave when they end. Each row samples with its own parameters and random stream, so its codes do
+    not depend on the others. A frame runs only the first `batch_bucket` rows that hold every busy row; a
+    free row stays at position 0 (its attention reads one cache block). One scheduler owns a model's KV
+    caches at a time: another one is refused while this one is live."""
 
-    Synchronous use: `add` requests, call `step()` until `busy` is false (what `generate_many` does).
-    Threaded use: `start()`, then `submit()` from any thread and iterate the returned request, then `close()`.
-    One engine owns a model's KV caches at a time: another one is refused while this one is live.
-    """
-
-    def __init__(self, model: DualAR, slots: int = 1, context: int = None, max_queue: int = 64,
-                 sync_every: int = None):
+    def __init__(self, model: DualAR, slots: int = 1, context: int = None, sync_every: int = None):
         cfg, device = model.config, model.embeddings.weight.device
-        self.model, self.slots, self.max_queue = model, slots, max_queue
+        self.model, self.slots, self.fixed_context = model, slots, context
         # frames made on the device before the host reads them: on CUDA the GPU then never waits for Python
         self.sync_every = sync_every or (4 if device.type == "cuda" else 1)
-        self.fixed_context = context
-        self.rows, self.waiting = [None] * slots, collections.deque()
-        self.thread, self.closed = None, False
-        self.lock, self.wake = threading.Lock(), threading.Event()
+        self.rows, self.waiting, self.closed = [None] * slots, collections.deque(), False
+        self.lock = threading.Lock()  # `waiting` is shared with the threads that submit (Engine)
         self.claim()
         # inference tensors, as the caches: made outside inference mode, the compiled step would see
         # tensors of another kind (another dispatch key) and compile again
@@ -1082,9 +1096,9 @@ class Engine:
             self.frames = torch.zeros(slots, 1 + cfg["num_codebooks"], dtype=torch.long, device=device)
             self.pos = torch.zeros(slots, dtype=torch.long, device=device)
             self.live = torch.zeros(slots, dtype=torch.long, device=device)  # 1: the row holds a request
-            self.window = torch.zeros(slots, RAS_WINDOW, dtype=torch.long, device=device)
+            self.recent = torch.zeros(slots, RAS_WINDOW, dtype=torch.long, device=device)  # RAS: last tokens
             self.params = sampling_params(model, [(0.7, 0.7, 30)] * slots)
-            self.made = torch.zeros(self.sync_every, *self.frames.shape, dtype=torch.long, device=device)
+            self.outputs = torch.zeros(self.sync_every, *self.frames.shape, dtype=torch.long, device=device)
             self.uniform = torch.empty(slots, 2 * cfg["vocab_size"] + (cfg["num_codebooks"] - 1)
                                        * cfg["codebook_size"], device=device)
         self.decode = model.compiled_step or functools.partial(decode_step, model)
@@ -1093,21 +1107,15 @@ class Engine:
     def busy(self) -> bool:
         return any(self.rows) or bool(self.waiting)
 
-    @property
     def live_engine(self) -> bool:
-        """Holding requests or serving from its thread: its rows' KV cache must stay as it is."""
-        return self.busy or (self.thread is not None and not self.closed)
-
-    @property
-    def owner(self):
-        """The engine that has the model's KV caches, if it still exists."""
-        return self.model.engine and self.model.engine()
+        """Whether its rows' KV cache must stay as it is."""
+        return self.busy
 
     @torch.inference_mode()
     def claim(self):
-        """Take the model's KV caches (sized for this engine's rows), unless another live engine has them."""
-        owner = self.owner
-        if owner is not None and owner is not self and owner.live_engine:
+        """Take the model's KV caches (sized for these rows), unless another live engine has them."""
+        owner = self.model.engine and self.model.engine()
+        if owner is not None and owner is not self and owner.live_engine():
             raise RuntimeError("this model's KV caches belong to another live Engine: close it (or let it"
                                " finish) first, or submit to it")
         self.model.engine = weakref.ref(self)
@@ -1116,128 +1124,10 @@ class Engine:
     def add(self, request: Request) -> Request:
         if self.closed:
             raise EngineClosed("the engine was closed")
-        with self.lock:
-            for gone in [r for r in self.waiting if r.cancelled]:  # hung up while waiting: no room taken
-                self.waiting.remove(gone)
-                gone.finish()
-            if not self.busy and self.owner is not self:
-                self.claim()
-            self.check_room()
-            self.waiting.append(request)
-        self.wake.set()
+        if not self.busy and not (self.model.engine and self.model.engine() is self):
+            self.claim()
+        self.waiting.append(request)
         return request
-
-    def queued(self) -> int:
-        """Requests waiting for a slot (not those cancelled meanwhile)."""
-        return sum(not r.cancelled for r in list(self.waiting))
-
-    def check_room(self):
-        """QueueFull if a new request could neither take a free row nor wait for one (a server asks before
-        costly work). max_queue 0: no waiting room, a free row still takes a request."""
-        free = sum(r is None for r in self.rows)
-        if self.queued() >= self.max_queue + free:
-            raise QueueFull(f"{self.max_queue} requests are waiting already: try again later")
-
-    def stats(self) -> dict:
-        busy = sum(r is not None for r in self.rows)
-        return dict(slots=self.slots, busy=busy, free=self.slots - busy, queued=self.queued())
-
-    def prefill(self, row: int, request: Request):
-        """Prompt of the request's current text batch into `row`, and its first frame (no repetition window,
-        as upstream: the window starts empty after the prefill frame)."""
-        model, prompt = self.model, request.prompt
-        self.ensure_context(prompt.size(1) + request.frame_budget())
-        start = time.perf_counter()
-        logits, hidden = model.prefill(prompt.to(self.pos.device), row)
-        params = sampling_params(model, [request.sampling])
-        slow_noise, fast_noise = draw_noise(model, [request.generator])
-        no_window = torch.full_like(self.window[:1], -1)
-        frame = sample_frame(model, logits, hidden, no_window, params, slow_noise, fast_noise)
-        for key in ("temperature", "top_p", "top_k"):
-            self.params[key][row] = params[key][0]
-        self.frames[row], self.pos[row], self.live[row] = frame[0], prompt.size(1), 1
-        self.window[row] = 0
-        self.rows[row], request.row = request, row
-        request.prefill_tokens += prompt.size(1)
-        request.prefill_seconds += time.perf_counter() - start
-        self.collect(row, frame[0].cpu())
-
-    def ensure_context(self, needed: int):
-        """Grow the KV caches (keeping their contents) when a row needs more positions than they hold."""
-        if needed <= self.model.cache_len:
-            return
-        if self.fixed_context:
-            raise UserError(f"this request needs {needed} positions, the engine's context is"
-                            f" {self.fixed_context}: use shorter text, references or max_new_tokens")
-        self.model.setup_caches(self.slots, cache_bucket(needed, self.model.config))
-
-    def admit(self):
-        for row in range(self.slots):
-            if self.rows[row] is not None:
-                continue
-            with self.lock:
-                request = self.waiting.popleft() if self.waiting else None
-            if request is None:
-                return
-            if request.cancelled:
-                request.finish()
-                continue
-            try:
-                self.prefill(row, request)
-            except Exception as e:
-                self.drop(row, request, e)
-
-    def free(self, row: int):
-        """The row holds no request: back to position 0, where its frames read one cache block."""
-        self.rows[row] = None
-        self.pos[row], self.live[row] = 0, 0
-
-    def drop(self, row: int, request: Request, error: Exception):
-        """End a request whose prefill failed, on bad input or a bug: the other rows go on."""
-        self.free(row)
-        if not isinstance(error, UserError):
-            traceback.print_exc()
-            error = RuntimeError(f"generation failed: {type(error).__name__}: {error}")
-        request.finish(error)
-
-    def collect(self, row: int, frame: Tensor, rewind=None) -> bool:
-        """Hand a new frame to the row's request -> whether its text batch ended, then start its next
-        batch (after rewinding its generator to `rewind`, the state before the frames it will not use)
-        or retire it."""
-        request = self.rows[row]
-        if not request.add_frame(frame):
-            return False
-        self.free(row)
-        if rewind is not None:
-            request.generator.set_state(rewind)
-        try:
-            if request.end_batch():
-                self.prefill(row, request)
-                return True
-        except Exception as e:
-            self.drop(row, request, e)
-            return True
-        request.finish()
-        return True
-
-    @torch.inference_mode()
-    def run_frames(self, n: int, generators: list) -> tuple:
-        """`sync_every` frames for rows 0..n-1 (generators: each row's, None for a free row) -> the frames
-        (sync_every, slots, 1 + num_codebooks) on the host (one sync), and each row's generator state
-        before each frame (a text batch that ends early rewinds to it)."""
-        states = []
-        rows = {k: v if k == "bias" else v[:n] for k, v in self.params.items()}
-        for i in range(self.sync_every):
-            if self.sync_every > 1:
-                states.append([g and g.get_state() for g in generators])
-            slow_noise, fast_noise = draw_noise(self.model, generators, self.uniform[:n])
-            frames = self.decode(self.frames[:n], self.pos[:n], self.window[:n], rows, slow_noise, fast_noise)
-            self.frames[:n] = frames
-            self.made[i, :n] = frames  # a CUDA graph overwrites its output at the next replay
-            self.pos[:n] += self.live[:n]
-            self.pos.clamp_(max=self.model.cache_len - 1)  # a row that ended within these frames runs on
-            self.window[:n] = torch.cat([self.window[:n, 1:], frames[:, :1]], dim=1)
-        return self.made.to("cpu", copy=True), states
 
     @torch.inference_mode()
     def step(self):
@@ -1262,19 +1152,140 @@ class Engine:
         while self.busy:
             self.step()
 
+    def admit(self):
+        for row in range(self.slots):
+            if self.rows[row] is not None:
+                continue
+            with self.lock:
+                request = self.waiting.popleft() if self.waiting else None
+            if request is None:
+                return
+            if request.cancelled:
+                request.finish()
+                continue
+            try:
+                self.prefill(row, request)
+            except Exception as e:
+                self.drop(row, request, e)
+
+    def prefill(self, row: int, request: Request):
+        """Prompt of the request's current text batch into `row`, and its first frame (no repetition window,
+        as upstream: the window starts empty after the prefill frame)."""
+        model, prompt = self.model, request.prompt
+        self.ensure_context(prompt.size(1) + request.frame_budget())
+        start = time.perf_counter()
+        logits, hidden = model.prefill(prompt.to(self.pos.device), row)
+        params = sampling_params(model, [request.sampling])
+        slow_noise, fast_noise = draw_noise(model, [request.generator])
+        no_window = torch.full_like(self.recent[:1], -1)
+        frame = sample_frame(model, logits, hidden, no_window, params, slow_noise, fast_noise)
+        for key in ("temperature", "top_p", "top_k"):
+            self.params[key][row] = params[key][0]
+        self.frames[row], self.pos[row], self.live[row] = frame[0], prompt.size(1), 1
+        self.recent[row] = 0
+        self.rows[row], request.row = request, row
+        request.prefill_tokens += prompt.size(1)
+        request.prefill_seconds += time.perf_counter() - start
+        self.collect(row, frame[0].cpu())
+
+    def ensure_context(self, needed: int):
+        """Grow the KV caches (keeping their contents) when a row needs more positions than they hold."""
+        if needed <= self.model.cache_len:
+            return
+        if self.fixed_context:
+            raise UserError(f"this request needs {needed} positions, the engine's context is"
+                            f" {self.fixed_context}: use shorter text, references or max_new_tokens")
+        self.model.setup_caches(self.slots, cache_bucket(needed, self.model.config))
+
+    @torch.inference_mode()
+    def run_frames(self, n: int, generators: list) -> tuple:
+        """`sync_every` frames for rows 0..n-1 (generators: each row's, None for a free row) -> the frames
+        (sync_every, slots, 1 + num_codebooks) on the host (one sync), and each row's generator state
+        before each frame (a text batch that ends early rewinds to it)."""
+        states = []
+        rows = {k: v if k == "bias" else v[:n] for k, v in self.params.items()}
+        for i in range(self.sync_every):
+            if self.sync_every > 1:
+                states.append([g and g.get_state() for g in generators])
+            slow_noise, fast_noise = draw_noise(self.model, generators, self.uniform[:n])
+            frames = self.decode(self.frames[:n], self.pos[:n], self.recent[:n], rows, slow_noise, fast_noise)
+            self.frames[:n] = frames
+            self.outputs[i, :n] = frames  # a CUDA graph overwrites its output at the next replay
+            self.pos[:n] += self.live[:n]
+            self.pos.clamp_(max=self.model.cache_len - 1)  # a row that ended within these frames runs on
+            self.recent[:n] = torch.cat([self.recent[:n, 1:], frames[:, :1]], dim=1)
+        return self.outputs.to("cpu", copy=True), states
+
+    def collect(self, row: int, frame: Tensor, rewind=None) -> bool:
+        """Hand a new frame to the row's request -> whether its text batch ended, then start its next
+        batch (after rewinding its generator to `rewind`, the state before the frames it will not use)
+        or retire it."""
+        request = self.rows[row]
+        if not request.add_frame(frame):
+            return False
+        self.free(row)
+        if rewind is not None:
+            request.generator.set_state(rewind)
+        try:
+            if request.end_batch():
+                self.prefill(row, request)
+                return True
+        except Exception as e:
+            self.drop(row, request, e)
+            return True
+        request.finish()
+        return True
+
+    def free(self, row: int):
+        """The row holds no request: back to position 0, where its frames read one cache block."""
+        self.rows[row] = None
+        self.pos[row], self.live[row] = 0, 0
+
+    def drop(self, row: int, request: Request, error: Exception):
+        """End a request whose prefill failed, on bad input or a bug: the other rows go on."""
+        self.free(row)
+        if not isinstance(error, UserError):
+            traceback.print_exc()
+            error = RuntimeError(f"generation failed: {type(error).__name__}: {error}")
+        request.finish(error)
+
     def warm_up(self, report=None):
         """Compile (on CUDA also record) the frame step for every row count this engine runs, before the
         first request pays for it. report(rows, seconds) after each."""
         calls = 2 if self.pos.device.type == "cuda" else 1  # CUDA graphs: one warm-up run, then recorded
-        with torch.inference_mode():
-            for n in sorted({min(batch_bucket(r), self.slots) for r in range(1, self.slots + 1)}):
-                start = time.perf_counter()
-                for _ in range(calls):
-                    self.run_frames(n, [None] * n)  # free rows: position 0, nothing kept
-                if report:
-                    report(n, time.perf_counter() - start)
+        for n in sorted({min(batch_bucket(r), self.slots) for r in range(1, self.slots + 1)}):
+            start = time.perf_counter()
+            for _ in range(calls):
+                self.run_frames(n, [None] * n)  # free rows: position 0, nothing kept
+            if report:
+                report(n, time.perf_counter() - start)
 
-    # threaded use
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self):
+        self.closed = True
+        for request in [*self.rows, *self.waiting]:
+            if request is not None and not request.done:
+                request.finish(EngineClosed("the engine was closed"))
+        self.rows, self.waiting = [None] * self.slots, collections.deque()
+
+
+class Engine(Scheduler):
+    """A Scheduler driven by its own thread: `start()`, then `submit()` from any thread and iterate the
+    returned request; `close()` at the end. `max_queue` requests may wait for a row (QueueFull beyond)."""
+
+    def __init__(self, model: DualAR, slots: int = 1, context: int = None, max_queue: int = 64,
+                 sync_every: int = None):
+        super().__init__(model, slots, context, sync_every)
+        self.max_queue, self.thread, self.wake = max_queue, None, threading.Event()
+
+    def live_engine(self) -> bool:
+        return self.busy or (self.thread is not None and not self.closed)
+
     def start(self) -> "Engine":
         if self.closed:
             raise EngineClosed("the engine was closed")
@@ -1285,10 +1296,35 @@ class Engine:
 
     def submit(self, request: dict) -> Request:
         """Validate and enqueue a request (generate's keyword arguments) -> the request to iterate.
-        The engine's thread starts with the first submit if `start()` was not called."""
+        Starts the engine's thread if `start()` was not called."""
         made = Request(self.model, **request)
         self.start()
-        return self.add(made)
+        self.add(made)
+        self.wake.set()
+        return made
+
+    def add(self, request: Request) -> Request:
+        with self.lock:  # room checked and taken at once
+            for gone in [r for r in self.waiting if r.cancelled]:  # hung up while waiting: no room taken
+                self.waiting.remove(gone)
+                gone.finish()
+            self.check_room()
+            return super().add(request)
+
+    def queued(self) -> int:
+        """Requests waiting for a row (not those cancelled meanwhile)."""
+        return sum(not r.cancelled for r in list(self.waiting))
+
+    def check_room(self):
+        """QueueFull if a new request could neither take a free row nor wait for one (a server asks before
+        costly work). max_queue 0: no waiting room, a free row still takes a request."""
+        free = sum(r is None for r in self.rows)
+        if self.queued() >= self.max_queue + free:
+            raise QueueFull(f"{self.max_queue} requests are waiting already: try again later")
+
+    def stats(self) -> dict:
+        busy = sum(r is not None for r in self.rows)
+        return dict(slots=self.slots, busy=busy, free=self.slots - busy, queued=self.queued())
 
     def loop(self):
         with torch.inference_mode():
@@ -1309,21 +1345,12 @@ class Engine:
                 self.free(row)
                 request.finish(error)
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        self.close()
-
     def close(self):
         self.closed = True
         self.wake.set()
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join()
-        for request in [*self.rows, *self.waiting]:
-            if request is not None and not request.done:
-                request.finish(EngineClosed("the engine was closed"))
-        self.rows, self.waiting = [None] * self.slots, collections.deque()
+        super().close()
 
 
 def batch_bucket(rows: int) -> int:
@@ -1339,18 +1366,23 @@ def cache_bucket(needed: int, cfg: dict) -> int:
 
 
 # ----------------------------------------------------------------------------- generation
+def chunks_until_done(scheduler: Scheduler, request: Request):
+    """Run `scheduler` until `request` ends, yielding its codes chunks as they come."""
+    n = 0
+    while not request.done:
+        scheduler.step()
+        yield from request.chunks[n:]
+        n = len(request.chunks)
+    if request.error:
+        raise request.error
+
+
 @torch.inference_mode()
 def stream(model: DualAR, text: str, **kwargs):
     """Speak `text` (same arguments as `generate`), yielding codes chunks (num_codebooks, n) as they are
     made: the first as soon as one frame of speech exists, then every `chunk_frames` frames."""
-    engine = Engine(model, slots=1)
-    request = engine.add(Request(model, text, **kwargs))
-    try:
-        while engine.busy:
-            engine.step()
-            yield from request.ready()
-    finally:  # also when the reader stops early: the model is free for the next engine
-        engine.close()
+    with Scheduler(model) as scheduler:  # closed also when the reader stops early: the model is free
+        yield from chunks_until_done(scheduler, scheduler.add(Request(model, text, **kwargs)))
 
 
 @torch.inference_mode()
@@ -1359,11 +1391,10 @@ def generate_many(model: DualAR, requests: list, slots: int = None, context: int
     Each request's codes are the ones it gets alone. context: a fixed KV cache length (one compiled
     shape) instead of one that grows with the longest request."""
     made = [Request(model, **r) for r in requests]  # every request is checked before any work
-    engine = Engine(model, slots=slots or len(made), context=context, max_queue=len(made))
-    with engine:
+    with Scheduler(model, slots=slots or len(made), context=context) as scheduler:
         for request in made:
-            engine.add(request)
-        engine.run()
+            scheduler.add(request)
+        scheduler.run()
     return [request.codes() for request in made]
 
 
@@ -1374,17 +1405,9 @@ def generate(model: DualAR, text: str, references=(), seed=None, temperature=0.7
     Text with <|speaker:N|> tags is split into turns and spoken batch by batch, each batch seeing the
     codes of the ones before. -> codes (num_codebooks, frames). max_new_tokens=0: up to the context.
     """
-    chunks = stream(model, text, references=references, seed=seed, temperature=temperature, top_p=top_p,
-                    top_k=top_k, max_new_tokens=max_new_tokens, chunk_length=chunk_length,
-                    max_context=max_context, chunk_frames=1 << 30)
-    return join_chunks(model, list(chunks))
-
-
-def join_chunks(model: DualAR, chunks: list) -> Tensor:
-    """Codes chunks -> (num_codebooks, frames), also when there are none."""
-    if not chunks:
-        return torch.zeros(model.config["num_codebooks"], 0, dtype=torch.long)
-    return torch.cat(chunks, dim=1)
+    return generate_many(model, [dict(text=text, references=references, seed=seed, temperature=temperature,
+                                      top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
+                                      chunk_length=chunk_length, max_context=max_context)])[0]
 
 
 # ----------------------------------------------------------------------------- demo checkpoint
@@ -1406,35 +1429,24 @@ def demo_tokenizer(n_semantic: int):
     return tokenizer
 
 
-def make_demo_checkpoint(folder: Path, seed: int = 0):
-    """A tiny random checkpoint in the real layout (config.json, tokenizer.json, model.safetensors,
-    codec.pth + codec_config.json). Its 'speech' is noise: it only exercises the pipeline."""
-    from safetensors.torch import save_file
-    folder.mkdir(parents=True, exist_ok=True)
+def demo_models(device, dtype, seed: int = 0) -> tuple:
+    """A tiny random S2-Pro in the real layout (tokenizer, config, both transformers) and its codec, built
+    in memory -> (model, codec model). Its 'speech' is noise: it only exercises the pipeline."""
     tokenizer = demo_tokenizer(CONFIG["codebook_size"])
-    tokenizer.save(str(folder / "tokenizer.json"))
-    semantic0 = tokenizer.token_to_id("<|semantic:0|>")
     vocab_size = -(-tokenizer.get_vocab_size() // 64) * 64  # padded like the real vocabulary
-    text = dict(DEMO_DIMS, model_type="fish_qwen3", n_layer=2, vocab_size=vocab_size, rope_base=1e6,
-                norm_eps=1e-6, max_seq_len=4096, attention_qk_norm=True)
-    audio = dict(DEMO_DIMS, model_type="fish_qwen3_audio_decoder", n_layer=1,
-                 vocab_size=CONFIG["codebook_size"], num_codebooks=CONFIG["num_codebooks"])
-    config = dict(model_type="fish_qwen3_omni", semantic_start_token_id=semantic0,
-                  semantic_end_token_id=semantic0 + CONFIG["codebook_size"] - 1,
-                  text_config=text, audio_decoder_config=audio)
-    (folder / "config.json").write_text(json.dumps(config, indent=2))
-    cfg = read_config(folder / "config.json")
-    cfg.update(special_ids(tokenizer))
+    flat = dict(DEMO_DIMS, n_layer=2, vocab_size=vocab_size, rope_base=1e6, norm_eps=1e-6, max_seq_len=4096,
+                attention_qk_norm=True, codebook_size=CONFIG["codebook_size"],
+                num_codebooks=CONFIG["num_codebooks"], n_fast_layer=1, scale_codebook_embeddings=True,
+                norm_fastlayer_input=True)
     torch.manual_seed(seed)
-    model = DualAR(cfg)
+    model = DualAR(dict(config_from_flat(flat), **special_ids(tokenizer)))
     for name, param in model.named_parameters():
         if not name.endswith("norm.weight"):
             nn.init.normal_(param, std=0.2)
-    save_file({hf_name(k): v.to(torch.bfloat16) for k, v in model.state_dict().items()},
-              str(folder / "model.safetensors"))
-    codec_cfg = dict(codec.CONFIG, **DEMO_CODEC)
-    torch.save(codec.DAC(codec_cfg).state_dict(), folder / "codec.pth")
-    (folder / "codec_config.json").write_text(json.dumps(DEMO_CODEC, indent=2))
+    model.tokenizer = tokenizer
+    model = model.to(device, torch.bfloat16).to(dtype).requires_grad_(False).eval()  # bf16, as released
+    dac = codec.DAC(dict(codec.CONFIG, **DEMO_CODEC))
+    return model, codec.fold_weight_norm(dac).requires_grad_(False).eval().to(device)
 
 
 def demo_reference(args, device):
@@ -1579,8 +1591,12 @@ def run(args):
     dtype = pick_dtype(args.dtype, device)
     compiled = device.type == "cuda" if args.compile is None else args.compile  # CPU: minutes (README)
     codes_path, wav_path = output_paths(args)
-    model = load(args.checkpoint, device, dtype, args.quant, compiled, args.compile_cache)
-    if wav_path is not None and not (Path(args.checkpoint) / "codec.pth").is_file():
+    if args.demo:
+        model, args.codec = demo_models(device, dtype)
+        optimize(model, args.quant, compiled, args.compile_cache)
+    else:
+        model = load(args.checkpoint, device, dtype, args.quant, compiled, args.compile_cache)
+    if wav_path is not None and not args.demo and not (Path(args.checkpoint) / "codec.pth").is_file():
         if args.stream:
             raise UserError(f"--stream needs {args.checkpoint}/codec.pth")
         print(f"note: {args.checkpoint} has no codec.pth, so only the codes are written", file=sys.stderr)
@@ -1605,34 +1621,29 @@ def run(args):
 
 def speak(model: DualAR, request: Request, wav_path, args) -> Tensor:
     """Run one request with a progress bar. With a wav path, decode and write each chunk as it comes."""
-    engine, chunks = Engine(model), []
-    engine.add(request)
-    with torch.inference_mode(), tqdm(unit="frame", leave=False) as bar:
-        made = produced(engine, request, bar, chunks)
+    with Scheduler(model) as scheduler, torch.inference_mode(), tqdm(unit="frame", leave=False) as bar:
+        chunks = shown(chunks_until_done(scheduler, scheduler.add(request)), bar)
         if wav_path is None:
-            collections.deque(made, maxlen=0)  # run to the end
-            return join_chunks(model, chunks)
+            collections.deque(chunks, maxlen=0)  # run to the end
+            return request.codes()
         wav = GrowingWav(wav_path, codec.CONFIG["sample_rate"])
         try:
-            device = engine.pos.device
-            for samples in codec.decode_stream(codec_model(args, device), (c.to(device) for c in made)):
+            device = scheduler.pos.device
+            for samples in codec.decode_stream(codec_model(args, device), (c.to(device) for c in chunks)):
                 wav.write(samples[0])
                 request.first_audio = request.first_audio or time.perf_counter()
         except BaseException:
             wav.discard()
             raise
         wav.close()
-    return join_chunks(model, chunks)
+    return request.codes()
 
 
-def produced(engine: Engine, request: Request, bar, kept: list):
-    """Run the engine to the end, yielding the request's codes chunks as they come (and keeping them)."""
-    while engine.busy:
-        engine.step()
-        bar.update()
-        for chunk in request.ready():
-            kept.append(chunk)
-            yield chunk
+def shown(chunks, bar):
+    """The codes chunks, each counted on the progress bar as it passes."""
+    for chunk in chunks:
+        bar.update(chunk.size(1))
+        yield chunk
 
 
 class GrowingWav:
@@ -1682,10 +1693,7 @@ def main(argv=None):
     print(f"DEMO: no real checkpoint used — a tiny RANDOM model is built, so the audio is NOISE.\n"
           f"For speech, download fishaudio/s2-pro into {DEFAULT_CHECKPOINT} (see README).", file=sys.stderr)
     args.max_new_tokens = args.max_new_tokens or 64
-    with tempfile.TemporaryDirectory() as folder:
-        make_demo_checkpoint(Path(folder))
-        args.checkpoint = folder
-        run(args)
+    run(args)
 
 
 if __name__ == "__main__":

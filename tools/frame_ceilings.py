@@ -59,12 +59,12 @@ def bench_attention(model: DualAR, contexts=(4096, 32768), filled=300):
         keys, values = torch.rand(2, 1, cfg["n_local_heads"], context, cfg["head_dim"], device=device,
                                   dtype=dtype)
         times = []
-        for use_flex, attend in ((False, decode_attention), (True, flex)):
-            attend(q, keys, values, pos, use_flex)
+        for attend in (decode_attention, flex):  # eager: SDPA with a mask; compiled: flex-decoding
+            attend(q, keys, values, pos)
             synchronize(device)
             start = time.perf_counter()
             for _ in range(20):
-                attend(q, keys, values, pos, use_flex)
+                attend(q, keys, values, pos)
             synchronize(device)
             times.append((time.perf_counter() - start) / 20 * 1e6)
         print(f"decode attention, one layer, cache {context}, row at position {filled}: SDPA + mask"

@@ -16,7 +16,7 @@ import email.parser
 import email.policy
 import fcntl
 import hmac
-import importlib
+import importlib.util
 import io
 import json
 import math
@@ -70,14 +70,9 @@ MAX_CODES = 8  # audios or token arrays in one /v1/vqgan request
 DEMO_FRAMES = 200  # the page's default length with the demo model: seconds of noise, not half a minute
 
 
-def optional_module(*names):
-    for name in names:
-        with contextlib.suppress(ImportError):
-            return importlib.import_module(name)
-    return None
-
-
-MSGPACK = optional_module("ormsgpack", "msgpack")  # upstream's clients send msgpack; both have packb/unpackb
+# upstream's clients send msgpack: ormsgpack, else msgpack (both have packb and unpackb), else none
+MSGPACK = next((importlib.import_module(m) for m in ("ormsgpack", "msgpack") if importlib.util.find_spec(m)),
+               None)
 
 
 class HTTPError(Exception):
@@ -110,32 +105,24 @@ def check_text(text, what="input", limit=MAX_TEXT) -> str:
     return text
 
 
-def parse_json(body: bytes) -> dict:
-    def no_constant(name):
-        raise ValueError(f"{name} is not a JSON number")
-
-    try:
-        data = json.loads(body, parse_constant=no_constant)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise dualAR.UserError(f"malformed JSON body: {e}") from None
-    except RecursionError:
-        raise dualAR.UserError("the JSON body is nested too deeply") from None
-    if not isinstance(data, dict):
-        raise dualAR.UserError("the JSON body must be an object")
-    return data
+def refuse_json_constant(name):
+    raise ValueError(f"{name} is not a JSON number")
 
 
-def parse_msgpack(body: bytes) -> dict:
-    """application/msgpack, as upstream's tools/api_client.py sends it (bytes stay bytes: raw audio)."""
-    if MSGPACK is None:
+def parse_body(kind: str, body: bytes) -> dict:
+    """A JSON or msgpack body (as upstream's tools/api_client.py sends it: bytes stay bytes, raw audio) -> the
+    object it holds."""
+    what = "msgpack" if kind == "application/msgpack" else "JSON"
+    if what == "msgpack" and MSGPACK is None:
         raise HTTPError(415, "application/msgpack needs a msgpack library on the server: pip install"
                              " ormsgpack (or msgpack), or send JSON")
     try:
-        data = MSGPACK.unpackb(body)
-    except (ValueError, TypeError, RecursionError) as e:  # both libraries' errors, their depth limit too
-        raise dualAR.UserError(f"malformed msgpack body: {str(e)[:100]}") from None
+        data = MSGPACK.unpackb(body) if what == "msgpack" else \
+            json.loads(body, parse_constant=refuse_json_constant)
+    except (ValueError, TypeError, RecursionError) as e:  # both libraries' errors, the depth limits too
+        raise dualAR.UserError(f"malformed {what} body: {str(e)[:100] or type(e).__name__}") from None
     if not isinstance(data, dict):
-        raise dualAR.UserError("the msgpack body must be a map")
+        raise dualAR.UserError(f"the {what} body must be an object (a map)")
     return data
 
 
@@ -167,12 +154,12 @@ def decode_base64(value, what: str) -> bytes:
         raise dualAR.UserError(f"{what} is not valid base64") from None
 
 
-def number(body: dict, key: str, default, integer=False, low=None):
+def number_field(body: dict, key: str, default, integer=False, low=None):
     value = body.get(key, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not finite(value):
-        raise dualAR.UserError(f"{key} must be a finite number, got {short(value)}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not is_finite(value):
+        raise dualAR.UserError(f"{key} must be a finite number, got {short_repr(value)}")
     if integer and value != int(value):
         raise dualAR.UserError(f"{key} must be an integer, got {value}")
     if low is not None and value < low:
@@ -180,31 +167,31 @@ def number(body: dict, key: str, default, integer=False, low=None):
     return int(value) if integer else float(value)
 
 
-def short(value) -> str:
+def short_repr(value) -> str:
     """A value for an error message, never deep: a nested list is named, not printed."""
     return repr(value)[:40] if isinstance(value, (str, int, float, type(None))) else type(value).__name__
 
 
-def finite(value) -> bool:
+def is_finite(value) -> bool:
     try:
         return math.isfinite(value)
     except OverflowError:  # a JSON integer too large for a float
         return False
 
 
-def sampling(body: dict, defaults: dict) -> dict:
+def sampling_fields(body: dict, defaults: dict) -> dict:
     """The types are checked here, the ranges by dualAR when the request is submitted."""
-    seed = number(body, "seed", None, integer=True, low=0)
+    seed = number_field(body, "seed", None, integer=True, low=0)
     if seed is not None and seed >= 2**63:
         raise dualAR.UserError("seed must be < 2**63")
-    return dict(seed=seed, temperature=number(body, "temperature", defaults["temperature"]),
-                top_p=number(body, "top_p", defaults["top_p"]),
-                top_k=number(body, "top_k", defaults["top_k"], integer=True),
-                max_new_tokens=number(body, "max_new_tokens", defaults["max_new_tokens"], integer=True),
-                chunk_length=number(body, "chunk_length", defaults["chunk_length"], integer=True))
+    return dict(seed=seed, temperature=number_field(body, "temperature", defaults["temperature"]),
+                top_p=number_field(body, "top_p", defaults["top_p"]),
+                top_k=number_field(body, "top_k", defaults["top_k"], integer=True),
+                max_new_tokens=number_field(body, "max_new_tokens", defaults["max_new_tokens"], integer=True),
+                chunk_length=number_field(body, "chunk_length", defaults["chunk_length"], integer=True))
 
 
-def clips(items, what="references") -> list:
+def reference_clips(items, what="references") -> list:
     """[{audio: base64, text}] -> [(audio bytes, transcript)]."""
     if not isinstance(items, list):
         raise dualAR.UserError(f"{what} must be a list of {{audio, text}} objects")
@@ -218,7 +205,7 @@ def clips(items, what="references") -> list:
     return out
 
 
-def response_format(fmt) -> str:
+def check_format(fmt) -> str:
     if fmt not in FORMATS:
         raise dualAR.UserError(f"response format {str(fmt)[:20]!r} is not supported here: use one of"
                                f" {', '.join(FORMATS)}")
@@ -238,12 +225,13 @@ def openai_job(body: dict) -> dict:
                                " input text itself, e.g. '[whispering] Hello' (see README)")
     voice = body.get("voice")
     voice = voice.get("id") if isinstance(voice, dict) else voice  # OpenAI's custom voice object {id}
-    references = clips(body.get("references", []))
+    references = reference_clips(body.get("references", []))
     if "ref_audio" in body or "ref_text" in body:
-        references += clips([dict(audio=body.get("ref_audio"), text=body.get("ref_text"))], "ref_audio")
-    fmt = response_format(body.get("response_format", "wav"))
+        one = dict(audio=body.get("ref_audio"), text=body.get("ref_text"))
+        references += reference_clips([one], "ref_audio")
+    fmt = check_format(body.get("response_format", "wav"))
     return dict(text=check_text(body.get("input")), voice=check_voice_name(voice) if voice else None,
-                clips=references, sampling=sampling(body, OPENAI_DEFAULTS), format=fmt,
+                clips=references, sampling=sampling_fields(body, OPENAI_DEFAULTS), format=fmt,
                 send="sse" if stream == "sse" else "chunked" if fmt in STREAMABLE else "whole")
 
 
@@ -280,13 +268,13 @@ def fish_job(body: dict) -> dict:
     streaming = body.get("streaming", False)
     if not isinstance(streaming, bool):
         raise dualAR.UserError("streaming must be true or false")
-    fmt = response_format(body.get("format", "wav"))
+    fmt = check_format(body.get("format", "wav"))
     if streaming and fmt != "wav":
         raise dualAR.UserError(f"streaming: only format 'wav' can be streamed, not {fmt!r} (as upstream)")
     voice = body.get("reference_id")
     return dict(text=check_text(body.get("text"), "text"), voice=check_voice_name(voice) if voice else None,
-                clips=clips(body.get("references") or []), sampling=sampling(body, FISH_DEFAULTS), format=fmt,
-                send="chunked" if streaming else "whole")
+                clips=reference_clips(body.get("references") or []), format=fmt,
+                sampling=sampling_fields(body, FISH_DEFAULTS), send="chunked" if streaming else "whole")
 
 
 # ----------------------------------------------------------------------------- audio bytes
@@ -298,7 +286,7 @@ def wav_header(data_bytes=0xFFFFFFFF) -> bytes:
             + b"data" + struct.pack("<I", data_bytes))
 
 
-def jsonable(value):
+def json_fallback(value):
     """json.dumps' fallback: bytes (audio, or msgpack input echoed in an error) as base64, else repr."""
     return base64.b64encode(value).decode() if isinstance(value, bytes) else repr(value)
 
@@ -311,7 +299,7 @@ def pcm16(wave: torch.Tensor) -> bytes:
     return (wave.float().cpu().clamp(-1, 1) * 32767).round().to(torch.int16).numpy().astype("<i2").tobytes()
 
 
-def audio_file(wave: torch.Tensor, fmt: str) -> bytes:
+def audio_file_bytes(wave: torch.Tensor, fmt: str) -> bytes:
     """A whole waveform -> the bytes of one file in `fmt`."""
     if fmt == "pcm":
         return pcm16(wave)
@@ -435,14 +423,27 @@ class App:
         return given + [(self.clip_codes(audio, f"reference {i} audio"), text)
                         for i, (audio, text) in enumerate(job["clips"], 1)]
 
+    def check_voices(self, saved=(), free=()):
+        """A 404 for a name in `saved` that is not a saved voice, a 409 for one in `free` that is."""
+        files = self.voice_files()
+        for name in saved:
+            if name not in files:
+                raise HTTPError(404, f"no voice named {name!r}")
+        for name in free:
+            if name in files:
+                raise HTTPError(409, f"voice {name!r} exists already: delete it first")
+
     @contextlib.contextmanager
-    def voices_locked(self):
+    def voices_locked(self, saved=(), free=()):
         """One save, delete or rename at a time, among threads and among every server sharing the folder (an
-        flock: each call opens its own descriptor). Readers take no lock: a voice appears when its
-        transcript is renamed into place and is gone once it is deleted, so they never see half of one."""
+        flock: each call opens its own descriptor); the names are checked before (a refusal creates no lock
+        file) and again under it. Readers take no lock: a voice appears when its transcript is renamed into
+        place and is gone once it is deleted, so they never see half of one."""
+        self.check_voices(saved, free)
         self.voices.mkdir(parents=True, exist_ok=True)
         with open(self.voices / ".fishfast-lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
+            self.check_voices(saved, free)
             yield
 
     def voice_paths(self, name: str) -> list:
@@ -451,18 +452,11 @@ class App:
                  and p.suffix.lower() in {".npy", *codec.AUDIO_EXTENSIONS}]
         return [self.voices / f"{name}.txt", *found]
 
-    def check_voice(self, name: str, saved=True):
-        """A 404 unless voice `name` is saved, or with saved=False a 409 if it is."""
-        if (name in self.voice_files()) != saved:
-            raise HTTPError(404, f"no voice named {name!r}") if saved else \
-                HTTPError(409, f"voice {name!r} exists already: delete it first")
-
     def save_voice(self, name: str, audio: bytes, text: str) -> dict:
-        self.check_voice(name, saved=False)  # checked before the lock too: a refusal creates no lock file
+        self.check_voices(free=[name])  # before the audio is encoded for nothing
         codes = self.clip_codes(audio, "audio")  # everything is checked before anything is written
         npy, txt = self.voices / f"{name}.npy", self.voices / f"{name}.txt"
-        with self.voices_locked():
-            self.check_voice(name, saved=False)
+        with self.voices_locked(free=[name]):
             try:
                 codec.save_codes(npy, codes)
                 # the voice appears (listed and usable) only once the transcript exists, written whole
@@ -473,17 +467,12 @@ class App:
         return dict(name=name, frames=codes.size(1), seconds=round(codes.size(1) / frame_rate(), 2))
 
     def delete_voice(self, name: str):
-        self.check_voice(name)
-        with self.voices_locked():
-            self.check_voice(name)
+        with self.voices_locked(saved=[name]):
             for path in self.voice_paths(name):
                 path.unlink(missing_ok=True)
 
     def rename_voice(self, old: str, new: str):
-        self.check_voice(old)
-        with self.voices_locked():
-            self.check_voice(old)
-            self.check_voice(new, saved=False)
+        with self.voices_locked(saved=[old], free=[new]):
             for path in reversed(self.voice_paths(old)):  # the transcript last: then the new name appears
                 path.rename(path.with_name(new + path.suffix))
 
@@ -602,12 +591,10 @@ class Handler(BaseHTTPRequestHandler):
     def body(self) -> bytes:
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
             raise HTTPError(411, "chunked request bodies are not supported: send Content-Length")
-        try:
-            length = int(self.headers.get("Content-Length", 0))
-        except ValueError:
-            length = -1
-        if length < 0:
+        length = self.headers.get("Content-Length", "0").strip()
+        if not length.isdecimal():  # no sign either: "-5" is no length
             raise HTTPError(400, "Content-Length must be a number of bytes")
+        length = int(length)
         if length > MAX_BODY:
             raise HTTPError(413, f"the request body must be 0 to {MAX_BODY >> 20} MiB")
         data = self.rfile.read(length)
@@ -626,10 +613,8 @@ class Handler(BaseHTTPRequestHandler):
         fields as text, the audio as bytes)."""
         kinds = ("application/json", "application/msgpack", *(["multipart/form-data"] if form else []))
         kind, body = self.content_type(*kinds), self.body()
-        if kind == "application/json":
-            return parse_json(body)
-        if kind == "application/msgpack":
-            return parse_msgpack(body)
+        if kind != "multipart/form-data":
+            return parse_body(kind, body)
         fields = parse_form(self.headers["Content-Type"], body)
         return {key: value if key == "audio" else value.decode("utf-8", "replace")
                 for key, value in fields.items()}
@@ -648,7 +633,7 @@ class Handler(BaseHTTPRequestHandler):
         if self.packed:
             self.send_bytes(MSGPACK.packb(data), "application/msgpack", status, headers)
         else:
-            body = json.dumps(data, default=jsonable).encode()
+            body = json.dumps(data, default=json_fallback).encode()
             self.send_bytes(body, "application/json", status, headers)
 
     def end_headers(self):
@@ -663,29 +648,35 @@ class Handler(BaseHTTPRequestHandler):
         self.started = False  # that was '100 Continue' (curl sends Expect on big uploads): a status follows
         return True
 
+    def error_body(self, status: int, message: str) -> dict:
+        """Ours: {error: {message, type}}. Upstream's routes: its {success: false, message, ...ids}."""
+        if self.error_fields:
+            return dict(self.error_fields, message=message)
+        return dict(error=dict(message=message, type=ERROR_TYPES.get(status, "invalid_request_error")))
+
     def send_json_error(self, status: int, message: str, headers=None, body=None):
-        """Ours: {error: {message, type}}. Upstream's routes: its {success: false, message, ...ids}, and its
-        422, pydantic's list of errors, for /v1/tts."""
+        """The one way an error leaves before the answer has started (`body`: /v1/tts's 422, pydantic's list
+        of errors, as upstream)."""
         self.close_connection = True  # the request's body may be left unread
         if self.started:  # too late for a status: the client sees a cut-off body
             return
-        kind = ERROR_TYPES.get(status, "invalid_request_error")
-        if body is None:
-            body = dict(self.error_fields, message=message) if self.error_fields else \
-                dict(error=dict(message=message, type=kind))
+        body = self.error_body(status, message) if body is None else body
         self.send_json(body, status, {"Connection": "close", **(headers or {})})
 
     def send_error(self, code, message=None, explain=None):
         """The base class's own errors (bad request line, oversized headers) as JSON too."""
         self.send_json_error(code, message or self.responses.get(code, ("error",))[0])
 
-    def send_bytes(self, body: bytes, media_type, status=200, headers=None):
+    def send_head(self, status: int, headers: dict):
         self.send_response(status)
-        for key, value in {"Content-Type": media_type, **(headers or {})}.items():
+        for key, value in headers.items():
             if value:
                 self.send_header(key, value)
-        self.send_header("Content-Length", str(len(body)))
         self.end_headers()
+
+    def send_bytes(self, body: bytes, media_type, status=200, headers=None):
+        length = str(len(body))
+        self.send_head(status, {"Content-Type": media_type, **(headers or {}), "Content-Length": length})
         if self.command != "HEAD":
             self.wfile.write(body)
 
@@ -798,7 +789,7 @@ class Handler(BaseHTTPRequestHandler):
             self.watch(request)
             if job["send"] == "whole":
                 wave = self.app.whole_wave(request)  # a late error is still a clean 400
-                self.send_bytes(audio_file(wave, job["format"]), MEDIA_TYPES[job["format"]])
+                self.send_bytes(audio_file_bytes(wave, job["format"]), MEDIA_TYPES[job["format"]])
                 samples = len(wave)
             else:
                 samples = self.stream(request, job, prompt_tokens)
@@ -811,11 +802,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def stream(self, request, job: dict, prompt_tokens: int) -> int:
         fmt, sse = job["format"], job["send"] == "sse"
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream" if sse else MEDIA_TYPES[fmt])
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
+        self.send_head(200, {"Content-Type": "text/event-stream" if sse else MEDIA_TYPES[fmt],
+                             "Cache-Control": "no-cache", "Transfer-Encoding": "chunked"})
 
         def send(data: bytes):
             if sse:
@@ -832,7 +820,7 @@ class Handler(BaseHTTPRequestHandler):
                     samples += len(wave)
             else:  # sse of a format that is encoded whole: one delta
                 wave = self.app.whole_wave(request)
-                send(audio_file(wave, fmt))
+                send(audio_file_bytes(wave, fmt))
                 samples = len(wave)
         except (ConnectionError, TimeoutError):
             raise
@@ -841,9 +829,8 @@ class Handler(BaseHTTPRequestHandler):
             if not isinstance(e, dualAR.UserError):
                 traceback.print_exc()
             if sse:
-                kind = "invalid_request_error" if isinstance(e, dualAR.UserError) else "server_error"
-                error = dict(message=str(e), type=kind)
-                self.write_chunk(sse_event(type="error", error=error))
+                status = 400 if isinstance(e, dualAR.UserError) else 500
+                self.write_chunk(sse_event(type="error", **self.error_body(status, str(e))))
                 self.write_chunk(b"")
             return samples
         if request.cancelled:  # the client hung up

@@ -158,25 +158,18 @@ def number_field(body: dict, key: str, default, integer=False, low=None):
     value = body.get(key, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not is_finite(value):
-        raise dualAR.UserError(f"{key} must be a finite number, got {short_repr(value)}")
+    try:
+        finite = not isinstance(value, bool) and math.isfinite(value)
+    except (TypeError, OverflowError):  # not a number; a JSON integer too large for a float
+        finite = False
+    if not finite:  # the value shown, never deep: a nested list is named, not printed
+        shown = repr(value)[:40] if isinstance(value, (str, int, float)) else type(value).__name__
+        raise dualAR.UserError(f"{key} must be a finite number, got {shown}")
     if integer and value != int(value):
         raise dualAR.UserError(f"{key} must be an integer, got {value}")
     if low is not None and value < low:
         raise dualAR.UserError(f"{key} must be >= {low}, got {value}")
     return int(value) if integer else float(value)
-
-
-def short_repr(value) -> str:
-    """A value for an error message, never deep: a nested list is named, not printed."""
-    return repr(value)[:40] if isinstance(value, (str, int, float, type(None))) else type(value).__name__
-
-
-def is_finite(value) -> bool:
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # a JSON integer too large for a float
-        return False
 
 
 def sampling_fields(body: dict, defaults: dict) -> dict:
@@ -258,9 +251,8 @@ def upstream_errors(body: dict) -> list:
 
 
 def fish_job(body: dict) -> dict:
-    """POST /v1/tts, upstream fish-speech's ServeTTSRequest: its defaults and checks, reference_id = a saved
-    voice. repetition_penalty, normalize, latency and use_memory_cache are checked and have no effect:
-    upstream's S2-Pro sampler uses none of them either (README)."""
+    """POST /v1/tts, upstream's ServeTTSRequest: its defaults and checks, reference_id = a saved voice.
+    repetition_penalty, normalize, latency, use_memory_cache: checked, no effect, as upstream's S2-Pro."""
     errors = upstream_errors(body)
     if errors:
         message = "; ".join(f"{e['loc'][0]}: {e['msg']}" for e in errors)
@@ -336,10 +328,8 @@ class App:
         self.engine = dualAR.Engine(self.model, slots=args.slots, context=self.max_context,
                                     max_queue=args.queue)
         if compiled:
-            print("compiling the frame step for each row count the engine runs (--compile)...",
-                  file=sys.stderr)
-            self.engine.warm_up(lambda rows, seconds: print(f"  {rows} row(s): {seconds:.1f} s",
-                                                            file=sys.stderr, flush=True))
+            print("compiling the frame step for each row count the engine runs (--compile)...", file=sys.stderr)
+            self.engine.warm_up(lambda n, seconds: print(f"  {n} row(s): {seconds:.1f} s", file=sys.stderr))
         self.engine.start()
         self.voices, self.api_key = Path(args.voices), args.api_key
         self.default_voice, self.allow_origins = args.default_voice, set(args.allow_origin or ())
@@ -369,8 +359,7 @@ class App:
         return {path.stem: (kind, path) for kind, path in found if is_voice_name(path.stem)}
 
     def builtin_voice(self, name):
-        """OpenAI's built-in names (clients hard-code them): a saved voice of that name, else --default-voice,
-        else none (plain text-to-speech)."""
+        """OpenAI's built-in names (clients hard-code them): a saved voice, else --default-voice, else none."""
         if name in OPENAI_VOICES and name not in self.voice_files():
             return self.default_voice
         return name
@@ -407,8 +396,7 @@ class App:
         return codec.encode(self.dac, wave)[0].cpu()
 
     def check_codes(self, codes, what: str) -> torch.Tensor:
-        """Codes sent by a client (nested lists) -> (10, T) on the device; values above a codebook's size
-        are clamped by the codec, as upstream."""
+        """A client's codes (nested lists) -> (10, T) on the device; the codec clamps big values, as upstream."""
         rows, frames = self.model.config["num_codebooks"], self.max_context
         with contextlib.suppress(TypeError, ValueError, RuntimeError, OverflowError):  # ragged, not numbers
             codes = torch.tensor(codes, dtype=torch.long)
@@ -435,10 +423,9 @@ class App:
 
     @contextlib.contextmanager
     def voices_locked(self, saved=(), free=()):
-        """One save, delete or rename at a time, among threads and among every server sharing the folder (an
-        flock: each call opens its own descriptor); the names are checked before (a refusal creates no lock
-        file) and again under it. Readers take no lock: a voice appears when its transcript is renamed into
-        place and is gone once it is deleted, so they never see half of one."""
+        """One save, delete or rename at a time among threads and servers sharing the folder (an flock on a
+        descriptor of each call's own), the names checked before (a refusal makes no lock file) and under it.
+        Readers take no lock: a voice appears once its transcript is renamed into place, so none is half."""
         self.check_voices(saved, free)
         self.voices.mkdir(parents=True, exist_ok=True)
         with open(self.voices / ".fishfast-lock", "a") as lock:
@@ -464,7 +451,7 @@ class App:
             except dualAR.UserError as e:  # a full disk, a folder gone
                 npy.unlink(missing_ok=True)
                 raise HTTPError(500, f"cannot save voice {name!r}: {e}") from None
-        return dict(name=name, frames=codes.size(1), seconds=round(codes.size(1) / frame_rate(), 2))
+        return dict(name=name, frames=codes.size(1), seconds=round(codes.size(1) * codec.hop_length() / SAMPLE_RATE, 2))
 
     def delete_voice(self, name: str):
         with self.voices_locked(saved=[name]):
@@ -488,10 +475,6 @@ class App:
         return codec.decode(self.dac, codes.to(self.device))[0] if codes.size(1) else torch.zeros(0)
 
 
-def frame_rate() -> float:
-    return SAMPLE_RATE / codec.hop_length()
-
-
 # ----------------------------------------------------------------------------- HTTP
 class Handler(BaseHTTPRequestHandler):
     """Routes -> validate -> submit -> stream the answer. Every error leaves through `send_json_error`."""
@@ -504,10 +487,9 @@ class Handler(BaseHTTPRequestHandler):
               "/v1/audio/voices/{name}": dict(DELETE="delete_voice"),
               # upstream fish-speech's API (tools/server/views.py)
               "/v1/health": dict(GET="health", POST="health"),
-              "/v1/references/add": dict(POST="add_reference"),
-              "/v1/references/list": dict(GET="list_references"),
-              "/v1/references/delete": dict(DELETE="delete_reference"),
-              "/v1/references/update": dict(POST="update_reference"),
+              "/v1/references/add": dict(POST="save_voice"), "/v1/references/list": dict(GET="list_voices"),
+              "/v1/references/delete": dict(DELETE="delete_voice"),
+              "/v1/references/update": dict(POST="rename_voice"),
               "/v1/vqgan/encode": dict(POST="vqgan_encode"), "/v1/vqgan/decode": dict(POST="vqgan_decode")}
 
     @property
@@ -609,8 +591,7 @@ class Handler(BaseHTTPRequestHandler):
         return kind
 
     def data(self, form=False) -> dict:
-        """The body as a dict: JSON, msgpack (upstream's client) or, where `form`, multipart/form-data (its
-        fields as text, the audio as bytes)."""
+        """The body as a dict: JSON, msgpack or, where `form`, multipart/form-data (text fields, audio bytes)."""
         kinds = ("application/json", "application/msgpack", *(["multipart/form-data"] if form else []))
         kind, body = self.content_type(*kinds), self.body()
         if kind != "multipart/form-data":
@@ -655,8 +636,7 @@ class Handler(BaseHTTPRequestHandler):
         return dict(error=dict(message=message, type=ERROR_TYPES.get(status, "invalid_request_error")))
 
     def send_json_error(self, status: int, message: str, headers=None, body=None):
-        """The one way an error leaves before the answer has started (`body`: /v1/tts's 422, pydantic's list
-        of errors, as upstream)."""
+        """The one way an error leaves (`body`: /v1/tts's 422, pydantic's list of errors, as upstream)."""
         self.close_connection = True  # the request's body may be left unread
         if self.started:  # too late for a status: the client sees a cut-off body
             return
@@ -694,59 +674,31 @@ class Handler(BaseHTTPRequestHandler):
         self.send_json(dict(object="list", data=[dict(id=self.app.name, object="model", created=0,
                                                       owned_by="fishaudio")]))
 
+    # the voices, ours and upstream's /v1/references/ (its answers: {success, message, ...ids})
     def list_voices(self):
-        self.send_json(dict(voices=sorted(self.app.voice_files())))
+        names = sorted(self.app.voice_files())
+        self.send_json(dict(success=True, reference_ids=names, message=f"{len(names)} references")
+                       if self.upstream() else dict(voices=names))
 
     def save_voice(self):
-        self.send_json(self.upload("name"), 201)
-
-    def upload(self, key: str) -> dict:
-        """A voice to save: its name (`key`), text and audio, as JSON, msgpack or a form -> what was saved."""
+        """{name (upstream: id), text, audio} as JSON, msgpack or a form."""
+        upstream = self.upstream(reference_id="")
         data = self.data(form=True)
-        name = self.echo("reference_id", data.get(key))
+        name = self.echo("reference_id", data.get("id" if upstream else "name"))
         text = check_text(data.get("text"), "text (the clip's transcript)", MAX_TRANSCRIPT)
-        return self.app.save_voice(name, decode_base64(data.get("audio"), "audio"), text)
+        saved = self.app.save_voice(name, decode_base64(data.get("audio"), "audio"), text)
+        if upstream:
+            return self.send_json(dict(success=True, message=f"reference {name!r} added", reference_id=name))
+        self.send_json(saved, 201)
 
     def delete_voice(self):
-        name = check_voice_name(self.name)
+        upstream = self.upstream(reference_id="")
+        name = self.echo("reference_id", self.data().get("reference_id") if upstream else self.name)
         self.app.delete_voice(name)
-        self.send_json(dict(deleted=name))
+        self.send_json(dict(success=True, message=f"reference {name!r} deleted", reference_id=name)
+                       if upstream else dict(deleted=name))
 
-    def speech(self):
-        job = openai_job(self.data())
-        job["voice"] = self.app.builtin_voice(job["voice"])
-        self.answer(job)
-
-    def tts(self):
-        self.answer(fish_job(self.data()))
-
-    # upstream's answers: {success, message, ids}, as JSON or msgpack (wants_msgpack), errors too
-    def upstream(self, **ids):
-        self.packed, self.error_fields = self.wants_msgpack(), dict(success=False, **ids)
-
-    def echo(self, key: str, name) -> str:
-        """A voice name from the request -> the name, checked; upstream's error answers repeat it."""
-        if self.error_fields:
-            self.error_fields[key] = name if isinstance(name, str) else ""
-        return check_voice_name(name)
-
-    def add_reference(self):
-        self.upstream(reference_id="")
-        name = self.upload("id")["name"]
-        self.send_json(dict(success=True, message=f"reference {name!r} added", reference_id=name))
-
-    def list_references(self):
-        self.upstream()
-        names = sorted(self.app.voice_files())
-        self.send_json(dict(success=True, reference_ids=names, message=f"{len(names)} references"))
-
-    def delete_reference(self):
-        self.upstream(reference_id="")
-        name = self.echo("reference_id", self.data().get("reference_id"))
-        self.app.delete_voice(name)
-        self.send_json(dict(success=True, message=f"reference {name!r} deleted", reference_id=name))
-
-    def update_reference(self):
+    def rename_voice(self):
         self.upstream(old_reference_id="", new_reference_id="")
         data = self.data()
         old, new = (self.echo(key, data.get(key)) for key in ("old_reference_id", "new_reference_id"))
@@ -755,6 +707,26 @@ class Handler(BaseHTTPRequestHandler):
         self.app.rename_voice(old, new)
         self.send_json(dict(success=True, message=f"reference {old!r} renamed to {new!r}",
                             old_reference_id=old, new_reference_id=new))
+
+    def upstream(self, **ids) -> bool:
+        """Whether this is upstream's route: then its answers, errors too, as JSON or msgpack (wants_msgpack)."""
+        if self.path.startswith("/v1/references/"):
+            self.packed, self.error_fields = self.wants_msgpack(), dict(success=False, **ids)
+        return self.error_fields is not None
+
+    def echo(self, key: str, name) -> str:
+        """A voice name from the request -> the name, checked; upstream's error answers repeat it."""
+        if self.error_fields:
+            self.error_fields[key] = name if isinstance(name, str) else ""
+        return check_voice_name(name)
+
+    def speech(self):
+        job = openai_job(self.data())
+        job["voice"] = self.app.builtin_voice(job["voice"])
+        self.answer(job)
+
+    def tts(self):
+        self.answer(fish_job(self.data()))
 
     def batch(self, key: str) -> list:
         """Upstream's /v1/vqgan body: {key: [1 to MAX_CODES items]} -> [(item, its name for errors)]."""
@@ -822,9 +794,9 @@ class Handler(BaseHTTPRequestHandler):
                 wave = self.app.whole_wave(request)
                 send(audio_file_bytes(wave, fmt))
                 samples = len(wave)
-        except (ConnectionError, TimeoutError):
-            raise
         except Exception as e:  # failed after the 200 went out: an error event, or a cut-off body
+            if isinstance(e, (ConnectionError, TimeoutError)):
+                raise
             self.close_connection = True
             if not isinstance(e, dualAR.UserError):
                 traceback.print_exc()
@@ -837,17 +809,15 @@ class Handler(BaseHTTPRequestHandler):
             return samples
         if sse:
             frames = round(samples / codec.hop_length())
-            usage = dict(input_tokens=prompt_tokens, output_tokens=frames,
-                         total_tokens=prompt_tokens + frames)
+            usage = dict(input_tokens=prompt_tokens, output_tokens=frames, total_tokens=prompt_tokens + frames)
             self.write_chunk(sse_event(type="speech.audio.done", usage=usage))
         self.write_chunk(b"")
         return samples
 
     def watch(self, request):
-        """Cancel `request` as soon as the client hangs up, even while it waits in the queue: a thread that
-        polls the socket until the request is done. A hang-up is a reset (or a failed write, in stream):
-        an EOF is only a half-close (some clients and proxies send one after the request), and the client
-        still reads its answer. If the engine thread dies, end the request too."""
+        """A thread that cancels `request` once its client hangs up (a reset; in stream also a failed write),
+        even while it waits in the queue. An EOF is only a half-close (some clients and proxies send one
+        after the request): that client still reads its answer. If the engine thread dies, end it too."""
         sock, app, poller = self.connection, self.app, select.poll()
         poller.register(sock, select.POLLIN)
 
@@ -898,8 +868,7 @@ def render_page(app: App) -> str:
 
 
 PAGE = r"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
+<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
 <title>fishfast: S2-Pro text-to-speech</title>
 <link rel="icon" href="data:image/svg+xml,%3Csvg xmlns='http://www.w3.org/2000/svg'
  viewBox='0 0 16 16'%3E%3Cpath fill='%231f5fd1' d='M1 8q5-6 11 0q-6 6-11 0zM11 8l4-4v8z'/%3E%3C/svg%3E">
@@ -909,21 +878,17 @@ body { font: 15px/1.45 system-ui, sans-serif; color: #1d2330; background: #f4f6f
 [hidden] { display: none !important; }
 h1 { font-size: 1.35rem; margin: 0; } .sub { color: #5b6475; margin: .1rem 0 .8rem; }
 .demo { background: #b3261e; color: #fff; padding: .6rem .8rem; border-radius: 6px; font-weight: 600; }
-section { background: #fff; border: 1px solid #d9dee7; border-radius: 8px; padding: .8rem 1rem;
-          margin: .7rem 0; }
+section { background: #fff; border: 1px solid #d9dee7; border-radius: 8px; padding: .8rem 1rem; margin: .7rem 0; }
 textarea { width: 100%; box-sizing: border-box; min-height: 5.5rem; font: inherit; padding: .4rem; }
-input, select { font: inherit; padding: .2rem .3rem; }
-.hint { font-size: .82rem; color: #6b7385; }
-code { background: #eef1f6; padding: 0 .2rem; border-radius: 3px; }
+input, select { font: inherit; padding: .2rem .3rem; } input[type=number] { width: 5.5rem; }
+.hint { font-size: .82rem; color: #6b7385; } code { background: #eef1f6; padding: 0 .2rem; border-radius: 3px; }
 .row { display: flex; gap: .7rem; flex-wrap: wrap; align-items: end; margin: .3rem 0; }
 .row label { display: flex; flex-direction: column; font-size: .85rem; color: #434b5c; }
-input[type=number] { width: 5.5rem; }
 .clip { display: grid; grid-template-columns: 13rem 1fr 9rem auto auto; gap: .4rem; margin: .4rem 0; }
 button { font: inherit; padding: .3rem .8rem; border-radius: 6px; border: 1px solid #9aa3b5; background: #fff;
          cursor: pointer; }
 button.primary { background: #1f5fd1; border-color: #1f5fd1; color: #fff; font-weight: 600; }
-button:disabled { opacity: .5; cursor: default; }
-audio { width: 100%; margin: .5rem 0 .2rem; }
+button:disabled { opacity: .5; cursor: default; } audio { width: 100%; margin: .5rem 0 .2rem; }
 canvas { width: 100%; height: 80px; background: #f7f9fc; border-radius: 4px; }
 #figures { font-variant-numeric: tabular-nums; color: #2b3342; }
 #error { color: #b3261e; white-space: pre-wrap; } #message { color: #1d7a3a; }
@@ -932,45 +897,28 @@ canvas { width: 100%; height: 80px; background: #f7f9fc; border-radius: 4px; }
 <h1>fishfast</h1>
 <p class="sub">Fish Audio S2-Pro text-to-speech &middot; <span id="model"></span></p>
 {{banner}}
-<section>
-  <textarea id="text" placeholder="Type what to say. Hello! This is my cloned voice."></textarea>
+<section><textarea id="text" placeholder="Type what to say. Hello! This is my cloned voice."></textarea>
   <div class="hint">A dialogue: <code>&lt;|speaker:0|&gt;Hi, Bob.&lt;|speaker:1|&gt;Hi, Alice!</code>
-    &mdash; speaker N speaks in the Nth voice below (the saved voice first, then the clips).</div>
-</section>
-<section>
-  <div class="row">
+    &mdash; speaker N speaks in the Nth voice below (the saved voice first, then the clips).</div></section>
+<section><div class="row">
     <label>Voice <select id="voice"><option value="">none: plain text-to-speech</option></select></label>
     <button id="delete-voice" type="button">Delete voice</button>
-    <label id="key-label" hidden>API key <input id="api-key" type="password" autocomplete="off"></label>
-  </div>
-  <div id="clips"></div>
-  <button id="add-clip" type="button">+ reference clip</button>
+    <label id="key-label" hidden>API key <input id="api-key" type="password" autocomplete="off"></label></div>
+  <div id="clips"></div><button id="add-clip" type="button">+ reference clip</button>
   <span class="hint">1&ndash;4 clips of a few seconds (wav, flac, ogg, mp3), each with its transcript;
-    a clip can be saved as a voice.</span>
-</section>
-<section>
-  <div class="row">
-    <label>temperature
-      <input id="temperature" type="number" value="0.7" min="0.05" max="1.95" step="0.05"></label>
-    <label>top-p <input id="top_p" type="number" value="0.7" min="0.05" max="1" step="0.05"></label>
-    <label>top-k <input id="top_k" type="number" value="30" min="0" step="1"></label>
-    <label>seed <input id="seed" type="number" placeholder="random" min="0" step="1"></label>
-    <label>max frames <input id="max_new_tokens" type="number" value="0" min="0" step="1"></label>
-    <span class="hint">max frames: 0 = until the model stops; 21.5 frames = 1 s</span>
-  </div>
-</section>
-<section>
-  <div class="row">
-    <button id="generate" class="primary" type="button">Generate</button>
+    a clip can be saved as a voice.</span></section>
+<section><div class="row">
+  <label>temperature <input id="temperature" type="number" value="0.7" min="0.05" max="1.95" step="0.05"></label>
+  <label>top-p <input id="top_p" type="number" value="0.7" min="0.05" max="1" step="0.05"></label>
+  <label>top-k <input id="top_k" type="number" value="30" min="0" step="1"></label>
+  <label>seed <input id="seed" type="number" placeholder="random" min="0" step="1"></label>
+  <label>max frames <input id="max_new_tokens" type="number" value="0" min="0" step="1"></label>
+  <span class="hint">max frames: 0 = until the model stops; 21.5 frames = 1 s</span></div></section>
+<section><div class="row"><button id="generate" class="primary" type="button">Generate</button>
     <button id="stop" type="button" disabled>Stop</button>
-    <a id="download" download="fishfast.wav" hidden>Download WAV</a>
-  </div>
-  <audio id="audio" controls></audio>
-  <canvas id="wave" width="820" height="80"></canvas>
-  <div id="figures"></div>
-  <div id="message"></div>
-  <div id="error" role="alert"></div>
-</section>
+    <a id="download" download="fishfast.wav" hidden>Download WAV</a></div>
+  <audio id="audio" controls></audio><canvas id="wave" width="820" height="80"></canvas>
+  <div id="figures"></div><div id="message"></div><div id="error" role="alert"></div></section>
 <script>
 const CONFIG = {{config}};
 const $ = id => document.getElementById(id);
@@ -999,6 +947,13 @@ async function loadVoices(select) {
   box.value = voices.includes(keep) ? keep : '';
 }
 
+async function changeVoices(path, method, body, done, select) {  // save or delete, then list them again
+  const res = await fetch(path, {method, body, headers: headers()});
+  if (!res.ok) return say(await errorOf(res));
+  await loadVoices(select);
+  say('', done);
+}
+
 function addClip() {
   if ($('clips').children.length >= CONFIG.maxReferences) return say('at most 4 reference clips');
   const row = document.createElement('div');
@@ -1020,20 +975,13 @@ async function saveVoice(row) {
   form.append('name', name);
   form.append('text', row.querySelector('.clip-text').value);
   form.append('audio', file);
-  const res = await fetch('/v1/audio/voices', {method: 'POST', body: form, headers: headers()});
-  if (!res.ok) return say(await errorOf(res));
-  await loadVoices(name);
-  say('', 'saved voice ' + name);
+  await changeVoices('/v1/audio/voices', 'POST', form, 'saved voice ' + name, name);
 }
 
 async function deleteVoice() {
   const name = $('voice').value;
-  if (!name || !confirm('Delete voice ' + name + '?')) return;
-  const res = await fetch('/v1/audio/voices/' + encodeURIComponent(name),
-                          {method: 'DELETE', headers: headers()});
-  if (!res.ok) return say(await errorOf(res));
-  await loadVoices();
-  say('', 'deleted voice ' + name);
+  if (name && confirm('Delete voice ' + name + '?'))
+    await changeVoices('/v1/audio/voices/' + encodeURIComponent(name), 'DELETE', null, 'deleted voice ' + name);
 }
 
 function base64(file) {
@@ -1045,21 +993,14 @@ function base64(file) {
   });
 }
 
-function wavHeader(samples) {  // the whole file's header: 16-bit mono PCM, the sizes known now
-  const view = new DataView(new ArrayBuffer(44));
-  const ascii = (at, text) => [...text].forEach((c, i) => view.setUint8(at + i, c.charCodeAt(0)));
-  ascii(0, 'RIFF');
-  view.setUint32(4, 36 + 2 * samples, true);
-  ascii(8, 'WAVEfmt ');
-  view.setUint32(16, 16, true);
-  view.setUint16(20, 1, true);
-  view.setUint16(22, 1, true);
-  view.setUint32(24, CONFIG.sampleRate, true);
-  view.setUint32(28, 2 * CONFIG.sampleRate, true);
-  view.setUint16(32, 2, true);
-  view.setUint16(34, 16, true);
-  ascii(36, 'data');
-  view.setUint32(40, 2 * samples, true);
+function wavHeader(samples) {  // the whole file's 44 bytes: 16-bit mono PCM, the sizes known now
+  const view = new DataView(new ArrayBuffer(44)), rate = CONFIG.sampleRate;
+  for (const [at, tag] of [[0, 'RIFF'], [8, 'WAVEfmt '], [36, 'data']])
+    [...tag].forEach((c, i) => view.setUint8(at + i, c.charCodeAt(0)));
+  for (const [at, value] of [[4, 36 + 2 * samples], [16, 16], [24, rate], [28, 2 * rate], [40, 2 * samples]])
+    view.setUint32(at, value, true);
+  for (const [at, value] of [[20, 1], [22, 1], [32, 2], [34, 16]])  // PCM, mono, bytes a sample, bits
+    view.setUint16(at, value, true);
   return view.buffer;
 }
 
@@ -1075,12 +1016,8 @@ function showFigures(t0) {
 const BLOCK = 512;  // samples of one min/max pair of the waveform
 function addPeaks(pcm) {
   for (let i = 0; i < pcm.length; i += BLOCK) {
-    let low = 0, high = 0;
-    for (let j = i; j < Math.min(i + BLOCK, pcm.length); j++) {
-      low = Math.min(low, pcm[j]);
-      high = Math.max(high, pcm[j]);
-    }
-    player.peaks.push(low / 32768, high / 32768);
+    const block = pcm.subarray(i, i + BLOCK);
+    player.peaks.push(Math.min(0, ...block) / 32768, Math.max(0, ...block) / 32768);
   }
 }
 
@@ -1117,13 +1054,12 @@ async function play(reader, t0) {
     const bytes = new Uint8Array(carry.length + value.length);
     bytes.set(carry);
     bytes.set(value, carry.length);
-    const even = bytes.length & ~1;
+    const even = bytes.length & ~1;  // an odd byte waits for its other half
     carry = bytes.slice(even);
     if (!even) continue;
     const pcm = new Int16Array(bytes.slice(0, even).buffer);
     const buffer = ctx.createBuffer(1, pcm.length, CONFIG.sampleRate);
-    const data = buffer.getChannelData(0);
-    for (let i = 0; i < pcm.length; i++) data[i] = pcm[i] / 32768;
+    buffer.getChannelData(0).set(Float32Array.from(pcm, v => v / 32768));
     player.pieces.push(pcm);
     addPeaks(pcm);
     const source = player.last = ctx.createBufferSource();
@@ -1146,8 +1082,7 @@ async function play(reader, t0) {
 
 function offer(t0) {  // the figures and a download of what was made: all of it, or what came before Stop
   showFigures(t0);
-  const wav = new Blob([wavHeader(player.samples), ...player.pieces], {type: 'audio/wav'});
-  const url = URL.createObjectURL(wav);
+  const url = URL.createObjectURL(new Blob([wavHeader(player.samples), ...player.pieces], {type: 'audio/wav'}));
   $('download').href = url;
   $('download').hidden = false;
   const toFile = () => {  // then the element replays (and seeks in) the file
@@ -1187,8 +1122,7 @@ async function generate() {
     if (!player.last) throw new Error('the model said nothing (it stopped at once): try another seed, text');
   } catch (e) {
     player.state = e.name === 'AbortError' ? 'stopped' : 'failed';
-    const failed = player.state === 'failed';
-    say(failed ? e.message : '', failed ? '' : 'stopped');
+    say(player.state === 'failed' ? e.message : '', player.state === 'failed' ? '' : 'stopped');
   }
   if (player.samples) offer(t0);
   else if (player.ctx && player.ctx.state !== 'closed') player.ctx.close();

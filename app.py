@@ -328,7 +328,7 @@ class App:
         self.engine = dualAR.Engine(self.model, slots=args.slots, context=self.max_context,
                                     max_queue=args.queue)
         if compiled:
-            print("compiling the frame step for each row count the engine runs (--compile)...", file=sys.stderr)
+            print("compiling the frame step for each row count the engine runs (--compile)", file=sys.stderr)
             self.engine.warm_up(lambda n, seconds: print(f"  {n} row(s): {seconds:.1f} s", file=sys.stderr))
         self.engine.start()
         self.voices, self.api_key = Path(args.voices), args.api_key
@@ -359,7 +359,7 @@ class App:
         return {path.stem: (kind, path) for kind, path in found if is_voice_name(path.stem)}
 
     def builtin_voice(self, name):
-        """OpenAI's built-in names (clients hard-code them): a saved voice, else --default-voice, else none."""
+        """OpenAI's built-in names (hard-coded in clients): a saved voice, else --default-voice, else none."""
         if name in OPENAI_VOICES and name not in self.voice_files():
             return self.default_voice
         return name
@@ -396,7 +396,7 @@ class App:
         return codec.encode(self.dac, wave)[0].cpu()
 
     def check_codes(self, codes, what: str) -> torch.Tensor:
-        """A client's codes (nested lists) -> (10, T) on the device; the codec clamps big values, as upstream."""
+        """A client's codes (nested lists) -> (10, T) on the device; the codec clamps big ones (upstream)."""
         rows, frames = self.model.config["num_codebooks"], self.max_context
         with contextlib.suppress(TypeError, ValueError, RuntimeError, OverflowError):  # ragged, not numbers
             codes = torch.tensor(codes, dtype=torch.long)
@@ -451,7 +451,8 @@ class App:
             except dualAR.UserError as e:  # a full disk, a folder gone
                 npy.unlink(missing_ok=True)
                 raise HTTPError(500, f"cannot save voice {name!r}: {e}") from None
-        return dict(name=name, frames=codes.size(1), seconds=round(codes.size(1) * codec.hop_length() / SAMPLE_RATE, 2))
+        frames = codes.size(1)
+        return dict(name=name, frames=frames, seconds=round(frames * codec.hop_length() / SAMPLE_RATE, 2))
 
     def delete_voice(self, name: str):
         with self.voices_locked(saved=[name]):
@@ -591,7 +592,7 @@ class Handler(BaseHTTPRequestHandler):
         return kind
 
     def data(self, form=False) -> dict:
-        """The body as a dict: JSON, msgpack or, where `form`, multipart/form-data (text fields, audio bytes)."""
+        """The body as a dict: JSON, msgpack or, where `form`, multipart/form-data (text, audio as bytes)."""
         kinds = ("application/json", "application/msgpack", *(["multipart/form-data"] if form else []))
         kind, body = self.content_type(*kinds), self.body()
         if kind != "multipart/form-data":
@@ -709,7 +710,7 @@ class Handler(BaseHTTPRequestHandler):
                             old_reference_id=old, new_reference_id=new))
 
     def upstream(self, **ids) -> bool:
-        """Whether this is upstream's route: then its answers, errors too, as JSON or msgpack (wants_msgpack)."""
+        """Whether this is upstream's route: then its answers and errors, JSON or msgpack (wants_msgpack)."""
         if self.path.startswith("/v1/references/"):
             self.packed, self.error_fields = self.wants_msgpack(), dict(success=False, **ids)
         return self.error_fields is not None
@@ -809,7 +810,8 @@ class Handler(BaseHTTPRequestHandler):
             return samples
         if sse:
             frames = round(samples / codec.hop_length())
-            usage = dict(input_tokens=prompt_tokens, output_tokens=frames, total_tokens=prompt_tokens + frames)
+            usage = dict(input_tokens=prompt_tokens, output_tokens=frames,
+                         total_tokens=prompt_tokens + frames)
             self.write_chunk(sse_event(type="speech.audio.done", usage=usage))
         self.write_chunk(b"")
         return samples
@@ -868,30 +870,31 @@ def render_page(app: App) -> str:
 
 
 PAGE = r"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
 <title>fishfast: S2-Pro text-to-speech</title>
 <link rel="icon" href="data:image/svg+xml,%3Csvg xmlns='http://www.w3.org/2000/svg'
  viewBox='0 0 16 16'%3E%3Cpath fill='%231f5fd1' d='M1 8q5-6 11 0q-6 6-11 0zM11 8l4-4v8z'/%3E%3C/svg%3E">
 <style>
 body { font: 15px/1.45 system-ui, sans-serif; color: #1d2330; background: #f4f6f9; max-width: 860px;
        margin: 1.2rem auto; padding: 0 1rem; }
-[hidden] { display: none !important; }
-h1 { font-size: 1.35rem; margin: 0; } .sub { color: #5b6475; margin: .1rem 0 .8rem; }
+[hidden] { display: none !important; } h1 { font-size: 1.35rem; margin: 0; } audio { width: 100%; }
+.sub { color: #5b6475; margin: .1rem 0 .8rem; } .hint { font-size: .82rem; color: #6b7385; }
 .demo { background: #b3261e; color: #fff; padding: .6rem .8rem; border-radius: 6px; font-weight: 600; }
-section { background: #fff; border: 1px solid #d9dee7; border-radius: 8px; padding: .8rem 1rem; margin: .7rem 0; }
+section { background: #fff; border: 1px solid #d9dee7; border-radius: 8px; padding: .8rem 1rem;
+          margin: .7rem 0; }
 textarea { width: 100%; box-sizing: border-box; min-height: 5.5rem; font: inherit; padding: .4rem; }
 input, select { font: inherit; padding: .2rem .3rem; } input[type=number] { width: 5.5rem; }
-.hint { font-size: .82rem; color: #6b7385; } code { background: #eef1f6; padding: 0 .2rem; border-radius: 3px; }
+code { background: #eef1f6; padding: 0 .2rem; border-radius: 3px; } #message { color: #1d7a3a; }
 .row { display: flex; gap: .7rem; flex-wrap: wrap; align-items: end; margin: .3rem 0; }
 .row label { display: flex; flex-direction: column; font-size: .85rem; color: #434b5c; }
 .clip { display: grid; grid-template-columns: 13rem 1fr 9rem auto auto; gap: .4rem; margin: .4rem 0; }
-button { font: inherit; padding: .3rem .8rem; border-radius: 6px; border: 1px solid #9aa3b5; background: #fff;
-         cursor: pointer; }
+button { font: inherit; padding: .3rem .8rem; border-radius: 6px; border: 1px solid #9aa3b5; }
 button.primary { background: #1f5fd1; border-color: #1f5fd1; color: #fff; font-weight: 600; }
-button:disabled { opacity: .5; cursor: default; } audio { width: 100%; margin: .5rem 0 .2rem; }
+button { background: #fff; cursor: pointer; } button:disabled { opacity: .5; cursor: default; }
 canvas { width: 100%; height: 80px; background: #f7f9fc; border-radius: 4px; }
 #figures { font-variant-numeric: tabular-nums; color: #2b3342; }
-#error { color: #b3261e; white-space: pre-wrap; } #message { color: #1d7a3a; }
+#error { color: #b3261e; white-space: pre-wrap; }
 </style></head>
 <body>
 <h1>fishfast</h1>
@@ -908,7 +911,8 @@ canvas { width: 100%; height: 80px; background: #f7f9fc; border-radius: 4px; }
   <span class="hint">1&ndash;4 clips of a few seconds (wav, flac, ogg, mp3), each with its transcript;
     a clip can be saved as a voice.</span></section>
 <section><div class="row">
-  <label>temperature <input id="temperature" type="number" value="0.7" min="0.05" max="1.95" step="0.05"></label>
+  <label>temperature
+    <input id="temperature" type="number" value="0.7" min="0.05" max="1.95" step="0.05"></label>
   <label>top-p <input id="top_p" type="number" value="0.7" min="0.05" max="1" step="0.05"></label>
   <label>top-k <input id="top_k" type="number" value="30" min="0" step="1"></label>
   <label>seed <input id="seed" type="number" placeholder="random" min="0" step="1"></label>
@@ -923,11 +927,8 @@ canvas { width: 100%; height: 80px; background: #f7f9fc; border-radius: 4px; }
 const CONFIG = {{config}};
 const $ = id => document.getElementById(id);
 const player = window.player = {state: 'idle'};  // read by the browser test
-
-function say(error, message) {
-  $('error').textContent = error || '';
-  $('message').textContent = message || '';
-}
+const text = (id, value) => { $(id).textContent = value || ''; };
+const say = (error, message) => [text('error', error), text('message', message)];
 function headers(json) {
   const h = json ? {'Content-Type': 'application/json'} : {};
   if ($('api-key').value) h.Authorization = 'Bearer ' + $('api-key').value;
@@ -946,14 +947,12 @@ async function loadVoices(select) {
   for (const name of voices) box.add(new Option(name, name));
   box.value = voices.includes(keep) ? keep : '';
 }
-
 async function changeVoices(path, method, body, done, select) {  // save or delete, then list them again
   const res = await fetch(path, {method, body, headers: headers()});
   if (!res.ok) return say(await errorOf(res));
   await loadVoices(select);
   say('', done);
 }
-
 function addClip() {
   if ($('clips').children.length >= CONFIG.maxReferences) return say('at most 4 reference clips');
   const row = document.createElement('div');
@@ -966,7 +965,6 @@ function addClip() {
   row.querySelector('.clip-save').onclick = () => saveVoice(row);
   $('clips').append(row);
 }
-
 async function saveVoice(row) {
   say();
   const file = row.querySelector('.clip-file').files[0], name = row.querySelector('.clip-name').value.trim();
@@ -977,21 +975,16 @@ async function saveVoice(row) {
   form.append('audio', file);
   await changeVoices('/v1/audio/voices', 'POST', form, 'saved voice ' + name, name);
 }
-
 async function deleteVoice() {
   const name = $('voice').value;
   if (name && confirm('Delete voice ' + name + '?'))
-    await changeVoices('/v1/audio/voices/' + encodeURIComponent(name), 'DELETE', null, 'deleted voice ' + name);
+    await changeVoices('/v1/audio/voices/' + encodeURIComponent(name), 'DELETE', null, 'deleted ' + name);
 }
-
-function base64(file) {
-  return new Promise((ok, fail) => {
-    const reader = new FileReader();
-    reader.onload = () => ok(reader.result.split(',')[1]);
-    reader.onerror = () => fail(reader.error);
-    reader.readAsDataURL(file);
-  });
-}
+const base64 = file => new Promise((ok, fail) => {
+  const reader = Object.assign(new FileReader(), {onerror: () => fail(reader.error)});
+  reader.onload = () => ok(reader.result.split(',')[1]);
+  reader.readAsDataURL(file);
+});
 
 function wavHeader(samples) {  // the whole file's 44 bytes: 16-bit mono PCM, the sizes known now
   const view = new DataView(new ArrayBuffer(44)), rate = CONFIG.sampleRate;
@@ -1003,16 +996,14 @@ function wavHeader(samples) {  // the whole file's 44 bytes: 16-bit mono PCM, th
     view.setUint16(at, value, true);
   return view.buffer;
 }
-
 function showFigures(t0) {
   const wall = (performance.now() - t0) / 1000, seconds = player.samples / CONFIG.sampleRate;
   const frames = player.samples / CONFIG.hop;
-  $('figures').textContent = ({generating: 'generating\u2026 ', stopped: 'stopped: '}[player.state] || '')
+  text('figures', ({generating: 'generating\u2026 ', stopped: 'stopped: '}[player.state] || '')
     + 'first audio after ' + player.firstAudio.toFixed(2) + ' s \u00b7 ' + frames.toFixed(0) + ' frames in '
     + wall.toFixed(2) + ' s = ' + (frames / wall).toFixed(1) + ' frames/s \u00b7 RTF '
-    + (wall / seconds).toFixed(2) + ' (' + seconds.toFixed(2) + ' s of audio)';
+    + (wall / seconds).toFixed(2) + ' (' + seconds.toFixed(2) + ' s of audio)');
 }
-
 const BLOCK = 512;  // samples of one min/max pair of the waveform
 function addPeaks(pcm) {
   for (let i = 0; i < pcm.length; i += BLOCK) {
@@ -1020,13 +1011,11 @@ function addPeaks(pcm) {
     player.peaks.push(Math.min(0, ...block) / 32768, Math.max(0, ...block) / 32768);
   }
 }
-
 function playhead() {  // seconds played: of the file once it is whole, else of the stream
   const audio = $('audio');
   if (audio.src && !audio.srcObject) return audio.currentTime;
   return player.start != null ? Math.max(0, player.ctx.currentTime - player.start) : null;
 }
-
 function draw() {  // the waveform as it arrives (it fills the canvas, then shrinks to fit), the playhead red
   const canvas = $('wave'), g = canvas.getContext('2d'), peaks = player.peaks || [];
   const w = canvas.width, h = canvas.height, n = peaks.length / 2, scale = w / Math.max(w, n);
@@ -1048,12 +1037,10 @@ async function play(reader, t0) {
   const ctx = player.ctx = new AudioContext({sampleRate: CONFIG.sampleRate});
   const out = ctx.createMediaStreamDestination(), audio = $('audio');
   let carry = new Uint8Array(0), next = 0;
-  for (;;) {
-    const {done, value} = await reader.read();
-    if (done) break;
-    const bytes = new Uint8Array(carry.length + value.length);
+  for (let read; !(read = await reader.read()).done;) {
+    const bytes = new Uint8Array(carry.length + read.value.length);
     bytes.set(carry);
-    bytes.set(value, carry.length);
+    bytes.set(read.value, carry.length);
     const even = bytes.length & ~1;  // an odd byte waits for its other half
     carry = bytes.slice(even);
     if (!even) continue;
@@ -1062,8 +1049,7 @@ async function play(reader, t0) {
     buffer.getChannelData(0).set(Float32Array.from(pcm, v => v / 32768));
     player.pieces.push(pcm);
     addPeaks(pcm);
-    const source = player.last = ctx.createBufferSource();
-    source.buffer = buffer;
+    const source = player.last = Object.assign(ctx.createBufferSource(), {buffer});
     source.connect(out);
     if (player.firstAudio === null) {
       player.firstAudio = (performance.now() - t0) / 1000;
@@ -1079,24 +1065,25 @@ async function play(reader, t0) {
     showFigures(t0);
   }
 }
-
 function offer(t0) {  // the figures and a download of what was made: all of it, or what came before Stop
   showFigures(t0);
-  const url = URL.createObjectURL(new Blob([wavHeader(player.samples), ...player.pieces], {type: 'audio/wav'}));
-  $('download').href = url;
-  $('download').hidden = false;
+  const wav = new Blob([wavHeader(player.samples), ...player.pieces], {type: 'audio/wav'});
+  const url = URL.createObjectURL(wav);
+  Object.assign($('download'), {href: url, hidden: false});
   const toFile = () => {  // then the element replays (and seeks in) the file
-    $('audio').srcObject = null;
-    $('audio').src = url;
+    Object.assign($('audio'), {srcObject: null, src: url});
     player.ctx.close();
   };
   if (player.state === 'done') player.last.onended = toFile;
   else toFile();  // stopped or failed: the player ends now
 }
-
+function busy(generating) {
+  $('generate').disabled = generating;
+  $('stop').disabled = !generating;
+}
 async function generate() {
   say();
-  $('figures').textContent = '';
+  text('figures');
   $('download').hidden = true;
   const body = {model: 's2-pro', input: $('text').value, response_format: 'pcm', stream_format: 'audio'};
   if ($('voice').value) body.voice = $('voice').value;
@@ -1110,8 +1097,7 @@ async function generate() {
     if ($(key).value !== '') body[key] = Number($(key).value);
   Object.assign(player, {abort: new AbortController(), state: 'generating', pieces: [], peaks: [], samples: 0,
                          firstAudio: null, start: null, last: null});
-  $('generate').disabled = true;
-  $('stop').disabled = false;
+  busy(true);
   const t0 = performance.now();
   try {
     const res = await fetch('/v1/audio/speech', {method: 'POST', headers: headers(true),
@@ -1126,11 +1112,10 @@ async function generate() {
   }
   if (player.samples) offer(t0);
   else if (player.ctx && player.ctx.state !== 'closed') player.ctx.close();
-  $('generate').disabled = false;
-  $('stop').disabled = true;
+  busy(false);
 }
 
-$('model').textContent = CONFIG.model;
+text('model', CONFIG.model);
 $('max_new_tokens').value = CONFIG.maxFrames;
 $('key-label').hidden = !CONFIG.auth;
 $('api-key').value = localStorage.getItem('fishfast-key') || '';

@@ -1139,8 +1139,7 @@ def parse_args(argv=None):
     ap = codec.ArgumentParser(description="fishfast web demo and OpenAI-compatible speech server.")
     ap.add_argument("--checkpoint", help="S2-Pro checkpoint dir (default ./s2-pro, or the tiny demo model,"
                     " whose audio is noise, if that is absent)")
-    ap.add_argument("--host", default="127.0.0.1",
-                    help="address to bind (default 127.0.0.1: this machine only)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine)")
     ap.add_argument("--port", type=int, default=7560, help="port (default 7560, 0: any free one)")
     ap.add_argument("--device", help="cpu, mps, cuda or cuda:N (one server per GPU: README, Replicas);"
                     " default: cuda > mps > cpu")
@@ -1156,16 +1155,14 @@ def parse_args(argv=None):
                     f" frames) a request may use, as the CLI's (default {dualAR.DEFAULT_CONTEXT})")
     ap.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot, beyond that"
                     " a 503 (default 16; 0: served only while a slot is free)")
-    ap.add_argument("--voices", default="prompt", help="folder of saved voices, <name>.npy + <name>.txt"
-                    " (default prompt/, as the CLI)")
+    ap.add_argument("--voices", default="prompt", help="saved voices, <name>.npy + .txt (default prompt/)")
     ap.add_argument("--api-key", default=os.environ.get("FISHFAST_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on /v1/ (default $FISHFAST_API_KEY, else none)")
     ap.add_argument("--allow-origin", action="append", metavar="ORIGIN", help="let pages of this origin"
                     " (e.g. https://app.example.com, or *) use the API from a browser, with CORS; repeatable."
                     " Default: pages of other sites can neither write nor generate here")
     ap.add_argument("--default-voice", metavar="NAME", help="the saved voice OpenAI's built-in voice names"
-                    " (alloy, ash, ...) speak with, unless a saved voice has that name (default: none:"
-                    " plain TTS)")
+                    " (alloy, ash, ...) speak with, unless a voice has that name (default: none, plain TTS)")
     args = ap.parse_args(argv)
     if args.slots < 1 or args.queue < 0 or args.max_context < 2:
         ap.error("--slots must be >= 1, --queue >= 0 and --max-context >= 2")
@@ -1191,9 +1188,8 @@ def main(argv=None):
     server = make_server(args)
     app = server.app
     if app.info["demo"]:
-        print("DEMO: no checkpoint found, so a tiny RANDOM model is serving and the audio is NOISE.\n"
-              f"For speech, download fishaudio/s2-pro into {dualAR.DEFAULT_CHECKPOINT} (see README).",
-              file=sys.stderr)
+        print("DEMO: no checkpoint found, so a tiny RANDOM model is serving and the audio is NOISE.\nFor"
+              f" speech, download fishaudio/s2-pro into {dualAR.DEFAULT_CHECKPOINT} (README).", file=sys.stderr)
     host, port = server.server_address[:2]
     print(f"fishfast: {app.info['model']} on {app.info['device']}, {args.slots} slots,"
           f" voices in {app.voices}/ -> http://{host}:{port}", flush=True)

@@ -1189,7 +1189,8 @@ def main(argv=None):
     app = server.app
     if app.info["demo"]:
         print("DEMO: no checkpoint found, so a tiny RANDOM model is serving and the audio is NOISE.\nFor"
-              f" speech, download fishaudio/s2-pro into {dualAR.DEFAULT_CHECKPOINT} (README).", file=sys.stderr)
+              f" speech, download fishaudio/s2-pro into {dualAR.DEFAULT_CHECKPOINT} (see README).",
+              file=sys.stderr)
     host, port = server.server_address[:2]
     print(f"fishfast: {app.info['model']} on {app.info['device']}, {args.slots} slots,"
           f" voices in {app.voices}/ -> http://{host}:{port}", flush=True)

@@ -16,7 +16,7 @@ import email.parser
 import email.policy
 import fcntl
 import hmac
-import importlib
+import importlib.util
 import io
 import json
 import math
@@ -70,14 +70,9 @@ MAX_CODES = 8  # audios or token arrays in one /v1/vqgan request
 DEMO_FRAMES = 200  # the page's default length with the demo model: seconds of noise, not half a minute
 
 
-def optional_module(*names):
-    for name in names:
-        with contextlib.suppress(ImportError):
-            return importlib.import_module(name)
-    return None
-
-
-MSGPACK = optional_module("ormsgpack", "msgpack")  # upstream's clients send msgpack; both have packb/unpackb
+# upstream's clients send msgpack: ormsgpack, else msgpack (both have packb and unpackb), else none
+MSGPACK = next((importlib.import_module(m) for m in ("ormsgpack", "msgpack") if importlib.util.find_spec(m)),
+               None)
 
 
 class HTTPError(Exception):
@@ -110,32 +105,24 @@ def check_text(text, what="input", limit=MAX_TEXT) -> str:
     return text
 
 
-def parse_json(body: bytes) -> dict:
-    def no_constant(name):
-        raise ValueError(f"{name} is not a JSON number")
-
-    try:
-        data = json.loads(body, parse_constant=no_constant)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise dualAR.UserError(f"malformed JSON body: {e}") from None
-    except RecursionError:
-        raise dualAR.UserError("the JSON body is nested too deeply") from None
-    if not isinstance(data, dict):
-        raise dualAR.UserError("the JSON body must be an object")
-    return data
+def refuse_json_constant(name):
+    raise ValueError(f"{name} is not a JSON number")
 
 
-def parse_msgpack(body: bytes) -> dict:
-    """application/msgpack, as upstream's tools/api_client.py sends it (bytes stay bytes: raw audio)."""
-    if MSGPACK is None:
+def parse_body(kind: str, body: bytes) -> dict:
+    """A JSON or msgpack body (as upstream's tools/api_client.py sends it: bytes stay bytes, raw audio) -> the
+    object it holds."""
+    what = "msgpack" if kind == "application/msgpack" else "JSON"
+    if what == "msgpack" and MSGPACK is None:
         raise HTTPError(415, "application/msgpack needs a msgpack library on the server: pip install"
                              " ormsgpack (or msgpack), or send JSON")
     try:
-        data = MSGPACK.unpackb(body)
-    except (ValueError, TypeError, RecursionError) as e:  # both libraries' errors, their depth limit too
-        raise dualAR.UserError(f"malformed msgpack body: {str(e)[:100]}") from None
+        data = MSGPACK.unpackb(body) if what == "msgpack" else \
+            json.loads(body, parse_constant=refuse_json_constant)
+    except (ValueError, TypeError, RecursionError) as e:  # both libraries' errors, the depth limits too
+        raise dualAR.UserError(f"malformed {what} body: {str(e)[:100] or type(e).__name__}") from None
     if not isinstance(data, dict):
-        raise dualAR.UserError("the msgpack body must be a map")
+        raise dualAR.UserError(f"the {what} body must be an object (a map)")
     return data
 
 
@@ -167,12 +154,17 @@ def decode_base64(value, what: str) -> bytes:
         raise dualAR.UserError(f"{what} is not valid base64") from None
 
 
-def number(body: dict, key: str, default, integer=False, low=None):
+def number_field(body: dict, key: str, default, integer=False, low=None):
     value = body.get(key, default)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not finite(value):
-        raise dualAR.UserError(f"{key} must be a finite number, got {short(value)}")
+    try:
+        finite = not isinstance(value, bool) and math.isfinite(value)
+    except (TypeError, OverflowError):  # not a number; a JSON integer too large for a float
+        finite = False
+    if not finite:  # the value shown, never deep: a nested list is named, not printed
+        shown = repr(value)[:40] if isinstance(value, (str, int, float)) else type(value).__name__
+        raise dualAR.UserError(f"{key} must be a finite number, got {shown}")
     if integer and value != int(value):
         raise dualAR.UserError(f"{key} must be an integer, got {value}")
     if low is not None and value < low:
@@ -180,31 +172,19 @@ def number(body: dict, key: str, default, integer=False, low=None):
     return int(value) if integer else float(value)
 
 
-def short(value) -> str:
-    """A value for an error message, never deep: a nested list is named, not printed."""
-    return repr(value)[:40] if isinstance(value, (str, int, float, type(None))) else type(value).__name__
-
-
-def finite(value) -> bool:
-    try:
-        return math.isfinite(value)
-    except OverflowError:  # a JSON integer too large for a float
-        return False
-
-
-def sampling(body: dict, defaults: dict) -> dict:
+def sampling_fields(body: dict, defaults: dict) -> dict:
     """The types are checked here, the ranges by dualAR when the request is submitted."""
-    seed = number(body, "seed", None, integer=True, low=0)
+    seed = number_field(body, "seed", None, integer=True, low=0)
     if seed is not None and seed >= 2**63:
         raise dualAR.UserError("seed must be < 2**63")
-    return dict(seed=seed, temperature=number(body, "temperature", defaults["temperature"]),
-                top_p=number(body, "top_p", defaults["top_p"]),
-                top_k=number(body, "top_k", defaults["top_k"], integer=True),
-                max_new_tokens=number(body, "max_new_tokens", defaults["max_new_tokens"], integer=True),
-                chunk_length=number(body, "chunk_length", defaults["chunk_length"], integer=True))
+    return dict(seed=seed, temperature=number_field(body, "temperature", defaults["temperature"]),
+                top_p=number_field(body, "top_p", defaults["top_p"]),
+                top_k=number_field(body, "top_k", defaults["top_k"], integer=True),
+                max_new_tokens=number_field(body, "max_new_tokens", defaults["max_new_tokens"], integer=True),
+                chunk_length=number_field(body, "chunk_length", defaults["chunk_length"], integer=True))
 
 
-def clips(items, what="references") -> list:
+def reference_clips(items, what="references") -> list:
     """[{audio: base64, text}] -> [(audio bytes, transcript)]."""
     if not isinstance(items, list):
         raise dualAR.UserError(f"{what} must be a list of {{audio, text}} objects")
@@ -218,7 +198,7 @@ def clips(items, what="references") -> list:
     return out
 
 
-def response_format(fmt) -> str:
+def check_format(fmt) -> str:
     if fmt not in FORMATS:
         raise dualAR.UserError(f"response format {str(fmt)[:20]!r} is not supported here: use one of"
                                f" {', '.join(FORMATS)}")
@@ -238,12 +218,13 @@ def openai_job(body: dict) -> dict:
                                " input text itself, e.g. '[whispering] Hello' (see README)")
     voice = body.get("voice")
     voice = voice.get("id") if isinstance(voice, dict) else voice  # OpenAI's custom voice object {id}
-    references = clips(body.get("references", []))
+    references = reference_clips(body.get("references", []))
     if "ref_audio" in body or "ref_text" in body:
-        references += clips([dict(audio=body.get("ref_audio"), text=body.get("ref_text"))], "ref_audio")
-    fmt = response_format(body.get("response_format", "wav"))
+        one = dict(audio=body.get("ref_audio"), text=body.get("ref_text"))
+        references += reference_clips([one], "ref_audio")
+    fmt = check_format(body.get("response_format", "wav"))
     return dict(text=check_text(body.get("input")), voice=check_voice_name(voice) if voice else None,
-                clips=references, sampling=sampling(body, OPENAI_DEFAULTS), format=fmt,
+                clips=references, sampling=sampling_fields(body, OPENAI_DEFAULTS), format=fmt,
                 send="sse" if stream == "sse" else "chunked" if fmt in STREAMABLE else "whole")
 
 
@@ -270,9 +251,8 @@ def upstream_errors(body: dict) -> list:
 
 
 def fish_job(body: dict) -> dict:
-    """POST /v1/tts, upstream fish-speech's ServeTTSRequest: its defaults and checks, reference_id = a saved
-    voice. repetition_penalty, normalize, latency and use_memory_cache are checked and have no effect:
-    upstream's S2-Pro sampler uses none of them either (README)."""
+    """POST /v1/tts, upstream's ServeTTSRequest: its defaults and checks, reference_id = a saved voice.
+    repetition_penalty, normalize, latency, use_memory_cache: checked, no effect, as upstream's S2-Pro."""
     errors = upstream_errors(body)
     if errors:
         message = "; ".join(f"{e['loc'][0]}: {e['msg']}" for e in errors)
@@ -280,13 +260,13 @@ def fish_job(body: dict) -> dict:
     streaming = body.get("streaming", False)
     if not isinstance(streaming, bool):
         raise dualAR.UserError("streaming must be true or false")
-    fmt = response_format(body.get("format", "wav"))
+    fmt = check_format(body.get("format", "wav"))
     if streaming and fmt != "wav":
         raise dualAR.UserError(f"streaming: only format 'wav' can be streamed, not {fmt!r} (as upstream)")
     voice = body.get("reference_id")
     return dict(text=check_text(body.get("text"), "text"), voice=check_voice_name(voice) if voice else None,
-                clips=clips(body.get("references") or []), sampling=sampling(body, FISH_DEFAULTS), format=fmt,
-                send="chunked" if streaming else "whole")
+                clips=reference_clips(body.get("references") or []), format=fmt,
+                sampling=sampling_fields(body, FISH_DEFAULTS), send="chunked" if streaming else "whole")
 
 
 # ----------------------------------------------------------------------------- audio bytes
@@ -298,7 +278,7 @@ def wav_header(data_bytes=0xFFFFFFFF) -> bytes:
             + b"data" + struct.pack("<I", data_bytes))
 
 
-def jsonable(value):
+def json_fallback(value):
     """json.dumps' fallback: bytes (audio, or msgpack input echoed in an error) as base64, else repr."""
     return base64.b64encode(value).decode() if isinstance(value, bytes) else repr(value)
 
@@ -311,7 +291,7 @@ def pcm16(wave: torch.Tensor) -> bytes:
     return (wave.float().cpu().clamp(-1, 1) * 32767).round().to(torch.int16).numpy().astype("<i2").tobytes()
 
 
-def audio_file(wave: torch.Tensor, fmt: str) -> bytes:
+def audio_file_bytes(wave: torch.Tensor, fmt: str) -> bytes:
     """A whole waveform -> the bytes of one file in `fmt`."""
     if fmt == "pcm":
         return pcm16(wave)
@@ -348,10 +328,8 @@ class App:
         self.engine = dualAR.Engine(self.model, slots=args.slots, context=self.max_context,
                                     max_queue=args.queue)
         if compiled:
-            print("compiling the frame step for each row count the engine runs (--compile)...",
-                  file=sys.stderr)
-            self.engine.warm_up(lambda rows, seconds: print(f"  {rows} row(s): {seconds:.1f} s",
-                                                            file=sys.stderr, flush=True))
+            print("compiling the frame step for each row count the engine runs (--compile)", file=sys.stderr)
+            self.engine.warm_up(lambda n, seconds: print(f"  {n} row(s): {seconds:.1f} s", file=sys.stderr))
         self.engine.start()
         self.voices, self.api_key = Path(args.voices), args.api_key
         self.default_voice, self.allow_origins = args.default_voice, set(args.allow_origin or ())
@@ -381,8 +359,7 @@ class App:
         return {path.stem: (kind, path) for kind, path in found if is_voice_name(path.stem)}
 
     def builtin_voice(self, name):
-        """OpenAI's built-in names (clients hard-code them): a saved voice of that name, else --default-voice,
-        else none (plain text-to-speech)."""
+        """OpenAI's built-in names (hard-coded in clients): a saved voice, else --default-voice, else none."""
         if name in OPENAI_VOICES and name not in self.voice_files():
             return self.default_voice
         return name
@@ -419,8 +396,7 @@ class App:
         return codec.encode(self.dac, wave)[0].cpu()
 
     def check_codes(self, codes, what: str) -> torch.Tensor:
-        """Codes sent by a client (nested lists) -> (10, T) on the device; values above a codebook's size
-        are clamped by the codec, as upstream."""
+        """A client's codes (nested lists) -> (10, T) on the device; the codec clamps big ones (upstream)."""
         rows, frames = self.model.config["num_codebooks"], self.max_context
         with contextlib.suppress(TypeError, ValueError, RuntimeError, OverflowError):  # ragged, not numbers
             codes = torch.tensor(codes, dtype=torch.long)
@@ -435,14 +411,26 @@ class App:
         return given + [(self.clip_codes(audio, f"reference {i} audio"), text)
                         for i, (audio, text) in enumerate(job["clips"], 1)]
 
+    def check_voices(self, saved=(), free=()):
+        """A 404 for a name in `saved` that is not a saved voice, a 409 for one in `free` that is."""
+        files = self.voice_files()
+        for name in saved:
+            if name not in files:
+                raise HTTPError(404, f"no voice named {name!r}")
+        for name in free:
+            if name in files:
+                raise HTTPError(409, f"voice {name!r} exists already: delete it first")
+
     @contextlib.contextmanager
-    def voices_locked(self):
-        """One save, delete or rename at a time, among threads and among every server sharing the folder (an
-        flock: each call opens its own descriptor). Readers take no lock: a voice appears when its
-        transcript is renamed into place and is gone once it is deleted, so they never see half of one."""
+    def voices_locked(self, saved=(), free=()):
+        """One save, delete or rename at a time among threads and servers sharing the folder (an flock on a
+        descriptor of each call's own), the names checked before (a refusal makes no lock file) and under it.
+        Readers take no lock: a voice appears once its transcript is renamed into place, so none is half."""
+        self.check_voices(saved, free)
         self.voices.mkdir(parents=True, exist_ok=True)
         with open(self.voices / ".fishfast-lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
+            self.check_voices(saved, free)
             yield
 
     def voice_paths(self, name: str) -> list:
@@ -451,18 +439,11 @@ class App:
                  and p.suffix.lower() in {".npy", *codec.AUDIO_EXTENSIONS}]
         return [self.voices / f"{name}.txt", *found]
 
-    def check_voice(self, name: str, saved=True):
-        """A 404 unless voice `name` is saved, or with saved=False a 409 if it is."""
-        if (name in self.voice_files()) != saved:
-            raise HTTPError(404, f"no voice named {name!r}") if saved else \
-                HTTPError(409, f"voice {name!r} exists already: delete it first")
-
     def save_voice(self, name: str, audio: bytes, text: str) -> dict:
-        self.check_voice(name, saved=False)  # checked before the lock too: a refusal creates no lock file
+        self.check_voices(free=[name])  # before the audio is encoded for nothing
         codes = self.clip_codes(audio, "audio")  # everything is checked before anything is written
         npy, txt = self.voices / f"{name}.npy", self.voices / f"{name}.txt"
-        with self.voices_locked():
-            self.check_voice(name, saved=False)
+        with self.voices_locked(free=[name]):
             try:
                 codec.save_codes(npy, codes)
                 # the voice appears (listed and usable) only once the transcript exists, written whole
@@ -470,20 +451,16 @@ class App:
             except dualAR.UserError as e:  # a full disk, a folder gone
                 npy.unlink(missing_ok=True)
                 raise HTTPError(500, f"cannot save voice {name!r}: {e}") from None
-        return dict(name=name, frames=codes.size(1), seconds=round(codes.size(1) / frame_rate(), 2))
+        frames = codes.size(1)
+        return dict(name=name, frames=frames, seconds=round(frames * codec.hop_length() / SAMPLE_RATE, 2))
 
     def delete_voice(self, name: str):
-        self.check_voice(name)
-        with self.voices_locked():
-            self.check_voice(name)
+        with self.voices_locked(saved=[name]):
             for path in self.voice_paths(name):
                 path.unlink(missing_ok=True)
 
     def rename_voice(self, old: str, new: str):
-        self.check_voice(old)
-        with self.voices_locked():
-            self.check_voice(old)
-            self.check_voice(new, saved=False)
+        with self.voices_locked(saved=[old], free=[new]):
             for path in reversed(self.voice_paths(old)):  # the transcript last: then the new name appears
                 path.rename(path.with_name(new + path.suffix))
 
@@ -499,10 +476,6 @@ class App:
         return codec.decode(self.dac, codes.to(self.device))[0] if codes.size(1) else torch.zeros(0)
 
 
-def frame_rate() -> float:
-    return SAMPLE_RATE / codec.hop_length()
-
-
 # ----------------------------------------------------------------------------- HTTP
 class Handler(BaseHTTPRequestHandler):
     """Routes -> validate -> submit -> stream the answer. Every error leaves through `send_json_error`."""
@@ -515,10 +488,9 @@ class Handler(BaseHTTPRequestHandler):
               "/v1/audio/voices/{name}": dict(DELETE="delete_voice"),
               # upstream fish-speech's API (tools/server/views.py)
               "/v1/health": dict(GET="health", POST="health"),
-              "/v1/references/add": dict(POST="add_reference"),
-              "/v1/references/list": dict(GET="list_references"),
-              "/v1/references/delete": dict(DELETE="delete_reference"),
-              "/v1/references/update": dict(POST="update_reference"),
+              "/v1/references/add": dict(POST="save_voice"), "/v1/references/list": dict(GET="list_voices"),
+              "/v1/references/delete": dict(DELETE="delete_voice"),
+              "/v1/references/update": dict(POST="rename_voice"),
               "/v1/vqgan/encode": dict(POST="vqgan_encode"), "/v1/vqgan/decode": dict(POST="vqgan_decode")}
 
     @property
@@ -602,12 +574,10 @@ class Handler(BaseHTTPRequestHandler):
     def body(self) -> bytes:
         if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
             raise HTTPError(411, "chunked request bodies are not supported: send Content-Length")
-        try:
-            length = int(self.headers.get("Content-Length", 0))
-        except ValueError:
-            length = -1
-        if length < 0:
+        length = self.headers.get("Content-Length", "0").strip()
+        if not length.isdecimal():  # no sign either: "-5" is no length
             raise HTTPError(400, "Content-Length must be a number of bytes")
+        length = int(length)
         if length > MAX_BODY:
             raise HTTPError(413, f"the request body must be 0 to {MAX_BODY >> 20} MiB")
         data = self.rfile.read(length)
@@ -622,14 +592,11 @@ class Handler(BaseHTTPRequestHandler):
         return kind
 
     def data(self, form=False) -> dict:
-        """The body as a dict: JSON, msgpack (upstream's client) or, where `form`, multipart/form-data (its
-        fields as text, the audio as bytes)."""
+        """The body as a dict: JSON, msgpack or, where `form`, multipart/form-data (text, audio as bytes)."""
         kinds = ("application/json", "application/msgpack", *(["multipart/form-data"] if form else []))
         kind, body = self.content_type(*kinds), self.body()
-        if kind == "application/json":
-            return parse_json(body)
-        if kind == "application/msgpack":
-            return parse_msgpack(body)
+        if kind != "multipart/form-data":
+            return parse_body(kind, body)
         fields = parse_form(self.headers["Content-Type"], body)
         return {key: value if key == "audio" else value.decode("utf-8", "replace")
                 for key, value in fields.items()}
@@ -648,7 +615,7 @@ class Handler(BaseHTTPRequestHandler):
         if self.packed:
             self.send_bytes(MSGPACK.packb(data), "application/msgpack", status, headers)
         else:
-            body = json.dumps(data, default=jsonable).encode()
+            body = json.dumps(data, default=json_fallback).encode()
             self.send_bytes(body, "application/json", status, headers)
 
     def end_headers(self):
@@ -663,29 +630,34 @@ class Handler(BaseHTTPRequestHandler):
         self.started = False  # that was '100 Continue' (curl sends Expect on big uploads): a status follows
         return True
 
+    def error_body(self, status: int, message: str) -> dict:
+        """Ours: {error: {message, type}}. Upstream's routes: its {success: false, message, ...ids}."""
+        if self.error_fields:
+            return dict(self.error_fields, message=message)
+        return dict(error=dict(message=message, type=ERROR_TYPES.get(status, "invalid_request_error")))
+
     def send_json_error(self, status: int, message: str, headers=None, body=None):
-        """Ours: {error: {message, type}}. Upstream's routes: its {success: false, message, ...ids}, and its
-        422, pydantic's list of errors, for /v1/tts."""
+        """The one way an error leaves (`body`: /v1/tts's 422, pydantic's list of errors, as upstream)."""
         self.close_connection = True  # the request's body may be left unread
         if self.started:  # too late for a status: the client sees a cut-off body
             return
-        kind = ERROR_TYPES.get(status, "invalid_request_error")
-        if body is None:
-            body = dict(self.error_fields, message=message) if self.error_fields else \
-                dict(error=dict(message=message, type=kind))
+        body = self.error_body(status, message) if body is None else body
         self.send_json(body, status, {"Connection": "close", **(headers or {})})
 
     def send_error(self, code, message=None, explain=None):
         """The base class's own errors (bad request line, oversized headers) as JSON too."""
         self.send_json_error(code, message or self.responses.get(code, ("error",))[0])
 
-    def send_bytes(self, body: bytes, media_type, status=200, headers=None):
+    def send_head(self, status: int, headers: dict):
         self.send_response(status)
-        for key, value in {"Content-Type": media_type, **(headers or {})}.items():
+        for key, value in headers.items():
             if value:
                 self.send_header(key, value)
-        self.send_header("Content-Length", str(len(body)))
         self.end_headers()
+
+    def send_bytes(self, body: bytes, media_type, status=200, headers=None):
+        length = str(len(body))
+        self.send_head(status, {"Content-Type": media_type, **(headers or {}), "Content-Length": length})
         if self.command != "HEAD":
             self.wfile.write(body)
 
@@ -703,59 +675,31 @@ class Handler(BaseHTTPRequestHandler):
         self.send_json(dict(object="list", data=[dict(id=self.app.name, object="model", created=0,
                                                       owned_by="fishaudio")]))
 
+    # the voices, ours and upstream's /v1/references/ (its answers: {success, message, ...ids})
     def list_voices(self):
-        self.send_json(dict(voices=sorted(self.app.voice_files())))
+        names = sorted(self.app.voice_files())
+        self.send_json(dict(success=True, reference_ids=names, message=f"{len(names)} references")
+                       if self.upstream() else dict(voices=names))
 
     def save_voice(self):
-        self.send_json(self.upload("name"), 201)
-
-    def upload(self, key: str) -> dict:
-        """A voice to save: its name (`key`), text and audio, as JSON, msgpack or a form -> what was saved."""
+        """{name (upstream: id), text, audio} as JSON, msgpack or a form."""
+        upstream = self.upstream(reference_id="")
         data = self.data(form=True)
-        name = self.echo("reference_id", data.get(key))
+        name = self.echo("reference_id", data.get("id" if upstream else "name"))
         text = check_text(data.get("text"), "text (the clip's transcript)", MAX_TRANSCRIPT)
-        return self.app.save_voice(name, decode_base64(data.get("audio"), "audio"), text)
+        saved = self.app.save_voice(name, decode_base64(data.get("audio"), "audio"), text)
+        if upstream:
+            return self.send_json(dict(success=True, message=f"reference {name!r} added", reference_id=name))
+        self.send_json(saved, 201)
 
     def delete_voice(self):
-        name = check_voice_name(self.name)
+        upstream = self.upstream(reference_id="")
+        name = self.echo("reference_id", self.data().get("reference_id") if upstream else self.name)
         self.app.delete_voice(name)
-        self.send_json(dict(deleted=name))
+        self.send_json(dict(success=True, message=f"reference {name!r} deleted", reference_id=name)
+                       if upstream else dict(deleted=name))
 
-    def speech(self):
-        job = openai_job(self.data())
-        job["voice"] = self.app.builtin_voice(job["voice"])
-        self.answer(job)
-
-    def tts(self):
-        self.answer(fish_job(self.data()))
-
-    # upstream's answers: {success, message, ids}, as JSON or msgpack (wants_msgpack), errors too
-    def upstream(self, **ids):
-        self.packed, self.error_fields = self.wants_msgpack(), dict(success=False, **ids)
-
-    def echo(self, key: str, name) -> str:
-        """A voice name from the request -> the name, checked; upstream's error answers repeat it."""
-        if self.error_fields:
-            self.error_fields[key] = name if isinstance(name, str) else ""
-        return check_voice_name(name)
-
-    def add_reference(self):
-        self.upstream(reference_id="")
-        name = self.upload("id")["name"]
-        self.send_json(dict(success=True, message=f"reference {name!r} added", reference_id=name))
-
-    def list_references(self):
-        self.upstream()
-        names = sorted(self.app.voice_files())
-        self.send_json(dict(success=True, reference_ids=names, message=f"{len(names)} references"))
-
-    def delete_reference(self):
-        self.upstream(reference_id="")
-        name = self.echo("reference_id", self.data().get("reference_id"))
-        self.app.delete_voice(name)
-        self.send_json(dict(success=True, message=f"reference {name!r} deleted", reference_id=name))
-
-    def update_reference(self):
+    def rename_voice(self):
         self.upstream(old_reference_id="", new_reference_id="")
         data = self.data()
         old, new = (self.echo(key, data.get(key)) for key in ("old_reference_id", "new_reference_id"))
@@ -764,6 +708,26 @@ class Handler(BaseHTTPRequestHandler):
         self.app.rename_voice(old, new)
         self.send_json(dict(success=True, message=f"reference {old!r} renamed to {new!r}",
                             old_reference_id=old, new_reference_id=new))
+
+    def upstream(self, **ids) -> bool:
+        """Whether this is upstream's route: then its answers and errors, JSON or msgpack (wants_msgpack)."""
+        if self.path.startswith("/v1/references/"):
+            self.packed, self.error_fields = self.wants_msgpack(), dict(success=False, **ids)
+        return self.error_fields is not None
+
+    def echo(self, key: str, name) -> str:
+        """A voice name from the request -> the name, checked; upstream's error answers repeat it."""
+        if self.error_fields:
+            self.error_fields[key] = name if isinstance(name, str) else ""
+        return check_voice_name(name)
+
+    def speech(self):
+        job = openai_job(self.data())
+        job["voice"] = self.app.builtin_voice(job["voice"])
+        self.answer(job)
+
+    def tts(self):
+        self.answer(fish_job(self.data()))
 
     def batch(self, key: str) -> list:
         """Upstream's /v1/vqgan body: {key: [1 to MAX_CODES items]} -> [(item, its name for errors)]."""
@@ -798,7 +762,7 @@ class Handler(BaseHTTPRequestHandler):
             self.watch(request)
             if job["send"] == "whole":
                 wave = self.app.whole_wave(request)  # a late error is still a clean 400
-                self.send_bytes(audio_file(wave, job["format"]), MEDIA_TYPES[job["format"]])
+                self.send_bytes(audio_file_bytes(wave, job["format"]), MEDIA_TYPES[job["format"]])
                 samples = len(wave)
             else:
                 samples = self.stream(request, job, prompt_tokens)
@@ -811,11 +775,8 @@ class Handler(BaseHTTPRequestHandler):
 
     def stream(self, request, job: dict, prompt_tokens: int) -> int:
         fmt, sse = job["format"], job["send"] == "sse"
-        self.send_response(200)
-        self.send_header("Content-Type", "text/event-stream" if sse else MEDIA_TYPES[fmt])
-        self.send_header("Cache-Control", "no-cache")
-        self.send_header("Transfer-Encoding", "chunked")
-        self.end_headers()
+        self.send_head(200, {"Content-Type": "text/event-stream" if sse else MEDIA_TYPES[fmt],
+                             "Cache-Control": "no-cache", "Transfer-Encoding": "chunked"})
 
         def send(data: bytes):
             if sse:
@@ -832,18 +793,17 @@ class Handler(BaseHTTPRequestHandler):
                     samples += len(wave)
             else:  # sse of a format that is encoded whole: one delta
                 wave = self.app.whole_wave(request)
-                send(audio_file(wave, fmt))
+                send(audio_file_bytes(wave, fmt))
                 samples = len(wave)
-        except (ConnectionError, TimeoutError):
-            raise
         except Exception as e:  # failed after the 200 went out: an error event, or a cut-off body
+            if isinstance(e, (ConnectionError, TimeoutError)):
+                raise
             self.close_connection = True
             if not isinstance(e, dualAR.UserError):
                 traceback.print_exc()
             if sse:
-                kind = "invalid_request_error" if isinstance(e, dualAR.UserError) else "server_error"
-                error = dict(message=str(e), type=kind)
-                self.write_chunk(sse_event(type="error", error=error))
+                status = 400 if isinstance(e, dualAR.UserError) else 500
+                self.write_chunk(sse_event(type="error", **self.error_body(status, str(e))))
                 self.write_chunk(b"")
             return samples
         if request.cancelled:  # the client hung up
@@ -857,10 +817,9 @@ class Handler(BaseHTTPRequestHandler):
         return samples
 
     def watch(self, request):
-        """Cancel `request` as soon as the client hangs up, even while it waits in the queue: a thread that
-        polls the socket until the request is done. A hang-up is a reset (or a failed write, in stream):
-        an EOF is only a half-close (some clients and proxies send one after the request), and the client
-        still reads its answer. If the engine thread dies, end the request too."""
+        """A thread that cancels `request` once its client hangs up (a reset; in stream also a failed write),
+        even while it waits in the queue. An EOF is only a half-close (some clients and proxies send one
+        after the request): that client still reads its answer. If the engine thread dies, end it too."""
         sock, app, poller = self.connection, self.app, select.poll()
         poller.register(sock, select.POLLIN)
 
@@ -919,80 +878,57 @@ PAGE = r"""<!doctype html>
 <style>
 body { font: 15px/1.45 system-ui, sans-serif; color: #1d2330; background: #f4f6f9; max-width: 860px;
        margin: 1.2rem auto; padding: 0 1rem; }
-[hidden] { display: none !important; }
-h1 { font-size: 1.35rem; margin: 0; } .sub { color: #5b6475; margin: .1rem 0 .8rem; }
+[hidden] { display: none !important; } h1 { font-size: 1.35rem; margin: 0; } audio { width: 100%; }
+.sub { color: #5b6475; margin: .1rem 0 .8rem; } .hint { font-size: .82rem; color: #6b7385; }
 .demo { background: #b3261e; color: #fff; padding: .6rem .8rem; border-radius: 6px; font-weight: 600; }
 section { background: #fff; border: 1px solid #d9dee7; border-radius: 8px; padding: .8rem 1rem;
           margin: .7rem 0; }
 textarea { width: 100%; box-sizing: border-box; min-height: 5.5rem; font: inherit; padding: .4rem; }
-input, select { font: inherit; padding: .2rem .3rem; }
-.hint { font-size: .82rem; color: #6b7385; }
-code { background: #eef1f6; padding: 0 .2rem; border-radius: 3px; }
+input, select { font: inherit; padding: .2rem .3rem; } input[type=number] { width: 5.5rem; }
+code { background: #eef1f6; padding: 0 .2rem; border-radius: 3px; } #message { color: #1d7a3a; }
 .row { display: flex; gap: .7rem; flex-wrap: wrap; align-items: end; margin: .3rem 0; }
 .row label { display: flex; flex-direction: column; font-size: .85rem; color: #434b5c; }
-input[type=number] { width: 5.5rem; }
 .clip { display: grid; grid-template-columns: 13rem 1fr 9rem auto auto; gap: .4rem; margin: .4rem 0; }
-button { font: inherit; padding: .3rem .8rem; border-radius: 6px; border: 1px solid #9aa3b5; background: #fff;
-         cursor: pointer; }
+button { font: inherit; padding: .3rem .8rem; border-radius: 6px; border: 1px solid #9aa3b5; }
 button.primary { background: #1f5fd1; border-color: #1f5fd1; color: #fff; font-weight: 600; }
-button:disabled { opacity: .5; cursor: default; }
-audio { width: 100%; margin: .5rem 0 .2rem; }
+button { background: #fff; cursor: pointer; } button:disabled { opacity: .5; cursor: default; }
 canvas { width: 100%; height: 80px; background: #f7f9fc; border-radius: 4px; }
 #figures { font-variant-numeric: tabular-nums; color: #2b3342; }
-#error { color: #b3261e; white-space: pre-wrap; } #message { color: #1d7a3a; }
+#error { color: #b3261e; white-space: pre-wrap; }
 </style></head>
 <body>
 <h1>fishfast</h1>
 <p class="sub">Fish Audio S2-Pro text-to-speech &middot; <span id="model"></span></p>
 {{banner}}
-<section>
-  <textarea id="text" placeholder="Type what to say. Hello! This is my cloned voice."></textarea>
+<section><textarea id="text" placeholder="Type what to say. Hello! This is my cloned voice."></textarea>
   <div class="hint">A dialogue: <code>&lt;|speaker:0|&gt;Hi, Bob.&lt;|speaker:1|&gt;Hi, Alice!</code>
-    &mdash; speaker N speaks in the Nth voice below (the saved voice first, then the clips).</div>
-</section>
-<section>
-  <div class="row">
+    &mdash; speaker N speaks in the Nth voice below (the saved voice first, then the clips).</div></section>
+<section><div class="row">
     <label>Voice <select id="voice"><option value="">none: plain text-to-speech</option></select></label>
     <button id="delete-voice" type="button">Delete voice</button>
-    <label id="key-label" hidden>API key <input id="api-key" type="password" autocomplete="off"></label>
-  </div>
-  <div id="clips"></div>
-  <button id="add-clip" type="button">+ reference clip</button>
+    <label id="key-label" hidden>API key <input id="api-key" type="password" autocomplete="off"></label></div>
+  <div id="clips"></div><button id="add-clip" type="button">+ reference clip</button>
   <span class="hint">1&ndash;4 clips of a few seconds (wav, flac, ogg, mp3), each with its transcript;
-    a clip can be saved as a voice.</span>
-</section>
-<section>
-  <div class="row">
-    <label>temperature
-      <input id="temperature" type="number" value="0.7" min="0.05" max="1.95" step="0.05"></label>
-    <label>top-p <input id="top_p" type="number" value="0.7" min="0.05" max="1" step="0.05"></label>
-    <label>top-k <input id="top_k" type="number" value="30" min="0" step="1"></label>
-    <label>seed <input id="seed" type="number" placeholder="random" min="0" step="1"></label>
-    <label>max frames <input id="max_new_tokens" type="number" value="0" min="0" step="1"></label>
-    <span class="hint">max frames: 0 = until the model stops; 21.5 frames = 1 s</span>
-  </div>
-</section>
-<section>
-  <div class="row">
-    <button id="generate" class="primary" type="button">Generate</button>
+    a clip can be saved as a voice.</span></section>
+<section><div class="row">
+  <label>temperature
+    <input id="temperature" type="number" value="0.7" min="0.05" max="1.95" step="0.05"></label>
+  <label>top-p <input id="top_p" type="number" value="0.7" min="0.05" max="1" step="0.05"></label>
+  <label>top-k <input id="top_k" type="number" value="30" min="0" step="1"></label>
+  <label>seed <input id="seed" type="number" placeholder="random" min="0" step="1"></label>
+  <label>max frames <input id="max_new_tokens" type="number" value="0" min="0" step="1"></label>
+  <span class="hint">max frames: 0 = until the model stops; 21.5 frames = 1 s</span></div></section>
+<section><div class="row"><button id="generate" class="primary" type="button">Generate</button>
     <button id="stop" type="button" disabled>Stop</button>
-    <a id="download" download="fishfast.wav" hidden>Download WAV</a>
-  </div>
-  <audio id="audio" controls></audio>
-  <canvas id="wave" width="820" height="80"></canvas>
-  <div id="figures"></div>
-  <div id="message"></div>
-  <div id="error" role="alert"></div>
-</section>
+    <a id="download" download="fishfast.wav" hidden>Download WAV</a></div>
+  <audio id="audio" controls></audio><canvas id="wave" width="820" height="80"></canvas>
+  <div id="figures"></div><div id="message"></div><div id="error" role="alert"></div></section>
 <script>
 const CONFIG = {{config}};
 const $ = id => document.getElementById(id);
 const player = window.player = {state: 'idle'};  // read by the browser test
-
-function say(error, message) {
-  $('error').textContent = error || '';
-  $('message').textContent = message || '';
-}
+const text = (id, value) => { $(id).textContent = value || ''; };
+const say = (error, message) => [text('error', error), text('message', message)];
 function headers(json) {
   const h = json ? {'Content-Type': 'application/json'} : {};
   if ($('api-key').value) h.Authorization = 'Bearer ' + $('api-key').value;
@@ -1011,7 +947,12 @@ async function loadVoices(select) {
   for (const name of voices) box.add(new Option(name, name));
   box.value = voices.includes(keep) ? keep : '';
 }
-
+async function changeVoices(path, method, body, done, select) {  // save or delete, then list them again
+  const res = await fetch(path, {method, body, headers: headers()});
+  if (!res.ok) return say(await errorOf(res));
+  await loadVoices(select);
+  say('', done);
+}
 function addClip() {
   if ($('clips').children.length >= CONFIG.maxReferences) return say('at most 4 reference clips');
   const row = document.createElement('div');
@@ -1024,7 +965,6 @@ function addClip() {
   row.querySelector('.clip-save').onclick = () => saveVoice(row);
   $('clips').append(row);
 }
-
 async function saveVoice(row) {
   say();
   const file = row.querySelector('.clip-file').files[0], name = row.querySelector('.clip-name').value.trim();
@@ -1033,76 +973,49 @@ async function saveVoice(row) {
   form.append('name', name);
   form.append('text', row.querySelector('.clip-text').value);
   form.append('audio', file);
-  const res = await fetch('/v1/audio/voices', {method: 'POST', body: form, headers: headers()});
-  if (!res.ok) return say(await errorOf(res));
-  await loadVoices(name);
-  say('', 'saved voice ' + name);
+  await changeVoices('/v1/audio/voices', 'POST', form, 'saved voice ' + name, name);
 }
-
 async function deleteVoice() {
   const name = $('voice').value;
-  if (!name || !confirm('Delete voice ' + name + '?')) return;
-  const res = await fetch('/v1/audio/voices/' + encodeURIComponent(name),
-                          {method: 'DELETE', headers: headers()});
-  if (!res.ok) return say(await errorOf(res));
-  await loadVoices();
-  say('', 'deleted voice ' + name);
+  if (name && confirm('Delete voice ' + name + '?'))
+    await changeVoices('/v1/audio/voices/' + encodeURIComponent(name), 'DELETE', null, 'deleted ' + name);
 }
+const base64 = file => new Promise((ok, fail) => {
+  const reader = Object.assign(new FileReader(), {onerror: () => fail(reader.error)});
+  reader.onload = () => ok(reader.result.split(',')[1]);
+  reader.readAsDataURL(file);
+});
 
-function base64(file) {
-  return new Promise((ok, fail) => {
-    const reader = new FileReader();
-    reader.onload = () => ok(reader.result.split(',')[1]);
-    reader.onerror = () => fail(reader.error);
-    reader.readAsDataURL(file);
-  });
-}
-
-function wavHeader(samples) {  // the whole file's header: 16-bit mono PCM, the sizes known now
-  const view = new DataView(new ArrayBuffer(44));
-  const ascii = (at, text) => [...text].forEach((c, i) => view.setUint8(at + i, c.charCodeAt(0)));
-  ascii(0, 'RIFF');
-  view.setUint32(4, 36 + 2 * samples, true);
-  ascii(8, 'WAVEfmt ');
-  view.setUint32(16, 16, true);
-  view.setUint16(20, 1, true);
-  view.setUint16(22, 1, true);
-  view.setUint32(24, CONFIG.sampleRate, true);
-  view.setUint32(28, 2 * CONFIG.sampleRate, true);
-  view.setUint16(32, 2, true);
-  view.setUint16(34, 16, true);
-  ascii(36, 'data');
-  view.setUint32(40, 2 * samples, true);
+function wavHeader(samples) {  // the whole file's 44 bytes: 16-bit mono PCM, the sizes known now
+  const view = new DataView(new ArrayBuffer(44)), rate = CONFIG.sampleRate;
+  for (const [at, tag] of [[0, 'RIFF'], [8, 'WAVEfmt '], [36, 'data']])
+    [...tag].forEach((c, i) => view.setUint8(at + i, c.charCodeAt(0)));
+  for (const [at, value] of [[4, 36 + 2 * samples], [16, 16], [24, rate], [28, 2 * rate], [40, 2 * samples]])
+    view.setUint32(at, value, true);
+  for (const [at, value] of [[20, 1], [22, 1], [32, 2], [34, 16]])  // PCM, mono, bytes a sample, bits
+    view.setUint16(at, value, true);
   return view.buffer;
 }
-
 function showFigures(t0) {
   const wall = (performance.now() - t0) / 1000, seconds = player.samples / CONFIG.sampleRate;
   const frames = player.samples / CONFIG.hop;
-  $('figures').textContent = ({generating: 'generating\u2026 ', stopped: 'stopped: '}[player.state] || '')
+  text('figures', ({generating: 'generating\u2026 ', stopped: 'stopped: '}[player.state] || '')
     + 'first audio after ' + player.firstAudio.toFixed(2) + ' s \u00b7 ' + frames.toFixed(0) + ' frames in '
     + wall.toFixed(2) + ' s = ' + (frames / wall).toFixed(1) + ' frames/s \u00b7 RTF '
-    + (wall / seconds).toFixed(2) + ' (' + seconds.toFixed(2) + ' s of audio)';
+    + (wall / seconds).toFixed(2) + ' (' + seconds.toFixed(2) + ' s of audio)');
 }
-
 const BLOCK = 512;  // samples of one min/max pair of the waveform
 function addPeaks(pcm) {
   for (let i = 0; i < pcm.length; i += BLOCK) {
-    let low = 0, high = 0;
-    for (let j = i; j < Math.min(i + BLOCK, pcm.length); j++) {
-      low = Math.min(low, pcm[j]);
-      high = Math.max(high, pcm[j]);
-    }
-    player.peaks.push(low / 32768, high / 32768);
+    const block = pcm.subarray(i, i + BLOCK);
+    player.peaks.push(Math.min(0, ...block) / 32768, Math.max(0, ...block) / 32768);
   }
 }
-
 function playhead() {  // seconds played: of the file once it is whole, else of the stream
   const audio = $('audio');
   if (audio.src && !audio.srcObject) return audio.currentTime;
   return player.start != null ? Math.max(0, player.ctx.currentTime - player.start) : null;
 }
-
 function draw() {  // the waveform as it arrives (it fills the canvas, then shrinks to fit), the playhead red
   const canvas = $('wave'), g = canvas.getContext('2d'), peaks = player.peaks || [];
   const w = canvas.width, h = canvas.height, n = peaks.length / 2, scale = w / Math.max(w, n);
@@ -1124,23 +1037,19 @@ async function play(reader, t0) {
   const ctx = player.ctx = new AudioContext({sampleRate: CONFIG.sampleRate});
   const out = ctx.createMediaStreamDestination(), audio = $('audio');
   let carry = new Uint8Array(0), next = 0;
-  for (;;) {
-    const {done, value} = await reader.read();
-    if (done) break;
-    const bytes = new Uint8Array(carry.length + value.length);
+  for (let read; !(read = await reader.read()).done;) {
+    const bytes = new Uint8Array(carry.length + read.value.length);
     bytes.set(carry);
-    bytes.set(value, carry.length);
-    const even = bytes.length & ~1;
+    bytes.set(read.value, carry.length);
+    const even = bytes.length & ~1;  // an odd byte waits for its other half
     carry = bytes.slice(even);
     if (!even) continue;
     const pcm = new Int16Array(bytes.slice(0, even).buffer);
     const buffer = ctx.createBuffer(1, pcm.length, CONFIG.sampleRate);
-    const data = buffer.getChannelData(0);
-    for (let i = 0; i < pcm.length; i++) data[i] = pcm[i] / 32768;
+    buffer.getChannelData(0).set(Float32Array.from(pcm, v => v / 32768));
     player.pieces.push(pcm);
     addPeaks(pcm);
-    const source = player.last = ctx.createBufferSource();
-    source.buffer = buffer;
+    const source = player.last = Object.assign(ctx.createBufferSource(), {buffer});
     source.connect(out);
     if (player.firstAudio === null) {
       player.firstAudio = (performance.now() - t0) / 1000;
@@ -1156,25 +1065,25 @@ async function play(reader, t0) {
     showFigures(t0);
   }
 }
-
 function offer(t0) {  // the figures and a download of what was made: all of it, or what came before Stop
   showFigures(t0);
   const wav = new Blob([wavHeader(player.samples), ...player.pieces], {type: 'audio/wav'});
   const url = URL.createObjectURL(wav);
-  $('download').href = url;
-  $('download').hidden = false;
+  Object.assign($('download'), {href: url, hidden: false});
   const toFile = () => {  // then the element replays (and seeks in) the file
-    $('audio').srcObject = null;
-    $('audio').src = url;
+    Object.assign($('audio'), {srcObject: null, src: url});
     player.ctx.close();
   };
   if (player.state === 'done') player.last.onended = toFile;
   else toFile();  // stopped or failed: the player ends now
 }
-
+function busy(generating) {
+  $('generate').disabled = generating;
+  $('stop').disabled = !generating;
+}
 async function generate() {
   say();
-  $('figures').textContent = '';
+  text('figures');
   $('download').hidden = true;
   const body = {model: 's2-pro', input: $('text').value, response_format: 'pcm', stream_format: 'audio'};
   if ($('voice').value) body.voice = $('voice').value;
@@ -1188,8 +1097,7 @@ async function generate() {
     if ($(key).value !== '') body[key] = Number($(key).value);
   Object.assign(player, {abort: new AbortController(), state: 'generating', pieces: [], peaks: [], samples: 0,
                          firstAudio: null, start: null, last: null});
-  $('generate').disabled = true;
-  $('stop').disabled = false;
+  busy(true);
   const t0 = performance.now();
   try {
     const res = await fetch('/v1/audio/speech', {method: 'POST', headers: headers(true),
@@ -1200,16 +1108,14 @@ async function generate() {
     if (!player.last) throw new Error('the model said nothing (it stopped at once): try another seed, text');
   } catch (e) {
     player.state = e.name === 'AbortError' ? 'stopped' : 'failed';
-    const failed = player.state === 'failed';
-    say(failed ? e.message : '', failed ? '' : 'stopped');
+    say(player.state === 'failed' ? e.message : '', player.state === 'failed' ? '' : 'stopped');
   }
   if (player.samples) offer(t0);
   else if (player.ctx && player.ctx.state !== 'closed') player.ctx.close();
-  $('generate').disabled = false;
-  $('stop').disabled = true;
+  busy(false);
 }
 
-$('model').textContent = CONFIG.model;
+text('model', CONFIG.model);
 $('max_new_tokens').value = CONFIG.maxFrames;
 $('key-label').hidden = !CONFIG.auth;
 $('api-key').value = localStorage.getItem('fishfast-key') || '';
@@ -1233,8 +1139,7 @@ def parse_args(argv=None):
     ap = codec.ArgumentParser(description="fishfast web demo and OpenAI-compatible speech server.")
     ap.add_argument("--checkpoint", help="S2-Pro checkpoint dir (default ./s2-pro, or the tiny demo model,"
                     " whose audio is noise, if that is absent)")
-    ap.add_argument("--host", default="127.0.0.1",
-                    help="address to bind (default 127.0.0.1: this machine only)")
+    ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine)")
     ap.add_argument("--port", type=int, default=7560, help="port (default 7560, 0: any free one)")
     ap.add_argument("--device", help="cpu, mps, cuda or cuda:N (one server per GPU: README, Replicas);"
                     " default: cuda > mps > cpu")
@@ -1250,16 +1155,14 @@ def parse_args(argv=None):
                     f" frames) a request may use, as the CLI's (default {dualAR.DEFAULT_CONTEXT})")
     ap.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot, beyond that"
                     " a 503 (default 16; 0: served only while a slot is free)")
-    ap.add_argument("--voices", default="prompt", help="folder of saved voices, <name>.npy + <name>.txt"
-                    " (default prompt/, as the CLI)")
+    ap.add_argument("--voices", default="prompt", help="saved voices, <name>.npy + .txt (default prompt/)")
     ap.add_argument("--api-key", default=os.environ.get("FISHFAST_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on /v1/ (default $FISHFAST_API_KEY, else none)")
     ap.add_argument("--allow-origin", action="append", metavar="ORIGIN", help="let pages of this origin"
                     " (e.g. https://app.example.com, or *) use the API from a browser, with CORS; repeatable."
                     " Default: pages of other sites can neither write nor generate here")
     ap.add_argument("--default-voice", metavar="NAME", help="the saved voice OpenAI's built-in voice names"
-                    " (alloy, ash, ...) speak with, unless a saved voice has that name (default: none:"
-                    " plain TTS)")
+                    " (alloy, ash, ...) speak with, unless a voice has that name (default: none, plain TTS)")
     args = ap.parse_args(argv)
     if args.slots < 1 or args.queue < 0 or args.max_context < 2:
         ap.error("--slots must be >= 1, --queue >= 0 and --max-context >= 2")
@@ -1285,8 +1188,8 @@ def main(argv=None):
     server = make_server(args)
     app = server.app
     if app.info["demo"]:
-        print("DEMO: no checkpoint found, so a tiny RANDOM model is serving and the audio is NOISE.\n"
-              f"For speech, download fishaudio/s2-pro into {dualAR.DEFAULT_CHECKPOINT} (see README).",
+        print("DEMO: no checkpoint found, so a tiny RANDOM model is serving and the audio is NOISE.\nFor"
+              f" speech, download fishaudio/s2-pro into {dualAR.DEFAULT_CHECKPOINT} (see README).",
               file=sys.stderr)
     host, port = server.server_address[:2]
     print(f"fishfast: {app.info['model']} on {app.info['device']}, {args.slots} slots,"

@@ -11,6 +11,7 @@ import json
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -249,6 +250,19 @@ def test_client_that_hangs_up_mid_stream_frees_its_slot(server):
     assert health(server)["queued"] == 0
 
 
+def test_a_whole_file_answer_is_not_decoded_after_its_client_hung_up(server, monkeypatch):
+    decodes, decode = [], codec.decode
+    monkeypatch.setattr(codec, "decode", lambda *args, **kwargs: decodes.append(1) or decode(*args, **kwargs))
+    sock = socket.create_connection(server.server_address[:2], timeout=60)
+    sock.sendall(post_bytes(SPEECH, dict(input=TEXT, seed=12, max_new_tokens=0, response_format="flac")))
+    wait_for(lambda: health(server)["busy"] == 1, 10, "the request to be generating")
+    time.sleep(0.5)  # frames are made: there would be codes to decode
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close = a reset
+    sock.close()
+    wait_for(lambda: health(server)["busy"] == 0 and not request_threads(), 10, "the request to end")
+    assert decodes == []
+
+
 # ----------------------------------------------------------------------------- voices
 def multipart(fields: dict) -> tuple:
     """-> (content type, body) of a multipart/form-data upload (bytes values are sent as files)."""
@@ -289,6 +303,20 @@ def test_voices_save_list_use_and_delete(server, ref, root):
     assert call(server, "DELETE", "/v1/audio/voices/alice")[0] == 404
     status, _, body = call(server, "POST", SPEECH, dict(input=TEXT, voice="alice"))
     assert status == 400 and "unknown voice" in json.loads(body)["error"]["message"]
+
+
+def test_voice_listing_leaves_out_files_whose_names_break_the_rule(server, root):
+    bad = [root / "prompt" / "bad.name.npy", root / "prompt" / "bad.name.txt"]
+    for path in bad:
+        shutil.copy(root / "prompt" / ("keep" + path.suffix), path)
+    try:
+        assert "bad.name" in [p.stem for _, p in dualAR.default_references(root / "prompt")]  # the CLI's
+        assert "bad.name" not in json.loads(call(server, "GET", "/v1/audio/voices")[2])["voices"]
+        listed = json.loads(call(server, "GET", "/v1/references/list?format=json")[2])["reference_ids"]
+        assert "keep" in listed and "bad.name" not in listed
+    finally:
+        for path in bad:
+            path.unlink()
 
 
 # ----------------------------------------------------------------------------- bad input

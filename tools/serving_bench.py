@@ -1,0 +1,126 @@
+"""The serving load run: --load requests arriving at --rate per second into an engine of --slots rows, each
+one's audio decoded by the codec in its own thread as its codes come (as app.py serves them) -> frames/s in
+all and per request, time to first audio p50 / p95, and one machine-readable `bench load=...` line.
+
+It lives outside the library because it is one measurement, made for the README's serving table, of how
+the engine and the codec share one machine under load, not a benchmark a user of dualAR.py needs:
+`dualAR.py --bench` keeps the frame step and the time to first audio at batch 1.
+
+    python tools/serving_bench.py --config tiny --load 8 --rate 2 --slots 4 --frames 16
+    python tools/serving_bench.py --config s2-mid --load 8 --rate 2 --slots 8 --frames 64   # README's table
+"""
+import argparse
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # dualAR.py and codec.py, from anywhere
+import codec  # noqa: E402
+import dualAR  # noqa: E402
+
+TEXT = "The quick brown fox jumps over the lazy dog, and the river is calm today."
+
+
+def load_codec(checkpoint, device):
+    """The checkpoint's codec, or the real codec size with random weights (fp32, as the server runs it)."""
+    if checkpoint and (Path(checkpoint) / "codec.pth").is_file():
+        return codec.load(checkpoint, device)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return codec.fold_weight_norm(codec.DAC(codec.CONFIG)).requires_grad_(False).eval()
+
+
+def timed_request(engine: dualAR.Engine, dac, seed: int, frames: int, delay: float = 0.0) -> dict:
+    """Submit one request after `delay` s and decode its audio as it streams -> its figures (seconds since
+    submission: first audio samples ready, last frame)."""
+    time.sleep(delay)
+    request = engine.submit(dict(text=TEXT, seed=seed, max_new_tokens=frames, chunk_frames=8))
+    first, made, device = None, 0, engine.pos.device
+    with torch.inference_mode():
+        for samples in codec.decode_stream(dac, (c[None].to(device) for c in request)):
+            dualAR.synchronize(device)
+            first = first or time.perf_counter() - request.submitted
+            made += samples.size(-1) // codec.hop_length()
+    return dict(ttfa=first, frames=made, seconds=time.perf_counter() - request.submitted)
+
+
+def percentile(values: list, q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(q * len(values)))]
+
+
+def load_run(model: dualAR.DualAR, dac, args) -> dict:
+    """The engine warmed up (and compiled) by one request, then the timed arrivals -> the figures."""
+    prompt = dualAR.build_prompt(model, [], [], TEXT).size(1)
+    context = dualAR.cache_bucket(prompt + args.frames + 1, model.config)
+    with dualAR.Engine(model, slots=args.slots, context=context, max_queue=args.load).start() as engine:
+        timed_request(engine, dac, 0, args.frames)
+        results = [None] * args.load
+
+        def client(i):
+            results[i] = timed_request(engine, dac, i, args.frames, delay=i / args.rate)
+
+        start = time.perf_counter()
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(args.load)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        wall = time.perf_counter() - start
+    each = [r["frames"] / r["seconds"] for r in results]
+    ttfas = [1000 * r["ttfa"] for r in results]
+    return dict(requests=len(results), frames_per_s=sum(r["frames"] for r in results) / wall,
+                request_min=min(each), request_max=max(each), ttfa_p50_ms=percentile(ttfas, 0.5),
+                ttfa_p95_ms=percentile(ttfas, 0.95))
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description="fishfast serving load run (the README's serving table).")
+    ap.add_argument("--checkpoint", help="S2-Pro checkpoint dir (default: random weights of --config)")
+    ap.add_argument("--config", choices=list(dualAR.BENCH_CONFIGS), default="s2-mid",
+                    help="random-weight model size (default s2-mid, the README's table)")
+    ap.add_argument("--device", help="cpu, mps, cuda or cuda:N (default: cuda > mps > cpu)")
+    ap.add_argument("--dtype", choices=list(dualAR.DTYPES), help="default bf16 on CUDA, fp32 elsewhere")
+    ap.add_argument("--quant", choices=dualAR.QUANT_SCHEMES, help="weight quantization, as dualAR.py's")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction,
+                    help="compiled frame step (default: on for CUDA, off on CPU, where compiling takes"
+                    " minutes)")
+    ap.add_argument("--compile-cache", help="folder that keeps compiled kernels for the next run")
+    ap.add_argument("--frames", type=int, default=64, help="frames each request makes (default 64)")
+    ap.add_argument("--load", type=int, default=8, help="requests in the run (default 8)")
+    ap.add_argument("--rate", type=float, default=2.0, help="requests arriving per second (default 2)")
+    ap.add_argument("--slots", type=int, default=8, help="engine rows (default 8)")
+    args = ap.parse_args(argv)
+    if min(args.frames - 1, args.load, args.slots) < 1 or not args.rate > 0:
+        ap.error("--frames must be >= 2, --load and --slots >= 1, --rate > 0")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    device = dualAR.pick_device(args.device)
+    dtype = dualAR.pick_dtype(args.dtype, device)
+    compiled = device.type == "cuda" if args.compile is None else args.compile
+    dualAR.check_quant(args.quant, device, dtype)
+    if args.checkpoint:
+        model = dualAR.load(args.checkpoint, device, dtype, args.quant, compiled, args.compile_cache)
+    else:
+        model = dualAR.prepare(dualAR.random_model(args.config, device, dtype), args.quant, compiled,
+                               args.compile_cache)
+    got = load_run(model, load_codec(args.checkpoint, device), args)
+    print(f"load: {args.load} requests at {args.rate:g}/s into {args.slots} slots, {args.frames} frames each:"
+          f" {got['frames_per_s']:.1f} frames/s in all, per request {got['request_min']:.1f}.."
+          f"{got['request_max']:.1f} frames/s (real time: 21.5), time to first audio p50"
+          f" {got['ttfa_p50_ms']:.0f} ms, p95 {got['ttfa_p95_ms']:.0f} ms")
+    print(f"bench load={args.load} rate={args.rate:g} slots={args.slots}"
+          f" frames_per_s={got['frames_per_s']:.1f} request_frames_per_s_min={got['request_min']:.1f}"
+          f" ttfa_p50_ms={got['ttfa_p50_ms']:.0f}"
+          f" ttfa_p95_ms={got['ttfa_p95_ms']:.0f}")
+    return got
+
+
+if __name__ == "__main__":
+    dualAR.cli(main)

@@ -23,7 +23,6 @@ import math
 import os
 import re
 import select
-import shutil
 import signal
 import socket
 import struct
@@ -313,16 +312,17 @@ class App:
 
     def __init__(self, args):
         self.device = dualAR.pick_device(args.device)  # first: a bad --device leaves no demo folder behind
-        self.demo_dir = None
-        if args.checkpoint is None and not Path(dualAR.DEFAULT_CHECKPOINT).exists():
-            self.demo_dir = tempfile.mkdtemp(prefix="fishfast-demo-")
-            dualAR.make_demo_checkpoint(Path(self.demo_dir))
-        self.checkpoint = self.demo_dir or args.checkpoint or dualAR.DEFAULT_CHECKPOINT
+        self.demo = args.checkpoint is None and not Path(dualAR.DEFAULT_CHECKPOINT).exists()
+        self.checkpoint = "(demo)" if self.demo else args.checkpoint or dualAR.DEFAULT_CHECKPOINT
         dtype = dualAR.pick_dtype(args.dtype, self.device)  # as the CLI
         compiled = self.device.type == "cuda" if args.compile is None else args.compile
-        self.model = dualAR.load(self.checkpoint, self.device, dtype, args.quant, compiled,
-                                 args.compile_cache)
-        self.dac = codec.load(self.checkpoint, self.device, torch.float32)  # references encode in fp32
+        if self.demo:  # built in memory
+            self.model, self.dac = dualAR.demo_models(self.device, dtype)
+            dualAR.optimize(self.model, args.quant, compiled, args.compile_cache)
+        else:
+            self.model = dualAR.load(self.checkpoint, self.device, dtype, args.quant, compiled,
+                                     args.compile_cache)
+            self.dac = codec.load(self.checkpoint, self.device, torch.float32)  # references encode in fp32
         self.max_context = min(args.max_context, self.model.config["max_seq_len"])
         # a fixed cache of --max-context positions a row: each row count's frame step is compiled once, here
         self.engine = dualAR.Engine(self.model, slots=args.slots, context=self.max_context,
@@ -333,22 +333,20 @@ class App:
         self.engine.start()
         self.voices, self.api_key = Path(args.voices), args.api_key
         self.default_voice, self.allow_origins = args.default_voice, set(args.allow_origin or ())
-        self.name = "s2-pro" if self.demo_dir is None else "fishfast-demo"
+        self.name = "fishfast-demo" if self.demo else "s2-pro"
         self.info = dict(model=self.name, checkpoint=str(self.checkpoint), device=str(self.device),
                          dtype=str(dtype).replace("torch.", ""), quant=args.quant or "none", compile=compiled,
-                         max_context=self.max_context, demo=self.demo_dir is not None)
+                         max_context=self.max_context, demo=self.demo)
 
     def close(self):
         self.engine.close()
-        if self.demo_dir:
-            shutil.rmtree(self.demo_dir, ignore_errors=True)
 
     @property
     def alive(self) -> bool:
         return self.engine.thread.is_alive()
 
     def health(self) -> dict:
-        note = dict(note="DEMO: a tiny random model, the audio is noise") if self.demo_dir else {}
+        note = dict(note="DEMO: a tiny random model, the audio is noise") if self.demo else {}
         status = "ok" if self.alive else "the engine stopped: see the server's log"
         return dict(status=status, **self.info, **note, **self.engine.stats())
 

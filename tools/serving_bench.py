@@ -18,19 +18,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # dualAR.py and codec.py, from anywhere
+import bench  # noqa: E402
 import codec  # noqa: E402
 import dualAR  # noqa: E402
 
-TEXT = "The quick brown fox jumps over the lazy dog, and the river is calm today."
-
-
-def load_codec(checkpoint, device):
-    """The checkpoint's codec, or the real codec size with random weights (fp32, as the server runs it)."""
-    if checkpoint and (Path(checkpoint) / "codec.pth").is_file():
-        return codec.load(checkpoint, device)
-    torch.manual_seed(0)
-    with torch.device(device):
-        return codec.fold_weight_norm(codec.DAC(codec.CONFIG)).requires_grad_(False).eval()
+TEXT = bench.BENCH_TEXT
 
 
 def timed_request(engine: dualAR.Engine, dac, seed: int, frames: int, delay: float = 0.0) -> dict:
@@ -41,7 +33,7 @@ def timed_request(engine: dualAR.Engine, dac, seed: int, frames: int, delay: flo
     first, made, device = None, 0, engine.pos.device
     with torch.inference_mode():
         for samples in codec.decode_stream(dac, (c[None].to(device) for c in request)):
-            dualAR.synchronize(device)
+            bench.synchronize(device)
             first = first or time.perf_counter() - request.submitted
             made += samples.size(-1) // codec.hop_length()
     return dict(ttfa=first, frames=made, seconds=time.perf_counter() - request.submitted)
@@ -80,7 +72,7 @@ def load_run(model: dualAR.DualAR, dac, args) -> dict:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description="fishfast serving load run (the README's serving table).")
     ap.add_argument("--checkpoint", help="S2-Pro checkpoint dir (default: random weights of --config)")
-    ap.add_argument("--config", choices=list(dualAR.BENCH_CONFIGS), default="s2-mid",
+    ap.add_argument("--config", choices=list(bench.BENCH_CONFIGS), default="s2-mid",
                     help="random-weight model size (default s2-mid, the README's table)")
     ap.add_argument("--device", help="cpu, mps, cuda or cuda:N (default: cuda > mps > cpu)")
     ap.add_argument("--dtype", choices=list(dualAR.DTYPES), help="default bf16 on CUDA, fp32 elsewhere")
@@ -108,9 +100,9 @@ def main(argv=None) -> dict:
     if args.checkpoint:
         model = dualAR.load(args.checkpoint, device, dtype, args.quant, compiled, args.compile_cache)
     else:
-        model = dualAR.prepare(dualAR.random_model(args.config, device, dtype), args.quant, compiled,
-                               args.compile_cache)
-    got = load_run(model, load_codec(args.checkpoint, device), args)
+        model = dualAR.optimize(bench.random_model(args.config, device, dtype), args.quant, compiled,
+                                args.compile_cache)
+    got = load_run(model, bench.bench_codec(args, device), args)
     print(f"load: {args.load} requests at {args.rate:g}/s into {args.slots} slots, {args.frames} frames each:"
           f" {got['frames_per_s']:.1f} frames/s in all, per request {got['request_min']:.1f}.."
           f"{got['request_max']:.1f} frames/s (real time: 21.5), time to first audio p50"

@@ -2,50 +2,25 @@
 
 See tests/fixtures/s2-tiny/README.md for what each golden is and how upstream produced it.
 """
+import contextlib
 import functools
+import io
 import json
+import os
+import re
 import shutil
-import subprocess
 import sys
 import time
-from pathlib import Path
+import types
 
 import numpy as np
 import pytest
 import torch
 
 import bench
+import codec
 import dualAR
-
-ROOT = Path(__file__).resolve().parent.parent
-TINY = ROOT / "tests/fixtures/s2-tiny"
-CKPT, GOLDEN = TINY / "checkpoint", TINY / "golden"
-CASES = json.loads((GOLDEN / "cases.json").read_text())
-REAL = json.loads((ROOT / "tests/fixtures/s2-pro-shapes.json").read_text())
-
-
-def golden(name):
-    return torch.from_numpy(np.load(GOLDEN / name))
-
-
-@pytest.fixture(scope="module")
-def model():
-    return dualAR.load(CKPT)
-
-
-@pytest.fixture(scope="module")
-def eos_checkpoint(tmp_path_factory):
-    """checkpoint-eos stores only the files that differ from checkpoint/ (see the fixture README)."""
-    d = tmp_path_factory.mktemp("checkpoint-eos")
-    for src in (CKPT, TINY / "checkpoint-eos"):
-        for f in src.iterdir():
-            shutil.copy(f, d / f.name)
-    return d
-
-
-@pytest.fixture(scope="module")
-def eos_model(eos_checkpoint):
-    return dualAR.load(eos_checkpoint)
+from conftest import CASES, CKPT, GOLDEN, REAL, TINY, golden, run_script
 
 
 def references(call):
@@ -406,11 +381,6 @@ def test_max_new_tokens_is_capped_by_the_context(model):
 
 
 # ----------------------------------------------------------------------------- compiled frame step
-@pytest.fixture(scope="module")
-def compiled_model():
-    return dualAR.load(CKPT, compile=True)
-
-
 @pytest.mark.parametrize("name", ["greedy", "seeded", "seeded_topp", "noref_greedy", "seeded_dialogue"])
 def test_compiled_frame_step_gives_upstreams_codes(compiled_model, name):
     """One inductor graph per frame (flex-decoding, frozen weights): still upstream's codes on CPU fp32."""
@@ -458,14 +428,14 @@ def test_generate_many_gives_each_request_its_solo_codes(model):
                                                                          " morning!")))
     assert [c.size(1) for c in solo] == [29, 11, 28, 39]
     for many in (dualAR.generate_many(model, MIXED), dualAR.generate_many(model, MIXED[::-1], slots=2)[::-1]):
-        assert all(torch.equal(a, b) for a, b in zip(solo, many))
+        assert all(torch.equal(a, b) for a, b in zip(solo, many, strict=True))
 
 
 
 def test_compiled_batch_gives_each_request_its_solo_codes(model, compiled_model):
     """Four rows at their own positions in one compiled graph (one flex block mask row each)."""
     many = dualAR.generate_many(compiled_model, MIXED, context=512)  # one shape: one compile
-    assert all(torch.equal(a, b) for a, b in zip(solo_codes(model, MIXED), many))
+    assert all(torch.equal(a, b) for a, b in zip(solo_codes(model, MIXED), many, strict=True))
 
 def test_generate_many_with_a_row_that_stops_early(eos_model):
     call = CASES["eos"]["eos"]["call"]
@@ -473,7 +443,8 @@ def test_generate_many_with_a_row_that_stops_early(eos_model):
     requests = [eos, request("Hi there, the weather is nice.", seed=5, max_new_tokens=30), MIXED[1]]
     codes = dualAR.generate_many(eos_model, requests)
     assert torch.equal(codes[0], golden("eos_codes.npy"))  # stopped at <|im_end|> after 14 frames
-    assert all(torch.equal(c, dualAR.generate(eos_model, **r)) for c, r in zip(codes[1:], requests[1:]))
+    solo = [dualAR.generate(eos_model, **r) for r in requests[1:]]
+    assert all(torch.equal(a, b) for a, b in zip(codes[1:], solo, strict=True))
 
 
 @pytest.mark.parametrize("name", ["greedy", "seeded", "seeded_dialogue", "eos"])
@@ -503,7 +474,7 @@ def test_request_admitted_mid_way_gets_its_solo_codes(model):
         assert late.row == 2 and first[0].row == 0  # joined between two frames, the others mid-way
         engine.run()
     made = [r.codes() for r in first + [late]]
-    assert all(torch.equal(a, b) for a, b in zip(made, solo_codes(model, MIXED[:2] + MIXED[3:])))
+    assert all(torch.equal(a, b) for a, b in zip(made, solo_codes(model, MIXED[:2] + MIXED[3:]), strict=True))
 
 
 def test_cancelled_request_frees_its_row_and_the_others_continue(model):
@@ -779,9 +750,9 @@ def test_a_second_process_loads_the_compiled_step_from_the_cache(tmp_path):
     args = ["--checkpoint", str(CKPT), "--text", "Hi.", "--seed", "1", "--max-new-tokens", "8", "--no-prompt",
             "--codes-only", "--compile", "--compile-cache", str(cache), "--max-context", "256"]
     times, entries = [], []
-    for run in range(2):
+    for run in range(2):  # the first compiles cold: a minute or more
         start = time.perf_counter()
-        result = cli(args + ["--out", f"run{run}.npy"], tmp_path, timeout=900)  # a cold compile: minutes
+        result = run_script("dualAR.py", args + ["--out", f"run{run}.npy"], tmp_path, timeout=900)
         assert result.returncode == 0, result.stderr
         times.append(time.perf_counter() - start)
         entries.append(sorted(p.relative_to(cache) for p in (cache / "fxgraph").rglob("*") if p.is_file()))
@@ -820,7 +791,7 @@ def test_cpu_quantization_runs_eager_and_compiled_and_its_logits_stay_close(mode
     dualAR.compile_model(quantized, step=slow_and_fast_logits)  # one compile: the frame step's layers
     compiled = prefill_and_step_logits(quantized, quantized.compiled_step)
     for got in (eager, compiled):
-        for ref, q in zip(reference, got):
+        for ref, q in zip(reference, got, strict=True):
             assert (q - ref).abs().max() < bound * ref.abs().max()
 
 
@@ -859,16 +830,35 @@ def test_quantization_schemes_the_device_cannot_run_are_named(monkeypatch):
 
 
 def test_bench_prints_a_table_and_one_machine_readable_line_per_batch(capsys):
+    """The figures agree with each other: GB/s is the weight bytes one frame step reads times the frame
+    steps per second (frames/s over the batch), % bandwidth is GB/s over the measured copy bandwidth of the
+    header line, the table shows the line's figures, and the peak memory is this process's, in GB."""
     dualAR.main(["--bench", "--config", "tiny", "--batch", "1,2", "--frames", "2", "--device", "cpu"])
-    lines = [line.split()[1:] for line in capsys.readouterr().out.splitlines() if line.startswith("bench ")]
-    rows = [dict(field.split("=") for field in line) for line in lines]
-    assert [row["batch"] for row in rows] == ["1", "2"]
-    for row in rows:
+    out = capsys.readouterr().out.splitlines()
+    per_frame = bench.frame_bytes(bench.random_model("tiny", "cpu", torch.float32))
+    assert f"{per_frame / 1e9:.2f} GB read per frame step" in out[0]
+    bandwidth = float(re.search(r"measured copy bandwidth ([\d.]+) GB/s", out[0])[1])
+    prefill = float(re.search(r"prefill (\d+) tokens/s", out[0])[1])
+    table = [line.split() for line in out[2:] if line.split()[0].isdigit()]
+    rows = [dict(field.split("=") for field in line.split()[1:]) for line in out if line.startswith("bench ")]
+    assert [row["batch"] for row in rows] == [cells[0] for cells in table] == ["1", "2"]
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
+    for row, cells in zip(rows, table, strict=True):
         assert list(row)[:8] == ["config", "quant", "compile", "batch", "device", "dtype", "frames_per_s",
                                  "gb_per_s"]
         assert (row["config"], row["quant"], row["compile"], row["dtype"]) == ("tiny", "none", "0", "fp32")
-        for key in ("frames_per_s", "gb_per_s", "bandwidth_pct", "prefill_tokens_per_s", "peak_mem_gb"):
-            assert float(row[key]) > 0, key
+        batch, fps, gb = int(row["batch"]), float(row["frames_per_s"]), float(row["gb_per_s"])
+        steps = fps / batch  # frame steps per second: each step makes one frame per row
+        assert fps > 0 and abs(gb - per_frame * steps / 1e9) <= 0.05 + per_frame * 0.005 / 1e9
+        rounding = 0.5 + 100 * 0.05 / bandwidth * (1 + gb / bandwidth)  # of the %, GB/s and bandwidth shown
+        assert abs(float(row["bandwidth_pct"]) - 100 * gb / bandwidth) <= rounding
+        assert float(row["prefill_tokens_per_s"]) == prefill > 0
+        peak_so_far = dualAR.peak_memory_gb(torch.device("cpu"))  # the high-water mark only grows
+        assert 0.1 < float(row["peak_mem_gb"]) <= min(peak_so_far + 0.005, ram)  # torch alone is > 0.1 GB
+        assert float(row["compile_s"]) == 0  # not compiled
+        assert cells[1:4] == [row["frames_per_s"], row["gb_per_s"], row["bandwidth_pct"]]
+        rtf = 1 / steps / (codec.hop_length() / codec.CONFIG["sample_rate"])
+        assert abs(float(cells[4]) - rtf) <= 0.005 + 1e-3 * rtf
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -877,9 +867,18 @@ CLONE_ARGS = ["--checkpoint", str(CKPT), "--text", SEEDED["text"], "--seed", "42
               "--max-new-tokens", "24", "--device", "cpu", "--dtype", "fp32", "--codes-only"]
 
 
-def cli(args, cwd, timeout=300):
-    return subprocess.run([sys.executable, str(ROOT / "dualAR.py"), *args], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+def cli(args, cwd):
+    """`python dualAR.py args` in the folder cwd, run in this process (no second start of Python and torch)
+    -> its exit status, stdout and stderr. dualAR.cli turns bad input into status 2 and one `error:` line
+    as the script's own entry point does (test_cli_names_an_empty_transcript... runs that one for real)."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            dualAR.cli(dualAR.main, [str(arg) for arg in args])
+            status = 0
+        except SystemExit as e:
+            status = e.code
+    return types.SimpleNamespace(returncode=status, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def test_cli_writes_upstreams_seeded_codes(tmp_path):
@@ -939,11 +938,13 @@ def test_cli_text_file_and_no_prompt_give_upstreams_plain_tts(tmp_path):
 
 
 def test_cli_names_an_empty_transcript_in_the_prompt_folder(tmp_path):
+    """In a process of its own: the script's entry point exits with status 2 and one line on stderr."""
     (tmp_path / "prompt").mkdir()
     shutil.copy(GOLDEN / "codec_codes.npy", tmp_path / "prompt/alice.npy")
     (tmp_path / "prompt/alice.txt").write_text("\n")
-    result = cli(["--checkpoint", str(CKPT), "--text", "Hi", "--max-new-tokens", "4"], tmp_path)
-    assert result.returncode != 0
+    args = ["--checkpoint", CKPT, "--text", "Hi", "--max-new-tokens", "4"]
+    result = run_script("dualAR.py", args, tmp_path)
+    assert result.returncode == 2
     assert result.stderr == "error: transcript prompt/alice.txt is empty\n"
     assert not (tmp_path / "generate").exists()
 

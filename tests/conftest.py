@@ -1,0 +1,111 @@
+"""What every test file shares: the fixture paths, the goldens, the tiny models loaded once per session, and
+the guard that gives each test the process-wide compile settings it started with.
+
+The session models are read-only by convention: a test that changes a model's weights, quantizes, compiles
+or wraps it loads its own (`dualAR.load(CKPT)` takes ~0.05 s once the first load has imported everything).
+Caches (`setup_caches`, an Engine's rows) are rebuilt by every generation, so sharing them is safe; a test
+that swaps a method on a shared model puts it back in a `finally`.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch._dynamo
+import torch._inductor.config
+
+import codec
+import dualAR
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = ROOT / "tests/fixtures/s2-tiny"
+CKPT, GOLDEN = TINY / "checkpoint", TINY / "golden"
+CASES = json.loads((GOLDEN / "cases.json").read_text())
+REAL = json.loads((ROOT / "tests/fixtures/s2-pro-shapes.json").read_text())
+CLIP = GOLDEN / "audio_in.wav"
+
+
+def golden(name):
+    """A golden array of tests/fixtures/s2-tiny/golden as a tensor."""
+    return torch.from_numpy(np.load(GOLDEN / name))
+
+
+def run_script(script, args, cwd, timeout=300):
+    """`python <script> args...` in a fresh process (for what only a process shows: exit status, stderr, a
+    cache left for the next process) -> CompletedProcess with text stdout and stderr."""
+    return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+# ----------------------------------------------------------------------------- models, once per session
+@pytest.fixture(scope="session")
+def model():
+    """The tiny S2-Pro (fp32, eager), shared: do not change its weights or keep it busy after a test."""
+    return dualAR.load(CKPT)
+
+
+@pytest.fixture(scope="session")
+def eos_checkpoint(tmp_path_factory):
+    """checkpoint-eos stores only the files that differ from checkpoint/ (see the fixture README)."""
+    d = tmp_path_factory.mktemp("checkpoint-eos")
+    for src in (CKPT, TINY / "checkpoint-eos"):
+        for f in src.iterdir():
+            shutil.copy(f, d / f.name)
+    return d
+
+
+@pytest.fixture(scope="session")
+def eos_model(eos_checkpoint):
+    """The tiny checkpoint whose weights make <|im_end|> come early (shared, read-only)."""
+    return dualAR.load(eos_checkpoint)
+
+
+@pytest.fixture(scope="session")
+def compiled_model():
+    """The tiny S2-Pro with its frame step compiled by inductor, shared by every compiled test: each shape
+    it meets is compiled once per session (a few seconds with a warm cache) instead of once per test."""
+    return dualAR.load(CKPT, compile=True)
+
+
+@pytest.fixture(scope="session")
+def dac():
+    """The tiny codec (fp32), shared, read-only."""
+    return codec.load(CKPT)
+
+
+# ----------------------------------------------------------------------------- no state leaks between tests
+@pytest.fixture(scope="session", autouse=True)
+def inductor_cache():
+    """One inductor cache folder for every in-process compile of the session: $TORCHINDUCTOR_CACHE_DIR if
+    set, else torch's default (where importing torch._dynamo points the variable anyway), pinned for the
+    session so that compile_model's own fallback never decides it halfway through."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+                     or default_cache_dir())
+        yield
+
+
+@pytest.fixture(autouse=True)
+def process_state_restored():
+    """Each test gets back the process-wide state it started with: what `dualAR.compile_model` sets (the
+    inductor cache folder, dynamo's recompile limit), dynamo's and inductor's other options, and torch's
+    global random state (seeded by the demo models, `bench.random_model` and tests)."""
+    cache_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    configs = [(c, c.get_config_copy()) for c in (torch._dynamo.config, torch._inductor.config)]
+    with torch.random.fork_rng(devices=[]):
+        yield
+    for config, before in configs:
+        now = config.get_config_copy()
+        for key, value in before.items():
+            if now[key] is not value and now[key] != value:
+                setattr(config, key, value)
+    if cache_dir is None:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    else:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = cache_dir

@@ -5,6 +5,21 @@ frame. The fast transformer then emits the other codebooks of that frame, one af
 Everything is written to give upstream fish-speech's codes for upstream's seed on CPU fp32.
 
     python dualAR.py --text "Hello!" --prompt-audio voice.wav --prompt-text "what voice.wav says"
+
+How the file reads (sections, top to bottom):
+    config          CONFIG (the real S2-Pro), config.json of either layout -> one flat dict
+    building blocks RMSNorm, FeedForward, RoPE, KVCache, Attention (4 ways), flex-decoding, Block
+    model           DualAR: embeddings, slow and fast transformers, the head; prefill, forward_slow/fast
+    loading         sharded safetensors (HF names) -> the model, ids from the tokenizer
+    quantization    int8/int4 on CPU (QuantLinear, torch's kernels), torchao on GPU; compile_model
+    prompt          upstream's chat template: system + references, user/assistant turns, dialogues
+    sampling        upstream's top-k/top-p filter and exponential race, its random numbers
+    one frame       sample_frame (slow token with repetition-aware sampling, then the codebooks), decode_step
+    requests        Request: checks, text batches, frames -> codes chunks
+    engine          Scheduler (rows, admit -> one batched frame -> hand out), Engine (its thread, a queue)
+    generation      generate, generate_many, stream
+    demo            a tiny random model and codec, built in memory
+    CLI             shared helpers (devices, atomic writes, memory), references, `python dualAR.py`
 """
 import argparse
 import collections
@@ -77,81 +92,6 @@ def unreadable(path, error: Exception) -> UserError:
     lines = str(error).strip().splitlines()
     detail = f"no key {error}" if isinstance(error, KeyError) else lines[0] if lines else type(error).__name__
     return UserError(f"cannot read {path}: {detail}")
-
-
-def cli(main, argv=None):
-    """Run a CLI's main(argv): bad input is one `error: ...` line and exit status 2; anything else is a
-    bug and keeps its traceback."""
-    try:
-        main(argv)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-
-
-def pick_device(name: str = None) -> torch.device:
-    """--device as given (cpu, mps, cuda, cuda:N), else cuda > mps > cpu."""
-    kind, _, index = (name or "").partition(":")
-    available = dict(cpu=True, cuda=torch.cuda.is_available(), mps=torch.backends.mps.is_available())
-    if kind and not available.get(kind, False):
-        raise UserError(f"--device {name}: no {kind} device on this machine")
-    if index and int(index) >= torch.cuda.device_count():
-        raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA devices")
-    if name:
-        return torch.device(name)
-    if available["cuda"]:
-        return torch.device("cuda")
-    return torch.device("mps" if available["mps"] else "cpu")
-
-
-def pick_dtype(name: str, device: torch.device, cuda: str = "bf16") -> torch.dtype:
-    """--dtype as given, else `cuda` on CUDA and fp32 elsewhere."""
-    return DTYPES[name or (cuda if device.type == "cuda" else "fp32")]
-
-
-def write_atomic(path, write):
-    """write(tmp) fills a temp file in the same folder, which then replaces `path`: a failure (a full
-    disk, a missing folder) is one UserError and never leaves a half-written file."""
-    from safetensors import SafetensorError
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.part")
-    try:
-        write(tmp)
-        usual_permissions(tmp)
-        os.replace(tmp, path)
-    except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: torch.save's and safetensors' own
-        raise UserError(f"cannot write {path}: {getattr(e, 'strerror', None) or e}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def usual_permissions(path: Path):
-    """safetensors makes files only their owner can read: give them the permissions of any new file."""
-    umask = os.umask(0)
-    os.umask(umask)
-    path.chmod(0o666 & ~umask)
-
-
-def reset_peak_memory(device: torch.device):
-    """Restart `peak_memory_gb` from the memory in use now (where the platform allows it)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    elif Path("/proc/self/clear_refs").exists():  # Linux: the peak RSS (VmHWM) restarts from the current RSS
-        try:
-            Path("/proc/self/clear_refs").write_text("5")
-        except OSError:  # some containers forbid it: the peak is then the process's so far
-            pass
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    """Peak memory since `reset_peak_memory`: CUDA allocations, else the peak resident set."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    status = Path("/proc/self/status")
-    if status.is_file():
-        return int(re.search(r"VmHWM:\s+(\d+)", status.read_text())[1]) / 1e6  # kB
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS, kB elsewhere
-    return peak / (1e9 if sys.platform == "darwin" else 1e6)
 
 
 # ----------------------------------------------------------------------------- config
@@ -1457,6 +1397,81 @@ def demo_reference(args, device):
 
 
 # ----------------------------------------------------------------------------- CLI
+def cli(main, argv=None):
+    """Run a CLI's main(argv): bad input is one `error: ...` line and exit status 2; anything else is a
+    bug and keeps its traceback."""
+    try:
+        main(argv)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def pick_device(name: str = None) -> torch.device:
+    """--device as given (cpu, mps, cuda, cuda:N), else cuda > mps > cpu."""
+    kind, _, index = (name or "").partition(":")
+    available = dict(cpu=True, cuda=torch.cuda.is_available(), mps=torch.backends.mps.is_available())
+    if kind and not available.get(kind, False):
+        raise UserError(f"--device {name}: no {kind} device on this machine")
+    if index and int(index) >= torch.cuda.device_count():
+        raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA devices")
+    if name:
+        return torch.device(name)
+    if available["cuda"]:
+        return torch.device("cuda")
+    return torch.device("mps" if available["mps"] else "cpu")
+
+
+def pick_dtype(name: str, device: torch.device, cuda: str = "bf16") -> torch.dtype:
+    """--dtype as given, else `cuda` on CUDA and fp32 elsewhere."""
+    return DTYPES[name or (cuda if device.type == "cuda" else "fp32")]
+
+
+def write_atomic(path, write):
+    """write(tmp) fills a temp file in the same folder, which then replaces `path`: a failure (a full
+    disk, a missing folder) is one UserError and never leaves a half-written file."""
+    from safetensors import SafetensorError
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.part")
+    try:
+        write(tmp)
+        usual_permissions(tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: torch.save's and safetensors' own
+        raise UserError(f"cannot write {path}: {getattr(e, 'strerror', None) or e}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def usual_permissions(path: Path):
+    """safetensors makes files only their owner can read: give them the permissions of any new file."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
+
+
+def reset_peak_memory(device: torch.device):
+    """Restart `peak_memory_gb` from the memory in use now (where the platform allows it)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif Path("/proc/self/clear_refs").exists():  # Linux: the peak RSS (VmHWM) restarts from the current RSS
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:  # some containers forbid it: the peak is then the process's so far
+            pass
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory since `reset_peak_memory`: CUDA allocations, else the peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    status = Path("/proc/self/status")
+    if status.is_file():
+        return int(re.search(r"VmHWM:\s+(\d+)", status.read_text())[1]) / 1e6  # kB
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS, kB elsewhere
+    return peak / (1e9 if sys.platform == "darwin" else 1e6)
+
+
 def read_transcript(path: Path) -> str:
     try:
         text = path.read_text(encoding="utf-8").strip()

@@ -344,7 +344,7 @@ class DualAR(nn.Module):
         self.fast_norm = RMSNorm(cfg["fast_dim"], cfg["norm_eps"])
         self.fast_output = nn.Linear(cfg["fast_dim"], cfg["codebook_size"], bias=False)
         # the vocabulary rows sampling can pick (needs the tokenizer's ids: None for a bare config)
-        self.head_window = sampling_window(cfg) if "semantic_begin_id" in cfg else None
+        self.sampling_rows = sampling_rows(cfg) if "semantic_begin_id" in cfg else None
         self.register_buffer("head_rows", None, persistent=False)  # those rows apart: `compile_model`
         self.tokenizer = None  # set by `load` (and `random_model`)
         self.compiled_step = None  # the frame step as one graph, set by `compile_model`
@@ -420,10 +420,10 @@ class DualAR(nn.Module):
 
     def head(self, x: Tensor, full: bool = False):
         """Last slow hidden state x (B, dim) -> (logits, fast-model input). The logits cover only the
-        rows sampling can pick (`sampling_window`) unless `full`."""
+        rows sampling can pick (`sampling_rows`) unless `full`."""
         weight = self.head_weight
-        if not full:  # a compiled model keeps the window's rows apart (see compile_model)
-            weight = self.head_rows if self.head_rows is not None else weight[slice(*self.head_window)]
+        if not full:  # a compiled model keeps these rows apart (see compile_model)
+            weight = self.head_rows if self.head_rows is not None else weight[slice(*self.sampling_rows)]
         return F.linear(self.norm(x), weight), self.fast_input(x)
 
     def prefill(self, tokens: Tensor, row: int = 0, full: bool = False):
@@ -704,7 +704,7 @@ def compile_model(model: DualAR, cache=None, backend="inductor", step=None):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache or default_compile_cache()).expanduser())
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_GUARD)
     # the head's rows as a tensor of their own (a slice of the embedding table is a view into it)
-    model.register_buffer("head_rows", model.head_weight[slice(*model.head_window)].clone(),
+    model.register_buffer("head_rows", model.head_weight[slice(*model.sampling_rows)].clone(),
                           persistent=False)
     step = functools.partial(step or decode_step, model)
     cuda = model.embeddings.weight.device.type == "cuda"
@@ -780,7 +780,7 @@ def build_prompt(model: DualAR, references: list, history: list, text: str) -> T
 
 
 # ----------------------------------------------------------------------------- sampling
-def sampling_window(cfg: dict) -> tuple:
+def sampling_rows(cfg: dict) -> tuple:
     """The vocabulary rows the slow sampler can pick (semantic tokens and <|im_end|>, widened to whole
     64-row blocks): the head reads ~4 k rows instead of 155,776, and the draw is bit for bit the full
     head's, since every other row is -inf after the bias (the tests check it)."""
@@ -812,10 +812,10 @@ def sample(logits: Tensor, noise: Tensor, temperature: Tensor, top_p: Tensor, to
 def draw_noise(model: DualAR, generators: list, uniform: Tensor = None) -> tuple:
     """The random numbers of one frame for each row, drawn as upstream draws them (rand_like over the whole
     vocabulary for the main and the repetition-aware sample, then over the codebook for codebooks 1..)
-    from the row's own generator (None: an idle row) -> -log u over the sampling window (B, 2, window)
+    from the row's own generator (None: an idle row) -> -log u over the sampling rows (B, 2, rows)
     and over the codebooks (B, n - 1, size). One call per row gives the numbers of upstream's 11 calls."""
     cfg = model.config
-    vocab, size, (start, stop) = cfg["vocab_size"], cfg["codebook_size"], model.head_window
+    vocab, size, (start, stop) = cfg["vocab_size"], cfg["codebook_size"], model.sampling_rows
     if uniform is None:
         uniform = torch.empty(len(generators), 2 * vocab + (cfg["num_codebooks"] - 1) * size,
                               device=model.embeddings.weight.device)
@@ -829,18 +829,18 @@ def draw_noise(model: DualAR, generators: list, uniform: Tensor = None) -> tuple
 
 
 # ----------------------------------------------------------------------------- one frame
-def sample_frame(model: DualAR, logits: Tensor, hidden: Tensor, window: Tensor, p: dict,
+def sample_frame(model: DualAR, logits: Tensor, hidden: Tensor, recent: Tensor, p: dict,
                  slow_noise: Tensor, fast_noise: Tensor) -> Tensor:
-    """Slow logits (B, window) and fast input (B, fast_dim) -> the frames (B, 1 + num_codebooks):
+    """Slow logits (B, sampling rows) and fast input (B, fast_dim) -> the frames (B, 1 + num_codebooks):
     the main token (repetition-aware), then codebook 0 from it and codebooks 1.. from the fast model."""
     cfg = model.config
-    start = model.head_window[0]
+    start = model.sampling_rows[0]
     logits = logits.float() + p["bias"]
     main = start + sample(logits, slow_noise[:, 0], p["temperature"], p["top_p"], p["top_k"])
     high = start + sample(logits, slow_noise[:, 1], p["ras_temperature"], p["ras_top_p"], p["top_k"])
-    # repetition-aware sampling: a semantic token repeated within the window is replaced by the hotter draw
+    # repetition-aware sampling: a semantic token among the recent ones is replaced by the hotter draw
     semantic = (main >= cfg["semantic_begin_id"]) & (main <= cfg["semantic_end_id"])
-    main = torch.where((window == main[:, None]).any(-1) & semantic, high, main)
+    main = torch.where((recent == main[:, None]).any(-1) & semantic, high, main)
     model.forward_fast(hidden, 0, logits=False)  # fills the fast cache, output unused (as upstream)
     code = torch.clamp(main - cfg["semantic_begin_id"], 0, cfg["codebook_size"] - 1)
     codes = [main, code]
@@ -851,19 +851,19 @@ def sample_frame(model: DualAR, logits: Tensor, hidden: Tensor, window: Tensor, 
     return torch.stack(codes, dim=1)
 
 
-def decode_step(model: DualAR, frames: Tensor, pos: Tensor, window: Tensor, p: dict,
+def decode_step(model: DualAR, frames: Tensor, pos: Tensor, recent: Tensor, p: dict,
                 slow_noise: Tensor, fast_noise: Tensor) -> Tensor:
     """One frame for every row: the last frames (B, 1 + num_codebooks) at positions pos (B,) -> the next.
     Static shapes, no host sync: this is the function `compile_model` compiles."""
     logits, hidden = model.forward_slow(frames, pos)
-    return sample_frame(model, logits, hidden, window, p, slow_noise, fast_noise)
+    return sample_frame(model, logits, hidden, recent, p, slow_noise, fast_noise)
 
 
 def sampling_params(model: DualAR, sampling: list) -> dict:
     """Per-row [(temperature, top_p, top_k)] -> fp32 device tensors (B,), and the bias that lets the slow
-    model say only a semantic token or <|im_end|> (over the sampling window)."""
+    model say only a semantic token or <|im_end|> (over the sampling rows)."""
     cfg, device = model.config, model.embeddings.weight.device
-    ids = torch.arange(*model.head_window)
+    ids = torch.arange(*model.sampling_rows)
     allowed = (ids >= cfg["semantic_begin_id"]) & (ids <= cfg["semantic_end_id"]) | (ids == cfg["im_end_id"])
     temperature, top_p, top_k = zip(*sampling)
     rows = len(sampling)
@@ -1081,11 +1081,11 @@ class Scheduler:
         if not active:
             return
         n = min(batch_bucket(active[-1] + 1), self.slots)
-        made, states = self.run_frames(n, [request and request.generator for request in self.rows[:n]])
+        frames, states = self.run_frames(n, [request and request.generator for request in self.rows[:n]])
         for row in active:
             for i in range(self.sync_every):
                 rewind = states[i + 1][row] if i + 1 < len(states) else None
-                if self.collect(row, made[i, row], rewind):
+                if self.collect(row, frames[i, row], rewind):
                     break
 
     def run(self):
@@ -1109,16 +1109,16 @@ class Scheduler:
                 self.drop(row, request, e)
 
     def prefill(self, row: int, request: Request):
-        """Prompt of the request's current text batch into `row`, and its first frame (no repetition window,
-        as upstream: the window starts empty after the prefill frame)."""
+        """Prompt of the request's current text batch into `row`, and its first frame (no recent tokens,
+        as upstream: the RAS window starts empty after the prefill frame)."""
         model, prompt = self.model, request.prompt
         self.ensure_context(prompt.size(1) + request.frame_budget())
         start = time.perf_counter()
         logits, hidden = model.prefill(prompt.to(self.pos.device), row)
         params = sampling_params(model, [request.sampling])
         slow_noise, fast_noise = draw_noise(model, [request.generator])
-        no_window = torch.full_like(self.recent[:1], -1)
-        frame = sample_frame(model, logits, hidden, no_window, params, slow_noise, fast_noise)
+        none_yet = torch.full_like(self.recent[:1], -1)
+        frame = sample_frame(model, logits, hidden, none_yet, params, slow_noise, fast_noise)
         for key in ("temperature", "top_p", "top_k"):
             self.params[key][row] = params[key][0]
         self.frames[row], self.pos[row], self.live[row] = frame[0], prompt.size(1), 1
@@ -1237,11 +1237,11 @@ class Engine(Scheduler):
     def submit(self, request: dict) -> Request:
         """Validate and enqueue a request (generate's keyword arguments) -> the request to iterate.
         Starts the engine's thread if `start()` was not called."""
-        made = Request(self.model, **request)
+        new = Request(self.model, **request)
         self.start()
-        self.add(made)
+        self.add(new)
         self.wake.set()
-        return made
+        return new
 
     def add(self, request: Request) -> Request:
         with self.lock:  # room checked and taken at once
@@ -1330,12 +1330,12 @@ def generate_many(model: DualAR, requests: list, slots: int = None, context: int
     """Several requests (dicts of `generate`'s keyword arguments), batched -> their codes, in order.
     Each request's codes are the ones it gets alone. context: a fixed KV cache length (one compiled
     shape) instead of one that grows with the longest request."""
-    made = [Request(model, **r) for r in requests]  # every request is checked before any work
-    with Scheduler(model, slots=slots or len(made), context=context) as scheduler:
-        for request in made:
+    batch = [Request(model, **r) for r in requests]  # every request is checked before any work
+    with Scheduler(model, slots=slots or len(batch), context=context) as scheduler:
+        for request in batch:
             scheduler.add(request)
         scheduler.run()
-    return [request.codes() for request in made]
+    return [request.codes() for request in batch]
 
 
 def generate(model: DualAR, text: str, references=(), seed=None, temperature=0.7, top_p=0.7, top_k=30,
@@ -1525,7 +1525,7 @@ def codec_model(args, device):
     return args.codec
 
 
-def output_paths(args):
+def output_files(args):
     """-> (codes path, wav path or None), checked writable before any work is done."""
     out = Path(args.out) if args.out else None
     if out is None:
@@ -1600,12 +1600,12 @@ def check_args(args):
         raise UserError("--stream writes audio: drop --codes-only")
 
 
-def run(args):
+def speak_cli(args):
     check_args(args)
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     compiled = device.type == "cuda" if args.compile is None else args.compile  # CPU: minutes (README)
-    codes_path, wav_path = output_paths(args)
+    codes_path, wav_path = output_files(args)
     if args.demo:
         model, args.codec = demo_models(device, dtype)
         optimize(model, args.quant, compiled, args.compile_cache)
@@ -1704,11 +1704,11 @@ def main(argv=None):
     args.demo = args.demo or (args.checkpoint is None and not Path(DEFAULT_CHECKPOINT).exists())
     args.checkpoint = args.checkpoint or DEFAULT_CHECKPOINT
     if not args.demo:
-        return run(args)
+        return speak_cli(args)
     print(f"DEMO: no real checkpoint used — a tiny RANDOM model is built, so the audio is NOISE.\n"
           f"For speech, download fishaudio/s2-pro into {DEFAULT_CHECKPOINT} (see README).", file=sys.stderr)
     args.max_new_tokens = args.max_new_tokens or 64
-    run(args)
+    speak_cli(args)
 
 
 if __name__ == "__main__":

@@ -268,17 +268,17 @@ def test_each_row_samples_with_its_own_parameters():
     torch.testing.assert_close(rows[2], torch.tensor([0.625, 0.375, 0.0, 0.0]))
 
 
-def test_sampling_window_is_whole_64_row_blocks_and_keeps_im_end_far_below_the_semantic_ids():
+def test_sampling_rows_are_whole_64_row_blocks_and_keeps_im_end_far_below_the_semantic_ids():
     cfg = dict(semantic_begin_id=1000, semantic_end_id=1999, im_end_id=10, vocab_size=4096)
-    assert dualAR.sampling_window(cfg) == (0, 2048)
-    assert dualAR.sampling_window(dict(cfg, im_end_id=3000)) == (960, 3008)
+    assert dualAR.sampling_rows(cfg) == (0, 2048)
+    assert dualAR.sampling_rows(dict(cfg, im_end_id=3000)) == (960, 3008)
 
 
 def test_trimmed_head_draws_what_the_full_head_draws():
     """Logits over the sampling window only (semantic tokens + <|im_end|>) give the full vocabulary's
     probabilities bit for bit, so every draw is the same. At the real vocabulary size, random logits."""
     cfg = dict(vocab_size=155776, semantic_begin_id=151678, semantic_end_id=155773, im_end_id=151645)
-    start, stop = dualAR.sampling_window(cfg)
+    start, stop = dualAR.sampling_rows(cfg)
     assert (start, stop) == (151616, 155776)
     ids = torch.arange(cfg["vocab_size"])
     allowed = (ids >= 151678) & (ids <= 155773) | (ids == 151645)
@@ -314,7 +314,7 @@ def test_one_noise_call_equals_upstreams_eleven_rand_like_calls(model):
     calls = [torch.rand(cfg["vocab_size"]) for _ in range(2)] + [torch.rand(cfg["codebook_size"])
                                                                  for _ in range(cfg["num_codebooks"] - 1)]
     slow, fast = dualAR.draw_noise(model, [None, torch.Generator().manual_seed(7)])  # row 0 is idle
-    start, stop = model.head_window
+    start, stop = model.sampling_rows
     assert torch.equal(slow[1], -torch.log(torch.stack([c[start:stop] for c in calls[:2]])))
     assert torch.equal(fast[1], -torch.log(torch.stack(calls[2:])))
 

@@ -31,28 +31,14 @@ from tqdm import tqdm
 import dualAR  # the LM's blocks (RMSNorm, FeedForward, RoPE: upstream's arithmetic) and shared helpers
 
 CONFIG = dict(  # the real S2-Pro codec (upstream fish_speech/configs/modded_dac_vq.yaml)
-    sample_rate=44100,
-    encoder_dim=64,
-    encoder_rates=[2, 4, 8, 8],
-    encoder_transformer_layers=[0, 0, 0, 4],
+    sample_rate=44100, latent_dim=1024, head_dim=64, rope_base=10000, norm_eps=1e-5,
+    encoder_dim=64, encoder_rates=[2, 4, 8, 8], encoder_transformer_layers=[0, 0, 0, 4],
     encoder_window=512,  # upstream asks a functools.partial for `window_size`: it has none, so 512
-    latent_dim=1024,
-    decoder_dim=1536,
-    decoder_rates=[8, 8, 4, 2],
-    downsample_factor=[2, 2],
-    semantic_codebook_size=4096,
+    decoder_dim=1536, decoder_rates=[8, 8, 4, 2],
+    downsample_factor=[2, 2], semantic_codebook_size=4096, codebook_size=1024, codebook_dim=8,
     n_codebooks=9,  # residual codebooks after the semantic one
-    codebook_size=1024,
-    codebook_dim=8,
-    quantizer_layers=8,  # pre_module and post_module transformers (identical configs)
-    quantizer_heads=16,
-    quantizer_ffn=3072,
-    quantizer_window=128,
-    head_dim=64,
-    rope_base=10000,
-    norm_eps=1e-5,
+    quantizer_layers=8, quantizer_heads=16, quantizer_ffn=3072, quantizer_window=128,  # pre and post_module
 )
-FAST_VOCAB = 4096  # the LM's fast model samples every codebook from 4096 entries
 CHUNK_FRAMES = 16  # frames per pass (0.74 s): memory stays flat, every tensor under 32 MB (keep_freed_memory)
 ATTN_BLOCK = 2048  # queries per attention call (shorter inputs: upstream's one full-mask call)
 STALE_BUFFERS = ("freqs_cis", "causal_mask")  # non-persistent buffers that older saves may still carry
@@ -150,9 +136,9 @@ class Stack(nn.Module):
         return x + y if self.residual else y
 
 
-def residual_unit(dim, dilation):
-    return Stack(Snake(dim), CausalConv(dim, dim, 7, dilation=dilation), Snake(dim), CausalConv(dim, dim, 1),
-                 residual=True)
+def residual_units(dim):  # upstream's three ResidualUnits of a stage
+    return [Stack(Snake(dim), CausalConv(dim, dim, 7, dilation=dilation), Snake(dim), CausalConv(dim, dim, 1),
+                  residual=True) for dilation in (1, 3, 9)]
 
 
 class ConvNeXt(nn.Module):
@@ -327,11 +313,10 @@ def build_encoder(cfg):
     layers = [CausalConv(1, d, 7)]
     for stride, n_layer in zip(cfg["encoder_rates"], cfg["encoder_transformer_layers"]):
         d *= 2
-        units = [residual_unit(d // 2, dilation) for dilation in (1, 3, 9)]
         down = CausalConv(d // 2, d, 2 * stride, stride=stride)
         heads, window = d // 64, cfg["encoder_window"]  # upstream: n_head = dim // 64, ffn = 3 * dim
         attn = [Transformer(d, n_layer, heads, 3 * d, window, cfg)] if n_layer else []
-        layers.append(Stack(*units, Snake(d // 2), down, *attn))
+        layers.append(Stack(*residual_units(d // 2), Snake(d // 2), down, *attn))
     return Stack(*layers, Snake(d), CausalConv(d, cfg["latent_dim"], 3))
 
 
@@ -342,8 +327,8 @@ class Decoder(nn.Module):
         layers = [CausalConv(cfg["latent_dim"], d, 7)]
         for i, stride in enumerate(cfg["decoder_rates"]):
             cin, cout = d // 2**i, d // 2 ** (i + 1)
-            units = [residual_unit(cout, dilation) for dilation in (1, 3, 9)]
-            layers.append(Stack(Snake(cin), CausalConvT(cin, cout, 2 * stride, stride), *units))
+            up = CausalConvT(cin, cout, 2 * stride, stride)
+            layers.append(Stack(Snake(cin), up, *residual_units(cout)))
         self.model = Sequential(*layers, Snake(cout), CausalConv(cout, 1, 7))
 
     def forward(self, x, cache=None):
@@ -460,10 +445,10 @@ def fused_snake():  # one compiled snake for every model; it compiles on first u
 
 
 def fast_path(model, on=True):
-    """The faster CPU path (on=False: back to eager), equal to eager within 1e-5: every Snake one compiled
-    kernel, 1x1 convs as batched matmuls. Returns the model. Only the Snake is compiled: it is 34 % of an
-    eager decode, and with dynamic shapes one compile serves every layer and chunk size (a graph of the
-    whole decoder recompiles per chunk size and shape of the stream's state, 20-50 s each on 2 cores)."""
+    """The faster CPU path (on=False: eager), equal to eager within 1e-5: each Snake one compiled kernel, 1x1
+    convs as batched matmuls. Only the Snake is compiled (34 % of an eager decode): with dynamic shapes one
+    compile serves every layer and chunk size, while a graph of the whole decoder recompiles per chunk size
+    and shape of the stream's state (20-50 s each on 2 cores). Returns the model."""
     for module in model.modules():
         if isinstance(module, Snake):
             module.fn = fused_snake() if on else snake
@@ -543,7 +528,7 @@ def load_audio(path, sample_rate=44100):
     return torch.from_numpy(np.ascontiguousarray(mono, dtype=np.float32))
 
 
-def read_codes(path, rows=10, vocab=FAST_VOCAB):
+def read_codes(path, rows=10, vocab=4096):  # the LM samples every codebook from 4096 entries
     """Codes (rows, T) int64 from a .npy, or a raw little-endian int16 .code file laid out as [rows, T]."""
     path = Path(path)
     if not path.is_file():

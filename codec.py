@@ -602,7 +602,8 @@ def run_files(args):
           f"RTF {wall / seconds:.3f}")
 
 
-def timed(fn, device):  # -> (seconds, minor page faults, peak memory in GB) of one call
+def timed(model, fast, fn, device):  # fn() once, on the fast path or not -> (seconds, minor faults, peak GB)
+    fast_path(model, fast)
     dualAR.reset_peak_memory(device)
     faults, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
     fn().cpu()
@@ -634,18 +635,15 @@ def bench(args):
                      lambda chunks=chunks: torch.cat([w.cpu() for w in decode_stream(model, chunks)], -1)))
     modes = [0, 1] if args.compile else [0]
     for path, chunk, n_frames, n_chunks, fn in runs:
-        warm = {}
-        for m in modes:  # warm-up: first calls allocate what later calls reuse; the first fast one compiles
-            fast_path(model, m)
-            warm[m] = timed(fn, device)[0]
+        # warm-up: first calls allocate what later calls reuse; the first fast one compiles
+        warm = {m: timed(model, m, fn, device)[0] for m in modes}
         if args.compile and path == "encode":  # the first run
             print(f"compile: first fast encode {warm[1]:.1f} s, first eager one {warm[0]:.1f} s "
                   f"(TORCHINDUCTOR_CACHE_DIR={os.environ.get('TORCHINDUCTOR_CACHE_DIR', 'default')})")
         calls = {m: [] for m in modes}  # (seconds, faults, peak GB) per call, modes interleaved
         for _ in range(args.repeats):
             for m in modes:
-                fast_path(model, m)
-                calls[m].append(timed(fn, device))
+                calls[m].append(timed(model, m, fn, device))
         for m in modes:
             walls, (_, faults, peak) = sorted(c[0] for c in calls[m]), calls[m][-1]
             med, audio = walls[len(walls) // 2], n_frames * model.hop / cfg["sample_rate"]
@@ -673,9 +671,8 @@ def main(argv=None):
     common.add_argument("--chunk-frames", type=int, default=CHUNK_FRAMES,
                         help="frames per encode/decode pass: flat memory (default %(default)s; 0: one pass)")
     files = argparse.ArgumentParser(add_help=False, parents=[common])
-    files.add_argument("--checkpoint", default="./s2-pro",
-                       help="folder with codec.pth (+ optional codec_config.json), or a codec.pth file "
-                            "(default: %(default)s)")
+    files.add_argument("--checkpoint", default="./s2-pro", help="folder with codec.pth (+ optional "
+                       "codec_config.json), or a codec.pth file (default: %(default)s)")
     files.add_argument("--out", help="output file for one input, or a folder for several "
                                      "(default: beside each input)")
     enc = sub.add_parser("encode", parents=[files], help="audio -> <stem>.npy codes [10, T] (int64)")

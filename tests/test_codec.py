@@ -249,6 +249,9 @@ def test_missing_checkpoint_and_bad_codes_raise_clear_errors(model, tmp_path):
     (tmp_path / "codec.pth").write_text("not a torch file")
     with pytest.raises(dualAR.UserError, match="cannot read"):
         codec.load(tmp_path)
+    (tmp_path / "codec_config.json").write_text('{"_target_": "modded_dac.DAC"}')
+    with pytest.raises(dualAR.UserError, match="codec_config.json: no key 'quantizer'"):
+        codec.load(tmp_path)
     with pytest.raises(dualAR.UserError, match=r"shape \[10, T\]"):
         codec.decode(model, torch.zeros(9, 4, dtype=torch.long))
     with pytest.raises(dualAR.UserError, match=">= 0"):
@@ -264,7 +267,8 @@ def run_cli(*args, cwd=ROOT):
 
 
 def test_cli_encode_and_decode_reproduce_goldens(tmp_path):
-    res = run_cli("encode", GOLD / "audio_in.wav", "--checkpoint", CKPT, "--out", tmp_path / "a.npy")
+    res = run_cli("encode", GOLD / "audio_in.wav", "--checkpoint", CKPT, "--out", tmp_path / "a.npy",
+                  "--chunk-frames", 5)
     assert res.returncode == 0, res.stderr
     assert "RTF" in res.stdout.splitlines()[-1]
     codes = np.load(tmp_path / "a.npy")

@@ -396,6 +396,9 @@ def load(path="s2-pro", device="cpu", dtype=torch.float32):
         state = torch.load(pth, map_location="cpu", weights_only=True)
     except Exception as e:
         raise dualAR.UserError(f"cannot read {pth} as a state_dict ({type(e).__name__})") from None
+    state = state.get("state_dict", state)  # upstream's loader also takes its training checkpoints:
+    if any(k.startswith("generator.") for k in state):  # the generator's weights, its prefix dropped
+        state = {k.removeprefix("generator."): v for k, v in state.items() if k.startswith("generator.")}
     wanted = model.state_dict()
     tensors = {weight_norm_key(k, wanted): v for k, v in state.items()}
     missing = [k for k in wanted if k not in tensors]

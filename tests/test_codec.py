@@ -226,6 +226,16 @@ def test_both_weight_norm_key_formats_load_and_stale_buffers_are_ignored(model, 
     assert torch.equal(codec.decode(other, codes), codec.decode(model, codes))
 
 
+def test_an_upstream_training_checkpoint_loads_its_generator(model, tmp_path):
+    """As upstream's loader: a {"state_dict": ...} whose generator's keys carry a `generator.` prefix."""
+    state = torch.load(CKPT / "codec.pth", weights_only=True)
+    training = {f"generator.{k}": v for k, v in state.items()} | {"discriminator.w": torch.zeros(2)}
+    torch.save({"state_dict": training}, tmp_path / "codec.pth")
+    (tmp_path / "codec_config.json").write_text((CKPT / "codec_config.json").read_text())
+    codes = gold("codes_random.npy")
+    assert torch.equal(codec.decode(codec.load(tmp_path), codes), codec.decode(model, codes))
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda s: s.pop("decoder.model.0.conv.bias"), "lacks 1 tensors (first: decoder.model.0.conv.bias)"),
     (lambda s: s.update({"decoder.extra.weight": torch.zeros(1)}), "unexpected tensors (first: decoder.ex"),

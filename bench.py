@@ -91,6 +91,8 @@ def random_model(config, device, dtype, quant=None) -> DualAR:
                     setattr(m, name, nn.Parameter(weight, requires_grad=False))
             if quant:
                 swap_linears(piece, CPU_BITS[block_scheme(quant, part is model.fast_layers, cpu=True)])
+    if quant:
+        dualAR.quantize_fast_head(model)
     model.quant = quant
     model.make_rope()
     model.tokenizer = tokenizer

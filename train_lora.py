@@ -239,41 +239,23 @@ def make_batch(model: dualAR.DualAR, samples: list) -> tuple:
     return collate([sample_tokens(model, text, codes) for text, codes in samples])
 
 
-# ----------------------------------------------------------------------------- training forward
-def embed(model: dualAR.DualAR, inputs: Tensor) -> Tensor:
-    """Upstream's training embedding: token + summed codebook embeddings at semantic positions, WITHOUT
-    the 1/sqrt(num_codebooks + 1) scale that inference applies (upstream's training embed() lacks it)."""
-    cfg = model.config
-    offsets = torch.arange(cfg["num_codebooks"], device=inputs.device) * cfg["codebook_size"]
-    codes = model.codebook_embeddings(inputs[:, 1:] + offsets[None, :, None]).sum(dim=1)  # (B, S, dim)
-    ids = inputs[:, 0]
-    semantic = (ids >= cfg["semantic_begin_id"]) & (ids <= cfg["semantic_end_id"])
-    return model.embeddings(ids) + torch.where(semantic[..., None], codes, 0.0)
+# ----------------------------------------------------------------------------- training loss
+def checkpointed(fn, *args):
+    """fn(*args) keeping only the arguments: the backward pass runs fn again."""
+    return checkpoint(fn, *args, use_reentrant=False)
 
 
-def call(fn, *args, checkpointing: bool):
-    """fn(*args). With checkpointing only the arguments are kept: the backward pass runs fn again."""
-    return checkpoint(fn, *args, use_reentrant=False) if checkpointing else fn(*args)
-
-
-def blocks(layers: nn.ModuleList, x: Tensor, rope: Tensor, checkpointing: bool) -> Tensor:
-    """Slow or fast blocks over x (B, S, dim): causal attention within x (no position: no KV cache)."""
-    for layer in layers:
-        x = call(layer, x, rope, checkpointing=checkpointing)
-    return x
-
-
-def head_loss_sum(model: dualAR.DualAR, h: Tensor, labels: Tensor) -> Tensor:
-    """Summed cross-entropy of the slow logits at final-normed hidden states h (N, dim)."""
-    if model.config["tie_word_embeddings"]:  # the raw table: the embeddings' LoRA does not reach the head
-        logits = F.linear(h, model.embeddings.weight)
-    else:
-        logits = model.output(h)
+def head_loss_sum(model: dualAR.DualAR, x: Tensor, labels: Tensor) -> Tensor:
+    """Summed cross-entropy of the full-vocabulary slow logits at slow states x (N, dim)."""
+    h = model.norm(x)
+    # tied: head_weight is LoRAEmbedding.weight, the raw table, so the embeddings' LoRA does not reach the
+    # head (as upstream's training forward); untied: the output's forward, with its own LoRA
+    logits = F.linear(h, model.head_weight) if model.config["tie_word_embeddings"] else model.output(h)
     return F.cross_entropy(logits.float(), labels, reduction="sum")
 
 
 def fast_loss_sum(model: dualAR.DualAR, y: Tensor, codes: Tensor) -> Tensor:
-    """Summed cross-entropy of the fast logits at the fast model's outputs y (N, num_codebooks, fast_dim)."""
+    """Summed cross-entropy of the fast logits at fast states y (N, num_codebooks, fast_dim)."""
     logits = model.fast_output(model.fast_norm(y))
     return F.cross_entropy(logits.flatten(0, 1).float(), codes.flatten(), reduction="sum")
 
@@ -281,8 +263,8 @@ def fast_loss_sum(model: dualAR.DualAR, y: Tensor, codes: Tensor) -> Tensor:
 def training_loss(model: dualAR.DualAR, inputs: Tensor, labels: Tensor, padding_mask=None,
                   checkpointing=False) -> dict:
     """Upstream's loss: cross-entropy of the slow logits (full vocabulary) on label row 0, plus that of
-    the fast logits on the codes, at positions whose label is semantic. The fast model reads the
-    final-normed slow hidden state there, then the label codes 0..8, and predicts codes 0..9.
+    the fast logits on the codes, at positions whose label is semantic. The fast model reads the slow
+    state there (model.fast_input), then the label codes 0..8, and predicts codes 0..9.
 
     With checkpointing, every block and slices of HEAD_CHUNK head positions and FAST_CHUNK fast
     sequences run again in the backward pass, so that only one slice's activations are held at a time.
@@ -291,25 +273,22 @@ def training_loss(model: dualAR.DualAR, inputs: Tensor, labels: Tensor, padding_
     cfg = model.config
     if padding_mask is not None and (padding_mask[:, :-1] & ~padding_mask[:, 1:]).any():
         raise ValueError("padding_mask: padding must be at the end of each row (right padding)")
-    x = blocks(model.layers, embed(model, inputs), model.rope[: inputs.size(-1)], checkpointing)
-    h = model.norm(x)
+    run = checkpointed if checkpointing else lambda fn, *args: fn(*args)
+    x = model.slow_states(inputs, call=run)  # (B, S, dim), the training embedding (no codebook scale)
     token_labels = labels[:, 0]
     scored = token_labels != IGNORE
-    h_scored, n = h[scored], int(scored.sum())
+    x_scored, y_scored, n = x[scored], token_labels[scored], int(scored.sum())
     chunk = HEAD_CHUNK if checkpointing else n
-    base_loss = sum(call(head_loss_sum, model, h_scored[i:i + chunk], token_labels[scored][i:i + chunk],
-                         checkpointing=checkpointing) for i in range(0, n, chunk)) / n
+    base_loss = sum(run(head_loss_sum, model, x_scored[i:i + chunk], y_scored[i:i + chunk])
+                    for i in range(0, n, chunk)) / n
 
     semantic = (token_labels >= cfg["semantic_begin_id"]) & (token_labels <= cfg["semantic_end_id"])
-    hidden = (h if cfg["norm_fastlayer_input"] else x)[semantic]  # (N, dim)
-    if hasattr(model, "fast_project_in"):
-        hidden = model.fast_project_in(hidden)
+    hidden = model.fast_input(x[semantic])  # (N, fast_dim)
     codes = labels[:, 1:].transpose(1, 2)[semantic]  # (N, num_codebooks)
     chunk, total = FAST_CHUNK if checkpointing else len(codes), 0.0
     for i in range(0, len(codes), chunk):
         y = torch.cat([hidden[i:i + chunk, None], model.fast_embeddings(codes[i:i + chunk, :-1])], dim=1)
-        y = blocks(model.fast_layers, y, model.fast_rope, checkpointing)  # (chunk, num_codebooks, dim)
-        total = total + call(fast_loss_sum, model, y, codes[i:i + chunk], checkpointing=checkpointing)
+        total = total + run(fast_loss_sum, model, model.fast_states(y, call=run), codes[i:i + chunk])
     semantic_loss = total / codes.numel()
     return dict(loss=base_loss + semantic_loss, base_loss=base_loss, semantic_loss=semantic_loss,
                 positions=n, codes=codes.numel())  # what base_loss and semantic_loss average over

@@ -137,12 +137,14 @@ def test_base_model_training_loss_matches_upstream():
     assert_losses(train_lora.training_loss(dualAR.load(CKPT), *golden_batch()), "base_no_lora_train_mode")
 
 
-def test_training_embedding_has_no_inference_scale():
+def test_training_path_embeds_without_the_inference_scale():
     """Upstream's training embed() sums token and codebook embeddings at semantic positions and, unlike
-    inference, does not divide by sqrt(num_codebooks + 1)."""
+    inference, does not divide by sqrt(num_codebooks + 1). Without slow layers, the slow states that
+    training_loss reads are that embedding."""
     model = dualAR.load(CKPT)
+    model.layers = torch.nn.ModuleList()
     inputs = golden_batch()[0][:1]
-    x = train_lora.embed(model, inputs)[0]
+    x = model.slow_states(inputs)[0]
     ids, cfg = inputs[0, 0], model.config
     semantic_pos = int(torch.nonzero((ids >= cfg["semantic_begin_id"]) & (ids <= cfg["semantic_end_id"]))[0])
     codes = inputs[0, 1:, semantic_pos]

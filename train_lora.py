@@ -127,15 +127,9 @@ def add_lora(model: dualAR.DualAR, rank=RANK, alpha=ALPHA, dropout=DROPOUT, name
     return list(lora_params(model).values())
 
 
-def lora_state_dict(model: nn.Module) -> dict:
-    """LoRA weights under upstream's keys (its Lightning state_dict): model.<module>.lora_A / lora_B."""
-    return {f"model.{k}": p.detach().float().cpu().contiguous() for k, p in lora_params(model).items()}
-
-
 def load_lora(model: dualAR.DualAR, path, alpha=None, dropout=0.0) -> list:
-    """LoRA weights from one of our runs (folder or lora.safetensors) or upstream's (keys
-    model.<module>.lora_A / lora_B: safetensors, or a torch file with `state_dict`) -> the LoRA parameters.
-    A model without LoRA gets it on the modules the file names. alpha: the file's, else this, else 16."""
+    """LoRA weights, ours or upstream's (a torch file with `state_dict`), into the model (a model without
+    LoRA gets it on the modules the file names) -> the LoRA parameters. alpha: the file's, else this."""
     path = Path(path) / LORA_FILE if Path(path).is_dir() else Path(path)
     if not path.is_file():
         raise UserError(f"LoRA weights {path} not found")
@@ -226,8 +220,7 @@ def collate(encoded: list) -> tuple:
 
 
 def make_batch(model: dualAR.DualAR, samples: list) -> tuple:
-    """[(text, codes (num_codebooks, n))] -> (inputs, labels, padding_mask), as upstream's dataset and
-    collator build them: inputs and labels (B, 1 + num_codebooks, T), padding_mask (B, T)."""
+    """[(text, codes (num_codebooks, n))] -> (inputs, labels, padding_mask), as upstream's collator."""
     return collate([sample_tokens(model, text, codes) for text, codes in samples])
 
 
@@ -250,13 +243,10 @@ def fast_loss_sum(model: dualAR.DualAR, y: Tensor, codes: Tensor) -> Tensor:
 def training_loss(model: dualAR.DualAR, inputs: Tensor, labels: Tensor, padding_mask=None,
                   checkpointing=False) -> dict:
     """Upstream's loss: cross-entropy of the slow logits (full vocabulary) on label row 0, plus that of
-    the fast logits on the codes, at positions whose label is semantic. The fast model reads the slow
-    state there (model.fast_input), then the label codes 0..8, and predicts codes 0..9.
-
-    With checkpointing, every block and slices of HEAD_CHUNK head positions and FAST_CHUNK fast
-    sequences run again in the backward pass, so that only one slice's activations are held at a time.
-    Right padding (as make_batch builds it) never reaches a real position through causal attention,
-    so padding_mask changes nothing where labels are: it is only checked to be right padding."""
+    the fast logits on the codes where the label is semantic (fast input: the slow state, then label
+    codes 0..8; predicted: codes 0..9). With checkpointing, every block and slices of HEAD_CHUNK head
+    positions and FAST_CHUNK fast sequences run again in the backward pass. Right padding never reaches
+    a real position through causal attention: padding_mask is only checked to be right padding."""
     cfg = model.config
     if padding_mask is not None and (padding_mask[:, :-1] & ~padding_mask[:, 1:]).any():
         raise ValueError("padding_mask: padding must be at the end of each row (right padding)")
@@ -291,9 +281,8 @@ def short_list(paths: list, n=5) -> str:
 
 
 def find_clips(data_dir: Path, strict: bool, audio_only: bool) -> tuple:
-    """Audio files (and .npy codes unless audio_only) under data_dir, in any sub-folder -> (how many,
-    {path without suffix: dict(audio=, codes=, text=)} of those with a same-stem .lab, else .txt,
-    transcript). The others are a warning that lists them, or with --strict an error."""
+    """Audio files (and .npy codes unless audio_only) under data_dir -> (how many, {path without suffix:
+    dict(audio, codes, text, stale)} of those with a .lab/.txt transcript; the others: a warning)."""
     if not data_dir.is_dir():
         raise UserError(f"data folder {data_dir} does not exist")
     clips = {}
@@ -314,6 +303,8 @@ def find_clips(data_dir: Path, strict: bool, audio_only: bool) -> tuple:
                         f" for {kinds})")
     for stem, clip in clips.items():
         clip["text"] = next((t for s in TRANSCRIPT_SUFFIXES if (t := Path(f"{stem}{s}")).is_file()), None)
+        audio, codes = clip.get("audio"), clip.get("codes")
+        clip["stale"] = audio is not None and (codes is None or codes.stat().st_mtime < audio.stat().st_mtime)
     missing = [clip.get("audio") or clip["codes"] for clip in clips.values() if clip["text"] is None]
     files, listed = f"{len(missing)} file(s)", short_list(missing)
     if missing and strict:
@@ -333,14 +324,8 @@ def audio_seconds(path: Path) -> float:
     return info.frames / info.samplerate
 
 
-def has_fresh_codes(clip: dict) -> bool:
-    codes = clip.get("codes")
-    return codes is not None and codes.stat().st_mtime >= clip["audio"].stat().st_mtime
-
-
 def join_processes(device: torch.device) -> tuple:
-    """-> (rank, number of processes, this process's device). Under torchrun (RANK is set) this joins the
-    process group: NCCL with one GPU per process (cuda:LOCAL_RANK), gloo on CPU."""
+    """-> (rank, processes, device). Under torchrun (RANK set): NCCL on cuda:LOCAL_RANK, or gloo on CPU."""
     if "RANK" not in os.environ:
         return 0, 1, device
     if device.type == "cuda":
@@ -361,8 +346,8 @@ def sum_over_processes(values: list, device) -> list:
 
 
 def prepare_dataset(args):
-    """`prepare`: encode every audio file that has a transcript into <stem>.npy codes next to it, once.
-    Under torchrun each process encodes every world-th file."""
+    """`prepare`: each transcribed audio file -> <stem>.npy codes next to it, once (each process: every
+    world-th file)."""
     rank, world, device = join_processes(dualAR.pick_device(args.device))
     n_found, clips = find_clips(Path(args.data_dir), args.strict, audio_only=True)
     for clip in clips.values():  # check everything before writing anything
@@ -370,7 +355,7 @@ def prepare_dataset(args):
         clip["seconds"] = audio_seconds(clip["audio"])
         if not os.access(clip["audio"].parent, os.W_OK):
             raise UserError(f"cannot write codes next to {clip['audio']}: the folder is not writable")
-    todo = [clip for clip in clips.values() if not has_fresh_codes(clip)]
+    todo = [clip for clip in clips.values() if clip["stale"]]
     if world > 1:
         dist.barrier()  # every process has its list before any writes codes
     start = time.perf_counter()
@@ -392,7 +377,7 @@ def prepare_dataset(args):
 def load_samples(data_dir: Path, model: dualAR.DualAR, strict=False, max_length=None) -> list:
     """Every prepared (codes + transcript) pair under data_dir, tokenized once -> [(name, inputs, labels)]."""
     _, clips = find_clips(data_dir, strict, audio_only=False)
-    stale = [clip["audio"] for clip in clips.values() if "audio" in clip and not has_fresh_codes(clip)]
+    stale = [clip["audio"] for clip in clips.values() if clip["stale"]]
     if stale:
         raise UserError(f"{len(stale)} audio file(s) have no up-to-date codes ({short_list(stale, 2)}):"
                         f" run `python train_lora.py prepare {data_dir}` first")
@@ -448,29 +433,27 @@ def validation_loss(model, samples: list, batch_size: int, device, rank=0, world
 
 
 def save_checkpoint(out: Path, model, optimizer, step: int, rank=0):
-    """state.pt: all a resumed run needs to continue bit for bit (LoRA, AdamW, step, the random states
-    of every process: each draws its own dropout); lora.safetensors: upstream's keys, fp32, rank and
-    alpha as metadata. Only rank 0 writes."""
+    """state.pt: what a resumed run needs to continue bit for bit, the random states of every process
+    included (each draws its own dropout); lora.safetensors: upstream's keys, fp32. Rank 0 writes."""
     rng = dict(torch=torch.get_rng_state())
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     if torch.backends.mps.is_available():
         rng["mps"] = torch.mps.get_rng_state()
-    rngs = [rng]
+    rngs = [rng] * (dist.get_world_size() if dist.is_initialized() else 1)
     if dist.is_initialized():
-        rngs = [None] * dist.get_world_size()
         dist.all_gather_object(rngs, rng)
-    if rank > 0:
-        return
-    lora, m = lora_state_dict(model), next(iter(lora_modules(model).values()))
-    state = dict(step=step, lora=lora, optimizer=optimizer.state_dict(), rng=rngs)
-    write_atomic(out / STATE_FILE, lambda tmp: torch.save(state, tmp))
-    meta = dict(rank=str(m.lora_A.shape[0]), alpha=str(m.scaling * m.lora_A.shape[0]))
-    write_atomic(out / LORA_FILE, lambda tmp: save_file(lora, str(tmp), metadata=meta))
+    if rank == 0:
+        lora = {f"model.{k}": p.detach().float().cpu().contiguous() for k, p in lora_params(model).items()}
+        state = dict(step=step, lora=lora, optimizer=optimizer.state_dict(), rng=rngs)
+        write_atomic(out / STATE_FILE, lambda tmp: torch.save(state, tmp))
+        m = next(iter(lora_modules(model).values()))
+        meta = dict(rank=str(m.lora_A.shape[0]), alpha=str(m.scaling * m.lora_A.shape[0]))
+        write_atomic(out / LORA_FILE, lambda tmp: save_file(lora, str(tmp), metadata=meta))
 
 
 def load_checkpoint(out: Path, model, optimizer, seed: int, rank=0, world=1) -> int:
-    """state.pt back into the model, AdamW and the random state -> its step."""
+    """state.pt back into the LoRA, AdamW and the random state -> its step."""
     try:
         state = torch.load(out / STATE_FILE, map_location="cpu", weights_only=True)
     except Exception as e:
@@ -497,9 +480,17 @@ def load_checkpoint(out: Path, model, optimizer, seed: int, rank=0, world=1) -> 
     return state["step"]
 
 
+def check_writable(out: Path):
+    parent = out
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise UserError(f"--out {out} is not writable ({parent} is not a writable folder)")
+
+
 def run_settings(args) -> dict:
-    """--out must be a new or empty folder we can write, or (with --resume) one of our runs.
-    -> the run's settings: the command line's, or with --resume the stored ones."""
+    """--out: a new or empty folder we can write -> the command line's settings; with --resume, one of
+    our runs -> its stored settings."""
     out = Path(args.out)
     if args.resume:
         if not (out / RUN_FILE).is_file() or not (out / STATE_FILE).is_file():
@@ -519,14 +510,6 @@ def run_settings(args) -> dict:
     return {k: getattr(args, k) for k in RUN_SETTINGS}
 
 
-def check_writable(out: Path):
-    parent = out
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise UserError(f"--out {out} is not writable ({parent} is not a writable folder)")
-
-
 def split_held_out(samples: list, val_size, seed: int) -> tuple:
     """-> (training samples, validation samples): val_size, by default 5% (at least 1), drawn by seed."""
     n_val = max(1, round(0.05 * len(samples))) if val_size is None else val_size
@@ -538,33 +521,28 @@ def split_held_out(samples: list, val_size, seed: int) -> tuple:
     return [samples[i] for i in order[n_val:]], held_out
 
 
-def log_metrics(out: Path, record: dict, rank=0):
-    if rank == 0:
-        with open(out / METRICS_FILE, "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-
-def keep_metrics_up_to(out: Path, step: int):
-    """On resume: drop metrics logged after the checkpoint (they will be logged again)."""
-    path, kept = out / METRICS_FILE, []
+def keep_metrics_up_to(path: Path, step: int):
+    """On resume: drop the metrics logged after the checkpoint (they will be logged again)."""
+    kept = []
     for line in path.read_text().splitlines() if path.exists() else []:
         try:
             if json.loads(line)["step"] <= step:
                 kept.append(line + "\n")
         except ValueError:  # a line cut short by a crash
-            continue
+            pass
     write_atomic(path, lambda tmp: tmp.write_text("".join(kept)))
+
+
 def start_run(args, rank: int, world: int, device) -> tuple:
-    """-> (run settings, model with LoRA, its LoRA parameters, AdamW, training and validation samples,
-    step), the run folder set up (fresh) or read back (--resume)."""
+    """The run folder set up, or read back (--resume) -> (settings, model with LoRA, LoRA parameters,
+    AdamW, training and validation samples, step)."""
     run, out = run_settings(args), Path(args.out)
     if world > 1:
         dist.barrier()  # every process has checked --out before rank 0 writes in it
     if args.resume and run["grad_accum"] % world:
         raise UserError(f"--resume: {out} has {run['grad_accum']} micro-batch(es) per step, which {world}"
                         " processes cannot share: resume on a number of processes that divides it")
-    if not args.resume:
-        run["grad_accum"] *= world  # run.json: micro-batches per step over all processes
+    run["grad_accum"] *= 1 if args.resume else world  # run.json: micro-batches per step, all processes
     model = dualAR.load(run["checkpoint"], device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     samples = load_samples(Path(args.data_dir), model, args.strict, run["max_length"])
     names = [name for name, _, _ in samples]
@@ -580,7 +558,7 @@ def start_run(args, rank: int, world: int, device) -> tuple:
     if args.resume:
         step = load_checkpoint(out, model, optimizer, run["seed"], rank, world)
         if rank == 0:
-            keep_metrics_up_to(out, step)
+            keep_metrics_up_to(out / METRICS_FILE, step)
     else:
         step = 0
         run.update(samples=names, checkpoint=str(run["checkpoint"]))
@@ -596,9 +574,10 @@ def start_run(args, rank: int, world: int, device) -> tuple:
     return run, model.train(), params, optimizer, train_set, val_set, step
 
 
-def optimizer_step(model, params, optimizer, run: dict, train_set: list, step: int, rank=0, world=1) -> tuple:
-    """Optimizer step `step` (0-based) over grad_accum micro-batches, this process's being every world-th
-    -> (mean loss, lr, real tokens seen) over all processes."""
+def optimizer_step(model, params, optimizer, run: dict, train_set: list, step: int, rank=0,
+                   world=1) -> tuple:
+    """Optimizer step `step` (0-based), over grad_accum micro-batches (this process: every world-th) ->
+    (mean loss, lr, real tokens seen) over all processes."""
     device = params[0].device
     # upstream's schedule: linear warm-up, then constant, counted from 1 so step 0 does not run at lr 0
     lr = run["lr"] * min(1.0, (step + 1) / max(1, run["warmup"]))
@@ -633,9 +612,14 @@ def train(args):
     run, model, params, optimizer, train_set, val_set, step = start_run(args, rank, world, device)
     out, first_step, vals, losses, tokens = Path(args.out), step, [], [], 0
 
+    def log_metrics(record: dict):
+        if rank == 0:
+            with open(out / METRICS_FILE, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
     def validate():
         vals.append(validation_loss(model, val_set, run["batch_size"], device, rank, world))
-        log_metrics(out, dict(step=step, val_loss=vals[-1]), rank)
+        log_metrics(dict(step=step, val_loss=vals[-1]))
 
     bar = tqdm(total=args.max_steps, initial=step, unit="step", desc="train", disable=rank > 0)
     try:
@@ -647,7 +631,7 @@ def train(args):
             loss, lr, n = optimizer_step(model, params, optimizer, run, train_set, step, rank, world)
             step, tokens = step + 1, tokens + n
             losses.append(loss)
-            log_metrics(out, dict(step=step, loss=loss, lr=lr), rank)
+            log_metrics(dict(step=step, loss=loss, lr=lr))
             bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", s_step=f"{time.perf_counter() - t0:.2f}")
             bar.update()
             if val_set and (step % args.val_every == 0 or step == args.max_steps):
@@ -691,9 +675,8 @@ def save_hf_weights(state: dict, folder: Path):
 
 
 def export_checkpoint(model: dualAR.DualAR, base: Path, folder: Path, fmt: str):
-    """hf: config.json as the base + model.safetensors with the HF key names. dual_ar: upstream's
-    save_pretrained form, a flat config.json + model.pth (torch.save of the state_dict, internal names).
-    Both get the tokenizer and codec files of the base."""
+    """hf: the base's config.json + safetensors, HF names. dual_ar: upstream's save_pretrained form, flat
+    config.json + model.pth (internal names). Both: the base's tokenizer and codec files."""
     state = {name: p.detach().cpu().contiguous() for name, p in model.named_parameters()}
     if fmt == "hf":
         shutil.copy(base / "config.json", folder / "config.json")
@@ -789,20 +772,18 @@ def parse_args(argv=None):
                       " with a same-stem .lab or .txt transcript, in any sub-folders")
     data.add_argument("--strict", action="store_true",
                       help="a file without transcript is an error (default: a warning, the file is skipped)")
-
     p = sub.add_parser("prepare", parents=[data], help="encode the audio once into <stem>.npy codes")
     p.set_defaults(run=prepare_dataset)
 
     t = sub.add_parser("train", parents=[data], help="train a LoRA on the prepared data")
     t.set_defaults(run=train)
-    t.add_argument("--out", required=True,
-                   help="run folder: run.json, metrics.jsonl, lora.safetensors, state.pt")
+    t.add_argument("--out", required=True, help="run folder: run.json, metrics.jsonl, lora.safetensors,"
+                   " state.pt")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint"
                    " (its stored settings: only --max-steps, --val-every and --save-every may change), on"
                    " any number of processes that divides its micro-batches per step")
     t.add_argument("--rank", type=int, default=RANK, help=f"LoRA rank (default {RANK})")
-    t.add_argument("--alpha", type=float, default=ALPHA,
-                   help=f"LoRA alpha, scaling alpha/rank (default {ALPHA})")
+    t.add_argument("--alpha", type=float, default=ALPHA, help=f"LoRA alpha, scaling alpha/rank ({ALPHA})")
     t.add_argument("--dropout", type=float, default=DROPOUT, help=f"LoRA dropout (default {DROPOUT})")
     t.add_argument("--lr", type=float, default=LR, help=f"AdamW learning rate (default {LR})")
     t.add_argument("--warmup", type=int, default=WARMUP, help=f"linear warm-up steps (default {WARMUP})")
@@ -815,8 +796,8 @@ def parse_args(argv=None):
     t.add_argument("--val-size", type=int, help="samples held out for validation (default 5%%, at least 1)")
     t.add_argument("--val-every", type=int, default=100, help="validate every N steps (default 100)")
     t.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (default 100)")
-    t.add_argument("--seed", type=int, default=42,
-                   help="seeds the LoRA init, split, data order and dropout (default 42)")
+    t.add_argument("--seed", type=int, default=42, help="seeds the LoRA init, split, data order and dropout"
+                   " (default 42)")
     t.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
                    help="keep every activation (faster, much more memory) instead of gradient checkpointing")
 
@@ -825,11 +806,11 @@ def parse_args(argv=None):
     m.add_argument("--lora", required=True, help="one of our run folders, or a LoRA file: ours, or upstream's"
                    " (keys model.<module>.lora_A / lora_B, safetensors or a torch file with state_dict)")
     m.add_argument("--out", required=True, help="new folder for the merged checkpoint")
-    m.add_argument("--format", choices=["hf", "dual_ar"], default="hf",
-                   help="hf: config.json + model.safetensors with HF names, as fishaudio/s2-pro (default)."
-                   " dual_ar: upstream's own flat config.json + model.pth")
-    m.add_argument("--alpha", type=float,
-                   help=f"LoRA alpha of a file that does not store it (upstream's), default {ALPHA}")
+    m.add_argument("--format", choices=["hf", "dual_ar"], default="hf", help="hf: config.json +"
+                   " model.safetensors with HF names, as fishaudio/s2-pro (default). dual_ar: upstream's own"
+                   " flat config.json + model.pth")
+    m.add_argument("--alpha", type=float, help=f"LoRA alpha of a file that does not store it (upstream's),"
+                   f" default {ALPHA}")
 
     b = sub.add_parser("bench", parents=[device], help="training steps/s and peak memory, random weights")
     b.set_defaults(run=bench_training)
@@ -844,14 +825,12 @@ def parse_args(argv=None):
 def check_args(args):
     for name in ("rank", "batch_size", "grad_accum", "max_steps", "max_length", "val_every", "save_every",
                  "seq_len", "steps"):
-        if getattr(args, name, None) is not None and getattr(args, name) < 1:
+        if getattr(args, name, 1) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
-    if getattr(args, "val_size", None) is not None and args.val_size < 0 or getattr(args, "warmup", 0) < 0:
+    if (getattr(args, "val_size", 0) or 0) < 0 or getattr(args, "warmup", 0) < 0:
         raise UserError("--val-size and --warmup must be >= 0")
-    if getattr(args, "lr", 1) <= 0:
-        raise UserError("--lr must be > 0")
-    if not 0 <= getattr(args, "dropout", 0) < 1:
-        raise UserError("--dropout must be in [0, 1)")
+    if getattr(args, "lr", 1) <= 0 or not 0 <= getattr(args, "dropout", 0) < 1:
+        raise UserError("--lr must be > 0 and --dropout in [0, 1)")
 
 
 def main(argv=None):

@@ -418,6 +418,16 @@ class DualAR(nn.Module):
             x = call(layer, x, self.fast_rope) if call else layer(x, self.fast_rope)
         return x
 
+    def vocab_logits(self, x: Tensor) -> Tensor:
+        """Training: slow states x (N, dim) -> logits over the whole vocabulary. Tied: the raw table (an
+        embeddings LoRA does not reach the head, as upstream); untied: the output module (with its LoRA)."""
+        h = self.norm(x)
+        return F.linear(h, self.embeddings.weight) if self.config["tie_word_embeddings"] else self.output(h)
+
+    def fast_logits(self, y: Tensor) -> Tensor:
+        """Fast states (..., fast_dim) -> codebook logits (..., codebook_size)."""
+        return self.fast_output(self.fast_norm(y))
+
     def head(self, x: Tensor, full: bool = False):
         """Last slow hidden state x (B, dim) -> (logits, fast-model input). The logits cover only the
         rows sampling can pick (`sampling_rows`) unless `full`."""
@@ -449,7 +459,7 @@ class DualAR(nn.Module):
         rope = self.fast_rope[i: i + 1]
         for layer in self.fast_layers:
             x = layer(x, rope, "codebook", i)
-        return self.fast_output(self.fast_norm(x[:, 0])) if logits else None
+        return self.fast_logits(x[:, 0]) if logits else None
 
 
 def hf_name(name: str) -> str:

@@ -29,6 +29,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
+import bench
 import codec
 import dualAR
 from dualAR import UserError, write_atomic
@@ -227,16 +228,12 @@ def make_batch(model: dualAR.DualAR, samples: list) -> tuple:
 # ----------------------------------------------------------------------------- training loss
 def head_loss_sum(model: dualAR.DualAR, x: Tensor, labels: Tensor) -> Tensor:
     """Summed cross-entropy of the full-vocabulary slow logits at slow states x (N, dim)."""
-    h = model.norm(x)
-    # tied: head_weight is LoRAEmbedding.weight, the raw table, so the embeddings' LoRA does not reach the
-    # head (as upstream's training forward); untied: the output's forward, with its own LoRA
-    logits = F.linear(h, model.head_weight) if model.config["tie_word_embeddings"] else model.output(h)
-    return F.cross_entropy(logits.float(), labels, reduction="sum")
+    return F.cross_entropy(model.vocab_logits(x).float(), labels, reduction="sum")
 
 
 def fast_loss_sum(model: dualAR.DualAR, y: Tensor, codes: Tensor) -> Tensor:
     """Summed cross-entropy of the fast logits at fast states y (N, num_codebooks, fast_dim)."""
-    logits = model.fast_output(model.fast_norm(y))
+    logits = model.fast_logits(y)
     return F.cross_entropy(logits.flatten(0, 1).float(), codes.flatten(), reduction="sum")
 
 
@@ -720,7 +717,7 @@ def bench_training(args):
     dtype = dualAR.pick_dtype(None, device)
     cfg = dict(dualAR.read_config(Path(args.config)) if args.config else dualAR.CONFIG)
     cfg["n_layer"] = args.n_layer or cfg["n_layer"]
-    model = dualAR.random_model(cfg, device, dtype).train()
+    model = bench.random_model(cfg, device, dtype).train()
     params = add_lora(model, RANK, ALPHA, DROPOUT)
     optimizer = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
     text = "The quick brown fox jumps over the lazy dog."

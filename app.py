@@ -80,6 +80,23 @@ class HTTPError(Exception):
         self.status, self.headers, self.body = status, headers or {}, body
 
 
+# what a request may meet that is no bug of ours -> (status, message prefix, headers)
+ERROR_STATUS = {dualAR.UserError: (400, "", {}),
+                dualAR.QueueFull: (503, "the server is busy: ", {"Retry-After": "2"}),
+                dualAR.EngineClosed: (503, "the server is shutting down: ", {})}
+
+
+def error_answer(e: Exception) -> tuple:
+    """An exception -> (status, message, headers, body) of its error answer; a bug's traceback is logged."""
+    if isinstance(e, HTTPError):
+        return e.status, str(e), e.headers, e.body
+    for kind, (status, prefix, headers) in ERROR_STATUS.items():
+        if isinstance(e, kind):
+            return status, prefix + str(e), headers, None
+    traceback.print_exception(e)
+    return 500, f"internal error: {str(e)[:200]} (see the server's log)", {}, None
+
+
 def is_voice_name(name) -> bool:
     return isinstance(name, str) and bool(VOICE_NAME.fullmatch(name)) and name.strip() == name
 
@@ -522,19 +539,10 @@ class Handler(BaseHTTPRequestHandler):
             if path.startswith("/v1/"):
                 self.authorize()
             getattr(self, methods["GET" if self.command == "HEAD" else self.command])()
-        except HTTPError as e:
-            self.send_json_error(e.status, str(e), e.headers, e.body)
-        except dualAR.UserError as e:
-            self.send_json_error(400, str(e))
-        except dualAR.QueueFull as e:
-            self.send_json_error(503, f"the server is busy: {e}", {"Retry-After": "2"})
-        except dualAR.EngineClosed as e:
-            self.send_json_error(503, f"the server is shutting down: {e}")
         except (ConnectionError, TimeoutError):  # the client went away
             self.close_connection = True
-        except Exception:
-            traceback.print_exc()
-            self.send_json_error(500, "internal error: see the server's log")
+        except Exception as e:
+            self.send_json_error(*error_answer(e))
 
     do_GET = do_HEAD = do_POST = do_DELETE = do_PUT = do_PATCH = do_OPTIONS = dispatch
 
@@ -793,15 +801,13 @@ class Handler(BaseHTTPRequestHandler):
                 wave = self.app.whole_wave(request)
                 send(audio_file_bytes(wave, fmt))
                 samples = len(wave)
+        except (ConnectionError, TimeoutError):
+            raise
         except Exception as e:  # failed after the 200 went out: an error event, or a cut-off body
-            if isinstance(e, (ConnectionError, TimeoutError)):
-                raise
             self.close_connection = True
-            if not isinstance(e, dualAR.UserError):
-                traceback.print_exc()
+            status, message, _, _ = error_answer(e)  # a bug's traceback is logged
             if sse:
-                status = 400 if isinstance(e, dualAR.UserError) else 500
-                self.write_chunk(sse_event(type="error", **self.error_body(status, str(e))))
+                self.write_chunk(sse_event(type="error", **self.error_body(status, message)))
                 self.write_chunk(b"")
             return samples
         if request.cancelled:  # the client hung up

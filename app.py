@@ -784,22 +784,19 @@ class Handler(BaseHTTPRequestHandler):
                 wave = self.app.whole_wave(request)
                 send(audio_file_bytes(wave, fmt))
                 samples = len(wave)
+            frames = round(samples / codec.hop_length())
+            usage = dict(input_tokens=prompt_tokens, output_tokens=frames, total_tokens=prompt_tokens + frames)
+            end = dict(type="speech.audio.done", usage=usage)
         except (ConnectionError, TimeoutError):
             raise
-        except Exception as e:  # failed after the 200 went out: an error event, or a cut-off body
+        except Exception as e:  # failed after the 200 went out: an error event (SSE), else a cut-off body
             self.close_connection = True
             status, message, _, _ = error_answer(e)  # a bug's traceback is logged
-            if sse:
-                self.write_chunk(sse_event(type="error", **self.error_body(status, message)))
-                self.write_chunk(b"")
-            return samples
-        if request.cancelled:  # the client hung up
+            end = dict(type="error", **self.error_body(status, message)) if sse else None
+        if end is None or request.cancelled:  # a body cut off; or nobody to finish it for: the client hung up
             return samples
         if sse:
-            frames = round(samples / codec.hop_length())
-            usage = dict(input_tokens=prompt_tokens, output_tokens=frames,
-                         total_tokens=prompt_tokens + frames)
-            self.write_chunk(sse_event(type="speech.audio.done", usage=usage))
+            self.write_chunk(sse_event(**end))
         self.write_chunk(b"")
         return samples
 

@@ -67,8 +67,8 @@ OPENAI_VOICES = {"alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "on
                  "verse"}
 MAX_CODES = 8  # audios or token arrays in one /v1/vqgan request
 DEMO_FRAMES = 200  # the page's default length with the demo model: seconds of noise, not half a minute
-DEMO_NOTICE = ("DEMO: no checkpoint found, so a tiny RANDOM model is serving and the audio is NOISE. For speech,"
-               f" download fishaudio/s2-pro into {dualAR.DEFAULT_CHECKPOINT} (see README).")
+DEMO_NOTICE = ("DEMO: no checkpoint found, so a tiny RANDOM model is serving and the audio is NOISE. For"
+               f" speech, download fishaudio/s2-pro into {dualAR.DEFAULT_CHECKPOINT} (see README).")
 
 
 # upstream's clients send msgpack: ormsgpack, else msgpack (both have packb and unpackb), else none
@@ -249,14 +249,12 @@ def upstream_errors(body: dict) -> list:
     for key, (low, high) in UPSTREAM_RANGES.items():
         value = body.get(key, low)
         if isinstance(value, bool) or not isinstance(value, (int, float)):  # strict: no "0.5", no true
-            errors.append(dict(type="float_type", loc=[key], msg="Input should be a valid number",
-                               input=value))
+            errors.append(dict(type="float_type", loc=[key], input=value,
+                               msg="Input should be a valid number"))
         elif not low <= value <= high:
-            kind, op, bound = (("greater_than_equal", "ge", low) if not value >= low
-                               else ("less_than_equal", "le", high))
-            words = kind.replace("_than_", " than or ").replace("equal", "equal to")
-            errors.append(dict(type=kind, loc=[key], msg=f"Input should be {words} {bound:g}", input=value,
-                               ctx={op: bound}))
+            words, op, bound = ("greater", "ge", low) if not value >= low else ("less", "le", high)
+            errors.append(dict(type=f"{words}_than_equal", loc=[key], input=value, ctx={op: bound},
+                               msg=f"Input should be {words} than or equal to {bound:g}"))
     for key, allowed in UPSTREAM_CHOICES.items():
         if key in body and not any(body[key] == choice for choice in allowed):
             expected = ", ".join(map(repr, allowed[:-1])) + f" or {allowed[-1]!r}"
@@ -785,8 +783,8 @@ class Handler(BaseHTTPRequestHandler):
                 send(audio_file_bytes(wave, fmt))
                 samples = len(wave)
             frames = round(samples / codec.hop_length())
-            usage = dict(input_tokens=prompt_tokens, output_tokens=frames, total_tokens=prompt_tokens + frames)
-            end = dict(type="speech.audio.done", usage=usage)
+            end = dict(type="speech.audio.done", usage=dict(input_tokens=prompt_tokens, output_tokens=frames,
+                                                            total_tokens=prompt_tokens + frames))
         except (ConnectionError, TimeoutError):
             raise
         except Exception as e:  # failed after the 200 went out: an error event (SSE), else a cut-off body

@@ -67,6 +67,8 @@ OPENAI_VOICES = {"alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "on
                  "verse"}
 MAX_CODES = 8  # audios or token arrays in one /v1/vqgan request
 DEMO_FRAMES = 200  # the page's default length with the demo model: seconds of noise, not half a minute
+DEMO_NOTICE = ("DEMO: no checkpoint found, so a tiny RANDOM model is serving and the audio is NOISE. For"
+               f" speech, download fishaudio/s2-pro into {dualAR.DEFAULT_CHECKPOINT} (see README).")
 
 
 # upstream's clients send msgpack: ormsgpack, else msgpack (both have packb and unpackb), else none
@@ -78,6 +80,23 @@ class HTTPError(Exception):
     def __init__(self, status: int, message: str, headers=None, body=None):
         super().__init__(message)
         self.status, self.headers, self.body = status, headers or {}, body
+
+
+# what a request may meet that is no bug of ours -> (status, message prefix, headers)
+ERROR_STATUS = {dualAR.UserError: (400, "", {}),
+                dualAR.QueueFull: (503, "the server is busy: ", {"Retry-After": "2"}),
+                dualAR.EngineClosed: (503, "the server is shutting down: ", {})}
+
+
+def error_answer(e: Exception) -> tuple:
+    """An exception -> (status, message, headers, body) of its error answer; a bug's traceback is logged."""
+    if isinstance(e, HTTPError):
+        return e.status, str(e), e.headers, e.body
+    for kind, (status, prefix, headers) in ERROR_STATUS.items():
+        if isinstance(e, kind):
+            return status, prefix + str(e), headers, None
+    traceback.print_exception(e)
+    return 500, f"internal error: {str(e)[:200]} (see the server's log)", {}, None
 
 
 def is_voice_name(name) -> bool:
@@ -176,11 +195,8 @@ def sampling_fields(body: dict, defaults: dict) -> dict:
     seed = number_field(body, "seed", None, integer=True, low=0)
     if seed is not None and seed >= 2**63:
         raise dualAR.UserError("seed must be < 2**63")
-    return dict(seed=seed, temperature=number_field(body, "temperature", defaults["temperature"]),
-                top_p=number_field(body, "top_p", defaults["top_p"]),
-                top_k=number_field(body, "top_k", defaults["top_k"], integer=True),
-                max_new_tokens=number_field(body, "max_new_tokens", defaults["max_new_tokens"], integer=True),
-                chunk_length=number_field(body, "chunk_length", defaults["chunk_length"], integer=True))
+    return dict(seed=seed, **{key: number_field(body, key, default, integer=isinstance(default, int))
+                              for key, default in defaults.items()})  # top_k, max_new_tokens, chunk_length
 
 
 def reference_clips(items, what="references") -> list:
@@ -233,14 +249,12 @@ def upstream_errors(body: dict) -> list:
     for key, (low, high) in UPSTREAM_RANGES.items():
         value = body.get(key, low)
         if isinstance(value, bool) or not isinstance(value, (int, float)):  # strict: no "0.5", no true
-            errors.append(dict(type="float_type", loc=[key], msg="Input should be a valid number",
-                               input=value))
+            errors.append(dict(type="float_type", loc=[key], input=value,
+                               msg="Input should be a valid number"))
         elif not low <= value <= high:
-            kind, op, bound = (("greater_than_equal", "ge", low) if not value >= low
-                               else ("less_than_equal", "le", high))
-            words = kind.replace("_than_", " than or ").replace("equal", "equal to")
-            errors.append(dict(type=kind, loc=[key], msg=f"Input should be {words} {bound:g}", input=value,
-                               ctx={op: bound}))
+            words, op, bound = ("greater", "ge", low) if not value >= low else ("less", "le", high)
+            errors.append(dict(type=f"{words}_than_equal", loc=[key], input=value, ctx={op: bound},
+                               msg=f"Input should be {words} than or equal to {bound:g}"))
     for key, allowed in UPSTREAM_CHOICES.items():
         if key in body and not any(body[key] == choice for choice in allowed):
             expected = ", ".join(map(repr, allowed[:-1])) + f" or {allowed[-1]!r}"
@@ -462,11 +476,6 @@ class App:
             for path in reversed(self.voice_paths(old)):  # the transcript last: then the new name appears
                 path.rename(path.with_name(new + path.suffix))
 
-    def waves(self, request):
-        """A submitted request's codes chunks -> their waveforms (n * 2048,), decoded as they come."""
-        for wave in codec.decode_stream(self.dac, request):  # codec calls are thread-safe
-            yield wave[0]
-
     def whole_wave(self, request) -> torch.Tensor:
         codes = request.codes()
         if request.cancelled:  # the client hung up: nobody to decode for
@@ -522,19 +531,10 @@ class Handler(BaseHTTPRequestHandler):
             if path.startswith("/v1/"):
                 self.authorize()
             getattr(self, methods["GET" if self.command == "HEAD" else self.command])()
-        except HTTPError as e:
-            self.send_json_error(e.status, str(e), e.headers, e.body)
-        except dualAR.UserError as e:
-            self.send_json_error(400, str(e))
-        except dualAR.QueueFull as e:
-            self.send_json_error(503, f"the server is busy: {e}", {"Retry-After": "2"})
-        except dualAR.EngineClosed as e:
-            self.send_json_error(503, f"the server is shutting down: {e}")
         except (ConnectionError, TimeoutError):  # the client went away
             self.close_connection = True
-        except Exception:
-            traceback.print_exc()
-            self.send_json_error(500, "internal error: see the server's log")
+        except Exception as e:
+            self.send_json_error(*error_answer(e))
 
     do_GET = do_HEAD = do_POST = do_DELETE = do_PUT = do_PATCH = do_OPTIONS = dispatch
 
@@ -583,18 +583,15 @@ class Handler(BaseHTTPRequestHandler):
             raise HTTPError(400, f"the body ended after {len(data)} of its {length} bytes (Content-Length)")
         return data
 
-    def content_type(self, *allowed) -> str:
-        kind = self.headers.get_content_type()
-        if kind not in allowed:
-            raise HTTPError(415, f"Content-Type {kind} is not supported here: send {' or '.join(allowed)}")
-        return kind
-
     def data(self, form=False) -> dict:
         """The body as a dict: JSON, msgpack or, where `form`, multipart/form-data (text, audio as bytes)."""
         kinds = ("application/json", "application/msgpack", *(["multipart/form-data"] if form else []))
-        kind, body = self.content_type(*kinds), self.body()
+        kind = self.headers.get_content_type()
+        if kind not in kinds:
+            raise HTTPError(415, f"Content-Type {kind} is not supported here: send {' or '.join(kinds)}")
         if kind != "multipart/form-data":
-            return parse_body(kind, body)
+            return parse_body(kind, self.body())
+        body = self.body()
         fields = parse_form(self.headers["Content-Type"], body)
         return {key: value if key == "audio" else value.decode("utf-8", "replace")
                 for key, value in fields.items()}
@@ -616,18 +613,6 @@ class Handler(BaseHTTPRequestHandler):
             body = json.dumps(data, default=json_fallback).encode()
             self.send_bytes(body, "application/json", status, headers)
 
-    def end_headers(self):
-        if self.cors:
-            self.send_header("Access-Control-Allow-Origin", self.cors)
-            self.send_header("Vary", "Origin")
-        self.started = True
-        super().end_headers()
-
-    def handle_expect_100(self):
-        super().handle_expect_100()
-        self.started = False  # that was '100 Continue' (curl sends Expect on big uploads): a status follows
-        return True
-
     def error_body(self, status: int, message: str) -> dict:
         """Ours: {error: {message, type}}. Upstream's routes: its {success: false, message, ...ids}."""
         if self.error_fields:
@@ -648,10 +633,12 @@ class Handler(BaseHTTPRequestHandler):
 
     def send_head(self, status: int, headers: dict):
         self.send_response(status)
-        for key, value in headers.items():
+        cors = {"Access-Control-Allow-Origin": self.cors, "Vary": "Origin"} if self.cors else {}
+        for key, value in {**headers, **cors}.items():
             if value:
                 self.send_header(key, value)
         self.end_headers()
+        self.started = True
 
     def send_bytes(self, body: bytes, media_type, status=200, headers=None):
         length = str(len(body))
@@ -675,9 +662,9 @@ class Handler(BaseHTTPRequestHandler):
 
     # the voices, ours and upstream's /v1/references/ (its answers: {success, message, ...ids})
     def list_voices(self):
+        self.upstream()
         names = sorted(self.app.voice_files())
-        self.send_json(dict(success=True, reference_ids=names, message=f"{len(names)} references")
-                       if self.upstream() else dict(voices=names))
+        self.voice_done(dict(voices=names), f"{len(names)} references", reference_ids=names)
 
     def save_voice(self):
         """{name (upstream: id), text, audio} as JSON, msgpack or a form."""
@@ -686,16 +673,13 @@ class Handler(BaseHTTPRequestHandler):
         name = self.echo("reference_id", data.get("id" if upstream else "name"))
         text = check_text(data.get("text"), "text (the clip's transcript)", MAX_TRANSCRIPT)
         saved = self.app.save_voice(name, decode_base64(data.get("audio"), "audio"), text)
-        if upstream:
-            return self.send_json(dict(success=True, message=f"reference {name!r} added", reference_id=name))
-        self.send_json(saved, 201)
+        self.voice_done(saved, f"reference {name!r} added", 201)
 
     def delete_voice(self):
         upstream = self.upstream(reference_id="")
         name = self.echo("reference_id", self.data().get("reference_id") if upstream else self.name)
         self.app.delete_voice(name)
-        self.send_json(dict(success=True, message=f"reference {name!r} deleted", reference_id=name)
-                       if upstream else dict(deleted=name))
+        self.voice_done(dict(deleted=name), f"reference {name!r} deleted")
 
     def rename_voice(self):
         self.upstream(old_reference_id="", new_reference_id="")
@@ -704,14 +688,19 @@ class Handler(BaseHTTPRequestHandler):
         if old == new:
             raise dualAR.UserError("new_reference_id must differ from old_reference_id")
         self.app.rename_voice(old, new)
-        self.send_json(dict(success=True, message=f"reference {old!r} renamed to {new!r}",
-                            old_reference_id=old, new_reference_id=new))
+        self.voice_done(None, f"reference {old!r} renamed to {new!r}")
 
     def upstream(self, **ids) -> bool:
         """Whether this is upstream's route: then its answers and errors, JSON or msgpack (wants_msgpack)."""
         if self.path.startswith("/v1/references/"):
             self.packed, self.error_fields = self.wants_msgpack(), dict(success=False, **ids)
         return self.error_fields is not None
+
+    def voice_done(self, ours, message: str, status=200, **extra):
+        """Our answer, or upstream's: {success: true, message, ...the ids it was given (see echo)}."""
+        if self.error_fields is None:
+            return self.send_json(ours, status)
+        self.send_json(dict(self.error_fields, success=True, message=message, **extra))
 
     def echo(self, key: str, name) -> str:
         """A voice name from the request -> the name, checked; upstream's error answers repeat it."""
@@ -786,31 +775,26 @@ class Handler(BaseHTTPRequestHandler):
             if fmt == "wav":
                 send(wav_header())
             if fmt in STREAMABLE:
-                for wave in self.app.waves(request):
-                    send(pcm16(wave))
-                    samples += len(wave)
+                for wave in codec.decode_stream(self.app.dac, request):  # decoded as the codes come
+                    send(pcm16(wave[0]))
+                    samples += wave.size(-1)
             else:  # sse of a format that is encoded whole: one delta
                 wave = self.app.whole_wave(request)
                 send(audio_file_bytes(wave, fmt))
                 samples = len(wave)
-        except Exception as e:  # failed after the 200 went out: an error event, or a cut-off body
-            if isinstance(e, (ConnectionError, TimeoutError)):
-                raise
+            frames = round(samples / codec.hop_length())
+            end = dict(type="speech.audio.done", usage=dict(input_tokens=prompt_tokens, output_tokens=frames,
+                                                            total_tokens=prompt_tokens + frames))
+        except (ConnectionError, TimeoutError):
+            raise
+        except Exception as e:  # failed after the 200 went out: an error event (SSE), else a cut-off body
             self.close_connection = True
-            if not isinstance(e, dualAR.UserError):
-                traceback.print_exc()
-            if sse:
-                status = 400 if isinstance(e, dualAR.UserError) else 500
-                self.write_chunk(sse_event(type="error", **self.error_body(status, str(e))))
-                self.write_chunk(b"")
-            return samples
-        if request.cancelled:  # the client hung up
+            status, message, _, _ = error_answer(e)  # a bug's traceback is logged
+            end = dict(type="error", **self.error_body(status, message)) if sse else None
+        if end is None or request.cancelled:  # a body cut off; or nobody to finish it for: the client hung up
             return samples
         if sse:
-            frames = round(samples / codec.hop_length())
-            usage = dict(input_tokens=prompt_tokens, output_tokens=frames,
-                         total_tokens=prompt_tokens + frames)
-            self.write_chunk(sse_event(type="speech.audio.done", usage=usage))
+            self.write_chunk(sse_event(**end))
         self.write_chunk(b"")
         return samples
 
@@ -855,14 +839,11 @@ class Server(ThreadingHTTPServer):
 
 # ----------------------------------------------------------------------------- the page
 def render_page(app: App) -> str:
-    banner = ""
-    if app.info["demo"]:
-        banner = ('<p class="demo">DEMO: no checkpoint found, so a tiny RANDOM model is running and the audio'
-                  f' is NOISE. For speech, download fishaudio/s2-pro into {dualAR.DEFAULT_CHECKPOINT}'
-                  ' (see README).</p>')
+    banner = f'<p class="demo">{DEMO_NOTICE}</p>' if app.demo else ""
     config = dict(sampleRate=SAMPLE_RATE, hop=codec.hop_length(), auth=app.api_key is not None,
+                  wavHeader=base64.b64encode(wav_header(0)).decode(),
                   model=f"{app.info['model']} on {app.info['device']} ({app.info['dtype']})",
-                  maxReferences=dualAR.MAX_REFERENCES, maxFrames=DEMO_FRAMES if app.info["demo"] else 0)
+                  maxReferences=dualAR.MAX_REFERENCES, maxFrames=DEMO_FRAMES if app.demo else 0)
     config = json.dumps(config).replace("<", "\\u003c")  # nothing in it can close the <script>
     return PAGE.replace("{{banner}}", banner).replace("{{config}}", config)
 
@@ -984,14 +965,10 @@ const base64 = file => new Promise((ok, fail) => {
   reader.readAsDataURL(file);
 });
 
-function wavHeader(samples) {  // the whole file's 44 bytes: 16-bit mono PCM, the sizes known now
-  const view = new DataView(new ArrayBuffer(44)), rate = CONFIG.sampleRate;
-  for (const [at, tag] of [[0, 'RIFF'], [8, 'WAVEfmt '], [36, 'data']])
-    [...tag].forEach((c, i) => view.setUint8(at + i, c.charCodeAt(0)));
-  for (const [at, value] of [[4, 36 + 2 * samples], [16, 16], [24, rate], [28, 2 * rate], [40, 2 * samples]])
-    view.setUint32(at, value, true);
-  for (const [at, value] of [[20, 1], [22, 1], [32, 2], [34, 16]])  // PCM, mono, bytes a sample, bits
-    view.setUint16(at, value, true);
+function wavHeader(samples) {  // the server's 44 bytes (16-bit mono PCM), the sizes known now
+  const view = new DataView(Uint8Array.from(atob(CONFIG.wavHeader), c => c.charCodeAt(0)).buffer);
+  view.setUint32(4, 36 + 2 * samples, true);
+  view.setUint32(40, 2 * samples, true);
   return view.buffer;
 }
 function showFigures(t0) {
@@ -1185,10 +1162,8 @@ def main(argv=None):
     args = parse_args(argv)
     server = make_server(args)
     app = server.app
-    if app.info["demo"]:
-        print("DEMO: no checkpoint found, so a tiny RANDOM model is serving and the audio is NOISE.\nFor"
-              f" speech, download fishaudio/s2-pro into {dualAR.DEFAULT_CHECKPOINT} (see README).",
-              file=sys.stderr)
+    if app.demo:
+        print(DEMO_NOTICE, file=sys.stderr)
     host, port = server.server_address[:2]
     print(f"fishfast: {app.info['model']} on {app.info['device']}, {args.slots} slots,"
           f" voices in {app.voices}/ -> http://{host}:{port}", flush=True)

@@ -67,7 +67,7 @@ def frame_bytes(model: DualAR) -> int:
     per codebook (its output head for codebooks 1.. only)."""
     def size(*modules):
         return sum(tensor_bytes(p) for m in modules for p in m.parameters())
-    start, stop = model.head_window
+    start, stop = model.sampling_rows
     head = size(model.embeddings) * (stop - start) // model.config["vocab_size"]
     n = model.config["num_codebooks"]
     return size(model.layers, model.norm) + head + n * size(model.fast_layers, model.fast_norm) \
@@ -91,6 +91,8 @@ def random_model(config, device, dtype, quant=None) -> DualAR:
                     setattr(m, name, nn.Parameter(weight, requires_grad=False))
             if quant:
                 swap_linears(piece, CPU_BITS[block_scheme(quant, part is model.fast_layers, cpu=True)])
+    if quant:
+        dualAR.quantize_fast_head(model)
     model.quant = quant
     model.make_rope()
     model.tokenizer = tokenizer
@@ -165,13 +167,13 @@ def seeded_frames(model: DualAR, frames: int, forced: Tensor = None) -> Tensor:
     generator = torch.Generator(hidden.device).manual_seed(0)
     frame = sample_frame(model, logits, hidden, torch.full((1, RAS_WINDOW), -1, device=hidden.device), p,
                          *draw_noise(model, [generator]))
-    made, window = [frame], torch.zeros(1, RAS_WINDOW, dtype=torch.long, device=hidden.device)
+    out, recent = [frame], torch.zeros(1, RAS_WINDOW, dtype=torch.long, device=hidden.device)
     for i in range(1, frames):
-        last = made[-1] if forced is None else forced[i - 1: i]
-        window = torch.cat([window[:, 1:], last[:, :1]], dim=1)
+        last = out[-1] if forced is None else forced[i - 1: i]
+        recent = torch.cat([recent[:, 1:], last[:, :1]], dim=1)
         pos = torch.tensor([BENCH_PROMPT + i - 1], device=hidden.device)
-        made.append(decode_step(model, last, pos, window, p, *draw_noise(model, [generator])))
-    return torch.cat(made)
+        out.append(decode_step(model, last, pos, recent, p, *draw_noise(model, [generator])))
+    return torch.cat(out)
 
 
 def bench_codec(args, device):

@@ -14,7 +14,6 @@ import json
 import math
 import os
 import resource
-import sys
 import time
 from pathlib import Path
 
@@ -26,32 +25,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
+from tqdm import tqdm
 
 import dualAR  # the LM's blocks (RMSNorm, FeedForward, RoPE: upstream's arithmetic) and shared helpers
 
 CONFIG = dict(  # the real S2-Pro codec (upstream fish_speech/configs/modded_dac_vq.yaml)
-    sample_rate=44100,
-    encoder_dim=64,
-    encoder_rates=[2, 4, 8, 8],
-    encoder_transformer_layers=[0, 0, 0, 4],
+    sample_rate=44100, latent_dim=1024, head_dim=64, rope_base=10000, norm_eps=1e-5,
+    encoder_dim=64, encoder_rates=[2, 4, 8, 8], encoder_transformer_layers=[0, 0, 0, 4],
     encoder_window=512,  # upstream asks a functools.partial for `window_size`: it has none, so 512
-    latent_dim=1024,
-    decoder_dim=1536,
-    decoder_rates=[8, 8, 4, 2],
-    downsample_factor=[2, 2],
-    semantic_codebook_size=4096,
+    decoder_dim=1536, decoder_rates=[8, 8, 4, 2],
+    downsample_factor=[2, 2], semantic_codebook_size=4096, codebook_size=1024, codebook_dim=8,
     n_codebooks=9,  # residual codebooks after the semantic one
-    codebook_size=1024,
-    codebook_dim=8,
-    quantizer_layers=8,  # pre_module and post_module transformers (identical configs)
-    quantizer_heads=16,
-    quantizer_ffn=3072,
-    quantizer_window=128,
-    head_dim=64,
-    rope_base=10000,
-    norm_eps=1e-5,
+    quantizer_layers=8, quantizer_heads=16, quantizer_ffn=3072, quantizer_window=128,  # pre and post_module
 )
-FAST_VOCAB = 4096  # the LM's fast model samples every codebook from 4096 entries
 CHUNK_FRAMES = 16  # frames per pass (0.74 s): memory stays flat, every tensor under 32 MB (keep_freed_memory)
 ATTN_BLOCK = 2048  # queries per attention call (shorter inputs: upstream's one full-mask call)
 STALE_BUFFERS = ("freqs_cis", "causal_mask")  # non-persistent buffers that older saves may still carry
@@ -104,10 +90,9 @@ class CausalConv(nn.Module):
 
 
 class CausalConvT(nn.Module):
-    """ConvTranspose1d (kernel = stride or 2 * stride) without its last kernel - stride outputs: L * stride.
-
-    Computed as one matmul and an overlap-add: CPU conv_transpose1d copies the whole weight on every call
-    (72 MB in the first decoder stage) and is 1.8x (16-frame chunks) to 14x (1-frame chunks) slower."""
+    """ConvTranspose1d (kernel = stride or 2 * stride) minus its last kernel - stride outputs: L * stride.
+    One matmul and an overlap-add: CPU conv_transpose1d copies the whole weight on every call (72 MB in
+    the first decoder stage) and is 1.8x (16-frame chunks) to 14x (1-frame chunks) slower."""
 
     def __init__(self, cin, cout, kernel, stride, wn=True):
         super().__init__()
@@ -150,9 +135,9 @@ class Stack(nn.Module):
         return x + y if self.residual else y
 
 
-def residual_unit(dim, dilation):
-    return Stack(Snake(dim), CausalConv(dim, dim, 7, dilation=dilation), Snake(dim), CausalConv(dim, dim, 1),
-                 residual=True)
+def residual_units(dim):  # upstream's three ResidualUnits of a stage
+    return [Stack(Snake(dim), CausalConv(dim, dim, 7, dilation=dilation), Snake(dim), CausalConv(dim, dim, 1),
+                  residual=True) for dilation in (1, 3, 9)]
 
 
 class ConvNeXt(nn.Module):
@@ -327,11 +312,10 @@ def build_encoder(cfg):
     layers = [CausalConv(1, d, 7)]
     for stride, n_layer in zip(cfg["encoder_rates"], cfg["encoder_transformer_layers"]):
         d *= 2
-        units = [residual_unit(d // 2, dilation) for dilation in (1, 3, 9)]
         down = CausalConv(d // 2, d, 2 * stride, stride=stride)
         heads, window = d // 64, cfg["encoder_window"]  # upstream: n_head = dim // 64, ffn = 3 * dim
         attn = [Transformer(d, n_layer, heads, 3 * d, window, cfg)] if n_layer else []
-        layers.append(Stack(*units, Snake(d // 2), down, *attn))
+        layers.append(Stack(*residual_units(d // 2), Snake(d // 2), down, *attn))
     return Stack(*layers, Snake(d), CausalConv(d, cfg["latent_dim"], 3))
 
 
@@ -342,8 +326,8 @@ class Decoder(nn.Module):
         layers = [CausalConv(cfg["latent_dim"], d, 7)]
         for i, stride in enumerate(cfg["decoder_rates"]):
             cin, cout = d // 2**i, d // 2 ** (i + 1)
-            units = [residual_unit(cout, dilation) for dilation in (1, 3, 9)]
-            layers.append(Stack(Snake(cin), CausalConvT(cin, cout, 2 * stride, stride), *units))
+            up = CausalConvT(cin, cout, 2 * stride, stride)
+            layers.append(Stack(Snake(cin), up, *residual_units(cout)))
         self.model = Sequential(*layers, Snake(cout), CausalConv(cout, 1, 7))
 
     def forward(self, x, cache=None):
@@ -370,29 +354,25 @@ def read_config(path):
     path = Path(path)
     if not path.is_file():
         return dict(CONFIG)
-    cfg = json.loads(path.read_text())
-    if "_target_" not in cfg:
-        return {**CONFIG, **cfg}
     try:
+        cfg = json.loads(path.read_text())
+        if "_target_" not in cfg:  # flat keys (dualAR's demo checkpoint)
+            return {**CONFIG, **cfg}
         q, general = cfg["quantizer"], cfg["transformer_general_config"]
         t = q["post_module"]["config"]
-        return dict(
-            CONFIG, sample_rate=cfg["sample_rate"], encoder_dim=cfg["encoder_dim"],
-            encoder_rates=cfg["encoder_rates"], encoder_transformer_layers=cfg["encoder_transformer_layers"],
-            encoder_window=general.get("window_size", 512), latent_dim=q["input_dim"],
-            decoder_dim=cfg["decoder_dim"], decoder_rates=cfg["decoder_rates"],
-            downsample_factor=q["downsample_factor"], semantic_codebook_size=q["semantic_codebook_size"],
-            n_codebooks=q["n_codebooks"], codebook_size=q["codebook_size"], codebook_dim=q["codebook_dim"],
-            quantizer_layers=t["n_layer"], quantizer_heads=t["n_head"], quantizer_ffn=t["intermediate_size"],
-            quantizer_window=q["post_module"]["window_size"], head_dim=general["head_dim"],
-            rope_base=general["rope_base"], norm_eps=general["norm_eps"])
-    except KeyError as e:
-        raise dualAR.UserError(f"{path} has no key {e}: expected upstream's modded_dac_vq config as json") \
-            from None
+        top = "sample_rate encoder_dim encoder_rates encoder_transformer_layers decoder_dim decoder_rates"
+        vq = "downsample_factor semantic_codebook_size n_codebooks codebook_size codebook_dim"
+        return dict(CONFIG, **{k: cfg[k] for k in top.split()}, **{k: q[k] for k in vq.split()},
+                    **{k: general[k] for k in ("head_dim", "rope_base", "norm_eps")},
+                    encoder_window=general.get("window_size", 512), latent_dim=q["input_dim"],
+                    quantizer_window=q["post_module"]["window_size"], quantizer_layers=t["n_layer"],
+                    quantizer_heads=t["n_head"], quantizer_ffn=t["intermediate_size"])
+    except (KeyError, TypeError, ValueError) as e:  # ValueError: not json
+        raise dualAR.unreadable(path, e) from None
 
 
-def _rename_weight_norm(key, wanted):
-    """Map legacy weight_g/weight_v onto parametrizations.weight.original0/1 and back, whichever we hold."""
+def weight_norm_key(key, wanted):
+    """key in the weight-norm format `wanted` holds: legacy weight_g/v or parametrizations' original0/1."""
     for old, new in ((".weight_g", ".parametrizations.weight.original0"),
                      (".weight_v", ".parametrizations.weight.original1")):
         for a, b in ((old, new), (new, old)):
@@ -415,29 +395,23 @@ def load(path="s2-pro", device="cpu", dtype=torch.float32):
         state = torch.load(pth, map_location="cpu", weights_only=True)
     except Exception as e:
         raise dualAR.UserError(f"cannot read {pth} as a state_dict ({type(e).__name__})") from None
-    state = state.get("state_dict", state)
-    if any(k.startswith("generator.") for k in state):  # a training checkpoint: keep the generator
-        state = {k[len("generator."):]: v for k, v in state.items() if k.startswith("generator.")}
+    state = state.get("state_dict", state)  # upstream's loader also takes its training checkpoints:
+    if any(k.startswith("generator.") for k in state):  # the generator's weights, its prefix dropped
+        state = {k.removeprefix("generator."): v for k, v in state.items() if k.startswith("generator.")}
     wanted = model.state_dict()
-    tensors, unexpected = {}, []
-    for key, value in state.items():
-        key = _rename_weight_norm(key, wanted)
-        if key in wanted:
-            tensors[key] = value
-        elif key.rsplit(".", 1)[-1] not in STALE_BUFFERS:
-            unexpected.append(key)
+    tensors = {weight_norm_key(k, wanted): v for k, v in state.items()}
     missing = [k for k in wanted if k not in tensors]
-    wrong = [k for k in tensors if tensors[k].shape != wanted[k].shape]
+    extra = [k for k in tensors if k not in wanted and k.rsplit(".", 1)[-1] not in STALE_BUFFERS]
+    wrong = [f"{k} has shape {list(v.shape)}, expected {list(wanted[k].shape)}"
+             for k, v in tensors.items() if k in wanted and v.shape != wanted[k].shape]
     hint = "codec_config.json does not match it, or it is not an S2-Pro codec"
     if missing:
         raise dualAR.UserError(f"{pth} lacks {len(missing)} tensors (first: {missing[0]}) — {hint}")
-    if unexpected:
-        first = unexpected[0]
-        raise dualAR.UserError(f"{pth} has {len(unexpected)} unexpected tensors (first: {first}) — {hint}")
-    for k in wrong:
-        got, want = list(tensors[k].shape), list(wanted[k].shape)
-        raise dualAR.UserError(f"{pth}: {k} has shape {got}, expected {want} — {hint}")
-    model.load_state_dict(tensors, assign=True)
+    if extra:
+        raise dualAR.UserError(f"{pth} has {len(extra)} unexpected tensors (first: {extra[0]}) — {hint}")
+    if wrong:
+        raise dualAR.UserError(f"{pth}: {wrong[0]} — {hint}")
+    model.load_state_dict({k: v for k, v in tensors.items() if k in wanted}, assign=True)
     keep_freed_memory()
     return fold_weight_norm(model).requires_grad_(False).eval().to(device=device, dtype=dtype)
 
@@ -473,10 +447,10 @@ def fused_snake():  # one compiled snake for every model; it compiles on first u
 
 
 def fast_path(model, on=True):
-    """The faster CPU path (on=False: back to eager), equal to eager within 1e-5: every Snake one compiled
-    kernel, 1x1 convs as batched matmuls. Returns the model. Only the Snake is compiled: it is 34 % of an
-    eager decode, and with dynamic shapes one compile serves every layer and chunk size (a graph of the
-    whole decoder recompiles per chunk size and shape of the stream's state, 20-50 s each on 2 cores)."""
+    """The faster CPU path (on=False: eager), equal to eager within 1e-5: each Snake one compiled kernel, 1x1
+    convs as batched matmuls. Only the Snake is compiled (34 % of an eager decode): with dynamic shapes one
+    compile serves every layer and chunk size, while a graph of the whole decoder recompiles per chunk size
+    and shape of the stream's state (20-50 s each on 2 cores). Returns the model."""
     for module in model.modules():
         if isinstance(module, Snake):
             module.fn = fused_snake() if on else snake
@@ -494,8 +468,7 @@ def fast_path(model, on=True):
 @torch.inference_mode()
 def encode(model, wave, chunk_frames=CHUNK_FRAMES):
     """Waveform (N,), (B, N) or (B, 1, N) at 44.1 kHz -> codes (B, 10, ceil(N / 2048)) int64.
-
-    chunk_frames=None encodes in one pass. Chunks give the same codes in flat memory."""
+    chunk_frames=None: one pass; chunks give the same codes in flat memory."""
     p = next(model.parameters())
     wave = torch.as_tensor(wave)
     if wave.shape[-1] == 0:
@@ -509,20 +482,16 @@ def encode(model, wave, chunk_frames=CHUNK_FRAMES):
 
 @torch.inference_mode()
 def decode(model, codes, chunk_frames=CHUNK_FRAMES):
-    """Codes (10, T) or (B, 10, T) -> waveform (B, T * 2048) float32, chunk_frames=None decodes in one pass.
-
-    Codes above a codebook's size are clamped (row 0 to 4095, rows 1..9 to 1023) exactly as upstream does;
-    upstream clamps in place on the caller's tensor, we clamp a copy.
-    """
+    """Codes (10, T) or (B, 10, T) -> waveform (B, T * 2048) float32; chunk_frames=None: one pass.
+    Codes above a codebook's size are clamped like upstream (row 0 to 4095, rows 1..9 to 1023), on a copy."""
     codes = clamped_codes(model, codes)
     return torch.cat(list(decode_stream(model, codes.split(chunk_frames or codes.shape[-1], -1))), -1)
 
 
 @torch.inference_mode()
 def decode_stream(model, chunks):
-    """Codes chunks (B, 10, n) or (10, n), n >= 1, as they arrive -> each one's new samples (B, n * 2048).
-
-    float32. The pieces joined equal decode() of all the codes (same clamping), to fp32 noise."""
+    """Codes chunks (B, 10, n) or (10, n) as they arrive -> each one's new samples (B, n * 2048) float32.
+    The pieces joined equal decode() of all the codes (same clamping), to fp32 noise."""
     cache = {}
     for codes in chunks:
         z = model.quantizer.decode(clamped_codes(model, codes), cache)  # (B, D, n)
@@ -531,16 +500,14 @@ def decode_stream(model, chunks):
 
 def clamped_codes(model, codes):
     """Codes checked and clamped to each codebook's size, a copy on the model's device: (B, 10, T) int64."""
-    cfg, p = model.config, next(model.parameters())
+    cfg, rows = model.config, model.config["n_codebooks"] + 1
     codes = torch.as_tensor(codes)
     codes = codes[None] if codes.dim() == 2 else codes
-    rows = cfg["n_codebooks"] + 1
     if codes.dim() != 3 or codes.shape[1] != rows or codes.shape[2] == 0:
-        raise dualAR.UserError(f"codes must have shape [{rows}, T] or [B, {rows}, T]."
-                               f" Got {list(codes.shape)}")
+        raise dualAR.UserError(f"codes must have shape [{rows}, T] or [B, {rows}, T]: {list(codes.shape)}")
     if codes.min() < 0:
         raise dualAR.UserError(f"codes must be >= 0, found {codes.min().item()}")
-    codes = codes.to(p.device, torch.long, copy=True)
+    codes = codes.to(next(model.parameters()).device, torch.long, copy=True)
     codes[:, 0].clamp_(max=cfg["semantic_codebook_size"] - 1)
     codes[:, 1:].clamp_(max=cfg["codebook_size"] - 1)
     return codes
@@ -563,7 +530,7 @@ def load_audio(path, sample_rate=44100):
     return torch.from_numpy(np.ascontiguousarray(mono, dtype=np.float32))
 
 
-def read_codes(path, rows=10, vocab=FAST_VOCAB):
+def read_codes(path, rows=10, vocab=4096):  # the LM samples every codebook from 4096 entries
     """Codes (rows, T) int64 from a .npy, or a raw little-endian int16 .code file laid out as [rows, T]."""
     path = Path(path)
     if not path.is_file():
@@ -578,21 +545,18 @@ def read_codes(path, rows=10, vocab=FAST_VOCAB):
             raise dualAR.UserError(f"{path} is not a .npy array ({type(e).__name__})") from None
     codes = codes[0] if codes.ndim == 3 and codes.shape[0] == 1 else codes
     if codes.ndim != 2 or codes.shape[0] != rows or codes.shape[1] == 0:
-        raise dualAR.UserError(f"{path}: codes have shape {list(codes.shape)},"
-                               f" expected [{rows}, T] with T > 0")
+        raise dualAR.UserError(f"{path}: codes have shape {list(codes.shape)}, expected [{rows}, T], T > 0")
     if not np.issubdtype(codes.dtype, np.integer):
         raise dualAR.UserError(f"{path}: codes must be integers, got {codes.dtype}")
     if codes.min() < 0 or codes.max() >= vocab:
-        raise dualAR.UserError(f"{path}: codes must lie in 0..{vocab - 1},"
-                               f" found {codes.min()}..{codes.max()}")
+        raise dualAR.UserError(f"{path}: codes must lie in 0..{vocab - 1}: {codes.min()}..{codes.max()}")
     return torch.from_numpy(codes.astype(np.int64))
 
 
 def save_wav(path, wave, sample_rate=44100):
     """Mono float waveform -> PCM-16 .wav."""
     data = torch.as_tensor(wave).detach().float().cpu().reshape(-1).clamp(-1, 1).numpy()
-    dualAR.write_atomic(path, lambda tmp: sf.write(str(tmp), data, sample_rate, format="WAV",
-                                                   subtype="PCM_16"))
+    dualAR.write_atomic(path, lambda tmp: sf.write(tmp, data, sample_rate, format="WAV", subtype="PCM_16"))
 
 
 def save_codes(path, codes):
@@ -600,18 +564,15 @@ def save_codes(path, codes):
 
 
 # ----------------------------------------------------------------------------- CLI
-def output_paths(inputs, out, suffix):
+def output_files(inputs, out, suffix):
     """One output per input: beside it, the --out file, or in the --out folder (made on writing)."""
     folder = out is not None and (len(inputs) > 1 or Path(out).is_dir())
-    if out is None:
-        outputs = [p.with_suffix(suffix) for p in inputs]
-    elif not folder:
-        outputs = [Path(out)]
-    else:
+    if folder:
         outputs = [Path(out) / p.with_suffix(suffix).name for p in inputs]
+    else:
+        outputs = [p.with_suffix(suffix) if out is None else Path(out) for p in inputs]
     if len(set(outputs)) < len(outputs):
-        raise dualAR.UserError(f"two inputs would write the same {suffix} file: rename one,"
-                               " or give --out per file")
+        raise dualAR.UserError(f"two inputs would write the same {suffix} file: rename one")
     for path in outputs:  # fail before any work is done
         parent = path.parent.parent if folder and not path.parent.exists() else path.parent  # made later
         if not (parent.is_dir() and os.access(parent, os.W_OK)) or path.is_dir():
@@ -620,43 +581,36 @@ def output_paths(inputs, out, suffix):
 
 
 def run_files(args):
-    if getattr(args, "chunk_frames", 0) < 0:
-        raise dualAR.UserError("--chunk-frames must be >= 0")
     encoding = args.command == "encode"
-    if args.paths:
-        inputs = [Path(p) for p in args.paths]
-    elif encoding:
-        inputs = sorted(p for p in Path("prompt").glob("*") if p.suffix.lower() in AUDIO_EXTENSIONS)
-    else:
-        inputs = sorted(Path("generate").glob("*.npy"))
+    folder, kinds = ("prompt", AUDIO_EXTENSIONS) if encoding else ("generate", {".npy"})
+    inputs = [Path(p) for p in args.paths]
+    inputs = inputs or sorted(p for p in Path(folder).glob("*") if p.suffix.lower() in kinds)
     if not inputs:
-        folder = "prompt" if encoding else "generate"
         raise dualAR.UserError(f"no input files: pass paths, or put them in {folder}/")
     data = [load_audio(p) if encoding else read_codes(p) for p in inputs]  # check every input before writing
-    outputs = output_paths(inputs, args.out, ".npy" if encoding else ".wav")
+    outputs = output_files(inputs, args.out, ".npy" if encoding else ".wav")
     device = dualAR.pick_device(args.device)
     model = load(args.checkpoint, device, dualAR.pick_dtype(args.dtype, device, cuda="fp16"))
-    from tqdm import tqdm
-
-    start, seconds = time.perf_counter(), 0.0
+    start, rate, chunk = time.perf_counter(), model.config["sample_rate"], args.chunk_frames or None
     for x, out in tqdm(list(zip(data, outputs)), desc=args.command, unit="file"):
         out.parent.mkdir(exist_ok=True)
         if encoding:
-            save_codes(out, encode(model, x)[0])
-            seconds += len(x) / model.config["sample_rate"]
+            save_codes(out, encode(model, x, chunk)[0])
         else:
-            wave = decode(model, x, args.chunk_frames or None)[0]
-            save_wav(out, wave, model.config["sample_rate"])
-            seconds += len(wave) / model.config["sample_rate"]
+            save_wav(out, decode(model, x, chunk)[0], rate)
     wall = time.perf_counter() - start
+    seconds = sum(x.shape[-1] * (1 if encoding else model.hop) for x in data) / rate
     print(f"{args.command}d {len(inputs)} file(s): {seconds:.2f} s of audio in {wall:.2f} s, "
           f"RTF {wall / seconds:.3f}")
 
 
-def timed(fn):  # -> (seconds, minor page faults) of one call
+def timed(model, fast, fn, device):  # fn() once, on the fast path or not -> (seconds, minor faults, peak GB)
+    fast_path(model, fast)
+    dualAR.reset_peak_memory(device)
     faults, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
     fn().cpu()
-    return time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    wall, faults = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return wall, faults, dualAR.peak_memory_gb(device)
 
 
 def bench(args):
@@ -674,46 +628,38 @@ def bench(args):
     wave = 0.1 * torch.randn(int(args.seconds * cfg["sample_rate"]))
     codes = encode(model, wave)
     chunk, frames = args.chunk_frames, codes.shape[-1]
-    runs = [("encode", f"chunk={chunk}", frames, 1, lambda: encode(model, wave, chunk)),
-            ("decode", f"chunk={chunk}", frames, 1, lambda: decode(model, codes, chunk)),
-            ("decode", "chunk=0", frames, 1, lambda: decode(model, codes, None))]
+    runs = [("encode", chunk, frames, 1, lambda: encode(model, wave, chunk)),
+            ("decode", chunk, frames, 1, lambda: decode(model, codes, chunk)),
+            ("decode", 0, frames, 1, lambda: decode(model, codes, None))]
     for n in args.stream_frames:  # a stream's first chunks: each costs about what later ones do
         chunks = codes.split(n, -1)[: args.stream_chunks]
-        runs.append(("stream", f"chunk={n}", sum(c.shape[-1] for c in chunks), len(chunks),
+        runs.append(("stream", n, sum(c.shape[-1] for c in chunks), len(chunks),
                      lambda chunks=chunks: torch.cat([w.cpu() for w in decode_stream(model, chunks)], -1)))
-    modes, first = ([0, 1] if args.compile else [0]), {}
-    for path, what, n_frames, n_chunks, fn in runs:
-        walls, faults = {m: [] for m in modes}, {}
-        for m in modes:  # warm-up: first calls allocate what later calls reuse; the first fast one compiles
-            fast_path(model, m)
-            first.setdefault(m, timed(fn)[0])
-        if len(first) == 2 and path == "encode":  # the first run
-            cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR", "default")
-            print(f"compile: first fast encode {first[1]:.1f} s, first eager one {first[0]:.1f} s "
-                  f"(TORCHINDUCTOR_CACHE_DIR={cache})")
+    modes = [0, 1] if args.compile else [0]
+    for path, chunk, n_frames, n_chunks, fn in runs:
+        # warm-up: first calls allocate what later calls reuse; the first fast one compiles
+        warm = {m: timed(model, m, fn, device)[0] for m in modes}
+        if args.compile and path == "encode":  # the first run
+            print(f"compile: first fast encode {warm[1]:.1f} s, first eager one {warm[0]:.1f} s "
+                  f"(TORCHINDUCTOR_CACHE_DIR={os.environ.get('TORCHINDUCTOR_CACHE_DIR', 'default')})")
+        calls = {m: [] for m in modes}  # (seconds, faults, peak GB) per call, modes interleaved
         for _ in range(args.repeats):
             for m in modes:
-                fast_path(model, m)
-                dualAR.reset_peak_memory(device)
-                wall, faults[m] = timed(fn)
-                walls[m].append(wall)
+                calls[m].append(timed(model, m, fn, device))
         for m in modes:
-            ws = sorted(walls[m])
-            med, audio = ws[len(ws) // 2], n_frames * model.hop / cfg["sample_rate"]
+            walls, (_, faults, peak) = sorted(c[0] for c in calls[m]), calls[m][-1]
+            med, audio = walls[len(walls) // 2], n_frames * model.hop / cfg["sample_rate"]
+            rtfs = " / ".join(f"{w / audio:.3f}" for w in (walls[0], med, walls[-1]))
+            print(f"{path:6s} chunk={chunk:<3d} {'fast ' if m else 'eager'}: RTF {rtfs} (min / median / max"
+                  f" of {len(walls)}), {faults} minor page faults, peak memory {peak:.2f} GB")
             per_chunk = f" ms_per_chunk={1000 * med / n_chunks:.4g}" if path == "stream" else ""
-            rtfs = " / ".join(f"{w / audio:.3f}" for w in (ws[0], med, ws[-1]))
-            print(f"{path:6s} {what:9s} {'fast ' if m else 'eager'}: RTF {rtfs} (min / median / max of "
-                  f"{len(ws)}), {faults[m]} minor page faults,"
-                  f" peak memory {dualAR.peak_memory_gb(device):.2f} GB")
-            print(f"codec_bench path={path} {what} compile={m} rtf={med / audio:.4g} "
+            print(f"codec_bench path={path} chunk={chunk} compile={m} rtf={med / audio:.4g} "
                   f"frames_per_s={n_frames / med:.4g}{per_chunk}")
     fast_path(model, False)
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse that reports a bad command line as one `error: ...` line, like every other error."""
-
-    def error(self, message):
+    def error(self, message):  # a bad command line is one `error: ...` line, like every other error
         self.exit(2, f"error: {message}\n")
 
 
@@ -724,37 +670,33 @@ def main(argv=None):
     common.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: cuda > mps > cpu")
     common.add_argument("--dtype", choices=["fp32", "fp16", "bf16"],
                         help="default: fp16 on CUDA, else fp32 (bf16 is audibly noisier in the decoder)")
+    common.add_argument("--chunk-frames", type=int, default=CHUNK_FRAMES,
+                        help="frames per encode/decode pass: flat memory (default %(default)s; 0: one pass)")
     files = argparse.ArgumentParser(add_help=False, parents=[common])
-    files.add_argument("--checkpoint", default="./s2-pro",
-                       help="folder with codec.pth (+ optional codec_config.json), or a codec.pth file "
-                            "(default: ./s2-pro)")
+    files.add_argument("--checkpoint", default="./s2-pro", help="folder with codec.pth (+ optional "
+                       "codec_config.json), or a codec.pth file (default: %(default)s)")
     files.add_argument("--out", help="output file for one input, or a folder for several "
                                      "(default: beside each input)")
     enc = sub.add_parser("encode", parents=[files], help="audio -> <stem>.npy codes [10, T] (int64)")
     enc.add_argument("paths", nargs="*", help="audio files soundfile reads (wav, flac, ogg, mp3 at any rate, "
                                               "channels averaged). Default: every audio file in prompt/")
     dec = sub.add_parser("decode", parents=[files], help="codes -> <stem>.wav (44.1 kHz PCM-16)")
-    dec.add_argument("paths", nargs="*", help=".npy codes [10, T] or raw int16 .code files laid out [10, T]. "
+    dec.add_argument("paths", nargs="*", help=".npy or raw int16 .code files of codes [10, T]. "
                                               "Default: every generate/*.npy")
-    dec.add_argument("--chunk-frames", type=int, default=CHUNK_FRAMES,
-                     help=f"frames per decoder pass, keeps memory flat (default {CHUNK_FRAMES}. 0: one pass)")
     bn = sub.add_parser("bench", parents=[common], help="encode/decode RTF at the real size, random weights")
     bn.add_argument("--config", help="a codec_config.json to time instead of the real size (e.g. tiny's)")
-    bn.add_argument("--seconds", type=float, default=5.0, help="seconds of audio to time (default 5)")
-    bn.add_argument("--chunk-frames", type=int, default=CHUNK_FRAMES,
-                    help=f"frames per pass of encode and chunked decode (default {CHUNK_FRAMES})")
+    bn.add_argument("--seconds", type=float, default=5.0, help="seconds of audio (default %(default)s)")
     bn.add_argument("--stream-frames", type=int, nargs="+", default=[1, 4, 16],
-                    help="frames per chunk of the streaming decodes to time (default 1 4 16)")
-    bn.add_argument("--stream-chunks", type=int, default=8, help="chunks timed per stream (default 8)")
-    bn.add_argument("--repeats", type=int, default=3, help="timed calls per path (default 3)")
+                    help="frames per chunk of each streaming decode timed (default 1 4 16)")
+    bn.add_argument("--stream-chunks", type=int, default=8, help="chunks per stream (default %(default)s)")
+    bn.add_argument("--repeats", type=int, default=3, help="timed calls per path (default %(default)s)")
     bn.add_argument("--compile", action="store_true",
-                    help="time the fast path (fast_path(): compiled Snakes, 1x1 convs as matmuls) too")
+                    help="also time fast_path(): compiled Snakes, 1x1 convs as matmuls")
     args = parser.parse_args(argv)
+    if args.chunk_frames < 0:
+        raise dualAR.UserError("--chunk-frames must be >= 0")
     try:
-        if args.command == "bench":
-            bench(args)
-        else:
-            run_files(args)
+        (bench if args.command == "bench" else run_files)(args)
     except OSError as e:
         raise dualAR.UserError(str(e)) from None
 

@@ -5,6 +5,21 @@ frame. The fast transformer then emits the other codebooks of that frame, one af
 Everything is written to give upstream fish-speech's codes for upstream's seed on CPU fp32.
 
     python dualAR.py --text "Hello!" --prompt-audio voice.wav --prompt-text "what voice.wav says"
+
+How the file reads (sections, top to bottom):
+    config          CONFIG (the real S2-Pro), config.json of either layout -> one flat dict
+    building blocks RMSNorm, FeedForward, RoPE, KVCache, Attention (4 ways), flex-decoding, Block
+    model           DualAR: embeddings, slow and fast transformers, the head; prefill, forward_slow/fast
+    loading         sharded safetensors (HF names) -> the model, ids from the tokenizer
+    quantization    int8/int4 on CPU (QuantLinear, torch's kernels), torchao on GPU; compile_model
+    prompt          upstream's chat template: system + references, user/assistant turns, dialogues
+    sampling        upstream's top-k/top-p filter and exponential race, its random numbers
+    one frame       sample_frame (slow token with repetition-aware sampling, then the codebooks), decode_step
+    requests        Request: checks, text batches, frames -> codes chunks
+    engine          Scheduler (rows, admit -> one batched frame -> hand out), Engine (its thread, a queue)
+    generation      generate, generate_many, stream
+    demo            a tiny random model and codec, built in memory
+    CLI             shared helpers (devices, atomic writes, memory), references, `python dualAR.py`
 """
 import argparse
 import collections
@@ -77,81 +92,6 @@ def unreadable(path, error: Exception) -> UserError:
     lines = str(error).strip().splitlines()
     detail = f"no key {error}" if isinstance(error, KeyError) else lines[0] if lines else type(error).__name__
     return UserError(f"cannot read {path}: {detail}")
-
-
-def cli(main, argv=None):
-    """Run a CLI's main(argv): bad input is one `error: ...` line and exit status 2; anything else is a
-    bug and keeps its traceback."""
-    try:
-        main(argv)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-
-
-def pick_device(name: str = None) -> torch.device:
-    """--device as given (cpu, mps, cuda, cuda:N), else cuda > mps > cpu."""
-    kind, _, index = (name or "").partition(":")
-    available = dict(cpu=True, cuda=torch.cuda.is_available(), mps=torch.backends.mps.is_available())
-    if kind and not available.get(kind, False):
-        raise UserError(f"--device {name}: no {kind} device on this machine")
-    if index and int(index) >= torch.cuda.device_count():
-        raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA devices")
-    if name:
-        return torch.device(name)
-    if available["cuda"]:
-        return torch.device("cuda")
-    return torch.device("mps" if available["mps"] else "cpu")
-
-
-def pick_dtype(name: str, device: torch.device, cuda: str = "bf16") -> torch.dtype:
-    """--dtype as given, else `cuda` on CUDA and fp32 elsewhere."""
-    return DTYPES[name or (cuda if device.type == "cuda" else "fp32")]
-
-
-def write_atomic(path, write):
-    """write(tmp) fills a temp file in the same folder, which then replaces `path`: a failure (a full
-    disk, a missing folder) is one UserError and never leaves a half-written file."""
-    from safetensors import SafetensorError
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.part")
-    try:
-        write(tmp)
-        usual_permissions(tmp)
-        os.replace(tmp, path)
-    except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: torch.save's and safetensors' own
-        raise UserError(f"cannot write {path}: {getattr(e, 'strerror', None) or e}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
-def usual_permissions(path: Path):
-    """safetensors makes files only their owner can read: give them the permissions of any new file."""
-    umask = os.umask(0)
-    os.umask(umask)
-    path.chmod(0o666 & ~umask)
-
-
-def reset_peak_memory(device: torch.device):
-    """Restart `peak_memory_gb` from the memory in use now (where the platform allows it)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    elif Path("/proc/self/clear_refs").exists():  # Linux: the peak RSS (VmHWM) restarts from the current RSS
-        try:
-            Path("/proc/self/clear_refs").write_text("5")
-        except OSError:  # some containers forbid it: the peak is then the process's so far
-            pass
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    """Peak memory since `reset_peak_memory`: CUDA allocations, else the peak resident set."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    status = Path("/proc/self/status")
-    if status.is_file():
-        return int(re.search(r"VmHWM:\s+(\d+)", status.read_text())[1]) / 1e6  # kB
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS, kB elsewhere
-    return peak / (1e9 if sys.platform == "darwin" else 1e6)
 
 
 # ----------------------------------------------------------------------------- config
@@ -404,7 +344,7 @@ class DualAR(nn.Module):
         self.fast_norm = RMSNorm(cfg["fast_dim"], cfg["norm_eps"])
         self.fast_output = nn.Linear(cfg["fast_dim"], cfg["codebook_size"], bias=False)
         # the vocabulary rows sampling can pick (needs the tokenizer's ids: None for a bare config)
-        self.head_window = sampling_window(cfg) if "semantic_begin_id" in cfg else None
+        self.sampling_rows = sampling_rows(cfg) if "semantic_begin_id" in cfg else None
         self.register_buffer("head_rows", None, persistent=False)  # those rows apart: `compile_model`
         self.tokenizer = None  # set by `load` (and `random_model`)
         self.compiled_step = None  # the frame step as one graph, set by `compile_model`
@@ -478,12 +418,22 @@ class DualAR(nn.Module):
             x = call(layer, x, self.fast_rope) if call else layer(x, self.fast_rope)
         return x
 
+    def vocab_logits(self, x: Tensor) -> Tensor:
+        """Training: slow states x (N, dim) -> logits over the whole vocabulary. Tied: the raw table (an
+        embeddings LoRA does not reach the head, as upstream); untied: the output module (with its LoRA)."""
+        h = self.norm(x)
+        return F.linear(h, self.embeddings.weight) if self.config["tie_word_embeddings"] else self.output(h)
+
+    def fast_logits(self, y: Tensor) -> Tensor:
+        """Fast states (..., fast_dim) -> codebook logits (..., codebook_size)."""
+        return self.fast_output(self.fast_norm(y))
+
     def head(self, x: Tensor, full: bool = False):
         """Last slow hidden state x (B, dim) -> (logits, fast-model input). The logits cover only the
-        rows sampling can pick (`sampling_window`) unless `full`."""
+        rows sampling can pick (`sampling_rows`) unless `full`."""
         weight = self.head_weight
-        if not full:  # a compiled model keeps the window's rows apart (see compile_model)
-            weight = self.head_rows if self.head_rows is not None else weight[slice(*self.head_window)]
+        if not full:  # a compiled model keeps these rows apart (see compile_model)
+            weight = self.head_rows if self.head_rows is not None else weight[slice(*self.sampling_rows)]
         return F.linear(self.norm(x), weight), self.fast_input(x)
 
     def prefill(self, tokens: Tensor, row: int = 0, full: bool = False):
@@ -509,7 +459,7 @@ class DualAR(nn.Module):
         rope = self.fast_rope[i: i + 1]
         for layer in self.fast_layers:
             x = layer(x, rope, "codebook", i)
-        return self.fast_output(self.fast_norm(x[:, 0])) if logits else None
+        return self.fast_logits(x[:, 0]) if logits else None
 
 
 def hf_name(name: str) -> str:
@@ -733,17 +683,24 @@ def block_scheme(scheme: str, fast: bool, cpu: bool) -> str:
 
 
 def quantize(model: DualAR, scheme: str):
-    """The linear layers of both transformers: on CPU int8wo/int4wo as QuantLinear, else through torchao.
-    Embeddings and heads stay as they are."""
+    """The linear layers of both transformers: on CPU int8wo/int4wo as QuantLinear (and the fast head in
+    int8), else through torchao. The embeddings and the slow head stay as they are."""
     if model.embeddings.weight.device.type == "cpu" and scheme in CPU_BITS:
         for fast, layers in ((False, model.layers), (True, model.fast_layers)):
             for block in layers:  # block by block: one layer's fp32 copy at a time
                 swap_linears(block, CPU_BITS[block_scheme(scheme, fast, cpu=True)])
+        quantize_fast_head(model)
     else:
         from torchao.quantization import quantize_
         quantize_(model.layers, quant_config(scheme))
         quantize_(model.fast_layers, quant_config(block_scheme(scheme, True, cpu=False)))
     model.quant = scheme
+
+
+def quantize_fast_head(model: DualAR):
+    """CPU: the fast head in int8, one scale per row. It is read once per codebook, 9 times a frame: in fp32
+    it was a third of an int4 frame's weight bytes (README, Speed)."""
+    model.fast_output = QuantLinear(model.fast_output, 8)
 
 
 def default_compile_cache() -> Path:
@@ -764,7 +721,7 @@ def compile_model(model: DualAR, cache=None, backend="inductor", step=None):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache or default_compile_cache()).expanduser())
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_GUARD)
     # the head's rows as a tensor of their own (a slice of the embedding table is a view into it)
-    model.register_buffer("head_rows", model.head_weight[slice(*model.head_window)].clone(),
+    model.register_buffer("head_rows", model.head_weight[slice(*model.sampling_rows)].clone(),
                           persistent=False)
     step = functools.partial(step or decode_step, model)
     cuda = model.embeddings.weight.device.type == "cuda"
@@ -840,7 +797,7 @@ def build_prompt(model: DualAR, references: list, history: list, text: str) -> T
 
 
 # ----------------------------------------------------------------------------- sampling
-def sampling_window(cfg: dict) -> tuple:
+def sampling_rows(cfg: dict) -> tuple:
     """The vocabulary rows the slow sampler can pick (semantic tokens and <|im_end|>, widened to whole
     64-row blocks): the head reads ~4 k rows instead of 155,776, and the draw is bit for bit the full
     head's, since every other row is -inf after the bias (the tests check it)."""
@@ -872,10 +829,10 @@ def sample(logits: Tensor, noise: Tensor, temperature: Tensor, top_p: Tensor, to
 def draw_noise(model: DualAR, generators: list, uniform: Tensor = None) -> tuple:
     """The random numbers of one frame for each row, drawn as upstream draws them (rand_like over the whole
     vocabulary for the main and the repetition-aware sample, then over the codebook for codebooks 1..)
-    from the row's own generator (None: an idle row) -> -log u over the sampling window (B, 2, window)
+    from the row's own generator (None: an idle row) -> -log u over the sampling rows (B, 2, rows)
     and over the codebooks (B, n - 1, size). One call per row gives the numbers of upstream's 11 calls."""
     cfg = model.config
-    vocab, size, (start, stop) = cfg["vocab_size"], cfg["codebook_size"], model.head_window
+    vocab, size, (start, stop) = cfg["vocab_size"], cfg["codebook_size"], model.sampling_rows
     if uniform is None:
         uniform = torch.empty(len(generators), 2 * vocab + (cfg["num_codebooks"] - 1) * size,
                               device=model.embeddings.weight.device)
@@ -889,18 +846,18 @@ def draw_noise(model: DualAR, generators: list, uniform: Tensor = None) -> tuple
 
 
 # ----------------------------------------------------------------------------- one frame
-def sample_frame(model: DualAR, logits: Tensor, hidden: Tensor, window: Tensor, p: dict,
+def sample_frame(model: DualAR, logits: Tensor, hidden: Tensor, recent: Tensor, p: dict,
                  slow_noise: Tensor, fast_noise: Tensor) -> Tensor:
-    """Slow logits (B, window) and fast input (B, fast_dim) -> the frames (B, 1 + num_codebooks):
+    """Slow logits (B, sampling rows) and fast input (B, fast_dim) -> the frames (B, 1 + num_codebooks):
     the main token (repetition-aware), then codebook 0 from it and codebooks 1.. from the fast model."""
     cfg = model.config
-    start = model.head_window[0]
+    start = model.sampling_rows[0]
     logits = logits.float() + p["bias"]
     main = start + sample(logits, slow_noise[:, 0], p["temperature"], p["top_p"], p["top_k"])
     high = start + sample(logits, slow_noise[:, 1], p["ras_temperature"], p["ras_top_p"], p["top_k"])
-    # repetition-aware sampling: a semantic token repeated within the window is replaced by the hotter draw
+    # repetition-aware sampling: a semantic token among the recent ones is replaced by the hotter draw
     semantic = (main >= cfg["semantic_begin_id"]) & (main <= cfg["semantic_end_id"])
-    main = torch.where((window == main[:, None]).any(-1) & semantic, high, main)
+    main = torch.where((recent == main[:, None]).any(-1) & semantic, high, main)
     model.forward_fast(hidden, 0, logits=False)  # fills the fast cache, output unused (as upstream)
     code = torch.clamp(main - cfg["semantic_begin_id"], 0, cfg["codebook_size"] - 1)
     codes = [main, code]
@@ -911,19 +868,19 @@ def sample_frame(model: DualAR, logits: Tensor, hidden: Tensor, window: Tensor, 
     return torch.stack(codes, dim=1)
 
 
-def decode_step(model: DualAR, frames: Tensor, pos: Tensor, window: Tensor, p: dict,
+def decode_step(model: DualAR, frames: Tensor, pos: Tensor, recent: Tensor, p: dict,
                 slow_noise: Tensor, fast_noise: Tensor) -> Tensor:
     """One frame for every row: the last frames (B, 1 + num_codebooks) at positions pos (B,) -> the next.
     Static shapes, no host sync: this is the function `compile_model` compiles."""
     logits, hidden = model.forward_slow(frames, pos)
-    return sample_frame(model, logits, hidden, window, p, slow_noise, fast_noise)
+    return sample_frame(model, logits, hidden, recent, p, slow_noise, fast_noise)
 
 
 def sampling_params(model: DualAR, sampling: list) -> dict:
     """Per-row [(temperature, top_p, top_k)] -> fp32 device tensors (B,), and the bias that lets the slow
-    model say only a semantic token or <|im_end|> (over the sampling window)."""
+    model say only a semantic token or <|im_end|> (over the sampling rows)."""
     cfg, device = model.config, model.embeddings.weight.device
-    ids = torch.arange(*model.head_window)
+    ids = torch.arange(*model.sampling_rows)
     allowed = (ids >= cfg["semantic_begin_id"]) & (ids <= cfg["semantic_end_id"]) | (ids == cfg["im_end_id"])
     temperature, top_p, top_k = zip(*sampling)
     rows = len(sampling)
@@ -1141,11 +1098,11 @@ class Scheduler:
         if not active:
             return
         n = min(batch_bucket(active[-1] + 1), self.slots)
-        made, states = self.run_frames(n, [request and request.generator for request in self.rows[:n]])
+        frames, states = self.run_frames(n, [request and request.generator for request in self.rows[:n]])
         for row in active:
             for i in range(self.sync_every):
                 rewind = states[i + 1][row] if i + 1 < len(states) else None
-                if self.collect(row, made[i, row], rewind):
+                if self.collect(row, frames[i, row], rewind):
                     break
 
     def run(self):
@@ -1169,16 +1126,16 @@ class Scheduler:
                 self.drop(row, request, e)
 
     def prefill(self, row: int, request: Request):
-        """Prompt of the request's current text batch into `row`, and its first frame (no repetition window,
-        as upstream: the window starts empty after the prefill frame)."""
+        """Prompt of the request's current text batch into `row`, and its first frame (no recent tokens,
+        as upstream: the RAS window starts empty after the prefill frame)."""
         model, prompt = self.model, request.prompt
         self.ensure_context(prompt.size(1) + request.frame_budget())
         start = time.perf_counter()
         logits, hidden = model.prefill(prompt.to(self.pos.device), row)
         params = sampling_params(model, [request.sampling])
         slow_noise, fast_noise = draw_noise(model, [request.generator])
-        no_window = torch.full_like(self.recent[:1], -1)
-        frame = sample_frame(model, logits, hidden, no_window, params, slow_noise, fast_noise)
+        none_yet = torch.full_like(self.recent[:1], -1)
+        frame = sample_frame(model, logits, hidden, none_yet, params, slow_noise, fast_noise)
         for key in ("temperature", "top_p", "top_k"):
             self.params[key][row] = params[key][0]
         self.frames[row], self.pos[row], self.live[row] = frame[0], prompt.size(1), 1
@@ -1297,11 +1254,11 @@ class Engine(Scheduler):
     def submit(self, request: dict) -> Request:
         """Validate and enqueue a request (generate's keyword arguments) -> the request to iterate.
         Starts the engine's thread if `start()` was not called."""
-        made = Request(self.model, **request)
+        new = Request(self.model, **request)
         self.start()
-        self.add(made)
+        self.add(new)
         self.wake.set()
-        return made
+        return new
 
     def add(self, request: Request) -> Request:
         with self.lock:  # room checked and taken at once
@@ -1390,12 +1347,12 @@ def generate_many(model: DualAR, requests: list, slots: int = None, context: int
     """Several requests (dicts of `generate`'s keyword arguments), batched -> their codes, in order.
     Each request's codes are the ones it gets alone. context: a fixed KV cache length (one compiled
     shape) instead of one that grows with the longest request."""
-    made = [Request(model, **r) for r in requests]  # every request is checked before any work
-    with Scheduler(model, slots=slots or len(made), context=context) as scheduler:
-        for request in made:
+    batch = [Request(model, **r) for r in requests]  # every request is checked before any work
+    with Scheduler(model, slots=slots or len(batch), context=context) as scheduler:
+        for request in batch:
             scheduler.add(request)
         scheduler.run()
-    return [request.codes() for request in made]
+    return [request.codes() for request in batch]
 
 
 def generate(model: DualAR, text: str, references=(), seed=None, temperature=0.7, top_p=0.7, top_k=30,
@@ -1457,6 +1414,81 @@ def demo_reference(args, device):
 
 
 # ----------------------------------------------------------------------------- CLI
+def cli(main, argv=None):
+    """Run a CLI's main(argv): bad input is one `error: ...` line and exit status 2; anything else is a
+    bug and keeps its traceback."""
+    try:
+        main(argv)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def pick_device(name: str = None) -> torch.device:
+    """--device as given (cpu, mps, cuda, cuda:N), else cuda > mps > cpu."""
+    kind, _, index = (name or "").partition(":")
+    available = dict(cpu=True, cuda=torch.cuda.is_available(), mps=torch.backends.mps.is_available())
+    if kind and not available.get(kind, False):
+        raise UserError(f"--device {name}: no {kind} device on this machine")
+    if index and int(index) >= torch.cuda.device_count():
+        raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA devices")
+    if name:
+        return torch.device(name)
+    if available["cuda"]:
+        return torch.device("cuda")
+    return torch.device("mps" if available["mps"] else "cpu")
+
+
+def pick_dtype(name: str, device: torch.device, cuda: str = "bf16") -> torch.dtype:
+    """--dtype as given, else `cuda` on CUDA and fp32 elsewhere."""
+    return DTYPES[name or (cuda if device.type == "cuda" else "fp32")]
+
+
+def write_atomic(path, write):
+    """write(tmp) fills a temp file in the same folder, which then replaces `path`: a failure (a full
+    disk, a missing folder) is one UserError and never leaves a half-written file."""
+    from safetensors import SafetensorError
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.part")
+    try:
+        write(tmp)
+        usual_permissions(tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: torch.save's and safetensors' own
+        raise UserError(f"cannot write {path}: {getattr(e, 'strerror', None) or e}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def usual_permissions(path: Path):
+    """safetensors makes files only their owner can read: give them the permissions of any new file."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
+
+
+def reset_peak_memory(device: torch.device):
+    """Restart `peak_memory_gb` from the memory in use now (where the platform allows it)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif Path("/proc/self/clear_refs").exists():  # Linux: the peak RSS (VmHWM) restarts from the current RSS
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:  # some containers forbid it: the peak is then the process's so far
+            pass
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory since `reset_peak_memory`: CUDA allocations, else the peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    status = Path("/proc/self/status")
+    if status.is_file():
+        return int(re.search(r"VmHWM:\s+(\d+)", status.read_text())[1]) / 1e6  # kB
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS, kB elsewhere
+    return peak / (1e9 if sys.platform == "darwin" else 1e6)
+
+
 def read_transcript(path: Path) -> str:
     try:
         text = path.read_text(encoding="utf-8").strip()
@@ -1510,7 +1542,7 @@ def codec_model(args, device):
     return args.codec
 
 
-def output_paths(args):
+def output_files(args):
     """-> (codes path, wav path or None), checked writable before any work is done."""
     out = Path(args.out) if args.out else None
     if out is None:
@@ -1585,12 +1617,12 @@ def check_args(args):
         raise UserError("--stream writes audio: drop --codes-only")
 
 
-def run(args):
+def speak_cli(args):
     check_args(args)
     device = pick_device(args.device)
     dtype = pick_dtype(args.dtype, device)
     compiled = device.type == "cuda" if args.compile is None else args.compile  # CPU: minutes (README)
-    codes_path, wav_path = output_paths(args)
+    codes_path, wav_path = output_files(args)
     if args.demo:
         model, args.codec = demo_models(device, dtype)
         optimize(model, args.quant, compiled, args.compile_cache)
@@ -1689,11 +1721,11 @@ def main(argv=None):
     args.demo = args.demo or (args.checkpoint is None and not Path(DEFAULT_CHECKPOINT).exists())
     args.checkpoint = args.checkpoint or DEFAULT_CHECKPOINT
     if not args.demo:
-        return run(args)
+        return speak_cli(args)
     print(f"DEMO: no real checkpoint used — a tiny RANDOM model is built, so the audio is NOISE.\n"
           f"For speech, download fishaudio/s2-pro into {DEFAULT_CHECKPOINT} (see README).", file=sys.stderr)
     args.max_new_tokens = args.max_new_tokens or 64
-    run(args)
+    speak_cli(args)
 
 
 if __name__ == "__main__":

@@ -16,20 +16,20 @@ import shutil
 import sys
 import time
 from contextlib import nullcontext
-from inspect import signature
 from pathlib import Path
 
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 import soundfile as sf
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
+import bench
 import codec
 import dualAR
 from dualAR import UserError, write_atomic
@@ -48,6 +48,9 @@ COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.j
 # what upstream's flat `dual_ar` config.json holds (its DualARModelArgs fields that we know)
 FLAT_KEYS = list(dualAR.FLAT_DEFAULTS) + ["fast_" + k for k in dualAR.FAST_KEYS] + [
     "semantic_begin_id", "semantic_end_id"]
+# what run.json keeps of the command line: --resume continues with these
+RUN_SETTINGS = ("checkpoint", "rank", "alpha", "dropout", "lr", "warmup", "batch_size", "grad_accum",
+                "max_length", "val_size", "seed", "checkpointing")
 
 
 # ----------------------------------------------------------------------------- LoRA
@@ -56,8 +59,7 @@ class LoRALinear(nn.Module):
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float):
         super().__init__()
-        self.weight, self.bias = base.weight, base.bias
-        device = base.weight.device
+        self.weight, self.bias, device = base.weight, base.bias, base.weight.device
         self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, device=device))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=device))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # loralib's init: B = 0, so W' = W at first
@@ -73,12 +75,12 @@ class LoRALinear(nn.Module):
 
 
 class LoRAEmbedding(nn.Module):
-    """W[ids] + A^T[ids] B^T * alpha / rank, W frozen (loralib's Embedding: no dropout)."""
+    """W[ids] + A^T[ids] B^T * alpha / rank, W frozen (loralib's Embedding: no dropout). `.weight` is the
+    raw table W: a tied head reading it does not see the LoRA, as in upstream's training forward."""
 
     def __init__(self, base: nn.Embedding, rank: int, alpha: float, dropout: float = 0.0):
         super().__init__()
-        self.weight = base.weight
-        device = base.weight.device
+        self.weight, device = base.weight, base.weight.device
         self.lora_A = nn.Parameter(torch.zeros(rank, base.num_embeddings, device=device))
         self.lora_B = nn.Parameter(torch.randn(base.embedding_dim, rank, device=device))  # loralib's init
         self.scaling = alpha / rank
@@ -95,10 +97,9 @@ def lora_targets(model: dualAR.DualAR) -> list:
     every slow and fast layer, the three embeddings and the fast output (the LM head is tied)."""
     names = ["embeddings", "codebook_embeddings", "fast_embeddings", "fast_output"]
     names += ["output"] if hasattr(model, "output") else []
+    weights = ("attention.wqkv", "attention.wo", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
     for prefix, layers in (("layers", model.layers), ("fast_layers", model.fast_layers)):
-        for i in range(len(layers)):
-            names += [f"{prefix}.{i}.attention.wqkv", f"{prefix}.{i}.attention.wo"]
-            names += [f"{prefix}.{i}.feed_forward.{w}" for w in ("w1", "w2", "w3")]
+        names += [f"{prefix}.{i}.{w}" for i in range(len(layers)) for w in weights]
     return names
 
 
@@ -106,7 +107,13 @@ def lora_modules(model: nn.Module) -> dict:
     return {n: m for n, m in model.named_modules() if isinstance(m, (LoRALinear, LoRAEmbedding))}
 
 
-def set_module(model: nn.Module, name: str, module: nn.Module):
+def lora_params(model: nn.Module) -> dict:
+    """{<module>.lora_A / lora_B: parameter} of every LoRA module."""
+    return {f"{name}.{ab}": getattr(m, ab) for name, m in lora_modules(model).items()
+            for ab in ("lora_A", "lora_B")}
+
+
+def replace_module(model: nn.Module, name: str, module: nn.Module):
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
@@ -117,71 +124,51 @@ def add_lora(model: dualAR.DualAR, rank=RANK, alpha=ALPHA, dropout=DROPOUT, name
     for name in names or lora_targets(model):
         base = model.get_submodule(name)
         wrap = LoRAEmbedding if isinstance(base, nn.Embedding) else LoRALinear
-        set_module(model, name, wrap(base, rank, alpha, dropout))
-    return [p for m in lora_modules(model).values() for p in (m.lora_A, m.lora_B)]
+        replace_module(model, name, wrap(base, rank, alpha, dropout))
+    return list(lora_params(model).values())
 
 
-def lora_state_dict(model: nn.Module) -> dict:
-    """LoRA weights under upstream's keys (its Lightning state_dict): model.<module>.lora_A / lora_B."""
-    return {f"model.{n}.{ab}": getattr(m, ab).detach().float().cpu().contiguous()
-            for n, m in lora_modules(model).items() for ab in ("lora_A", "lora_B")}
-
-
-def read_lora_file(path: Path) -> tuple:
-    """-> ({module: {lora_A, lora_B}}, metadata) from our safetensors or upstream's torch file."""
+def load_lora(model: dualAR.DualAR, path, alpha=None, dropout=0.0) -> list:
+    """LoRA weights, ours or upstream's (a torch file with `state_dict`), into the model (a model without
+    LoRA gets it on the modules the file names) -> the LoRA parameters. alpha: the file's, else this."""
+    path = Path(path) / LORA_FILE if Path(path).is_dir() else Path(path)
+    if not path.is_file():
+        raise UserError(f"LoRA weights {path} not found")
     try:
         if path.suffix == ".safetensors":
-            from safetensors import safe_open
             with safe_open(str(path), framework="pt") as f:
                 tensors, meta = {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
         else:
             tensors, meta = torch.load(path, map_location="cpu", weights_only=True), {}
             tensors = tensors.get("state_dict", tensors)
     except Exception as e:
-        raise UserError(f"cannot read LoRA weights {path}: {str(e).strip().splitlines()[0]}") from None
-    modules = {}
-    for key, value in tensors.items():
-        name, _, ab = key.removeprefix("model.").rpartition(".")
-        if ab in ("lora_A", "lora_B") and isinstance(value, Tensor):
-            modules.setdefault(name, {})[ab] = value
-    if not modules:
+        raise dualAR.unreadable(path, e) from None
+    lora = {k.removeprefix("model."): v for k, v in tensors.items()
+            if k.endswith((".lora_A", ".lora_B")) and isinstance(v, Tensor)}
+    if not lora:
         raise UserError(f"{path} holds no LoRA weights (no keys ending in .lora_A / .lora_B)")
-    return modules, meta
-
-
-def load_lora(model: dualAR.DualAR, path, alpha=None, dropout=0.0) -> list:
-    """LoRA weights from one of our runs (folder or lora.safetensors) or upstream's (keys
-    model.<module>.lora_A / lora_B, safetensors or a torch file with `state_dict`). Wraps the modules the
-    file names if the model has no LoRA yet. alpha: from the file's metadata, else this, else 16."""
-    path = Path(path)
-    path = path / LORA_FILE if path.is_dir() else path
-    if not path.is_file():
-        raise UserError(f"LoRA weights {path} not found")
-    modules, meta = read_lora_file(path)
-    alpha = float(meta.get("alpha", alpha or ALPHA))
-    targets = set(lora_targets(model))
-    for name, ab in modules.items():
-        if name not in targets:
-            raise UserError(f"{path}: LoRA for {name!r}, a module the base checkpoint does not have (or that"
-                            " is not a LoRA target) — weights for another model?")
-        if len(ab) != 2:
-            raise UserError(f"{path}: {name} has {list(ab)[0]} but not its pair")
-    rank = next(iter(modules.values()))["lora_A"].shape[0]
+    names, targets = {k.rpartition(".")[0] for k in lora}, lora_targets(model)
+    if unknown := sorted(names - set(targets)):
+        raise UserError(f"{path}: LoRA for {unknown[0]!r}, a module the base checkpoint does not have (or"
+                        " that is not a LoRA target) — weights for another model?")
     if not lora_modules(model):
-        add_lora(model, rank, alpha, dropout, names=[n for n in lora_targets(model) if n in modules])
-    have = lora_modules(model)
-    if set(have) != set(modules):
-        raise UserError(f"{path} has LoRA for {len(modules)} modules, the model for {len(have)}")
-    pairs = [(getattr(m, ab), modules[name][ab], f"{name}.{ab}") for name, m in have.items()
-             for ab in ("lora_A", "lora_B")]
-    for want, got, key in pairs:
-        if got.shape != want.shape:
-            raise UserError(f"{path}: {key} has shape {list(got.shape)}, the base checkpoint needs"
-                            f" {list(want.shape)} — weights for another model or rank?")
+        key, value = next(iter(lora.items()))
+        rank = value.shape[0] if key.endswith("lora_A") else value.shape[1]  # A (rank, in), B (out, rank)
+        alpha = float(meta.get("alpha", alpha or ALPHA))
+        add_lora(model, rank, alpha, dropout, names=[n for n in targets if n in names])
+    params = lora_params(model)
+    if unmatched := sorted(params.keys() ^ lora.keys()):
+        key = unmatched[0]
+        raise UserError(f"{path}: {key} is {'missing' if key in params else 'not in the model'}: LoRA weights"
+                        " for other modules")
+    for key, param in params.items():
+        if lora[key].shape != param.shape:
+            raise UserError(f"{path}: {key} has shape {list(lora[key].shape)}, the base checkpoint needs"
+                            f" {list(param.shape)} — weights for another model or rank?")
     with torch.no_grad():
-        for want, got, _ in pairs:
-            want.copy_(got)
-    return [want for want, _, _ in pairs]
+        for key, param in params.items():
+            param.copy_(lora[key])
+    return list(params.values())
 
 
 @torch.no_grad()
@@ -196,7 +183,7 @@ def merge_lora(model: dualAR.DualAR) -> dualAR.DualAR:
             with torch.device("meta"):
                 plain = nn.Linear(weight.shape[1], weight.shape[0], bias=m.bias is not None)
             plain.weight, plain.bias = weight, m.bias
-        set_module(model, name, plain)
+        replace_module(model, name, plain)
     return model
 
 
@@ -234,135 +221,94 @@ def collate(encoded: list) -> tuple:
 
 
 def make_batch(model: dualAR.DualAR, samples: list) -> tuple:
-    """[(text, codes (num_codebooks, n))] -> (inputs, labels, padding_mask), as upstream's dataset and
-    collator build them: inputs and labels (B, 1 + num_codebooks, T), padding_mask (B, T)."""
+    """[(text, codes (num_codebooks, n))] -> (inputs, labels, padding_mask), as upstream's collator."""
     return collate([sample_tokens(model, text, codes) for text, codes in samples])
 
 
-# ----------------------------------------------------------------------------- training forward
-def embed(model: dualAR.DualAR, inputs: Tensor) -> Tensor:
-    """Upstream's training embedding: token + summed codebook embeddings at semantic positions, WITHOUT
-    the 1/sqrt(num_codebooks + 1) scale that inference applies (upstream's training embed() lacks it)."""
-    cfg = model.config
-    offsets = torch.arange(cfg["num_codebooks"], device=inputs.device) * cfg["codebook_size"]
-    codes = model.codebook_embeddings(inputs[:, 1:] + offsets[None, :, None]).sum(dim=1)  # (B, S, dim)
-    ids = inputs[:, 0]
-    semantic = (ids >= cfg["semantic_begin_id"]) & (ids <= cfg["semantic_end_id"])
-    return model.embeddings(ids) + torch.where(semantic[..., None], codes, 0.0)
-
-
-def call(fn, *args, checkpointing: bool):
-    """fn(*args). With checkpointing only the arguments are kept: the backward pass runs fn again."""
-    return checkpoint(fn, *args, use_reentrant=False) if checkpointing else fn(*args)
-
-
-def blocks(layers: nn.ModuleList, x: Tensor, rope: Tensor, checkpointing: bool) -> Tensor:
-    """Slow or fast blocks over x (B, S, dim): causal attention within x (no position: no KV cache)."""
-    for layer in layers:
-        x = call(layer, x, rope, checkpointing=checkpointing)
-    return x
-
-
-def head_loss_sum(model: dualAR.DualAR, h: Tensor, labels: Tensor) -> Tensor:
-    """Summed cross-entropy of the slow logits at final-normed hidden states h (N, dim)."""
-    if model.config["tie_word_embeddings"]:  # the raw table: the embeddings' LoRA does not reach the head
-        logits = F.linear(h, model.embeddings.weight)
-    else:
-        logits = model.output(h)
-    return F.cross_entropy(logits.float(), labels, reduction="sum")
+# ----------------------------------------------------------------------------- training loss
+def head_loss_sum(model: dualAR.DualAR, x: Tensor, labels: Tensor) -> Tensor:
+    """Summed cross-entropy of the full-vocabulary slow logits at slow states x (N, dim)."""
+    return F.cross_entropy(model.vocab_logits(x).float(), labels, reduction="sum")
 
 
 def fast_loss_sum(model: dualAR.DualAR, y: Tensor, codes: Tensor) -> Tensor:
-    """Summed cross-entropy of the fast logits at the fast model's outputs y (N, num_codebooks, fast_dim)."""
-    logits = model.fast_output(model.fast_norm(y))
+    """Summed cross-entropy of the fast logits at fast states y (N, num_codebooks, fast_dim)."""
+    logits = model.fast_logits(y)
     return F.cross_entropy(logits.flatten(0, 1).float(), codes.flatten(), reduction="sum")
 
 
 def training_loss(model: dualAR.DualAR, inputs: Tensor, labels: Tensor, padding_mask=None,
                   checkpointing=False) -> dict:
     """Upstream's loss: cross-entropy of the slow logits (full vocabulary) on label row 0, plus that of
-    the fast logits on the codes, at positions whose label is semantic. The fast model reads the
-    final-normed slow hidden state there, then the label codes 0..8, and predicts codes 0..9.
-
-    With checkpointing, every block and slices of HEAD_CHUNK head positions and FAST_CHUNK fast
-    sequences run again in the backward pass, so that only one slice's activations are held at a time.
-    Right padding (as make_batch builds it) never reaches a real position through causal attention,
-    so padding_mask changes nothing where labels are: it is only checked to be right padding."""
+    the fast logits on the codes where the label is semantic (fast input: the slow state, then label
+    codes 0..8; predicted: codes 0..9). With checkpointing, every block and slices of HEAD_CHUNK head
+    positions and FAST_CHUNK fast sequences run again in the backward pass. Right padding never reaches
+    a real position through causal attention: padding_mask is only checked to be right padding."""
     cfg = model.config
     if padding_mask is not None and (padding_mask[:, :-1] & ~padding_mask[:, 1:]).any():
         raise ValueError("padding_mask: padding must be at the end of each row (right padding)")
-    x = blocks(model.layers, embed(model, inputs), model.rope[: inputs.size(-1)], checkpointing)
-    h = model.norm(x)
+
+    def run(fn, *args):  # with checkpointing only the arguments are kept: the backward pass runs fn again
+        return checkpoint(fn, *args, use_reentrant=False) if checkpointing else fn(*args)
+
+    x = model.slow_states(inputs, call=run)  # (B, S, dim), the training embedding (no codebook scale)
     token_labels = labels[:, 0]
     scored = token_labels != IGNORE
-    h_scored, n = h[scored], int(scored.sum())
+    x_scored, y_scored, n = x[scored], token_labels[scored], int(scored.sum())
     chunk = HEAD_CHUNK if checkpointing else n
-    base_loss = sum(call(head_loss_sum, model, h_scored[i:i + chunk], token_labels[scored][i:i + chunk],
-                         checkpointing=checkpointing) for i in range(0, n, chunk)) / n
+    base_loss = sum(run(head_loss_sum, model, x_scored[i:i + chunk], y_scored[i:i + chunk])
+                    for i in range(0, n, chunk)) / n
 
     semantic = (token_labels >= cfg["semantic_begin_id"]) & (token_labels <= cfg["semantic_end_id"])
-    hidden = (h if cfg["norm_fastlayer_input"] else x)[semantic]  # (N, dim)
-    if hasattr(model, "fast_project_in"):
-        hidden = model.fast_project_in(hidden)
+    hidden = model.fast_input(x[semantic])  # (N, fast_dim)
     codes = labels[:, 1:].transpose(1, 2)[semantic]  # (N, num_codebooks)
     chunk, total = FAST_CHUNK if checkpointing else len(codes), 0.0
     for i in range(0, len(codes), chunk):
         y = torch.cat([hidden[i:i + chunk, None], model.fast_embeddings(codes[i:i + chunk, :-1])], dim=1)
-        y = blocks(model.fast_layers, y, model.fast_rope, checkpointing)  # (chunk, num_codebooks, dim)
-        total = total + call(fast_loss_sum, model, y, codes[i:i + chunk], checkpointing=checkpointing)
+        total = total + run(fast_loss_sum, model, model.fast_states(y, call=run), codes[i:i + chunk])
     semantic_loss = total / codes.numel()
     return dict(loss=base_loss + semantic_loss, base_loss=base_loss, semantic_loss=semantic_loss,
                 positions=n, codes=codes.numel())  # what base_loss and semantic_loss average over
 
 
-class TrainingLoss(nn.Module):
-    """training_loss as a module's forward: DistributedDataParallel syncs the gradients of its forward."""
-
-    def __init__(self, model: dualAR.DualAR, checkpointing: bool):
-        super().__init__()
-        self.model, self.checkpointing = model, checkpointing
-
-    def forward(self, inputs: Tensor, labels: Tensor) -> dict:
-        return training_loss(self.model, inputs, labels, checkpointing=self.checkpointing)
-
-
 # ----------------------------------------------------------------------------- data
-def listing(paths: list, n=5) -> str:
+def short_list(paths: list, n=5) -> str:
     names = ", ".join(str(p) for p in paths[:n])
     return names + (f" and {len(paths) - n} more" if len(paths) > n else "")
 
 
-def find_items(data_dir: Path) -> dict:
-    """Audio files and .npy codes under data_dir (any sub-folder), by path without suffix ->
-    dict(audio=, codes=, text=) with the same-stem .lab (else .txt) transcript or None."""
+def find_clips(data_dir: Path, strict: bool, audio_only: bool) -> tuple:
+    """Audio files (and .npy codes unless audio_only) under data_dir -> (how many, {path without suffix:
+    dict(audio, codes, text, stale)} of those with a .lab/.txt transcript; the others: a warning)."""
     if not data_dir.is_dir():
         raise UserError(f"data folder {data_dir} does not exist")
-    items = {}
+    clips = {}
     for path in sorted(data_dir.rglob("*")):
         suffix = path.suffix.lower()
         kind = "audio" if suffix in codec.AUDIO_EXTENSIONS else "codes" if suffix == ".npy" else None
         if kind is None or not path.is_file():
             continue
-        item = items.setdefault(path.with_suffix(""), {})
-        if kind in item:
-            raise UserError(f"{item[kind]} and {path} share the codes file {path.with_suffix('.npy')}:"
+        clip = clips.setdefault(path.with_suffix(""), {})
+        if kind in clip:
+            raise UserError(f"{clip[kind]} and {path} share the codes file {path.with_suffix('.npy')}:"
                             " keep one of them")
-        item[kind] = path
-    for stem, item in items.items():
-        texts = [Path(f"{stem}{s}") for s in TRANSCRIPT_SUFFIXES if Path(f"{stem}{s}").is_file()]
-        item["text"] = texts[0] if texts else None
-    return items
-
-
-def without_transcript(items: dict, strict: bool) -> dict:
-    """Drop the items that have no transcript: a warning listing them, or an error with --strict."""
-    missing = [item.get("audio") or item["codes"] for item in items.values() if item["text"] is None]
+        clip[kind] = path
+    clips = {stem: clip for stem, clip in clips.items() if "audio" in clip or not audio_only}
+    if not clips:
+        kinds = " ".join(sorted(codec.AUDIO_EXTENSIONS)) + ("" if audio_only else " .npy")
+        raise UserError(f"no audio files{'' if audio_only else ' or .npy codes'} under {data_dir} (looked"
+                        f" for {kinds})")
+    for stem, clip in clips.items():
+        clip["text"] = next((t for s in TRANSCRIPT_SUFFIXES if (t := Path(f"{stem}{s}")).is_file()), None)
+        audio, codes = clip.get("audio"), clip.get("codes")
+        clip["stale"] = audio is not None and (codes is None or codes.stat().st_mtime < audio.stat().st_mtime)
+    missing = [clip.get("audio") or clip["codes"] for clip in clips.values() if clip["text"] is None]
+    files, listed = f"{len(missing)} file(s)", short_list(missing)
     if missing and strict:
-        raise UserError(f"{len(missing)} file(s) have no .lab/.txt transcript (--strict): {listing(missing)}")
+        raise UserError(f"{files} have no .lab/.txt transcript (--strict): {listed}")
     if missing:
-        print(f"warning: skipped {len(missing)} file(s) without a .lab/.txt transcript: {listing(missing)}",
-              file=sys.stderr)
-    return {stem: item for stem, item in items.items() if item["text"] is not None}
+        print(f"warning: skipped {files} without a .lab/.txt transcript: {listed}", file=sys.stderr)
+    return len(clips), {stem: clip for stem, clip in clips.items() if clip["text"] is not None}
 
 
 def audio_seconds(path: Path) -> float:
@@ -375,14 +321,8 @@ def audio_seconds(path: Path) -> float:
     return info.frames / info.samplerate
 
 
-def up_to_date(item: dict) -> bool:
-    codes = item.get("codes")
-    return codes is not None and codes.stat().st_mtime >= item["audio"].stat().st_mtime
-
-
 def join_processes(device: torch.device) -> tuple:
-    """-> (rank, number of processes, this process's device). Under torchrun (RANK is set) this joins the
-    process group: NCCL with one GPU per process (cuda:LOCAL_RANK), gloo on CPU."""
+    """-> (rank, processes, device). Under torchrun (RANK set): NCCL on cuda:LOCAL_RANK, or gloo on CPU."""
     if "RANK" not in os.environ:
         return 0, 1, device
     if device.type == "cuda":
@@ -402,88 +342,69 @@ def sum_over_processes(values: list, device) -> list:
     return total.tolist()
 
 
-def prepare(args):
-    """Encode every audio file that has a transcript into <stem>.npy codes next to it, once. Under torchrun
-    each process encodes every world-th file."""
+def prepare_dataset(args):
+    """`prepare`: each transcribed audio file -> <stem>.npy codes next to it, once (each process: every
+    world-th file)."""
     rank, world, device = join_processes(dualAR.pick_device(args.device))
-    data_dir = Path(args.data_dir)
-    items = {s: it for s, it in find_items(data_dir).items() if "audio" in it}
-    if not items:
-        kinds = " ".join(sorted(codec.AUDIO_EXTENSIONS))
-        raise UserError(f"no audio files under {data_dir} (looked for {kinds})")
-    n_found = len(items)
-    items = without_transcript(items, args.strict)
-    for item in items.values():  # check everything before writing anything
-        dualAR.read_transcript(item["text"])
-        item["seconds"] = audio_seconds(item["audio"])
-        if not os.access(item["audio"].parent, os.W_OK):
-            raise UserError(f"cannot write codes next to {item['audio']}: the folder is not writable")
-    todo = [item for item in items.values() if not up_to_date(item)]
+    n_found, clips = find_clips(Path(args.data_dir), args.strict, audio_only=True)
+    for clip in clips.values():  # check everything before writing anything
+        dualAR.read_transcript(clip["text"])
+        clip["seconds"] = audio_seconds(clip["audio"])
+        if not os.access(clip["audio"].parent, os.W_OK):
+            raise UserError(f"cannot write codes next to {clip['audio']}: the folder is not writable")
+    todo = [clip for clip in clips.values() if clip["stale"]]
     if world > 1:
         dist.barrier()  # every process has its list before any writes codes
     start = time.perf_counter()
     if todo[rank::world]:
         # fp32 on every device, as dualAR encodes references: a clip gets the same codes everywhere
         dac = codec.load(args.checkpoint, device, torch.float32)
-        for item in tqdm(todo[rank::world], desc="encode", unit="file", disable=rank > 0):
-            codes = codec.encode(dac, codec.load_audio(item["audio"]))[0]
-            codec.save_codes(item["audio"].with_suffix(".npy"), codes)
+        for clip in tqdm(todo[rank::world], desc="encode", unit="file", disable=rank > 0):
+            codes = codec.encode(dac, codec.load_audio(clip["audio"]))[0]
+            codec.save_codes(clip["audio"].with_suffix(".npy"), codes)
     if world > 1:
         dist.barrier()
-    if rank > 0:
-        return
-    wall = time.perf_counter() - start
-    hours = sum(item["seconds"] for item in items.values()) / 3600
-    print(f"prepared {len(items)} of {n_found} audio files ({hours:.3f} h): {len(todo)} encoded in"
-          f" {wall:.1f} s, {len(items) - len(todo)} already had codes, {n_found - len(items)} skipped"
-          " (no transcript)")
+    if rank == 0:
+        hours = sum(clip["seconds"] for clip in clips.values()) / 3600
+        print(f"prepared {len(clips)} of {n_found} audio files ({hours:.3f} h): {len(todo)} encoded in"
+              f" {time.perf_counter() - start:.1f} s, {len(clips) - len(todo)} already had codes,"
+              f" {n_found - len(clips)} skipped (no transcript)")
 
 
 def load_samples(data_dir: Path, model: dualAR.DualAR, strict=False, max_length=None) -> list:
     """Every prepared (codes + transcript) pair under data_dir, tokenized once -> [(name, inputs, labels)]."""
-    cfg = model.config
-    items = find_items(data_dir)
-    if not items:
-        raise UserError(f"no audio files or .npy codes under {data_dir}")
-    items = without_transcript(items, strict)
-    stale = [it["audio"] for it in items.values() if "audio" in it and not up_to_date(it)]
+    _, clips = find_clips(data_dir, strict, audio_only=False)
+    stale = [clip["audio"] for clip in clips.values() if clip["stale"]]
     if stale:
-        raise UserError(f"{len(stale)} audio file(s) have no up-to-date codes ({listing(stale, 2)}):"
+        raise UserError(f"{len(stale)} audio file(s) have no up-to-date codes ({short_list(stale, 2)}):"
                         f" run `python train_lora.py prepare {data_dir}` first")
     samples, too_long = [], []
-    for stem, item in items.items():
-        codes = dualAR.reference_codes("codes", item["codes"], cfg, dac=None)
+    for stem, clip in clips.items():
+        codes = dualAR.reference_codes("codes", clip["codes"], model.config, dac=None)
         name = str(stem.relative_to(data_dir))
-        inputs, labels = sample_tokens(model, dualAR.read_transcript(item["text"]), codes)
+        inputs, labels = sample_tokens(model, dualAR.read_transcript(clip["text"]), codes)
         if max_length and inputs.size(1) > max_length:
             too_long.append(name)
-            continue
-        samples.append((name, inputs, labels))
+        else:
+            samples.append((name, inputs, labels))
     if too_long:
         print(f"warning: skipped {len(too_long)} sample(s) longer than --max-length {max_length} tokens:"
-              f" {listing(too_long)}", file=sys.stderr)
+              f" {short_list(too_long)}", file=sys.stderr)
     if not samples:
         raise UserError(f"no usable samples under {data_dir}")
     return samples
 
 
 # ----------------------------------------------------------------------------- training loop
-def lr_at(step: int, lr: float, warmup: int) -> float:
-    """Linear warm-up over `warmup` optimizer steps, then constant: upstream's schedule, counted from 1
-    so that the first step does not run at lr 0."""
-    return lr * min(1.0, (step + 1) / max(1, warmup))
-
-
 def batch_indices(n: int, batch_size: int, seed: int, k: int) -> list:
     """Sample indices of micro-batch k: every epoch visits the samples in an order drawn from (seed,
     epoch) alone, so a resumed run sees the same batches without storing the data order."""
-    per_epoch = -(-n // batch_size)
-    epoch, j = divmod(k, per_epoch)
+    epoch, j = divmod(k, -(-n // batch_size))
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch)).tolist()
     return order[j * batch_size:(j + 1) * batch_size]
 
 
-def autocast(device):
+def mixed_precision(device):
     """bf16 autocast on CUDA (LoRA weights stay fp32), plain fp32 elsewhere."""
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
 
@@ -498,52 +419,46 @@ def validation_loss(model, samples: list, batch_size: int, device, rank=0, world
     for i in tqdm(range(0, len(mine), batch_size), desc="validate", unit="batch", leave=False,
                   disable=rank > 0):
         inputs, labels, _ = collate([(x, y) for _, x, y in mine[i:i + batch_size]])
-        with autocast(device):
-            result = training_loss(model, inputs.to(device), labels.to(device))
-        n, codes = result["positions"], result["codes"]
-        parts = (result["base_loss"].item() * n, n, result["semantic_loss"].item() * codes, codes)
+        with mixed_precision(device):
+            r = training_loss(model, inputs.to(device), labels.to(device))
+        n, codes = r["positions"], r["codes"]
+        parts = (r["base_loss"].item() * n, n, r["semantic_loss"].item() * codes, codes)
         sums = [a + b for a, b in zip(sums, parts)]
     model.train()
     base, n, semantic, codes = sum_over_processes(sums, device)
     return base / n + semantic / codes
 
 
-def save_lora(path: Path, model: nn.Module):
-    """Our LoRA file: upstream's keys, fp32, with rank and alpha as metadata."""
-    from safetensors.torch import save_file
-    m = next(iter(lora_modules(model).values()))
-    meta = dict(rank=str(m.lora_A.shape[0]), alpha=str(m.scaling * m.lora_A.shape[0]))
-    write_atomic(path, lambda tmp: save_file(lora_state_dict(model), str(tmp), metadata=meta))
-
-
-def save_state(out: Path, model, optimizer, step: int, rank=0):
-    """Everything a resumed run needs to continue bit for bit: LoRA, AdamW, step, the random states of
-    every process (each draws its own dropout). Only rank 0 writes."""
+def save_checkpoint(out: Path, model, optimizer, step: int, rank=0):
+    """state.pt: what a resumed run needs to continue bit for bit, the random states of every process
+    included (each draws its own dropout); lora.safetensors: upstream's keys, fp32. Rank 0 writes."""
     rng = dict(torch=torch.get_rng_state())
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
     if torch.backends.mps.is_available():
         rng["mps"] = torch.mps.get_rng_state()
-    rngs = [rng]
+    rngs = [rng] * (dist.get_world_size() if dist.is_initialized() else 1)
     if dist.is_initialized():
-        rngs = [None] * dist.get_world_size()
         dist.all_gather_object(rngs, rng)
     if rank == 0:
-        state = dict(step=step, lora=lora_state_dict(model), optimizer=optimizer.state_dict(), rng=rngs)
+        lora = {f"model.{k}": p.detach().float().cpu().contiguous() for k, p in lora_params(model).items()}
+        state = dict(step=step, lora=lora, optimizer=optimizer.state_dict(), rng=rngs)
         write_atomic(out / STATE_FILE, lambda tmp: torch.save(state, tmp))
-        save_lora(out / LORA_FILE, model)
+        m = next(iter(lora_modules(model).values()))
+        meta = dict(rank=str(m.lora_A.shape[0]), alpha=str(m.scaling * m.lora_A.shape[0]))
+        write_atomic(out / LORA_FILE, lambda tmp: save_file(lora, str(tmp), metadata=meta))
 
 
-def load_state(out: Path, model, optimizer, seed: int, rank=0, world=1) -> int:
+def load_checkpoint(out: Path, model, optimizer, seed: int, rank=0, world=1) -> int:
+    """state.pt back into the LoRA, AdamW and the random state -> its step."""
     try:
         state = torch.load(out / STATE_FILE, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise UserError(f"cannot read {out / STATE_FILE}: {str(e).strip().splitlines()[0]}") from None
+        raise dualAR.unreadable(out / STATE_FILE, e) from None
     try:
         with torch.no_grad():
-            for name, m in lora_modules(model).items():
-                m.lora_A.copy_(state["lora"][f"model.{name}.lora_A"])
-                m.lora_B.copy_(state["lora"][f"model.{name}.lora_B"])
+            for key, param in lora_params(model).items():
+                param.copy_(state["lora"][f"model.{key}"])
         optimizer.load_state_dict(state["optimizer"])
     except (KeyError, RuntimeError, ValueError) as e:
         raise UserError(f"{out / STATE_FILE} does not fit this run's LoRA: {e}") from None
@@ -554,47 +469,46 @@ def load_state(out: Path, model, optimizer, seed: int, rank=0, world=1) -> int:
                   " batches, but other dropout draws than an uninterrupted run", file=sys.stderr)
         torch.manual_seed(seed + 1000 * state["step"] + rank)
         return state["step"]
-    rng = rngs[rank]
-    torch.set_rng_state(rng["torch"])
-    if "cuda" in rng and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rng["cuda"])
-    if "mps" in rng and torch.backends.mps.is_available():
-        torch.mps.set_rng_state(rng["mps"])
+    torch.set_rng_state(rngs[rank]["torch"])
+    if "cuda" in rngs[rank] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rngs[rank]["cuda"])
+    if "mps" in rngs[rank] and torch.backends.mps.is_available():
+        torch.mps.set_rng_state(rngs[rank]["mps"])
     return state["step"]
 
 
-RUN_SETTINGS = ("checkpoint", "rank", "alpha", "dropout", "lr", "warmup", "batch_size", "grad_accum",
-                "max_length", "val_size", "seed", "checkpointing")
+def check_writable(out: Path):
+    parent = out
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise UserError(f"--out {out} is not writable ({parent} is not a writable folder)")
 
 
-def check_out(args) -> dict:
-    """--out must be a new or empty folder we can write, or (with --resume) one of our runs.
-    -> the run's settings: the command line's, or with --resume the stored ones."""
+def run_settings(args) -> dict:
+    """--out: a new or empty folder we can write -> the command line's settings; with --resume, one of
+    our runs -> its stored settings."""
     out = Path(args.out)
-    started = {STATE_FILE, LORA_FILE, f".{STATE_FILE}.part", f".{LORA_FILE}.part"}  # before run.json
-    existing = out.exists() and (not out.is_dir() or any(p.name not in started for p in out.iterdir()))
     if args.resume:
         if not (out / RUN_FILE).is_file() or not (out / STATE_FILE).is_file():
             raise UserError(f"--resume: {out} holds no run with a checkpoint ({RUN_FILE} + {STATE_FILE})")
         try:
             run = json.loads((out / RUN_FILE).read_text())
         except ValueError as e:
-            raise UserError(f"cannot read {out / RUN_FILE}: {e}") from None
+            raise dualAR.unreadable(out / RUN_FILE, e) from None
         if not isinstance(run, dict) or not {*RUN_SETTINGS, "samples"} <= run.keys():
             raise UserError(f"{out / RUN_FILE} is not the settings of a train_lora.py run")
         return run
-    if existing:
+    started = {STATE_FILE, LORA_FILE, f".{STATE_FILE}.part", f".{LORA_FILE}.part"}  # before run.json
+    if out.exists() and (not out.is_dir() or any(p.name not in started for p in out.iterdir())):
         what = "another run" if (out / RUN_FILE).exists() else "other files"
         raise UserError(f"--out {out} already holds {what}: pass --resume to continue it, or another --out")
-    parent = out
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise UserError(f"--out {out} is not writable ({parent} is not a writable folder)")
+    check_writable(out)
     return {k: getattr(args, k) for k in RUN_SETTINGS}
 
 
-def split(samples: list, val_size, seed: int) -> tuple:
+def split_held_out(samples: list, val_size, seed: int) -> tuple:
+    """-> (training samples, validation samples): val_size, by default 5% (at least 1), drawn by seed."""
     n_val = max(1, round(0.05 * len(samples))) if val_size is None else val_size
     if n_val >= len(samples):
         raise UserError(f"{len(samples)} sample(s), {n_val} held out for validation: none left to train on"
@@ -604,76 +518,66 @@ def split(samples: list, val_size, seed: int) -> tuple:
     return [samples[i] for i in order[n_val:]], held_out
 
 
-def log_metrics(out: Path, record: dict, rank=0):
-    if rank == 0:
-        with open(out / METRICS_FILE, "a") as f:
-            f.write(json.dumps(record) + "\n")
-
-
-def keep_metrics_up_to(out: Path, step: int):
-    """On resume: drop metrics logged after the checkpoint (they will be logged again)."""
-    path = out / METRICS_FILE
-    lines = path.read_text().splitlines() if path.exists() else []
+def keep_metrics_up_to(path: Path, step: int):
+    """On resume: drop the metrics logged after the checkpoint (they will be logged again)."""
     kept = []
-    for line in lines:
+    for line in path.read_text().splitlines() if path.exists() else []:
         try:
-            record = json.loads(line)
+            if json.loads(line)["step"] <= step:
+                kept.append(line + "\n")
         except ValueError:  # a line cut short by a crash
-            continue
-        if record["step"] <= step:
-            kept.append(line + "\n")
+            pass
     write_atomic(path, lambda tmp: tmp.write_text("".join(kept)))
 
 
 def start_run(args, rank: int, world: int, device) -> tuple:
-    """-> (run settings, model with LoRA, its LoRA parameters, AdamW, training and validation samples,
-    step), the run folder set up (fresh) or read back (--resume)."""
-    run = check_out(args)
-    out = Path(args.out)
+    """The run folder set up, or read back (--resume) -> (settings, model with LoRA, LoRA parameters,
+    AdamW, training and validation samples, step)."""
+    run, out = run_settings(args), Path(args.out)
     if world > 1:
         dist.barrier()  # every process has checked --out before rank 0 writes in it
     if args.resume and run["grad_accum"] % world:
         raise UserError(f"--resume: {out} has {run['grad_accum']} micro-batch(es) per step, which {world}"
                         " processes cannot share: resume on a number of processes that divides it")
-    if not args.resume:
-        run["grad_accum"] *= world  # run.json: micro-batches per step over all processes
+    run["grad_accum"] *= 1 if args.resume else world  # run.json: micro-batches per step, all processes
     model = dualAR.load(run["checkpoint"], device, torch.bfloat16 if device.type == "cuda" else torch.float32)
     samples = load_samples(Path(args.data_dir), model, args.strict, run["max_length"])
     names = [name for name, _, _ in samples]
     if args.resume and names != run["samples"]:
         raise UserError(f"the samples under {args.data_dir} changed since {out} started:"
                         " resume with the same data, or start a new run")
-    train_set, val_set = split(samples, run["val_size"], run["seed"])
+    train_set, val_set = split_held_out(samples, run["val_size"], run["seed"])
     torch.manual_seed(run["seed"])
     params = add_lora(model, run["rank"], run["alpha"], run["dropout"])
     if rank > 0:
         torch.manual_seed(run["seed"] + rank)  # its own dropout draws
     optimizer = torch.optim.AdamW(params, lr=run["lr"], betas=BETAS, eps=EPS, weight_decay=0.0)
     if args.resume:
-        step = load_state(out, model, optimizer, run["seed"], rank, world)
+        step = load_checkpoint(out, model, optimizer, run["seed"], rank, world)
         if rank == 0:
-            keep_metrics_up_to(out, step)
+            keep_metrics_up_to(out / METRICS_FILE, step)
     else:
         step = 0
         run.update(samples=names, checkpoint=str(run["checkpoint"]))
         if rank == 0:
             out.mkdir(parents=True, exist_ok=True)
-        save_state(out, model, optimizer, step, rank)  # resumable from the start
+        save_checkpoint(out, model, optimizer, step, rank)  # resumable from the start
         if rank == 0:  # last: a folder with run.json has a checkpoint
             write_atomic(out / RUN_FILE, lambda tmp: tmp.write_text(json.dumps(run, indent=1)))
-    n_params = sum(p.numel() for p in params) / 1e6
     if rank == 0:
+        n_params = sum(p.numel() for p in params) / 1e6
         print(f"{len(train_set)} training + {len(val_set)} validation samples, {n_params:.2f} M LoRA"
               f" parameters (rank {run['rank']}), {world} x {device}", file=sys.stderr)
     return run, model.train(), params, optimizer, train_set, val_set, step
 
 
-def optimizer_step(loss_module, params, optimizer, run: dict, train_set: list, step: int, rank=0,
+def optimizer_step(model, params, optimizer, run: dict, train_set: list, step: int, rank=0,
                    world=1) -> tuple:
-    """Optimizer step `step` (0-based) over grad_accum micro-batches, this process's being every world-th
-    -> (mean loss, lr, real tokens seen) over all processes."""
+    """Optimizer step `step` (0-based), over grad_accum micro-batches (this process: every world-th) ->
+    (mean loss, lr, real tokens seen) over all processes."""
     device = params[0].device
-    lr = lr_at(step, run["lr"], run["warmup"])
+    # upstream's schedule: linear warm-up, then constant, counted from 1 so step 0 does not run at lr 0
+    lr = run["lr"] * min(1.0, (step + 1) / max(1, run["warmup"]))
     for group in optimizer.param_groups:
         group["lr"] = lr
     loss, tokens, accum = 0.0, 0, run["grad_accum"] // world
@@ -681,13 +585,17 @@ def optimizer_step(loss_module, params, optimizer, run: dict, train_set: list, s
         k = (step * accum + micro) * world + rank
         batch = [train_set[i][1:] for i in batch_indices(len(train_set), run["batch_size"], run["seed"], k)]
         inputs, labels, padding = collate(batch)
-        # DDP averages the processes' gradients once per step: 1/grad_accum per micro-batch, as in one process
-        with loss_module.no_sync() if world > 1 and micro < accum - 1 else nullcontext():
-            with autocast(device):
-                result = loss_module(inputs.to(device), labels.to(device))
-            (result["loss"] / accum).backward()
+        with mixed_precision(device):
+            result = training_loss(model, inputs.to(device), labels.to(device), None, run["checkpointing"])
+        # every micro-batch of every process weighs 1/grad_accum: N processes = one with N x the micro-batches
+        (result["loss"] / run["grad_accum"]).backward()
         loss += result["loss"].item() / run["grad_accum"]
         tokens += int((~padding).sum())
+    if world > 1:  # data parallel: the gradients summed over the processes, all in one all-reduce
+        grads = torch.cat([p.grad.flatten() for p in params])
+        dist.all_reduce(grads)
+        for p, grad in zip(params, grads.split([p.numel() for p in params])):
+            p.grad.copy_(grad.view_as(p))
     loss, tokens = sum_over_processes([loss, tokens], device)
     torch.nn.utils.clip_grad_norm_(params, CLIP)
     optimizer.step()
@@ -696,73 +604,60 @@ def optimizer_step(loss_module, params, optimizer, run: dict, train_set: list, s
 
 
 def train(args):
+    """`train`: the training loop, with validation, metrics and checkpoints."""
     rank, world, device = join_processes(dualAR.pick_device(args.device))
     run, model, params, optimizer, train_set, val_set, step = start_run(args, rank, world, device)
-    loss_module = TrainingLoss(model, run["checkpointing"])
-    if world > 1:  # only the LoRA parameters require gradients: only they are all-reduced
-        ids = [device] if device.type == "cuda" else None
-        # the buffers (RoPE tables) are equal everywhere: no sync. torch 2.13 renamed the flag 2.11 has
-        flags = signature(DistributedDataParallel).parameters
-        no_sync = "forward_sync_buffers" if "forward_sync_buffers" in flags else "broadcast_buffers"
-        loss_module = DistributedDataParallel(loss_module, device_ids=ids, **{no_sync: False})
     out, first_step, vals, losses, tokens = Path(args.out), step, [], [], 0
+
+    def log_metrics(record: dict):
+        if rank == 0:
+            with open(out / METRICS_FILE, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def validate():
+        vals.append(validation_loss(model, val_set, run["batch_size"], device, rank, world))
+        log_metrics(dict(step=step, val_loss=vals[-1]))
+
     bar = tqdm(total=args.max_steps, initial=step, unit="step", desc="train", disable=rank > 0)
     try:
         if not args.resume and val_set:
-            vals.append(validation_loss(model, val_set, run["batch_size"], device, rank, world))
-            log_metrics(out, dict(step=0, val_loss=vals[-1]), rank)
+            validate()
         start = time.perf_counter()
         while step < args.max_steps:
             t0 = time.perf_counter()
-            loss, lr, n = optimizer_step(loss_module, params, optimizer, run, train_set, step, rank, world)
+            loss, lr, n = optimizer_step(model, params, optimizer, run, train_set, step, rank, world)
             step, tokens = step + 1, tokens + n
             losses.append(loss)
-            log_metrics(out, dict(step=step, loss=loss, lr=lr), rank)
+            log_metrics(dict(step=step, loss=loss, lr=lr))
             bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", s_step=f"{time.perf_counter() - t0:.2f}")
             bar.update()
             if val_set and (step % args.val_every == 0 or step == args.max_steps):
-                vals.append(validation_loss(model, val_set, run["batch_size"], device, rank, world))
-                log_metrics(out, dict(step=step, val_loss=vals[-1]), rank)
+                validate()
                 if rank == 0:
                     bar.write(f"step {step}: val_loss {vals[-1]:.4f}")
             if step % args.save_every == 0 or step == args.max_steps:
-                save_state(out, model, optimizer, step, rank)
+                save_checkpoint(out, model, optimizer, step, rank)
     except KeyboardInterrupt:
-        bar.close()
         raise UserError(f"interrupted at step {step}: continue from the last checkpoint with --resume") \
             from None
-    bar.close()
-    if rank > 0:
-        return
-    if not losses:
+    finally:
+        bar.close()
+    if rank == 0 and not losses:
         print(f"{out} is already at step {step} (--max-steps {args.max_steps}): nothing to do")
-        return
-    wall = time.perf_counter() - start
-    val = f", val_loss {vals[0]:.4f} -> {vals[-1]:.4f}" if len(vals) > 1 else ""
-    steps = step - first_step
-    print(f"{steps} steps in {wall:.1f} s: {steps / wall:.2f} steps/s, {tokens / wall:.0f} tokens/s,"
-          f" loss {losses[0]:.4f} -> {losses[-1]:.4f}{val}, wrote {out / LORA_FILE}")
+    elif rank == 0:
+        wall, steps = time.perf_counter() - start, step - first_step
+        val = f", val_loss {vals[0]:.4f} -> {vals[-1]:.4f}" if len(vals) > 1 else ""
+        print(f"{steps} steps in {wall:.1f} s: {steps / wall:.2f} steps/s, {tokens / wall:.0f} tokens/s,"
+              f" loss {losses[0]:.4f} -> {losses[-1]:.4f}{val}, wrote {out / LORA_FILE}")
 
 
 # ----------------------------------------------------------------------------- merge and export
-def flat_config(model: dualAR.DualAR) -> dict:
-    """Upstream's own `dual_ar` config.json (flat), which both upstream and dualAR.py read."""
-    cfg = model.config
-    return dict(model_type="dual_ar", **{k: cfg[k] for k in FLAT_KEYS if k in cfg})
-
-
-def merged_state(model: dualAR.DualAR) -> dict:
-    return {name: p.detach().cpu().contiguous() for name, p in model.named_parameters()}
-
-
 def save_hf_weights(state: dict, folder: Path):
     """model.safetensors with the HF key names, or shards of <= SHARD_BYTES + model.safetensors.index.json."""
-    from safetensors.torch import save_file
     shards, size = [[]], 0
     for name, tensor in state.items():
         if shards[-1] and size + tensor.nbytes > SHARD_BYTES:
-            shards.append([])
-            size = 0
+            shards, size = shards + [[]], 0
         shards[-1].append(name)
         size += tensor.nbytes
     files = ["model.safetensors"] if len(shards) == 1 else \
@@ -776,39 +671,36 @@ def save_hf_weights(state: dict, folder: Path):
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def export(model: dualAR.DualAR, base: Path, folder: Path, fmt: str):
-    """hf: config.json as the base + model.safetensors with the HF key names. dual_ar: upstream's
-    save_pretrained form, a flat config.json + model.pth (torch.save of the state_dict, internal names).
-    Both get the tokenizer and codec files of the base."""
-    state = merged_state(model)
+def export_checkpoint(model: dualAR.DualAR, base: Path, folder: Path, fmt: str):
+    """hf: the base's config.json + safetensors, HF names. dual_ar: upstream's save_pretrained form, flat
+    config.json + model.pth (internal names). Both: the base's tokenizer and codec files."""
+    state = {name: p.detach().cpu().contiguous() for name, p in model.named_parameters()}
     if fmt == "hf":
         shutil.copy(base / "config.json", folder / "config.json")
         save_hf_weights(state, folder)
-    else:
-        (folder / "config.json").write_text(json.dumps(flat_config(model), indent=4, sort_keys=True))
+    else:  # upstream's own flat `dual_ar` config.json, which dualAR.py reads too
+        flat = dict(model_type="dual_ar", **{k: model.config[k] for k in FLAT_KEYS if k in model.config})
+        (folder / "config.json").write_text(json.dumps(flat, indent=4, sort_keys=True))
         torch.save(state, folder / "model.pth")
     for name in COPIED_FILES:
         if (base / name).is_file():
             shutil.copy(base / name, folder / name)
 
 
-def merge(args):
-    out, base = Path(args.out), Path(args.checkpoint)
+def merge_checkpoint(args):
+    """`merge`: base checkpoint + LoRA -> a new checkpoint folder, written in full, then renamed."""
+    out, base, lora = Path(args.out), Path(args.checkpoint), Path(args.lora)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out} already exists and is not empty: choose a new folder")
-    parent = out.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise UserError(f"--out {out} is not writable ({parent} is not a writable folder)")
+    check_writable(out)
     model = dualAR.load(base, "cpu", None)  # dtype None: every tensor as stored (upstream's merge dtypes)
-    lora = Path(args.lora)
-    load_lora(model, lora, args.alpha)
-    n = len(lora_modules(model))
+    n = len(load_lora(model, lora, args.alpha)) // 2
     merge_lora(model)
-    tmp = parent / f".{out.name}.part"  # written in full, then renamed to --out
+    tmp = out.parent / f".{out.name}.part"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        export(model, base, tmp, args.format)
+        export_checkpoint(model, base, tmp, args.format)
         os.replace(tmp, out)
     except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: torch.save and safetensors
         raise UserError(f"cannot write {out}: {getattr(e, 'strerror', None) or e}") from None
@@ -819,28 +711,26 @@ def merge(args):
 
 
 # ----------------------------------------------------------------------------- benchmark
-def bench(args):
-    """Training steps/s and peak memory at the real S2-Pro size (or --config) with random weights."""
+def bench_training(args):
+    """`bench`: training steps/s and peak memory at the real S2-Pro size (or --config), random weights."""
     device = dualAR.pick_device(args.device)
     dtype = dualAR.pick_dtype(None, device)
     cfg = dict(dualAR.read_config(Path(args.config)) if args.config else dualAR.CONFIG)
-    if args.n_layer:
-        cfg["n_layer"] = args.n_layer
-    model = dualAR.random_model(cfg, device, dtype)
+    cfg["n_layer"] = args.n_layer or cfg["n_layer"]
+    model = bench.random_model(cfg, device, dtype).train()
     params = add_lora(model, RANK, ALPHA, DROPOUT)
     optimizer = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
-    model.train()
     text = "The quick brown fox jumps over the lazy dog."
     frames = args.seq_len - sample_tokens(model, text, torch.zeros(cfg["num_codebooks"], 1))[0].size(1) + 1
     if frames < 1:
         raise UserError(f"--seq-len {args.seq_len} leaves no room for codes after the text prompt")
     codes = torch.randint(0, cfg["codebook_size"], (args.batch_size, cfg["num_codebooks"], frames))
-    inputs, labels, _ = make_batch(model, [(text, c) for c in codes])
-    inputs, labels = inputs.to(device), labels.to(device)
-    n_params = sum(p.numel() for p in model.parameters()) / 1e6
+    inputs, labels, _ = (t.to(device) for t in make_batch(model, [(text, c) for c in codes]))
+    n_params, n_lora = (sum(p.numel() for p in ps) / 1e6 for ps in (model.parameters(), params))
     print(f"S2-Pro-shaped model ({n_params:.1f} M params, {cfg['n_layer']} slow layers), {dtype}, {device},"
-          f" LoRA rank {RANK} ({sum(p.numel() for p in params) / 1e6:.1f} M), batch {args.batch_size} x"
-          f" {inputs.size(-1)} tokens")
+          f" LoRA rank {RANK} ({n_lora:.1f} M), batch {args.batch_size} x {inputs.size(-1)} tokens")
+    # the clock waits for the device's queued work
+    synchronize = dict(cuda=torch.cuda.synchronize, mps=torch.mps.synchronize).get(device.type, lambda: None)
     for checkpointing in (True, False):
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -848,17 +738,16 @@ def bench(args):
         try:
             for i in range(args.steps + 1):  # the first step warms up
                 if i == 1:
-                    dualAR.synchronize(device)
+                    synchronize()
                     start = time.perf_counter()
-                with autocast(device):
+                with mixed_precision(device):
                     loss = training_loss(model, inputs, labels, checkpointing=checkpointing)["loss"]
                 loss.backward()
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
-            dualAR.synchronize(device)
+            synchronize()
             rate = args.steps / (time.perf_counter() - start)
-            tokens = rate * inputs[:, 0].numel()
-            figures = (f"{rate:.3f} steps/s, {tokens:.0f} tokens/s,"
+            figures = (f"{rate:.3f} steps/s, {rate * inputs[:, 0].numel():.0f} tokens/s,"
                        f" peak memory {dualAR.peak_memory_gb(device):.2f} GB")
         except torch.OutOfMemoryError:
             optimizer.zero_grad(set_to_none=True)
@@ -872,27 +761,26 @@ def parse_args(argv=None):
     sub = ap.add_subparsers(dest="command", required=True)
     device = argparse.ArgumentParser(add_help=False)
     device.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: cuda > mps > cpu")
-    data = argparse.ArgumentParser(add_help=False, parents=[device])
+    base = argparse.ArgumentParser(add_help=False)
+    base.add_argument("--checkpoint", default=dualAR.DEFAULT_CHECKPOINT,
+                      help=f"base S2-Pro checkpoint folder (default {dualAR.DEFAULT_CHECKPOINT})")
+    data = argparse.ArgumentParser(add_help=False, parents=[device, base])
     data.add_argument("data_dir", help="folder of audio files (any format soundfile reads, any rate), each"
                       " with a same-stem .lab or .txt transcript, in any sub-folders")
-    data.add_argument("--checkpoint", default=dualAR.DEFAULT_CHECKPOINT,
-                      help=f"base S2-Pro checkpoint folder (default {dualAR.DEFAULT_CHECKPOINT})")
     data.add_argument("--strict", action="store_true",
                       help="a file without transcript is an error (default: a warning, the file is skipped)")
-
     p = sub.add_parser("prepare", parents=[data], help="encode the audio once into <stem>.npy codes")
-    p.set_defaults(run=prepare)
+    p.set_defaults(run=prepare_dataset)
 
     t = sub.add_parser("train", parents=[data], help="train a LoRA on the prepared data")
     t.set_defaults(run=train)
-    t.add_argument("--out", required=True,
-                   help="run folder: run.json, metrics.jsonl, lora.safetensors, state.pt")
+    t.add_argument("--out", required=True, help="run folder: run.json, metrics.jsonl, lora.safetensors,"
+                   " state.pt")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint"
                    " (its stored settings: only --max-steps, --val-every and --save-every may change), on"
                    " any number of processes that divides its micro-batches per step")
     t.add_argument("--rank", type=int, default=RANK, help=f"LoRA rank (default {RANK})")
-    t.add_argument("--alpha", type=float, default=ALPHA,
-                   help=f"LoRA alpha, scaling alpha/rank (default {ALPHA})")
+    t.add_argument("--alpha", type=float, default=ALPHA, help=f"LoRA alpha, scaling alpha/rank ({ALPHA})")
     t.add_argument("--dropout", type=float, default=DROPOUT, help=f"LoRA dropout (default {DROPOUT})")
     t.add_argument("--lr", type=float, default=LR, help=f"AdamW learning rate (default {LR})")
     t.add_argument("--warmup", type=int, default=WARMUP, help=f"linear warm-up steps (default {WARMUP})")
@@ -905,26 +793,24 @@ def parse_args(argv=None):
     t.add_argument("--val-size", type=int, help="samples held out for validation (default 5%%, at least 1)")
     t.add_argument("--val-every", type=int, default=100, help="validate every N steps (default 100)")
     t.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (default 100)")
-    t.add_argument("--seed", type=int, default=42,
-                   help="seeds the LoRA init, split, data order and dropout (default 42)")
+    t.add_argument("--seed", type=int, default=42, help="seeds the LoRA init, split, data order and dropout"
+                   " (default 42)")
     t.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
                    help="keep every activation (faster, much more memory) instead of gradient checkpointing")
 
-    m = sub.add_parser("merge", help="fold a LoRA into the base weights -> a checkpoint folder")
-    m.set_defaults(run=merge)
-    m.add_argument("--checkpoint", default=dualAR.DEFAULT_CHECKPOINT,
-                   help=f"base S2-Pro checkpoint folder (default {dualAR.DEFAULT_CHECKPOINT})")
+    m = sub.add_parser("merge", parents=[base], help="fold a LoRA into the base weights: a checkpoint folder")
+    m.set_defaults(run=merge_checkpoint)
     m.add_argument("--lora", required=True, help="one of our run folders, or a LoRA file: ours, or upstream's"
                    " (keys model.<module>.lora_A / lora_B, safetensors or a torch file with state_dict)")
     m.add_argument("--out", required=True, help="new folder for the merged checkpoint")
-    m.add_argument("--format", choices=["hf", "dual_ar"], default="hf",
-                   help="hf: config.json + model.safetensors with HF names, as fishaudio/s2-pro (default)."
-                   " dual_ar: upstream's own flat config.json + model.pth")
-    m.add_argument("--alpha", type=float,
-                   help=f"LoRA alpha of a file that does not store it (upstream's), default {ALPHA}")
+    m.add_argument("--format", choices=["hf", "dual_ar"], default="hf", help="hf: config.json +"
+                   " model.safetensors with HF names, as fishaudio/s2-pro (default). dual_ar: upstream's own"
+                   " flat config.json + model.pth")
+    m.add_argument("--alpha", type=float, help=f"LoRA alpha of a file that does not store it (upstream's),"
+                   f" default {ALPHA}")
 
     b = sub.add_parser("bench", parents=[device], help="training steps/s and peak memory, random weights")
-    b.set_defaults(run=bench)
+    b.set_defaults(run=bench_training)
     b.add_argument("--config", help="a config.json for smaller dimensions (default: the real S2-Pro)")
     b.add_argument("--n-layer", type=int, help="override the number of slow layers")
     b.add_argument("--batch-size", type=int, default=4, help="default 4")
@@ -934,17 +820,14 @@ def parse_args(argv=None):
 
 
 def check_args(args):
-    positive = ["rank", "batch_size", "grad_accum", "max_steps", "max_length", "val_every", "save_every",
-                "seq_len", "steps"]
-    for name in positive:
-        if getattr(args, name, 1) is not None and getattr(args, name, 1) < 1:
+    for name in ("rank", "batch_size", "grad_accum", "max_steps", "max_length", "val_every", "save_every",
+                 "seq_len", "steps"):
+        if getattr(args, name, 1) < 1:
             raise UserError(f"--{name.replace('_', '-')} must be >= 1")
-    if getattr(args, "val_size", None) is not None and args.val_size < 0 or getattr(args, "warmup", 0) < 0:
+    if (getattr(args, "val_size", 0) or 0) < 0 or getattr(args, "warmup", 0) < 0:
         raise UserError("--val-size and --warmup must be >= 0")
-    if getattr(args, "lr", 1) <= 0:
-        raise UserError("--lr must be > 0")
-    if not 0 <= getattr(args, "dropout", 0) < 1:
-        raise UserError("--dropout must be in [0, 1)")
+    if getattr(args, "lr", 1) <= 0 or not 0 <= getattr(args, "dropout", 0) < 1:
+        raise UserError("--lr must be > 0 and --dropout in [0, 1)")
 
 
 def main(argv=None):
@@ -958,8 +841,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+    dualAR.cli(main)

@@ -226,6 +226,16 @@ def test_both_weight_norm_key_formats_load_and_stale_buffers_are_ignored(model, 
     assert torch.equal(codec.decode(other, codes), codec.decode(model, codes))
 
 
+def test_an_upstream_training_checkpoint_loads_its_generator(model, tmp_path):
+    """As upstream's loader: a {"state_dict": ...} whose generator's keys carry a `generator.` prefix."""
+    state = torch.load(CKPT / "codec.pth", weights_only=True)
+    training = {f"generator.{k}": v for k, v in state.items()} | {"discriminator.w": torch.zeros(2)}
+    torch.save({"state_dict": training}, tmp_path / "codec.pth")
+    (tmp_path / "codec_config.json").write_text((CKPT / "codec_config.json").read_text())
+    codes = gold("codes_random.npy")
+    assert torch.equal(codec.decode(codec.load(tmp_path), codes), codec.decode(model, codes))
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda s: s.pop("decoder.model.0.conv.bias"), "lacks 1 tensors (first: decoder.model.0.conv.bias)"),
     (lambda s: s.update({"decoder.extra.weight": torch.zeros(1)}), "unexpected tensors (first: decoder.ex"),
@@ -249,6 +259,9 @@ def test_missing_checkpoint_and_bad_codes_raise_clear_errors(model, tmp_path):
     (tmp_path / "codec.pth").write_text("not a torch file")
     with pytest.raises(dualAR.UserError, match="cannot read"):
         codec.load(tmp_path)
+    (tmp_path / "codec_config.json").write_text('{"_target_": "modded_dac.DAC"}')
+    with pytest.raises(dualAR.UserError, match="codec_config.json: no key 'quantizer'"):
+        codec.load(tmp_path)
     with pytest.raises(dualAR.UserError, match=r"shape \[10, T\]"):
         codec.decode(model, torch.zeros(9, 4, dtype=torch.long))
     with pytest.raises(dualAR.UserError, match=">= 0"):
@@ -264,7 +277,8 @@ def run_cli(*args, cwd=ROOT):
 
 
 def test_cli_encode_and_decode_reproduce_goldens(tmp_path):
-    res = run_cli("encode", GOLD / "audio_in.wav", "--checkpoint", CKPT, "--out", tmp_path / "a.npy")
+    res = run_cli("encode", GOLD / "audio_in.wav", "--checkpoint", CKPT, "--out", tmp_path / "a.npy",
+                  "--chunk-frames", 5)
     assert res.returncode == 0, res.stderr
     assert "RTF" in res.stdout.splitlines()[-1]
     codes = np.load(tmp_path / "a.npy")

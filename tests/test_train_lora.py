@@ -137,12 +137,14 @@ def test_base_model_training_loss_matches_upstream():
     assert_losses(train_lora.training_loss(dualAR.load(CKPT), *golden_batch()), "base_no_lora_train_mode")
 
 
-def test_training_embedding_has_no_inference_scale():
+def test_training_path_embeds_without_the_inference_scale():
     """Upstream's training embed() sums token and codebook embeddings at semantic positions and, unlike
-    inference, does not divide by sqrt(num_codebooks + 1)."""
+    inference, does not divide by sqrt(num_codebooks + 1). Without slow layers, the slow states that
+    training_loss reads are that embedding."""
     model = dualAR.load(CKPT)
+    model.layers = torch.nn.ModuleList()
     inputs = golden_batch()[0][:1]
-    x = train_lora.embed(model, inputs)[0]
+    x = model.slow_states(inputs)[0]
     ids, cfg = inputs[0, 0], model.config
     semantic_pos = int(torch.nonzero((ids >= cfg["semantic_begin_id"]) & (ids <= cfg["semantic_end_id"]))[0])
     codes = inputs[0, 1:, semantic_pos]
@@ -334,7 +336,7 @@ def test_validation_loss_is_the_loss_of_the_whole_held_out_set_as_one_batch(tmp_
     data = write_codes_data(tmp_path / "data")
     train(data, tmp_path / "run", "--max-steps", "1", "--val-size", "3")
     names = json.loads((tmp_path / "run/run.json").read_text())["samples"]
-    held_out = [name for name, in train_lora.split([(n,) for n in names], 3, seed=42)[1]]
+    held_out = [name for name, in train_lora.split_held_out([(n,) for n in names], 3, seed=42)[1]]
     model = dualAR.load(CKPT)
     torch.manual_seed(42)
     train_lora.add_lora(model)  # the run's LoRA at step 0
@@ -595,13 +597,14 @@ def test_bad_input_gives_one_line_error_and_writes_nothing(tmp_path, case):
     assert tree(tmp_path) == before and tree(CKPT) == before_ckpt
 
 
-def test_cli_prints_one_error_line_and_exits_2(tmp_path):
+def test_cli_prints_one_error_line_and_exits_2(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
-    run = subprocess.run([sys.executable, str(ROOT / "train_lora.py"), "prepare", str(tmp_path / "empty")],
-                         capture_output=True, text=True, cwd=tmp_path)
-    assert run.returncode == 2
-    assert run.stderr.startswith("error: no audio files under") and run.stderr.count("\n") == 1
-    assert run.stdout == ""
+    with pytest.raises(SystemExit) as exit:
+        dualAR.cli(train_lora.main, ["prepare", str(tmp_path / "empty")])
+    out, err = capsys.readouterr()
+    assert exit.value.code == 2
+    assert err.startswith("error: no audio files under") and err.count("\n") == 1
+    assert out == ""
 
 
 def test_bench_reports_steps_per_second_with_and_without_checkpointing(capsys):

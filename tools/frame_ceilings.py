@@ -30,7 +30,7 @@ def matmul_ceiling(model: DualAR, batch: int, repeats: int = 8) -> float:
     device, n = model.embeddings.weight.device, model.config["num_codebooks"]
     slow = [m for m in model.layers.modules() if isinstance(m, (nn.Linear, QuantLinear))]
     fast = [m for m in model.fast_layers.modules() if isinstance(m, (nn.Linear, QuantLinear))]
-    start, stop = model.head_window
+    start, stop = model.sampling_rows
     head = model.embeddings.weight[start:stop]
     calls = slow + fast * n + [model.fast_output] * (n - 1)
     inputs = {m.in_features: torch.rand(batch, m.in_features, device=device, dtype=head.dtype)

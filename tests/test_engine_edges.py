@@ -1,20 +1,15 @@
 """Engine edge cases a reader of dualAR.Scheduler may want to see in one place."""
-from pathlib import Path
-
-import numpy as np
 import torch
 
 import dualAR
+from conftest import golden
 
-TINY = Path(__file__).parent / "fixtures/s2-tiny"
 
-
-def test_a_row_that_ends_mid_group_stays_inside_a_fixed_cache():
+def test_a_row_that_ends_mid_group_stays_inside_a_fixed_cache(model):
     """With sync_every 4 the host reads frames in groups of 4: a row whose request reaches the end of a
     fixed 256-position cache in the middle of a group runs on at the last position (clamped), never past
     the cache, while a short-prompt request that outlives it goes on. Both get their solo codes."""
-    model = dualAR.load(TINY / "checkpoint")
-    reference = (torch.from_numpy(np.load(TINY / "golden/codec_codes.npy")), "Hello")
+    reference = (golden("codec_codes.npy"), "Hello")
     long = dict(text="Good morning, how are you?", references=[reference], seed=1, max_context=256)
     short = dict(text="Hi.", seed=2, max_context=256)
     request = dualAR.Request(model, **long)

@@ -7,9 +7,7 @@ from pathlib import Path
 import torch
 
 import dualAR
-
-ROOT = Path(__file__).resolve().parent.parent
-TINY = ROOT / "tests/fixtures/s2-tiny"
+from conftest import CKPT, CLIP, ROOT
 
 
 def readme_python_blocks() -> list:
@@ -22,9 +20,9 @@ def test_the_readme_api_example_runs(tmp_path, monkeypatch):
                            ("compile=True", "compile=False")):
         assert cuda_only in example
         example = example.replace(cuda_only, cpu)
-    shutil.copytree(TINY / "checkpoint", tmp_path / "s2-pro")
+    shutil.copytree(CKPT, tmp_path / "s2-pro")
     (tmp_path / "prompt").mkdir()
-    shutil.copy(TINY / "golden/audio_in.wav", tmp_path / "prompt/me.wav")
+    shutil.copy(CLIP, tmp_path / "prompt/me.wav")
     monkeypatch.chdir(tmp_path)
     example = example.replace("...", "pass")
     budget = dualAR.Request.frame_budget  # 8 frames a text batch: the example's calls, quickly

@@ -6,11 +6,14 @@ or wraps it loads its own (`dualAR.load(CKPT)` takes ~0.05 s once the first load
 Caches (`setup_caches`, an Engine's rows) are rebuilt by every generation, so sharing them is safe; a test
 that swaps a method on a shared model puts it back in a `finally`.
 """
+import contextlib
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -33,6 +36,20 @@ CLIP = GOLDEN / "audio_in.wav"
 def golden(name):
     """A golden array of tests/fixtures/s2-tiny/golden as a tensor."""
     return torch.from_numpy(np.load(GOLDEN / name))
+
+
+def run_main(main, args, cwd):
+    """A CLI's main(argv) run as `python <script> args` would run it, in the folder cwd but in this process
+    (no second start of Python and torch) -> its exit status, stdout and stderr. dualAR.cli turns bad input
+    into status 2 and one `error:` line, as the scripts' entry points do."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            dualAR.cli(main, [str(arg) for arg in args])
+            status = 0
+        except SystemExit as e:
+            status = e.code
+    return types.SimpleNamespace(returncode=status, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def run_script(script, args, cwd, timeout=300):

@@ -1,10 +1,7 @@
 """codec.py against the upstream goldens in tests/fixtures/s2-tiny (see its README) and the S2-Pro shapes."""
 import itertools
 import json
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,21 +11,19 @@ from torch.nn.utils import parametrize
 
 import codec
 import dualAR
+from conftest import CKPT, GOLDEN, REAL, ROOT, run_main
 
-ROOT = Path(__file__).resolve().parents[1]
-FIX = ROOT / "tests" / "fixtures"
-CKPT = FIX / "s2-tiny" / "checkpoint"
-GOLD = FIX / "s2-tiny" / "golden"
 WAVE_ATOL = 1e-4  # fixture README: codec waveforms in fp32
 
 
-@pytest.fixture(scope="module")
-def model():
-    return codec.load(CKPT)
+@pytest.fixture
+def model(dac):
+    """The session's tiny codec (conftest's `dac`): in this file, the model."""
+    return dac
 
 
 def gold(name):
-    return np.load(GOLD / name)
+    return np.load(GOLDEN / name)
 
 
 def max_diff(a, b):
@@ -37,13 +32,13 @@ def max_diff(a, b):
 
 @pytest.mark.parametrize("chunk", [None, 1, 16])
 def test_encode_matches_upstream_codes(model, chunk):
-    codes = codec.encode(model, codec.load_audio(GOLD / "audio_in.wav"), chunk_frames=chunk)
+    codes = codec.encode(model, codec.load_audio(GOLDEN / "audio_in.wav"), chunk_frames=chunk)
     assert codes.shape == (1, 10, 54) and codes.dtype == torch.int64
     np.testing.assert_array_equal(codes[0].numpy(), gold("codec_codes.npy"))
 
 
 def test_encode_of_long_clip_pins_encoder_window_512(model):
-    wave = codec.load_audio(GOLD / "audio_in_long.wav")
+    wave = codec.load_audio(GOLDEN / "audio_in_long.wav")
     np.testing.assert_array_equal(codec.encode(model, wave)[0].numpy(), gold("codec_codes_long.npy"))
     attention = model.encoder.block[4].block[5]
     attention.window = 511  # README: 511 changes 6 codes of this clip
@@ -122,7 +117,7 @@ def test_fast_path_one_shot_and_chunked_equal_eager_and_upstream(model, fast_mod
         wave = codec.decode(fast_model, codes, chunk_frames=chunk)
         assert max_diff(wave, codec.decode(model, codes, chunk_frames=chunk)) <= 1e-5
         assert max_diff(wave[0], gold("codec_decoded_from_given_codes.npy")) <= WAVE_ATOL
-    codes = codec.encode(fast_model, codec.load_audio(GOLD / "audio_in.wav"))
+    codes = codec.encode(fast_model, codec.load_audio(GOLDEN / "audio_in.wav"))
     np.testing.assert_array_equal(codes[0].numpy(), gold("codec_codes.npy"))
     assert codec.fast_path(codec.load(CKPT), on=False).decoder.model[-2].fn is codec.snake
 
@@ -140,7 +135,7 @@ def test_fast_path_stream_equals_eager(model, fast_model, batch, schedule):
 
 
 def test_encode_and_decode_from_several_threads_match_sequential(model):
-    audio = codec.load_audio(GOLD / "audio_in.wav")
+    audio = codec.load_audio(GOLDEN / "audio_in.wav")
     codes = torch.from_numpy(gold("codes_random.npy"))
     jobs = [lambda: codec.encode(model, audio),
             lambda: codec.decode(model, codes, chunk_frames=3),
@@ -181,13 +176,12 @@ def test_real_config_keeps_encoder_window_512(tmp_path):
 
 
 def test_real_config_on_meta_has_exact_s2_pro_tensor_names_and_shapes():
-    shapes = json.loads((FIX / "s2-pro-shapes.json").read_text())
     with torch.device("meta"):
         state = codec.DAC(codec.CONFIG).state_dict()
     assert len(state) == 535
-    assert {k: list(v.shape) for k, v in state.items()} == shapes["codec"]
-    assert list(state) == list(shapes["codec"])
-    assert sum(v.numel() for v in state.values()) == shapes["codec_param_count"] == 391430530
+    assert {k: list(v.shape) for k, v in state.items()} == REAL["codec"]
+    assert list(state) == list(REAL["codec"])
+    assert sum(v.numel() for v in state.values()) == REAL["codec_param_count"] == 391430530
 
 
 def test_tiny_codec_config_json_overrides_config():
@@ -271,13 +265,12 @@ def test_missing_checkpoint_and_bad_codes_raise_clear_errors(model, tmp_path):
 
 
 # ----------------------------------------------------------------------------- CLI
-def run_cli(*args, cwd=ROOT):
-    cmd = [sys.executable, str(ROOT / "codec.py"), *map(str, args)]
-    return subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=120)
+def run_cli(*args, cwd=ROOT):  # `python codec.py args` in cwd, in this process
+    return run_main(codec.main, args, cwd)
 
 
 def test_cli_encode_and_decode_reproduce_goldens(tmp_path):
-    res = run_cli("encode", GOLD / "audio_in.wav", "--checkpoint", CKPT, "--out", tmp_path / "a.npy",
+    res = run_cli("encode", GOLDEN / "audio_in.wav", "--checkpoint", CKPT, "--out", tmp_path / "a.npy",
                   "--chunk-frames", 5)
     assert res.returncode == 0, res.stderr
     assert "RTF" in res.stdout.splitlines()[-1]
@@ -291,7 +284,7 @@ def test_cli_encode_and_decode_reproduce_goldens(tmp_path):
     assert max_diff(wave, gold("codec_decoded.npy")) <= 1 / 32768 + WAVE_ATOL  # PCM-16 rounding
 
 
-def test_cli_defaults_read_prompt_and_generate_folders_and_any_audio(tmp_path):
+def test_cli_defaults_read_prompt_and_generate_folders_and_any_audio(model, tmp_path):
     # a stereo 22.05 kHz FLAC in prompt/: channels averaged, soxr-resampled to 44.1 kHz
     (tmp_path / "prompt").mkdir()
     stereo = np.stack([np.sin(np.arange(22050) * 0.05), np.cos(np.arange(22050) * 0.03)], 1) * 0.5
@@ -300,7 +293,6 @@ def test_cli_defaults_read_prompt_and_generate_folders_and_any_audio(tmp_path):
     np.save(tmp_path / "generate" / "out.npy", gold("codes_random.npy"))
     assert run_cli("encode", "--checkpoint", CKPT, cwd=tmp_path).returncode == 0
     assert run_cli("decode", "--checkpoint", CKPT, cwd=tmp_path).returncode == 0
-    model = codec.load(CKPT)
     expected = codec.encode(model, codec.load_audio(tmp_path / "prompt" / "ref.flac"))[0]
     assert expected.shape == (10, 22)  # 44100 samples -> ceil(44100 / 2048) frames
     np.testing.assert_array_equal(np.load(tmp_path / "prompt" / "ref.npy"), expected.numpy())
@@ -344,7 +336,7 @@ def bad_inputs(tmp_path):
     np.save(tmp_path / "high.npy", high)
     np.save(tmp_path / "negative.npy", -gold("codes_random.npy"))
     (tmp_path / "afile").write_text("")
-    wav, codes = GOLD / "audio_in.wav", GOLD / "codes_random.npy"
+    wav, codes = GOLDEN / "audio_in.wav", GOLDEN / "codes_random.npy"
     return {
         "no checkpoint dir": (["encode", wav, "--checkpoint", tmp_path / "nope", "--out", tmp_path / "o.npy"],
                               "not found"),
@@ -356,7 +348,7 @@ def bad_inputs(tmp_path):
         "code too high": (["decode", tmp_path / "high.npy"], "must lie in 0..4095"),
         "negative code": (["decode", tmp_path / "negative.npy"], "must lie in 0..4095"),
         "unwritable out": (["decode", codes, "--out", tmp_path / "afile" / "x.wav"], "cannot write"),
-        "two outputs collide": (["decode", codes, GOLD / "codec_codes.npy", GOLD / "codes_random.npy",
+        "two outputs collide": (["decode", codes, GOLDEN / "codec_codes.npy", GOLDEN / "codes_random.npy",
                                  "--out", tmp_path / "new"], "would write the same .wav"),
         "negative chunk": (["decode", codes, "--chunk-frames", "-5"], "--chunk-frames must be >= 0"),
         "bad flag value": (["decode", codes, "--chunk-frames", "many"], "invalid int value"),

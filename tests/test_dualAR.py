@@ -2,16 +2,13 @@
 
 See tests/fixtures/s2-tiny/README.md for what each golden is and how upstream produced it.
 """
-import contextlib
 import functools
-import io
 import json
 import os
 import re
 import shutil
 import sys
 import time
-import types
 
 import numpy as np
 import pytest
@@ -20,7 +17,7 @@ import torch
 import bench
 import codec
 import dualAR
-from conftest import CASES, CKPT, GOLDEN, REAL, TINY, golden, run_script
+from conftest import CASES, CKPT, GOLDEN, REAL, golden, run_main, run_script
 
 
 def references(call):
@@ -870,18 +867,8 @@ CLONE_ARGS = ["--checkpoint", str(CKPT), "--text", SEEDED["text"], "--seed", "42
               "--max-new-tokens", "24", "--device", "cpu", "--dtype", "fp32", "--codes-only"]
 
 
-def cli(args, cwd):
-    """`python dualAR.py args` in the folder cwd, run in this process (no second start of Python and torch)
-    -> its exit status, stdout and stderr. dualAR.cli turns bad input into status 2 and one `error:` line
-    as the script's own entry point does (test_cli_names_an_empty_transcript... runs that one for real)."""
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            dualAR.cli(dualAR.main, [str(arg) for arg in args])
-            status = 0
-        except SystemExit as e:
-            status = e.code
-    return types.SimpleNamespace(returncode=status, stdout=out.getvalue(), stderr=err.getvalue())
+def cli(args, cwd):  # `python dualAR.py args` in cwd, in this process (the entry point: see below)
+    return run_main(dualAR.main, args, cwd)
 
 
 def test_cli_writes_upstreams_seeded_codes(tmp_path):

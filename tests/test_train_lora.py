@@ -21,12 +21,10 @@ from safetensors.torch import load_file, save_file
 import codec
 import dualAR
 import train_lora
+from conftest import CASES, CKPT, GOLDEN, ROOT, golden
 from dualAR import UserError
 
-ROOT = Path(__file__).resolve().parent.parent
-TINY = ROOT / "tests/fixtures/s2-tiny"
-CKPT, GOLDEN = TINY / "checkpoint", TINY / "golden"
-LORA = json.loads((GOLDEN / "cases.json").read_text())["lora"]
+LORA = CASES["lora"]
 LOSSES = json.loads((GOLDEN / "lora_loss.json").read_text())
 SAMPLES = [(s["text"], torch.tensor(s["codes"])) for s in LORA["batch"]["samples"]]
 TEXTS = ["Hello there, how are you?", "The quick brown fox jumps.", "Thank you very much!",
@@ -40,10 +38,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def golden(name):
-    return torch.from_numpy(np.load(GOLDEN / name))
 
 
 def golden_batch():
@@ -104,8 +98,8 @@ def metrics(run: Path) -> list:
 
 
 # ----------------------------------------------------------------------------- upstream's numbers
-def test_batch_from_cases_matches_upstreams_golden_batch():
-    inputs, labels, padding = train_lora.make_batch(dualAR.load(CKPT), SAMPLES)
+def test_batch_from_cases_matches_upstreams_golden_batch(model):
+    inputs, labels, padding = train_lora.make_batch(model, SAMPLES)
     want_inputs, want_labels, want_padding = golden_batch()
     assert torch.equal(inputs, want_inputs)
     assert torch.equal(labels, want_labels)
@@ -246,10 +240,10 @@ def test_thirty_steps_lower_the_validation_loss(trained_run):
     assert (run["rank"], run["alpha"], len(run["samples"])) == (8, 16, 6)
 
 
-def test_exported_lora_changes_the_generated_codes(trained_run, tmp_path):
+def test_exported_lora_changes_the_generated_codes(model, trained_run, tmp_path):
     train_lora.main(["merge", "--checkpoint", str(CKPT), "--lora", str(trained_run),
                      "--out", str(tmp_path / "m")])
-    base = dualAR.generate(dualAR.load(CKPT), "Hello world.", seed=7, max_new_tokens=8)
+    base = dualAR.generate(model, "Hello world.", seed=7, max_new_tokens=8)
     tuned = dualAR.generate(dualAR.load(tmp_path / "m"), "Hello world.", seed=7, max_new_tokens=8)
     assert not torch.equal(base, tuned)
 
@@ -396,7 +390,7 @@ def test_two_processes_train_as_one_process_with_twice_the_micro_batches(tmp_pat
         torch.testing.assert_close(two[key], one[key], rtol=0, atol=1e-6, msg=key)
     steps = train_steps(tmp_path / "two")  # rank 0 alone writes: each step once
     assert [r["step"] for r in steps] == [1, 2, 3, 4] and stdout.count(" steps/s") == 1
-    for got, want in zip(steps, train_steps(tmp_path / "one")):
+    for got, want in zip(steps, train_steps(tmp_path / "one"), strict=True):
         assert got["loss"] == pytest.approx(want["loss"], rel=1e-6)
     vals = {r["step"]: r["val_loss"] for r in metrics(tmp_path / "two") if "val_loss" in r}
     assert sorted(vals) == [0, 2, 4] and vals[4] < vals[0] - 0.5  # measured: 22.37 -> 21.05
@@ -419,6 +413,7 @@ def test_a_two_process_run_resumes_on_one_process_with_the_same_batches(tmp_path
     assert "was saved by 2 process(es), resumed by 1" in capsys.readouterr().err
     train(data, tmp_path / "one", "--max-steps", "4", "--grad-accum", "2", *common)
     resumed, one = load_file(tmp_path / "run/lora.safetensors"), load_file(tmp_path / "one/lora.safetensors")
+    assert sorted(resumed) == sorted(one) and len(one) == 38
     for key in one:
         assert torch.equal(resumed[key], one[key]), key
     assert train_steps(tmp_path / "run") == train_steps(tmp_path / "one")

@@ -419,8 +419,13 @@ MIXED = [  # different lengths, references, seeds, sampling parameters and text 
 ]
 
 
-def test_generate_many_gives_each_request_its_solo_codes(model):
-    solo = [dualAR.generate(model, **r) for r in MIXED]
+@pytest.fixture(scope="module")
+def solo(model):
+    """Each MIXED request generated alone: the codes it must get in any batch, engine or stream."""
+    return [dualAR.generate(model, **r) for r in MIXED]
+
+
+def test_generate_many_gives_each_request_its_solo_codes(model, solo):
     assert torch.equal(solo[2][:, :14], dualAR.generate(model, **dict(MIXED[2], text="<|speaker:0|>Good"
                                                                          " morning!")))
     assert [c.size(1) for c in solo] == [29, 11, 28, 39]
@@ -429,10 +434,10 @@ def test_generate_many_gives_each_request_its_solo_codes(model):
 
 
 
-def test_compiled_batch_gives_each_request_its_solo_codes(model, compiled_model):
+def test_compiled_batch_gives_each_request_its_solo_codes(compiled_model, solo):
     """Four rows at their own positions in one compiled graph (one flex block mask row each)."""
     many = dualAR.generate_many(compiled_model, MIXED, context=512)  # one shape: one compile
-    assert all(torch.equal(a, b) for a, b in zip(solo_codes(model, MIXED), many, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(solo, many, strict=True))
 
 def test_generate_many_with_a_row_that_stops_early(eos_model):
     call = CASES["eos"]["eos"]["call"]
@@ -456,11 +461,7 @@ def test_stream_chunks_concatenate_to_generate(model, eos_model, name, chunk_fra
     assert torch.equal(torch.cat(chunks, dim=1), golden(case.get("codes_file", "seeded_dialogue_codes.npy")))
 
 
-def solo_codes(model, requests):
-    return [dualAR.generate(model, **r) for r in requests]
-
-
-def test_request_admitted_mid_way_gets_its_solo_codes(model):
+def test_request_admitted_mid_way_gets_its_solo_codes(model, solo):
     engine = dualAR.Engine(model, slots=3)
     first = [engine.add(dualAR.Request(model, **r)) for r in MIXED[:2]]
     with torch.inference_mode():
@@ -471,10 +472,10 @@ def test_request_admitted_mid_way_gets_its_solo_codes(model):
         assert late.row == 2 and first[0].row == 0  # joined between two frames, the others mid-way
         engine.run()
     made = [r.codes() for r in first + [late]]
-    assert all(torch.equal(a, b) for a, b in zip(made, solo_codes(model, MIXED[:2] + MIXED[3:]), strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(made, solo[:2] + solo[3:], strict=True))
 
 
-def test_cancelled_request_frees_its_row_and_the_others_continue(model):
+def test_cancelled_request_frees_its_row_and_the_others_continue(model, solo):
     engine = dualAR.Engine(model, slots=2)
     kept, cancelled = (engine.add(dualAR.Request(model, **r)) for r in (MIXED[0], MIXED[3]))
     waiting = engine.add(dualAR.Request(model, **MIXED[1]))
@@ -486,11 +487,10 @@ def test_cancelled_request_frees_its_row_and_the_others_continue(model):
         assert engine.rows[1] is waiting and cancelled.done  # the freed row went to the waiting request
         engine.run()
     assert cancelled.codes().size(1) < 39
-    assert torch.equal(kept.codes(), dualAR.generate(model, **MIXED[0]))
-    assert torch.equal(waiting.codes(), dualAR.generate(model, **MIXED[1]))
+    assert torch.equal(kept.codes(), solo[0]) and torch.equal(waiting.codes(), solo[1])
 
 
-def test_engine_thread_serves_requests_submitted_from_several_threads(model):
+def test_engine_thread_serves_requests_submitted_from_several_threads(model, solo):
     import threading
     engine = dualAR.Engine(model, slots=2).start()
     results = {}
@@ -507,7 +507,7 @@ def test_engine_thread_serves_requests_submitted_from_several_threads(model):
         assert engine.stats() == dict(slots=2, busy=0, free=2, queued=0)
     finally:
         engine.close()
-    assert all(torch.equal(results[i], c) for i, c in enumerate(solo_codes(model, MIXED)))
+    assert all(torch.equal(results[i], c) for i, c in enumerate(solo))
 
 
 @pytest.mark.parametrize("sync_every", [3, 7])
@@ -528,8 +528,7 @@ def test_frames_read_every_few_steps_give_the_same_codes(model, eos_model, sync_
         assert torch.equal(made[1].codes(), dualAR.generate(m, **MIXED[1]))
 
 
-def test_engine_thread_fails_the_requests_in_flight_when_a_step_breaks_and_keeps_serving(model):
-    solo = dualAR.generate(model, **MIXED[1])
+def test_engine_thread_fails_the_requests_in_flight_when_a_step_breaks_and_keeps_serving(model, solo):
     engine = dualAR.Engine(model, slots=2).start()
     try:
         broken = engine.decode
@@ -538,7 +537,7 @@ def test_engine_thread_fails_the_requests_in_flight_when_a_step_breaks_and_keeps
         with pytest.raises(RuntimeError, match="generation failed: ZeroDivisionError"):
             doomed.codes()
         engine.decode = broken
-        assert torch.equal(engine.submit(MIXED[1]).codes(), solo)
+        assert torch.equal(engine.submit(MIXED[1]).codes(), solo[1])
     finally:
         engine.close()
 
@@ -563,17 +562,17 @@ def test_engine_rejects_bad_requests_and_a_full_queue(model):
     assert engine.stats() == dict(slots=1, busy=0, free=1, queued=1)
 
 
-def test_no_waiting_room_still_serves_a_free_row(model):
+def test_no_waiting_room_still_serves_a_free_row(model, solo):
     engine = dualAR.Engine(model, slots=1, max_queue=0)
     served = engine.add(dualAR.Request(model, **MIXED[1]))
     with pytest.raises(dualAR.QueueFull):
         engine.add(dualAR.Request(model, "Hi."))
     with torch.inference_mode():
         engine.run()
-    assert torch.equal(served.codes(), dualAR.generate(model, **MIXED[1]))
+    assert torch.equal(served.codes(), solo[1])
 
 
-def test_a_request_whose_prefill_breaks_fails_alone(model):
+def test_a_request_whose_prefill_breaks_fails_alone(model, solo):
     engine = dualAR.Engine(model, slots=2)
     kept = engine.add(dualAR.Request(model, **MIXED[1]))
     broken = engine.add(dualAR.Request(model, **MIXED[3]))
@@ -589,7 +588,7 @@ def test_a_request_whose_prefill_breaks_fails_alone(model):
         engine.run()
     with pytest.raises(RuntimeError, match="generation failed: ZeroDivisionError"):
         doomed.codes()
-    assert torch.equal(kept.codes(), dualAR.generate(model, **MIXED[1]))
+    assert torch.equal(kept.codes(), solo[1])
 
 
 def test_fixed_context_engine_refuses_what_does_not_fit(model):
@@ -602,7 +601,7 @@ def test_fixed_context_engine_refuses_what_does_not_fit(model):
 
 
 # ----------------------------------------------------------------------------- engine rows, shapes, owner
-def test_a_free_row_goes_back_to_position_0_and_stays_there(model):
+def test_a_free_row_goes_back_to_position_0_and_stays_there(model, solo):
     """A row without a request reads one cache block per frame (flex), not the cache up to the end."""
     engine = dualAR.Engine(model, slots=2)
     short, long = (engine.add(dualAR.Request(model, **r)) for r in (MIXED[1], MIXED[3]))
@@ -615,10 +614,10 @@ def test_a_free_row_goes_back_to_position_0_and_stays_there(model):
         assert engine.pos[0] == 0
         engine.run()
     assert engine.pos.tolist() == [0, 0]
-    assert torch.equal(long.codes(), dualAR.generate(model, **MIXED[3]))
+    assert torch.equal(long.codes(), solo[3])
 
 
-def test_a_reused_row_starts_with_an_empty_repetition_window(model):
+def test_a_reused_row_starts_with_an_empty_repetition_window(model, solo):
     """Two identical seeded requests, one after the other through one row: the second is admitted with an
     empty window (not the first one's last tokens), and both give the solo codes."""
     engine = dualAR.Engine(model, slots=1)
@@ -630,11 +629,10 @@ def test_a_reused_row_starts_with_an_empty_repetition_window(model):
         engine.admit()
         assert engine.rows[0] is second and engine.recent[0].eq(0).all()
         engine.run()
-    solo = dualAR.generate(model, **MIXED[0])
-    assert torch.equal(first.codes(), solo) and torch.equal(second.codes(), solo)
+    assert torch.equal(first.codes(), solo[0]) and torch.equal(second.codes(), solo[0])
 
 
-def test_a_partly_filled_engine_runs_the_smallest_batch_that_holds_its_rows(model):
+def test_a_partly_filled_engine_runs_the_smallest_batch_that_holds_its_rows(model, solo):
     engine = dualAR.Engine(model, slots=8)
     decode, rows_run = engine.decode, []
     engine.decode = lambda frames, *rest: rows_run.append(frames.size(0)) or decode(frames, *rest)
@@ -642,7 +640,7 @@ def test_a_partly_filled_engine_runs_the_smallest_batch_that_holds_its_rows(mode
     with torch.inference_mode():
         engine.run()
     assert rows_run[0] == 4 and rows_run[-1] == 1 and set(rows_run) == {1, 4}  # never 8: 4 rows were used
-    assert all(torch.equal(r.codes(), c) for r, c in zip(made, solo_codes(model, MIXED[::-1]), strict=True))
+    assert all(torch.equal(r.codes(), c) for r, c in zip(made, solo[::-1], strict=True))
 
 
 def test_a_second_engine_on_a_live_model_is_refused(model):
@@ -669,11 +667,10 @@ def test_a_stream_left_early_frees_the_model(model):
     assert torch.equal(dualAR.generate(model, **MIXED[1]), dualAR.generate(model, **MIXED[1]))
 
 
-def test_a_closed_engine_is_a_server_error_not_bad_input(model):
-    solo = dualAR.generate(model, **MIXED[1])
+def test_a_closed_engine_is_a_server_error_not_bad_input(model, solo):
     engine = dualAR.Engine(model, slots=1)
     try:  # submit starts the thread of an engine nobody started
-        assert torch.equal(engine.submit(MIXED[1]).codes(), solo) and engine.thread.is_alive()
+        assert torch.equal(engine.submit(MIXED[1]).codes(), solo[1]) and engine.thread.is_alive()
     finally:
         engine.close()
     with pytest.raises(dualAR.EngineClosed, match="the engine was closed"):
@@ -732,12 +729,12 @@ def test_a_compiled_model_compiles_each_shape_once_and_many_shapes_fit():
     assert len(backend.graphs) == 12
 
 
-def test_a_context_of_partial_flex_blocks_is_rounded_up_to_whole_blocks(model):
+def test_a_context_of_partial_flex_blocks_is_rounded_up_to_whole_blocks(solo):
     compiled = dualAR.load(CKPT)
     dualAR.compile_model(compiled, backend=CountingBackend())
     many = dualAR.generate_many(compiled, [MIXED[1]], context=100)
     assert compiled.cache_len == 128
-    assert torch.equal(many[0], dualAR.generate(model, **MIXED[1]))
+    assert torch.equal(many[0], solo[1])
 
 
 def test_a_second_process_loads_the_compiled_step_from_the_cache(model, tmp_path):

@@ -721,12 +721,12 @@ def test_a_compiled_model_compiles_each_shape_once_and_many_shapes_fit():
     serve()
     assert len(backend.graphs) == 3
     warmed = []
-    for context in (512, 1024, 2048):
+    for context in (512, 1024):  # 6 graphs more: 9 in all, one past dynamo's default limit
         with dualAR.Engine(model, slots=8, context=context) as engine:
             engine.warm_up(lambda rows, seconds: warmed.append((context, rows)))
-    assert warmed == [(c, r) for c in (512, 1024, 2048) for r in (1, 4, 8)] and len(backend.graphs) == 12
-    assert dualAR.generate(model, "Hi.", seed=0, max_new_tokens=5).size(1) == 4  # no 13th graph
-    assert len(backend.graphs) == 12
+    assert warmed == [(c, r) for c in (512, 1024) for r in (1, 4, 8)] and len(backend.graphs) == 9
+    assert dualAR.generate(model, "Hi.", seed=0, max_new_tokens=5).size(1) == 4  # no 10th graph
+    assert len(backend.graphs) == 9
 
 
 def test_a_context_of_partial_flex_blocks_is_rounded_up_to_whole_blocks(solo):

@@ -1,10 +1,11 @@
-"""What every test file shares: the fixture paths, the goldens, the tiny models loaded once per session, and
-the guard that gives each test the process-wide compile settings it started with.
+"""What every test file shares: the fixture paths, the goldens, the CLI runners, the tiny models loaded once
+per session, and the guard that gives each test the process-wide compile settings and random state it
+started with.
 
 The session models are read-only by convention: a test that changes a model's weights, quantizes, compiles
 or wraps it loads its own (`dualAR.load(CKPT)` takes ~0.05 s once the first load has imported everything).
-Caches (`setup_caches`, an Engine's rows) are rebuilt by every generation, so sharing them is safe; a test
-that swaps a method on a shared model puts it back in a `finally`.
+KV caches are sized and overwritten by each generation, so sharing them is safe (the engine tests check
+it); a test that swaps a method on a shared model puts it back in a `finally`.
 """
 import contextlib
 import io

@@ -433,11 +433,11 @@ def test_generate_many_gives_each_request_its_solo_codes(model, solo):
         assert all(torch.equal(a, b) for a, b in zip(solo, many, strict=True))
 
 
-
 def test_compiled_batch_gives_each_request_its_solo_codes(compiled_model, solo):
     """Four rows at their own positions in one compiled graph (one flex block mask row each)."""
     many = dualAR.generate_many(compiled_model, MIXED, context=512)  # one shape: one compile
     assert all(torch.equal(a, b) for a, b in zip(solo, many, strict=True))
+
 
 def test_generate_many_with_a_row_that_stops_early(eos_model):
     call = CASES["eos"]["eos"]["call"]
@@ -1033,7 +1033,7 @@ def test_bad_input_gives_one_line_error_and_writes_nothing(tmp_path, case):
     work = tmp_path / "work"
     work.mkdir()
     result = cli(["--max-new-tokens", "4"] + make_args(tmp_path), work)
-    assert result.returncode != 0
+    assert result.returncode == 2
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
     assert message in result.stderr
     assert list(work.rglob("*")) == []

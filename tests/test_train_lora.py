@@ -614,6 +614,6 @@ def test_bench_reports_steps_per_second_with_and_without_checkpointing(capsys):
     ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9
     for _, steps, tokens, peak in figures:
         assert abs(int(tokens) - float(steps) * 4 * 160) <= 0.5 + 4 * 160 * 0.0005  # the rounding of steps/s
-        assert float(steps) > 0
-        # this process's high-water mark (only grows) and torch alone is > 0.1 GB
-        assert 0.1 < float(peak) <= min(dualAR.peak_memory_gb(torch.device("cpu")) + 0.005, ram)
+        assert float(steps) > 0 and 0.1 < float(peak) < ram  # this process's memory: torch alone is > 0.1 GB
+    # the high-water mark restarts before each setting, then only grows: the last one's peak is the mark now
+    assert float(figures[-1][3]) <= dualAR.peak_memory_gb(torch.device("cpu")) + 0.005

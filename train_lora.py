@@ -6,7 +6,7 @@ merges into a checkpoint upstream serves, and upstream's LoRA weights merge here
     python train_lora.py prepare data/                  # audio + .lab/.txt -> cached .npy codes
     python train_lora.py train data/ --out runs/me      # -> runs/me/lora.safetensors, metrics.jsonl
     python train_lora.py merge --lora runs/me --out s2-pro-me    # a checkpoint dualAR.py loads
-    torchrun --nproc-per-node N train_lora.py train data/ --out runs/me     # N GPUs (DDP); prepare too
+    torchrun --nproc-per-node N train_lora.py train data/ --out runs/me     # N GPUs; prepare too
 """
 import argparse
 import json
@@ -432,11 +432,10 @@ def validation_loss(model, samples: list, batch_size: int, device, rank=0, world
 def save_checkpoint(out: Path, model, optimizer, step: int, rank=0):
     """state.pt: what a resumed run needs to continue bit for bit, the random states of every process
     included (each draws its own dropout); lora.safetensors: upstream's keys, fp32. Rank 0 writes."""
+    device = next(model.parameters()).device
     rng = dict(torch=torch.get_rng_state())
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    if torch.backends.mps.is_available():
-        rng["mps"] = torch.mps.get_rng_state()
+    if device.type != "cpu":  # dropout on cuda or mps draws from the generator of this process's device
+        rng[device.type] = getattr(torch, device.type).get_rng_state(device)
     rngs = [rng] * (dist.get_world_size() if dist.is_initialized() else 1)
     if dist.is_initialized():
         dist.all_gather_object(rngs, rng)
@@ -462,7 +461,7 @@ def load_checkpoint(out: Path, model, optimizer, seed: int, rank=0, world=1) -> 
         optimizer.load_state_dict(state["optimizer"])
     except (KeyError, RuntimeError, ValueError) as e:
         raise UserError(f"{out / STATE_FILE} does not fit this run's LoRA: {e}") from None
-    rngs = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]  # older runs: one dict
+    rngs, device = state["rng"], next(model.parameters()).device
     if len(rngs) != world:
         if rank == 0:
             print(f"warning: {out} was saved by {len(rngs)} process(es), resumed by {world}: the same"
@@ -470,10 +469,8 @@ def load_checkpoint(out: Path, model, optimizer, seed: int, rank=0, world=1) -> 
         torch.manual_seed(seed + 1000 * state["step"] + rank)
         return state["step"]
     torch.set_rng_state(rngs[rank]["torch"])
-    if "cuda" in rngs[rank] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rngs[rank]["cuda"])
-    if "mps" in rngs[rank] and torch.backends.mps.is_available():
-        torch.mps.set_rng_state(rngs[rank]["mps"])
+    if device.type in rngs[rank]:
+        getattr(torch, device.type).set_rng_state(rngs[rank][device.type], device)
     return state["step"]
 
 
@@ -756,6 +753,32 @@ def bench_training(args):
 
 
 # ----------------------------------------------------------------------------- CLI
+# the numeric flags, for --help and check_args: (flag, type, default, what a value must be, help)
+FLAGS = dict(train=[
+    ("--rank", int, RANK, ">= 1", "LoRA rank"),
+    ("--alpha", float, ALPHA, None, "LoRA alpha, scaling alpha/rank"),
+    ("--dropout", float, DROPOUT, "in [0, 1)", "LoRA dropout"),
+    ("--lr", float, LR, "> 0", "AdamW learning rate"),
+    ("--warmup", int, WARMUP, ">= 0", "linear warm-up steps"),
+    ("--batch-size", int, 4, ">= 1", "samples per micro-batch"),
+    ("--grad-accum", int, 1, ">= 1", "micro-batches per optimizer step and process: N processes with G"
+     " see what one process with N*G sees"),
+    ("--max-steps", int, 1000, ">= 1", "optimizer steps in all"),
+    ("--max-length", int, 4096, ">= 1", "skip samples longer than this many tokens (upstream's)"),
+    ("--val-size", int, None, ">= 0", "samples held out for validation (default 5%%, at least 1)"),
+    ("--val-every", int, 100, ">= 1", "validate every N steps"),
+    ("--save-every", int, 100, ">= 1", "checkpoint every N steps"),
+    ("--seed", int, 42, None, "seeds the LoRA init, split, data order and dropout"),
+], bench=[
+    ("--n-layer", int, None, None, "override the number of slow layers"),
+    ("--batch-size", int, 4, ">= 1", "samples per step"),
+    ("--seq-len", int, 1024, ">= 1", "tokens per sample"),
+    ("--steps", int, 3, ">= 1", "timed steps after one warm-up step"),
+])
+RULES = {">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1, "> 0": lambda v: v > 0,
+         "in [0, 1)": lambda v: 0 <= v < 1}
+
+
 def parse_args(argv=None):
     ap = codec.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -779,22 +802,6 @@ def parse_args(argv=None):
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint"
                    " (its stored settings: only --max-steps, --val-every and --save-every may change), on"
                    " any number of processes that divides its micro-batches per step")
-    t.add_argument("--rank", type=int, default=RANK, help=f"LoRA rank (default {RANK})")
-    t.add_argument("--alpha", type=float, default=ALPHA, help=f"LoRA alpha, scaling alpha/rank ({ALPHA})")
-    t.add_argument("--dropout", type=float, default=DROPOUT, help=f"LoRA dropout (default {DROPOUT})")
-    t.add_argument("--lr", type=float, default=LR, help=f"AdamW learning rate (default {LR})")
-    t.add_argument("--warmup", type=int, default=WARMUP, help=f"linear warm-up steps (default {WARMUP})")
-    t.add_argument("--batch-size", type=int, default=4, help="samples per micro-batch (default 4)")
-    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step and process"
-                   " (default 1): N processes with G see what one process with N*G sees")
-    t.add_argument("--max-steps", type=int, default=1000, help="optimizer steps in all (default 1000)")
-    t.add_argument("--max-length", type=int, default=4096,
-                   help="skip samples longer than this many tokens (default 4096, upstream's)")
-    t.add_argument("--val-size", type=int, help="samples held out for validation (default 5%%, at least 1)")
-    t.add_argument("--val-every", type=int, default=100, help="validate every N steps (default 100)")
-    t.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (default 100)")
-    t.add_argument("--seed", type=int, default=42, help="seeds the LoRA init, split, data order and dropout"
-                   " (default 42)")
     t.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
                    help="keep every activation (faster, much more memory) instead of gradient checkpointing")
 
@@ -812,22 +819,18 @@ def parse_args(argv=None):
     b = sub.add_parser("bench", parents=[device], help="training steps/s and peak memory, random weights")
     b.set_defaults(run=bench_training)
     b.add_argument("--config", help="a config.json for smaller dimensions (default: the real S2-Pro)")
-    b.add_argument("--n-layer", type=int, help="override the number of slow layers")
-    b.add_argument("--batch-size", type=int, default=4, help="default 4")
-    b.add_argument("--seq-len", type=int, default=1024, help="tokens per sample (default 1024)")
-    b.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step (default 3)")
+    for parser, flags in ((t, FLAGS["train"]), (b, FLAGS["bench"])):
+        for flag, kind, default, _, help in flags:
+            shown = "" if default is None else f" (default {default})"
+            parser.add_argument(flag, type=kind, default=default, help=help + shown)
     return ap.parse_args(argv)
 
 
 def check_args(args):
-    for name in ("rank", "batch_size", "grad_accum", "max_steps", "max_length", "val_every", "save_every",
-                 "seq_len", "steps"):
-        if getattr(args, name, 1) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 1")
-    if (getattr(args, "val_size", 0) or 0) < 0 or getattr(args, "warmup", 0) < 0:
-        raise UserError("--val-size and --warmup must be >= 0")
-    if getattr(args, "lr", 1) <= 0 or not 0 <= getattr(args, "dropout", 0) < 1:
-        raise UserError("--lr must be > 0 and --dropout in [0, 1)")
+    for flag, _, _, rule, _ in FLAGS.get(args.command, []):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if rule and value is not None and not RULES[rule](value):
+            raise UserError(f"{flag} must be {rule}")
 
 
 def main(argv=None):

@@ -108,9 +108,7 @@ def lora_modules(model: nn.Module) -> dict:
 
 
 def lora_params(model: nn.Module) -> dict:
-    """{<module>.lora_A / lora_B: parameter} of every LoRA module."""
-    return {f"{name}.{ab}": getattr(m, ab) for name, m in lora_modules(model).items()
-            for ab in ("lora_A", "lora_B")}
+    return {n: p for n, p in model.named_parameters() if n.endswith((".lora_A", ".lora_B"))}
 
 
 def replace_module(model: nn.Module, name: str, module: nn.Module):
@@ -226,15 +224,9 @@ def make_batch(model: dualAR.DualAR, samples: list) -> tuple:
 
 
 # ----------------------------------------------------------------------------- training loss
-def head_loss_sum(model: dualAR.DualAR, x: Tensor, labels: Tensor) -> Tensor:
-    """Summed cross-entropy of the full-vocabulary slow logits at slow states x (N, dim)."""
-    return F.cross_entropy(model.vocab_logits(x).float(), labels, reduction="sum")
-
-
-def fast_loss_sum(model: dualAR.DualAR, y: Tensor, codes: Tensor) -> Tensor:
-    """Summed cross-entropy of the fast logits at fast states y (N, num_codebooks, fast_dim)."""
-    logits = model.fast_logits(y)
-    return F.cross_entropy(logits.flatten(0, 1).float(), codes.flatten(), reduction="sum")
+def loss_sum(logits, states: Tensor, labels: Tensor) -> Tensor:
+    """Summed cross-entropy of logits(states): a function of its own, which checkpointing runs again."""
+    return F.cross_entropy(logits(states).flatten(0, -2).float(), labels.flatten(), reduction="sum")
 
 
 def training_loss(model: dualAR.DualAR, inputs: Tensor, labels: Tensor, padding_mask=None,
@@ -256,7 +248,7 @@ def training_loss(model: dualAR.DualAR, inputs: Tensor, labels: Tensor, padding_
     scored = token_labels != IGNORE
     x_scored, y_scored, n = x[scored], token_labels[scored], int(scored.sum())
     chunk = HEAD_CHUNK if checkpointing else n
-    base_loss = sum(run(head_loss_sum, model, x_scored[i:i + chunk], y_scored[i:i + chunk])
+    base_loss = sum(run(loss_sum, model.vocab_logits, x_scored[i:i + chunk], y_scored[i:i + chunk])
                     for i in range(0, n, chunk)) / n
 
     semantic = (token_labels >= cfg["semantic_begin_id"]) & (token_labels <= cfg["semantic_end_id"])
@@ -265,7 +257,7 @@ def training_loss(model: dualAR.DualAR, inputs: Tensor, labels: Tensor, padding_
     chunk, total = FAST_CHUNK if checkpointing else len(codes), 0.0
     for i in range(0, len(codes), chunk):
         y = torch.cat([hidden[i:i + chunk, None], model.fast_embeddings(codes[i:i + chunk, :-1])], dim=1)
-        total = total + run(fast_loss_sum, model, model.fast_states(y, call=run), codes[i:i + chunk])
+        total = total + run(loss_sum, model.fast_logits, model.fast_states(y, call=run), codes[i:i + chunk])
     semantic_loss = total / codes.numel()
     return dict(loss=base_loss + semantic_loss, base_loss=base_loss, semantic_loss=semantic_loss,
                 positions=n, codes=codes.numel())  # what base_loss and semantic_loss average over
@@ -334,7 +326,6 @@ def join_processes(device: torch.device) -> tuple:
 
 
 def sum_over_processes(values: list, device) -> list:
-    """Each value summed over the processes; with one process the values as they are."""
     if not dist.is_initialized():
         return values
     total = torch.tensor(values, dtype=torch.float64, device=device)
@@ -722,29 +713,25 @@ def bench_training(args):
     if frames < 1:
         raise UserError(f"--seq-len {args.seq_len} leaves no room for codes after the text prompt")
     codes = torch.randint(0, cfg["codebook_size"], (args.batch_size, cfg["num_codebooks"], frames))
-    inputs, labels, _ = (t.to(device) for t in make_batch(model, [(text, c) for c in codes]))
+    samples = [("", *sample_tokens(model, text, c)) for c in codes]  # one micro-batch: all of them
+    run = dict(lr=LR, warmup=WARMUP, batch_size=args.batch_size, grad_accum=1, seed=0)
     n_params, n_lora = (sum(p.numel() for p in ps) / 1e6 for ps in (model.parameters(), params))
     print(f"S2-Pro-shaped model ({n_params:.1f} M params, {cfg['n_layer']} slow layers), {dtype}, {device},"
-          f" LoRA rank {RANK} ({n_lora:.1f} M), batch {args.batch_size} x {inputs.size(-1)} tokens")
+          f" LoRA rank {RANK} ({n_lora:.1f} M), batch {args.batch_size} x {args.seq_len} tokens")
     # the clock waits for the device's queued work
     synchronize = dict(cuda=torch.cuda.synchronize, mps=torch.mps.synchronize).get(device.type, lambda: None)
     for checkpointing in (True, False):
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        run["checkpointing"] = checkpointing
         dualAR.reset_peak_memory(device)
         try:
-            for i in range(args.steps + 1):  # the first step warms up
-                if i == 1:
+            for step in range(args.steps + 1):  # the first step warms up
+                if step == 1:
                     synchronize()
                     start = time.perf_counter()
-                with mixed_precision(device):
-                    loss = training_loss(model, inputs, labels, checkpointing=checkpointing)["loss"]
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                optimizer_step(model, params, optimizer, run, samples, step)
             synchronize()
             rate = args.steps / (time.perf_counter() - start)
-            figures = (f"{rate:.3f} steps/s, {rate * inputs[:, 0].numel():.0f} tokens/s,"
+            figures = (f"{rate:.3f} steps/s, {rate * args.batch_size * args.seq_len:.0f} tokens/s,"
                        f" peak memory {dualAR.peak_memory_gb(device):.2f} GB")
         except torch.OutOfMemoryError:
             optimizer.zero_grad(set_to_none=True)
@@ -753,7 +740,7 @@ def bench_training(args):
 
 
 # ----------------------------------------------------------------------------- CLI
-# the numeric flags, for --help and check_args: (flag, type, default, what a value must be, help)
+# the numeric flags, for --help and their checks: (flag, type, default, what a value must be, help)
 FLAGS = dict(train=[
     ("--rank", int, RANK, ">= 1", "LoRA rank"),
     ("--alpha", float, ALPHA, None, "LoRA alpha, scaling alpha/rank"),
@@ -764,8 +751,8 @@ FLAGS = dict(train=[
     ("--grad-accum", int, 1, ">= 1", "micro-batches per optimizer step and process: N processes with G"
      " see what one process with N*G sees"),
     ("--max-steps", int, 1000, ">= 1", "optimizer steps in all"),
-    ("--max-length", int, 4096, ">= 1", "skip samples longer than this many tokens (upstream's)"),
-    ("--val-size", int, None, ">= 0", "samples held out for validation (default 5%%, at least 1)"),
+    ("--max-length", int, 4096, ">= 1", "upstream's limit: skip samples longer than this many tokens"),
+    ("--val-size", int, None, ">= 0", "samples held out for validation (default 5%%, at least 1; 0: none)"),
     ("--val-every", int, 100, ">= 1", "validate every N steps"),
     ("--save-every", int, 100, ">= 1", "checkpoint every N steps"),
     ("--seed", int, 42, None, "seeds the LoRA init, split, data order and dropout"),
@@ -823,19 +810,16 @@ def parse_args(argv=None):
         for flag, kind, default, _, help in flags:
             shown = "" if default is None else f" (default {default})"
             parser.add_argument(flag, type=kind, default=default, help=help + shown)
-    return ap.parse_args(argv)
-
-
-def check_args(args):
+    args = ap.parse_args(argv)
     for flag, _, _, rule, _ in FLAGS.get(args.command, []):
         value = getattr(args, flag[2:].replace("-", "_"))
         if rule and value is not None and not RULES[rule](value):
             raise UserError(f"{flag} must be {rule}")
+    return args
 
 
 def main(argv=None):
     args = parse_args(argv)
-    check_args(args)
     try:
         args.run(args)
     finally:

@@ -187,11 +187,8 @@ def merge_lora(model: dualAR.DualAR) -> dualAR.DualAR:
 
 # ----------------------------------------------------------------------------- samples
 def sample_tokens(model: dualAR.DualAR, text: str, codes) -> tuple:
-    """One training sample as upstream packs it -> (inputs, labels), each (1 + num_codebooks, T).
-
-    system and user turns and the assistant role header carry no loss, `<|voice|>`, the codes and
-    `<|im_end|>\\n` do. Labels are the tokens shifted by one, their code rows hold the codes where the
-    label is semantic, -100 elsewhere."""
+    """One training sample as upstream packs it -> (inputs, labels), each (1 + num_codebooks, T), with a
+    loss on `<|voice|>`, the codes and `<|im_end|>\\n` only, not on the turns and the header before them."""
     cfg = model.config
     turns = ["<|im_start|>system\n", SYSTEM_PROMPT, "<|im_end|>\n",
              "<|im_start|>user\n", text, "<|im_end|>\n"]
@@ -334,8 +331,7 @@ def sum_over_processes(values: list, device) -> list:
 
 
 def prepare_dataset(args):
-    """`prepare`: each transcribed audio file -> <stem>.npy codes next to it, once (each process: every
-    world-th file)."""
+    """`prepare`: each transcribed audio file -> <stem>.npy codes next to it, once (each process: a share)."""
     rank, world, device = join_processes(dualAR.pick_device(args.device))
     n_found, clips = find_clips(Path(args.data_dir), args.strict, audio_only=True)
     for clip in clips.values():  # check everything before writing anything
@@ -395,8 +391,7 @@ def batch_indices(n: int, batch_size: int, seed: int, k: int) -> list:
     return order[j * batch_size:(j + 1) * batch_size]
 
 
-def mixed_precision(device):
-    """bf16 autocast on CUDA (LoRA weights stay fp32), plain fp32 elsewhere."""
+def mixed_precision(device):  # the LoRA weights stay fp32
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
 
 
@@ -453,15 +448,15 @@ def load_checkpoint(out: Path, model, optimizer, seed: int, rank=0, world=1) -> 
     except (KeyError, RuntimeError, ValueError) as e:
         raise UserError(f"{out / STATE_FILE} does not fit this run's LoRA: {e}") from None
     rngs, device = state["rng"], next(model.parameters()).device
-    if len(rngs) != world:
+    if len(rngs) == world:
+        torch.set_rng_state(rngs[rank]["torch"])
+        if device.type in rngs[rank]:
+            getattr(torch, device.type).set_rng_state(rngs[rank][device.type], device)
+    else:
         if rank == 0:
             print(f"warning: {out} was saved by {len(rngs)} process(es), resumed by {world}: the same"
                   " batches, but other dropout draws than an uninterrupted run", file=sys.stderr)
         torch.manual_seed(seed + 1000 * state["step"] + rank)
-        return state["step"]
-    torch.set_rng_state(rngs[rank]["torch"])
-    if device.type in rngs[rank]:
-        getattr(torch, device.type).set_rng_state(rngs[rank][device.type], device)
     return state["step"]
 
 
@@ -528,7 +523,7 @@ def start_run(args, rank: int, world: int, device) -> tuple:
         raise UserError(f"--resume: {out} has {run['grad_accum']} micro-batch(es) per step, which {world}"
                         " processes cannot share: resume on a number of processes that divides it")
     run["grad_accum"] *= 1 if args.resume else world  # run.json: micro-batches per step, all processes
-    model = dualAR.load(run["checkpoint"], device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model = dualAR.load(run["checkpoint"], device, dualAR.pick_dtype(None, device)).train()
     samples = load_samples(Path(args.data_dir), model, args.strict, run["max_length"])
     names = [name for name, _, _ in samples]
     if args.resume and names != run["samples"]:
@@ -556,7 +551,7 @@ def start_run(args, rank: int, world: int, device) -> tuple:
         n_params = sum(p.numel() for p in params) / 1e6
         print(f"{len(train_set)} training + {len(val_set)} validation samples, {n_params:.2f} M LoRA"
               f" parameters (rank {run['rank']}), {world} x {device}", file=sys.stderr)
-    return run, model.train(), params, optimizer, train_set, val_set, step
+    return run, model, params, optimizer, train_set, val_set, step
 
 
 def optimizer_step(model, params, optimizer, run: dict, train_set: list, step: int, rank=0,

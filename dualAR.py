@@ -8,7 +8,7 @@ Everything is written to give upstream fish-speech's codes for upstream's seed o
 
 How the file reads (sections, top to bottom):
     config          CONFIG (the real S2-Pro), config.json of either layout -> one flat dict
-    building blocks RMSNorm, FeedForward, RoPE, KVCache, Attention (4 ways), flex-decoding, Block
+    building blocks RMSNorm, FeedForward, RoPE, KVCache, Attention (3 ways), flex-decoding, Block
     model           DualAR: embeddings, slow and fast transformers, the head; prefill, forward_slow/fast
     loading         sharded safetensors (HF names) -> the model, ids from the tokenizer
     quantization    int8/int4 on CPU (QuantLinear, torch's kernels), torchao on GPU; compile_model
@@ -209,9 +209,9 @@ class KVCache(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query attention, four ways: `forward` (causal within x, no cache: training), `prefill` (the
-    same, keeping k and v in a cache row), `decode` (one step per row at its own position: the slow
-    model's frames), `codebook` (every row at one position: the fast model's codebooks)."""
+    """Grouped-query attention, three ways: `forward` (causal within x: training, or a prefill that keeps k
+    and v in cache row `row`), `decode` (one step per row at its own position: the slow model's frames),
+    `codebook` (every row at one position: the fast model's codebooks)."""
 
     def __init__(self, c: dict):
         super().__init__()
@@ -242,13 +242,10 @@ class Attention(nn.Module):
     def out(self, y: Tensor) -> Tensor:  # (B, H, S, D) -> (B, S, dim)
         return self.wo(y.transpose(1, 2).flatten(2))
 
-    def forward(self, x: Tensor, rope: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rope: Tensor, row: int = None) -> Tensor:
         q, k, v = self.project(x, rope)
-        return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa))
-
-    def prefill(self, x: Tensor, rope: Tensor, row: int) -> Tensor:
-        q, k, v = self.project(x, rope)
-        self.kv_cache.fill(row, k, v)
+        if row is not None:
+            self.kv_cache.fill(row, k, v)
         return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa))
 
     def decode(self, x: Tensor, rope: Tensor, pos: Tensor) -> Tensor:
@@ -300,7 +297,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(c["dim"], c["norm_eps"])
 
     def forward(self, x: Tensor, rope: Tensor, attend: str = "forward", *where) -> Tensor:
-        """attend: the Attention method (forward, prefill, decode, codebook), `where` its row/positions."""
+        """attend: the Attention method (forward, decode, codebook), `where` its cache row or positions."""
         h = x + getattr(self.attention, attend)(self.attention_norm(x), rope, *where)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -442,7 +439,7 @@ class DualAR(nn.Module):
         x = self.embed(tokens[None])
         rope = self.rope[: tokens.size(1)]
         for layer in self.layers:
-            x = layer(x, rope, "prefill", row)
+            x = layer(x, rope, "forward", row)
         return self.head(x[:, -1], full)
 
     def forward_slow(self, frames: Tensor, pos: Tensor, full: bool = False):

@@ -890,6 +890,7 @@ def sampling_params(model: DualAR, sampling: list) -> dict:
                 ras_temperature=floats([RAS_TEMPERATURE] * rows), ras_top_p=floats([RAS_TOP_P] * rows))
 
 
+# ----------------------------------------------------------------------------- requests
 def check_reference_count(n: int):
     if n > MAX_REFERENCES:
         raise UserError(f"{n} references given, but at most {MAX_REFERENCES} are supported")
@@ -909,11 +910,13 @@ def check_sampling(temperature, top_p, top_k, max_new_tokens, chunk_length, chun
         raise UserError("chunk_length and chunk_frames must be >= 1")
 
 
-def check_request(model: DualAR, text: str, references: list):
+def check_request(model: DualAR, text: str, references) -> list:
+    """-> the references [(codes, transcript)] with integer codes (num_codebooks, frames)."""
     cfg = model.config
     n_semantic = cfg["semantic_end_id"] - cfg["semantic_begin_id"] + 1
     if not isinstance(text, str) or not text.strip():
         raise UserError("the text to speak is empty")
+    references = [(torch.as_tensor(c), t) for c, t in references]
     check_reference_count(len(references))
     for i, (codes, transcript) in enumerate(references, 1):
         if not isinstance(transcript, str) or not transcript.strip():
@@ -926,7 +929,9 @@ def check_request(model: DualAR, text: str, references: list):
         codes = codes.long()
         if codes.min() < 0 or codes.max() >= cfg["codebook_size"] or codes[0].max() >= n_semantic:
             raise UserError(f"reference {i} codes are not integer codes in [0, {cfg['codebook_size']})")
-# ----------------------------------------------------------------------------- requests
+    return [(c.long(), t) for c, t in references]
+
+
 class Request:
     """One request: its text batches, sampling parameters, random stream, row, and what it has made:
     `chunks`, codes (num_codebooks, n) each, grows as the engine works (the one record of its codes).
@@ -934,10 +939,8 @@ class Request:
 
     def __init__(self, model: DualAR, text: str, references=(), seed=None, temperature=0.7, top_p=0.7,
                  top_k=30, max_new_tokens=0, chunk_length=300, chunk_frames=CHUNK_FRAMES, max_context=None):
-        references = [(torch.as_tensor(c), t) for c, t in references]
         check_sampling(temperature, top_p, top_k, max_new_tokens, chunk_length, chunk_frames)
-        check_request(model, text, references)
-        self.model, self.references = model, [(c.long(), t) for c, t in references]
+        self.model, self.references = model, check_request(model, text, references)
         self.texts, self.history = text_batches(text, chunk_length), []
         self.sampling = (temperature, top_p, top_k)
         self.max_new_tokens, self.chunk_frames = max_new_tokens, chunk_frames
@@ -1352,16 +1355,12 @@ def generate_many(model: DualAR, requests: list, slots: int = None, context: int
     return [request.codes() for request in batch]
 
 
-def generate(model: DualAR, text: str, references=(), seed=None, temperature=0.7, top_p=0.7, top_k=30,
-             max_new_tokens=0, chunk_length=300, max_context=None) -> Tensor:
-    """Speak `text` (optionally in the voice of references [(codes (10, n), transcript)]).
-
+def generate(model: DualAR, text: str, references=(), **options) -> Tensor:
+    """Speak `text` (optionally in the voice of references [(codes (10, n), transcript)]); options: Request's
+    (seed, temperature, top_p, top_k, max_new_tokens=0: up to the context, chunk_length, max_context).
     Text with <|speaker:N|> tags is split into turns and spoken batch by batch, each batch seeing the
-    codes of the ones before. -> codes (num_codebooks, frames). max_new_tokens=0: up to the context.
-    """
-    return generate_many(model, [dict(text=text, references=references, seed=seed, temperature=temperature,
-                                      top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-                                      chunk_length=chunk_length, max_context=max_context)])[0]
+    codes of the ones before. -> codes (num_codebooks, frames)."""
+    return generate_many(model, [dict(options, text=text, references=references)])[0]
 
 
 # ----------------------------------------------------------------------------- demo checkpoint

@@ -140,6 +140,10 @@ def block_config(cfg: dict, fast: bool) -> dict:
     return dict({k: cfg[p + k] for k in FAST_KEYS}, norm_eps=cfg["norm_eps"])
 
 
+def is_semantic(ids: Tensor, cfg: dict) -> Tensor:
+    return (ids >= cfg["semantic_begin_id"]) & (ids <= cfg["semantic_end_id"])
+
+
 # ----------------------------------------------------------------------------- building blocks
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -390,7 +394,7 @@ class DualAR(nn.Module):
         offsets = torch.arange(cfg["num_codebooks"], device=tokens.device) * cfg["codebook_size"]
         codes = self.codebook_embeddings(tokens[:, 1:] + offsets[None, :, None]).sum(dim=1)
         ids = tokens[:, 0]
-        semantic = ((ids >= cfg["semantic_begin_id"]) & (ids <= cfg["semantic_end_id"]))[..., None]
+        semantic = is_semantic(ids, cfg)[..., None]
         x = self.embeddings(ids) + torch.where(semantic, codes, 0.0)
         if scale and cfg["scale_codebook_embeddings"]:
             x = torch.where(semantic, x / math.sqrt(cfg["num_codebooks"] + 1), x)
@@ -853,8 +857,7 @@ def sample_frame(model: DualAR, logits: Tensor, hidden: Tensor, recent: Tensor, 
     main = start + sample(logits, slow_noise[:, 0], p["temperature"], p["top_p"], p["top_k"])
     high = start + sample(logits, slow_noise[:, 1], p["ras_temperature"], p["ras_top_p"], p["top_k"])
     # repetition-aware sampling: a semantic token among the recent ones is replaced by the hotter draw
-    semantic = (main >= cfg["semantic_begin_id"]) & (main <= cfg["semantic_end_id"])
-    main = torch.where((recent == main[:, None]).any(-1) & semantic, high, main)
+    main = torch.where((recent == main[:, None]).any(-1) & is_semantic(main, cfg), high, main)
     model.forward_fast(hidden, 0, logits=False)  # fills the fast cache, output unused (as upstream)
     code = torch.clamp(main - cfg["semantic_begin_id"], 0, cfg["codebook_size"] - 1)
     codes = [main, code]
@@ -878,7 +881,7 @@ def sampling_params(model: DualAR, sampling: list) -> dict:
     model say only a semantic token or <|im_end|> (over the sampling rows)."""
     cfg, device = model.config, model.embeddings.weight.device
     ids = torch.arange(*model.sampling_rows)
-    allowed = (ids >= cfg["semantic_begin_id"]) & (ids <= cfg["semantic_end_id"]) | (ids == cfg["im_end_id"])
+    allowed = is_semantic(ids, cfg) | (ids == cfg["im_end_id"])
     temperature, top_p, top_k = zip(*sampling)
     rows = len(sampling)
 

@@ -1657,16 +1657,16 @@ def speak(model: DualAR, request: Request, wav_path, args) -> Tensor:
         if wav_path is None:
             collections.deque(chunks, maxlen=0)  # run to the end
             return request.codes()
-        wav = GrowingWav(wav_path, codec.CONFIG["sample_rate"])
-        try:
-            device = scheduler.pos.device
-            for samples in codec.decode_stream(codec_model(args, device), (c.to(device) for c in chunks)):
-                wav.write(samples[0])
-                request.first_audio = request.first_audio or time.perf_counter()
-        except BaseException:
-            wav.discard()
+        device, rate = scheduler.pos.device, codec.CONFIG["sample_rate"]
+        try:  # PCM-16, the header brought up to date after each chunk: a player can open it as it grows
+            with sf.SoundFile(str(wav_path), "w", rate, 1, "PCM_16", format="WAV") as wav:
+                for samples in codec.decode_stream(codec_model(args, device), (c.to(device) for c in chunks)):
+                    wav.write(samples[0].float().cpu().clamp(-1, 1).numpy())
+                    wav.flush()
+                    request.first_audio = request.first_audio or time.perf_counter()
+        except BaseException:  # no half-written wav is left behind
+            Path(wav_path).unlink(missing_ok=True)
             raise
-        wav.close()
     return request.codes()
 
 
@@ -1675,26 +1675,6 @@ def shown(chunks, bar):
     for chunk in chunks:
         bar.update(chunk.size(1))
         yield chunk
-
-
-class GrowingWav:
-    """A PCM-16 wav written chunk by chunk, its header brought up to date after each one (a player can
-    open it while it grows), removed if the run fails."""
-
-    def __init__(self, path: Path, sample_rate: int):
-        self.path = Path(path)
-        self.file = sf.SoundFile(str(path), "w", sample_rate, 1, "PCM_16", format="WAV")
-
-    def write(self, wave: Tensor):
-        self.file.write(wave.detach().float().cpu().clamp(-1, 1).numpy())
-        self.file.flush()
-
-    def close(self):
-        self.file.close()
-
-    def discard(self):
-        self.file.close()
-        self.path.unlink(missing_ok=True)
 
 
 def request_figures(request: Request, frames: int, device) -> str:

@@ -323,10 +323,8 @@ def grown(cache, batch: int, seq_len: int, n_heads: int, head_dim: int, like: Te
 
 # ----------------------------------------------------------------------------- model
 class DualAR(nn.Module):
-    """Slow transformer over frames + fast transformer over the codebooks of one frame.
-
-    Parameter names are upstream's internal ones. `hf_name` maps them to the HF release's keys.
-    """
+    """Slow transformer over frames + fast transformer over the codebooks of one frame. Parameter names
+    are upstream's internal ones (`hf_name` gives the HF release's keys)."""
 
     def __init__(self, cfg: dict):
         super().__init__()
@@ -1385,7 +1383,7 @@ def demo_tokenizer(n_semantic: int):
     return tokenizer
 
 
-def demo_models(device, dtype, seed: int = 0) -> tuple:
+def demo_models(device, dtype) -> tuple:
     """A tiny random S2-Pro in the real layout (tokenizer, config, both transformers) and its codec, built
     in memory -> (model, codec model). Its 'speech' is noise: it only exercises the pipeline."""
     tokenizer = demo_tokenizer(CONFIG["codebook_size"])
@@ -1394,7 +1392,7 @@ def demo_models(device, dtype, seed: int = 0) -> tuple:
                 attention_qk_norm=True, codebook_size=CONFIG["codebook_size"],
                 num_codebooks=CONFIG["num_codebooks"], n_fast_layer=1, scale_codebook_embeddings=True,
                 norm_fastlayer_input=True)
-    torch.manual_seed(seed)
+    torch.manual_seed(0)
     model = DualAR(dict(config_from_flat(flat), **special_ids(tokenizer)))
     for name, param in model.named_parameters():
         if not name.endswith("norm.weight"):
@@ -1431,11 +1429,7 @@ def pick_device(name: str = None) -> torch.device:
         raise UserError(f"--device {name}: no {kind} device on this machine")
     if index and int(index) >= torch.cuda.device_count():
         raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA devices")
-    if name:
-        return torch.device(name)
-    if available["cuda"]:
-        return torch.device("cuda")
-    return torch.device("mps" if available["mps"] else "cpu")
+    return torch.device(name or next(kind for kind in ("cuda", "mps", "cpu") if available[kind]))
 
 
 def pick_dtype(name: str, device: torch.device, cuda: str = "bf16") -> torch.dtype:
@@ -1559,8 +1553,8 @@ def output_files(args):
 
 def parse_args(argv=None):
     ap = codec.ArgumentParser(description="S2-Pro text-to-speech (Dual-AR): text -> codes -> wav.")
-    ap.add_argument("--checkpoint", help="dir with config.json, model weights,"
-                    " tokenizer.json and codec.pth (default ./s2-pro, or the demo if that is absent)")
+    ap.add_argument("--checkpoint", help="dir with config.json, weights, tokenizer.json and codec.pth"
+                    " (default ./s2-pro, or the demo if that is absent)")
     ap.add_argument("--text", help="the text to speak (<|speaker:N|> tags make a dialogue)")
     ap.add_argument("--text-file", help="read the text from this UTF-8 file instead")
     ap.add_argument("--prompt-audio", dest="references", action="append", type=lambda p: ("audio", Path(p)),
@@ -1577,16 +1571,16 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=42, help="random seed of the request (default 42)")
     ap.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
     ap.add_argument("--top-p", type=float, default=0.7, help="nucleus sampling threshold (default 0.7)")
-    ap.add_argument("--top-k", type=int, default=30,
-                    help="keep the k most likely tokens (default 30, 0 or 1: greedy, as upstream)")
+    ap.add_argument("--top-k", type=int, default=30, help="keep the k most likely tokens (default 30, 0 or 1:"
+                    " greedy, as upstream)")
     ap.add_argument("--max-new-tokens", type=int, default=0, help="frames per text batch at most, >= 2"
                     " (default 0: until <|im_end|> or the end of --max-context)")
     ap.add_argument("--max-context", type=int, default=DEFAULT_CONTEXT, help="positions (prompt + frames)"
                     f" the KV cache holds at most (default {DEFAULT_CONTEXT}, at most the model's 32768)")
-    ap.add_argument("--chunk-length", type=int, default=300,
-                    help="UTF-8 bytes of dialogue turns per batch (default 300, as upstream)")
+    ap.add_argument("--chunk-length", type=int, default=300, help="UTF-8 bytes of dialogue turns per batch"
+                    " (default 300, as upstream)")
     ap.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: cuda > mps > cpu")
-    ap.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="default bf16 on CUDA, fp32 elsewhere")
+    ap.add_argument("--dtype", choices=list(DTYPES), help="default bf16 on CUDA, fp32 elsewhere")
     ap.add_argument("--quant", choices=QUANT_SCHEMES, help="weight quantization of both transformers"
                     " (int8wo, int4wo on CPU: torch's own kernels, any dtype; on GPU torchao: int4wo bf16 and"
                     " compute capability >= 8.0, fp8 >= 8.9, nvfp4 >= 10.0)")
@@ -1594,8 +1588,7 @@ def parse_args(argv=None):
                     " (default: on for CUDA, off on CPU where compiling takes minutes, see README)")
     ap.add_argument("--compile-cache", help="folder that keeps compiled kernels for the next run"
                     f" (default $TORCHINDUCTOR_CACHE_DIR, else {default_compile_cache()})")
-    ap.add_argument("--demo", action="store_true",
-                    help="run on a tiny random checkpoint built on the fly (the audio is noise)")
+    ap.add_argument("--demo", action="store_true", help="a tiny random checkpoint built on the fly (noise)")
     ap.add_argument("--bench", action="store_true", help="time the frame step instead (frames/s, GB/s,"
                     " prefill, time to first audio, peak memory): see `python bench.py --help`")
     return ap.parse_args(argv)

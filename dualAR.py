@@ -1437,6 +1437,32 @@ def pick_dtype(name: str, device: torch.device, cuda: str = "bf16") -> torch.dty
     return DTYPES[name or (cuda if device.type == "cuda" else "fp32")]
 
 
+def add_model_args(ap: argparse.ArgumentParser):
+    """The flags of every CLI that runs the model (this one, bench.py, app.py, tools/)."""
+    ap.add_argument("--device", type=device_name, help="cpu, mps, cuda or cuda:N (default: cuda > mps > cpu)")
+    ap.add_argument("--dtype", choices=list(DTYPES), help="default bf16 on CUDA, fp32 elsewhere")
+    ap.add_argument("--quant", choices=QUANT_SCHEMES, help="weight quantization of both transformers"
+                    " (int8wo, int4wo on CPU: torch's own kernels, any dtype; on GPU torchao: int4wo bf16 and"
+                    " compute capability >= 8.0, fp8 >= 8.9, nvfp4 >= 10.0)")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, help="one compiled graph per frame"
+                    " (default: on for CUDA, off on CPU where compiling takes minutes, see README)")
+    ap.add_argument("--compile-cache", help="folder that keeps compiled kernels for the next run"
+                    f" (default $TORCHINDUCTOR_CACHE_DIR, else {default_compile_cache()})")
+
+
+def device_name(text: str) -> str:
+    if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"{text}: use cpu, mps, cuda or cuda:N")
+    return text
+
+
+def model_settings(args) -> tuple:
+    """The shared flags -> (device, dtype, compile): bf16 and compiled on CUDA, fp32 and eager elsewhere."""
+    device = pick_device(args.device)
+    compiled = device.type == "cuda" if args.compile is None else args.compile  # CPU: minutes (README)
+    return device, pick_dtype(args.dtype, device), compiled
+
+
 def write_atomic(path, write):
     """write(tmp) fills a temp file in the same folder, which then replaces `path`: a failure (a full
     disk, a missing folder) is one UserError and never leaves a half-written file."""
@@ -1579,15 +1605,7 @@ def parse_args(argv=None):
                     f" the KV cache holds at most (default {DEFAULT_CONTEXT}, at most the model's 32768)")
     ap.add_argument("--chunk-length", type=int, default=300, help="UTF-8 bytes of dialogue turns per batch"
                     " (default 300, as upstream)")
-    ap.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: cuda > mps > cpu")
-    ap.add_argument("--dtype", choices=list(DTYPES), help="default bf16 on CUDA, fp32 elsewhere")
-    ap.add_argument("--quant", choices=QUANT_SCHEMES, help="weight quantization of both transformers"
-                    " (int8wo, int4wo on CPU: torch's own kernels, any dtype; on GPU torchao: int4wo bf16 and"
-                    " compute capability >= 8.0, fp8 >= 8.9, nvfp4 >= 10.0)")
-    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, help="one compiled graph per frame"
-                    " (default: on for CUDA, off on CPU where compiling takes minutes, see README)")
-    ap.add_argument("--compile-cache", help="folder that keeps compiled kernels for the next run"
-                    f" (default $TORCHINDUCTOR_CACHE_DIR, else {default_compile_cache()})")
+    add_model_args(ap)
     ap.add_argument("--demo", action="store_true", help="a tiny random checkpoint built on the fly (noise)")
     ap.add_argument("--bench", action="store_true", help="time the frame step instead (frames/s, GB/s,"
                     " prefill, time to first audio, peak memory): see `python bench.py --help`")
@@ -1611,9 +1629,7 @@ def check_args(args):
 
 def speak_cli(args):
     check_args(args)
-    device = pick_device(args.device)
-    dtype = pick_dtype(args.dtype, device)
-    compiled = device.type == "cuda" if args.compile is None else args.compile  # CPU: minutes (README)
+    device, dtype, compiled = model_settings(args)
     codes_path, wav_path = output_files(args)
     if args.demo:
         model, args.codec = demo_models(device, dtype)

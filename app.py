@@ -8,7 +8,6 @@
 One engine thread owns the model (dualAR.Engine: --slots rows, continuous batching). Each HTTP request runs
 in its own thread: it validates, submits, and turns the codes into audio through the codec as they come.
 """
-import argparse
 import base64
 import binascii
 import contextlib
@@ -325,11 +324,9 @@ class App:
     """The models, the engine and the voices folder, shared by every request thread."""
 
     def __init__(self, args):
-        self.device = dualAR.pick_device(args.device)  # first: a bad --device leaves no demo folder behind
+        self.device, dtype, compiled = dualAR.model_settings(args)  # as the CLI
         self.demo = args.checkpoint is None and not Path(dualAR.DEFAULT_CHECKPOINT).exists()
         self.checkpoint = "(demo)" if self.demo else args.checkpoint or dualAR.DEFAULT_CHECKPOINT
-        dtype = dualAR.pick_dtype(args.dtype, self.device)  # as the CLI
-        compiled = self.device.type == "cuda" if args.compile is None else args.compile
         if self.demo:  # built in memory
             self.model, self.dac = dualAR.demo_models(self.device, dtype)
             dualAR.optimize(self.model, args.quant, compiled, args.compile_cache)
@@ -1116,15 +1113,7 @@ def parse_args(argv=None):
                     " whose audio is noise, if that is absent)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine)")
     ap.add_argument("--port", type=int, default=7560, help="port (default 7560, 0: any free one)")
-    ap.add_argument("--device", help="cpu, mps, cuda or cuda:N (one server per GPU: README, Replicas);"
-                    " default: cuda > mps > cpu")
-    ap.add_argument("--dtype", choices=list(dualAR.DTYPES), help="default bf16 on CUDA, fp32 elsewhere")
-    ap.add_argument("--quant", choices=dualAR.QUANT_SCHEMES, help="torchao weight quantization, as"
-                    " dualAR.py's (int8wo: CPU and GPU. int4wo: CUDA bf16. fp8, nvfp4: recent NVIDIA GPUs)")
-    ap.add_argument("--compile-cache", help="folder that keeps compiled kernels for the next start"
-                    " (default $TORCHINDUCTOR_CACHE_DIR, else ~/.cache/fishfast/compile)")
-    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, help="one compiled graph per frame"
-                    " (default: on for CUDA, off on CPU where compiling takes minutes)")
+    dualAR.add_model_args(ap)  # --device cuda:N: one server per GPU (README, Replicas)
     ap.add_argument("--slots", type=int, default=4, help="requests generated together (default 4)")
     ap.add_argument("--max-context", type=int, default=dualAR.DEFAULT_CONTEXT, help="positions (prompt +"
                     f" frames) a request may use, as the CLI's (default {dualAR.DEFAULT_CONTEXT})")
@@ -1141,8 +1130,6 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.slots < 1 or args.queue < 0 or args.max_context < 2:
         ap.error("--slots must be >= 1, --queue >= 0 and --max-context >= 2")
-    if args.device and not re.fullmatch(r"cpu|mps|cuda(:\d+)?", args.device):
-        ap.error(f"--device {args.device}: use cpu, mps, cuda or cuda:N")
     if args.default_voice and not is_voice_name(args.default_voice):
         ap.error(f"--default-voice {args.default_voice!r}: use 1-64 letters, digits, '_', '-', inner spaces")
     return args

@@ -16,7 +16,7 @@ from torch import Tensor
 
 import codec
 import dualAR
-from dualAR import (CONFIG, CPU_BITS, DEMO_DIMS, DTYPES, QUANT_SCHEMES, RAS_WINDOW, DualAR, Engine,
+from dualAR import (CONFIG, CPU_BITS, DEMO_DIMS, DTYPES, RAS_WINDOW, DualAR, Engine,
                     QuantLinear, batch_bucket, block_scheme, cache_bucket, decode_step, demo_tokenizer,
                     draw_noise, sample_frame, sampling_params, special_ids, swap_linears)
 
@@ -218,9 +218,7 @@ def quant_agreement(model: DualAR, scheme: str):
 
 
 def bench(args):
-    device = dualAR.pick_device(args.device)
-    dtype = dualAR.pick_dtype(args.dtype, device)
-    compiled = device.type == "cuda" if args.compile is None else args.compile  # CPU: minutes (README)
+    device, dtype, compiled = dualAR.model_settings(args)
     quant = args.quant if args.quant != "none" else None
     dualAR.check_quant(quant, device, dtype)
     if args.checkpoint:
@@ -278,13 +276,7 @@ def main(argv=None):
     ap.add_argument("--frames", type=int, default=16, help="timed frame steps (default 16)")
     ap.add_argument("--ttfa", action="store_true", help="also time to first audio at batch 1 (prefill,"
                     " first frames, their codec decode at the real codec size, random weights)")
-    ap.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: cuda > mps > cpu")
-    ap.add_argument("--dtype", choices=list(DTYPES), help="default bf16 on CUDA, fp32 elsewhere")
-    ap.add_argument("--quant", choices=QUANT_SCHEMES, help="as dualAR.py --quant; also prints the logit"
-                    " error and code agreement against the unquantized model")
-    ap.add_argument("--compile", action=argparse.BooleanOptionalAction,
-                    help="the compiled frame step (default: on for CUDA, off on CPU)")
-    ap.add_argument("--compile-cache", help="folder that keeps compiled kernels (as dualAR.py)")
+    dualAR.add_model_args(ap)  # --quant also prints the logit error and code agreement vs unquantized
     bench(ap.parse_args(argv))
 
 

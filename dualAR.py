@@ -8,7 +8,7 @@ Everything is written to give upstream fish-speech's codes for upstream's seed o
 
 How the file reads (sections, top to bottom):
     config          CONFIG (the real S2-Pro), config.json of either layout -> one flat dict
-    building blocks RMSNorm, FeedForward, RoPE, KVCache, Attention (4 ways), flex-decoding, Block
+    building blocks RMSNorm, FeedForward, RoPE, KVCache, Attention (3 ways), flex-decoding, Block
     model           DualAR: embeddings, slow and fast transformers, the head; prefill, forward_slow/fast
     loading         sharded safetensors (HF names) -> the model, ids from the tokenizer
     quantization    int8/int4 on CPU (QuantLinear, torch's kernels), torchao on GPU; compile_model
@@ -140,6 +140,10 @@ def block_config(cfg: dict, fast: bool) -> dict:
     return dict({k: cfg[p + k] for k in FAST_KEYS}, norm_eps=cfg["norm_eps"])
 
 
+def is_semantic(ids: Tensor, cfg: dict) -> Tensor:
+    return (ids >= cfg["semantic_begin_id"]) & (ids <= cfg["semantic_end_id"])
+
+
 # ----------------------------------------------------------------------------- building blocks
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -209,9 +213,9 @@ class KVCache(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query attention, four ways: `forward` (causal within x, no cache: training), `prefill` (the
-    same, keeping k and v in a cache row), `decode` (one step per row at its own position: the slow
-    model's frames), `codebook` (every row at one position: the fast model's codebooks)."""
+    """Grouped-query attention, three ways: `forward` (causal within x: training, or a prefill that keeps k
+    and v in cache row `row`), `decode` (one step per row at its own position: the slow model's frames),
+    `codebook` (every row at one position: the fast model's codebooks)."""
 
     def __init__(self, c: dict):
         super().__init__()
@@ -242,13 +246,10 @@ class Attention(nn.Module):
     def out(self, y: Tensor) -> Tensor:  # (B, H, S, D) -> (B, S, dim)
         return self.wo(y.transpose(1, 2).flatten(2))
 
-    def forward(self, x: Tensor, rope: Tensor) -> Tensor:
+    def forward(self, x: Tensor, rope: Tensor, row: int = None) -> Tensor:
         q, k, v = self.project(x, rope)
-        return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa))
-
-    def prefill(self, x: Tensor, rope: Tensor, row: int) -> Tensor:
-        q, k, v = self.project(x, rope)
-        self.kv_cache.fill(row, k, v)
+        if row is not None:
+            self.kv_cache.fill(row, k, v)
         return self.out(F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.gqa))
 
     def decode(self, x: Tensor, rope: Tensor, pos: Tensor) -> Tensor:
@@ -300,7 +301,7 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(c["dim"], c["norm_eps"])
 
     def forward(self, x: Tensor, rope: Tensor, attend: str = "forward", *where) -> Tensor:
-        """attend: the Attention method (forward, prefill, decode, codebook), `where` its row/positions."""
+        """attend: the Attention method (forward, decode, codebook), `where` its cache row or positions."""
         h = x + getattr(self.attention, attend)(self.attention_norm(x), rope, *where)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -322,10 +323,8 @@ def grown(cache, batch: int, seq_len: int, n_heads: int, head_dim: int, like: Te
 
 # ----------------------------------------------------------------------------- model
 class DualAR(nn.Module):
-    """Slow transformer over frames + fast transformer over the codebooks of one frame.
-
-    Parameter names are upstream's internal ones. `hf_name` maps them to the HF release's keys.
-    """
+    """Slow transformer over frames + fast transformer over the codebooks of one frame. Parameter names
+    are upstream's internal ones (`hf_name` gives the HF release's keys)."""
 
     def __init__(self, cfg: dict):
         super().__init__()
@@ -393,7 +392,7 @@ class DualAR(nn.Module):
         offsets = torch.arange(cfg["num_codebooks"], device=tokens.device) * cfg["codebook_size"]
         codes = self.codebook_embeddings(tokens[:, 1:] + offsets[None, :, None]).sum(dim=1)
         ids = tokens[:, 0]
-        semantic = ((ids >= cfg["semantic_begin_id"]) & (ids <= cfg["semantic_end_id"]))[..., None]
+        semantic = is_semantic(ids, cfg)[..., None]
         x = self.embeddings(ids) + torch.where(semantic, codes, 0.0)
         if scale and cfg["scale_codebook_embeddings"]:
             x = torch.where(semantic, x / math.sqrt(cfg["num_codebooks"] + 1), x)
@@ -442,7 +441,7 @@ class DualAR(nn.Module):
         x = self.embed(tokens[None])
         rope = self.rope[: tokens.size(1)]
         for layer in self.layers:
-            x = layer(x, rope, "prefill", row)
+            x = layer(x, rope, "forward", row)
         return self.head(x[:, -1], full)
 
     def forward_slow(self, frames: Tensor, pos: Tensor, full: bool = False):
@@ -856,8 +855,7 @@ def sample_frame(model: DualAR, logits: Tensor, hidden: Tensor, recent: Tensor, 
     main = start + sample(logits, slow_noise[:, 0], p["temperature"], p["top_p"], p["top_k"])
     high = start + sample(logits, slow_noise[:, 1], p["ras_temperature"], p["ras_top_p"], p["top_k"])
     # repetition-aware sampling: a semantic token among the recent ones is replaced by the hotter draw
-    semantic = (main >= cfg["semantic_begin_id"]) & (main <= cfg["semantic_end_id"])
-    main = torch.where((recent == main[:, None]).any(-1) & semantic, high, main)
+    main = torch.where((recent == main[:, None]).any(-1) & is_semantic(main, cfg), high, main)
     model.forward_fast(hidden, 0, logits=False)  # fills the fast cache, output unused (as upstream)
     code = torch.clamp(main - cfg["semantic_begin_id"], 0, cfg["codebook_size"] - 1)
     codes = [main, code]
@@ -881,7 +879,7 @@ def sampling_params(model: DualAR, sampling: list) -> dict:
     model say only a semantic token or <|im_end|> (over the sampling rows)."""
     cfg, device = model.config, model.embeddings.weight.device
     ids = torch.arange(*model.sampling_rows)
-    allowed = (ids >= cfg["semantic_begin_id"]) & (ids <= cfg["semantic_end_id"]) | (ids == cfg["im_end_id"])
+    allowed = is_semantic(ids, cfg) | (ids == cfg["im_end_id"])
     temperature, top_p, top_k = zip(*sampling)
     rows = len(sampling)
 
@@ -893,6 +891,7 @@ def sampling_params(model: DualAR, sampling: list) -> dict:
                 ras_temperature=floats([RAS_TEMPERATURE] * rows), ras_top_p=floats([RAS_TOP_P] * rows))
 
 
+# ----------------------------------------------------------------------------- requests
 def check_reference_count(n: int):
     if n > MAX_REFERENCES:
         raise UserError(f"{n} references given, but at most {MAX_REFERENCES} are supported")
@@ -912,11 +911,13 @@ def check_sampling(temperature, top_p, top_k, max_new_tokens, chunk_length, chun
         raise UserError("chunk_length and chunk_frames must be >= 1")
 
 
-def check_request(model: DualAR, text: str, references: list):
+def check_request(model: DualAR, text: str, references) -> list:
+    """-> the references [(codes, transcript)] with integer codes (num_codebooks, frames)."""
     cfg = model.config
     n_semantic = cfg["semantic_end_id"] - cfg["semantic_begin_id"] + 1
     if not isinstance(text, str) or not text.strip():
         raise UserError("the text to speak is empty")
+    references = [(torch.as_tensor(c), t) for c, t in references]
     check_reference_count(len(references))
     for i, (codes, transcript) in enumerate(references, 1):
         if not isinstance(transcript, str) or not transcript.strip():
@@ -929,7 +930,9 @@ def check_request(model: DualAR, text: str, references: list):
         codes = codes.long()
         if codes.min() < 0 or codes.max() >= cfg["codebook_size"] or codes[0].max() >= n_semantic:
             raise UserError(f"reference {i} codes are not integer codes in [0, {cfg['codebook_size']})")
-# ----------------------------------------------------------------------------- requests
+    return [(c.long(), t) for c, t in references]
+
+
 class Request:
     """One request: its text batches, sampling parameters, random stream, row, and what it has made:
     `chunks`, codes (num_codebooks, n) each, grows as the engine works (the one record of its codes).
@@ -937,10 +940,8 @@ class Request:
 
     def __init__(self, model: DualAR, text: str, references=(), seed=None, temperature=0.7, top_p=0.7,
                  top_k=30, max_new_tokens=0, chunk_length=300, chunk_frames=CHUNK_FRAMES, max_context=None):
-        references = [(torch.as_tensor(c), t) for c, t in references]
         check_sampling(temperature, top_p, top_k, max_new_tokens, chunk_length, chunk_frames)
-        check_request(model, text, references)
-        self.model, self.references = model, [(c.long(), t) for c, t in references]
+        self.model, self.references = model, check_request(model, text, references)
         self.texts, self.history = text_batches(text, chunk_length), []
         self.sampling = (temperature, top_p, top_k)
         self.max_new_tokens, self.chunk_frames = max_new_tokens, chunk_frames
@@ -1355,16 +1356,12 @@ def generate_many(model: DualAR, requests: list, slots: int = None, context: int
     return [request.codes() for request in batch]
 
 
-def generate(model: DualAR, text: str, references=(), seed=None, temperature=0.7, top_p=0.7, top_k=30,
-             max_new_tokens=0, chunk_length=300, max_context=None) -> Tensor:
-    """Speak `text` (optionally in the voice of references [(codes (10, n), transcript)]).
-
+def generate(model: DualAR, text: str, references=(), **options) -> Tensor:
+    """Speak `text` (optionally in the voice of references [(codes (10, n), transcript)]); options: Request's
+    (seed, temperature, top_p, top_k, max_new_tokens=0: up to the context, chunk_length, max_context).
     Text with <|speaker:N|> tags is split into turns and spoken batch by batch, each batch seeing the
-    codes of the ones before. -> codes (num_codebooks, frames). max_new_tokens=0: up to the context.
-    """
-    return generate_many(model, [dict(text=text, references=references, seed=seed, temperature=temperature,
-                                      top_p=top_p, top_k=top_k, max_new_tokens=max_new_tokens,
-                                      chunk_length=chunk_length, max_context=max_context)])[0]
+    codes of the ones before. -> codes (num_codebooks, frames)."""
+    return generate_many(model, [dict(options, text=text, references=references)])[0]
 
 
 # ----------------------------------------------------------------------------- demo checkpoint
@@ -1386,7 +1383,7 @@ def demo_tokenizer(n_semantic: int):
     return tokenizer
 
 
-def demo_models(device, dtype, seed: int = 0) -> tuple:
+def demo_models(device, dtype) -> tuple:
     """A tiny random S2-Pro in the real layout (tokenizer, config, both transformers) and its codec, built
     in memory -> (model, codec model). Its 'speech' is noise: it only exercises the pipeline."""
     tokenizer = demo_tokenizer(CONFIG["codebook_size"])
@@ -1395,7 +1392,7 @@ def demo_models(device, dtype, seed: int = 0) -> tuple:
                 attention_qk_norm=True, codebook_size=CONFIG["codebook_size"],
                 num_codebooks=CONFIG["num_codebooks"], n_fast_layer=1, scale_codebook_embeddings=True,
                 norm_fastlayer_input=True)
-    torch.manual_seed(seed)
+    torch.manual_seed(0)
     model = DualAR(dict(config_from_flat(flat), **special_ids(tokenizer)))
     for name, param in model.named_parameters():
         if not name.endswith("norm.weight"):
@@ -1432,16 +1429,38 @@ def pick_device(name: str = None) -> torch.device:
         raise UserError(f"--device {name}: no {kind} device on this machine")
     if index and int(index) >= torch.cuda.device_count():
         raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA devices")
-    if name:
-        return torch.device(name)
-    if available["cuda"]:
-        return torch.device("cuda")
-    return torch.device("mps" if available["mps"] else "cpu")
+    return torch.device(name or next(kind for kind in ("cuda", "mps", "cpu") if available[kind]))
 
 
 def pick_dtype(name: str, device: torch.device, cuda: str = "bf16") -> torch.dtype:
     """--dtype as given, else `cuda` on CUDA and fp32 elsewhere."""
     return DTYPES[name or (cuda if device.type == "cuda" else "fp32")]
+
+
+def add_model_args(ap: argparse.ArgumentParser):
+    """The flags of every CLI that runs the model (this one, bench.py, app.py, tools/)."""
+    ap.add_argument("--device", type=device_name, help="cpu, mps, cuda or cuda:N (default: cuda > mps > cpu)")
+    ap.add_argument("--dtype", choices=list(DTYPES), help="default bf16 on CUDA, fp32 elsewhere")
+    ap.add_argument("--quant", choices=QUANT_SCHEMES, help="weight quantization of both transformers"
+                    " (int8wo, int4wo on CPU: torch's own kernels, any dtype; on GPU torchao: int4wo bf16 and"
+                    " compute capability >= 8.0, fp8 >= 8.9, nvfp4 >= 10.0)")
+    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, help="one compiled graph per frame"
+                    " (default: on for CUDA, off on CPU where compiling takes minutes, see README)")
+    ap.add_argument("--compile-cache", help="folder that keeps compiled kernels for the next run"
+                    f" (default $TORCHINDUCTOR_CACHE_DIR, else {default_compile_cache()})")
+
+
+def device_name(text: str) -> str:
+    if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"{text}: use cpu, mps, cuda or cuda:N")
+    return text
+
+
+def model_settings(args) -> tuple:
+    """The shared flags -> (device, dtype, compile): bf16 and compiled on CUDA, fp32 and eager elsewhere."""
+    device = pick_device(args.device)
+    compiled = device.type == "cuda" if args.compile is None else args.compile  # CPU: minutes (README)
+    return device, pick_dtype(args.dtype, device), compiled
 
 
 def write_atomic(path, write):
@@ -1560,8 +1579,8 @@ def output_files(args):
 
 def parse_args(argv=None):
     ap = codec.ArgumentParser(description="S2-Pro text-to-speech (Dual-AR): text -> codes -> wav.")
-    ap.add_argument("--checkpoint", help="dir with config.json, model weights,"
-                    " tokenizer.json and codec.pth (default ./s2-pro, or the demo if that is absent)")
+    ap.add_argument("--checkpoint", help="dir with config.json, weights, tokenizer.json and codec.pth"
+                    " (default ./s2-pro, or the demo if that is absent)")
     ap.add_argument("--text", help="the text to speak (<|speaker:N|> tags make a dialogue)")
     ap.add_argument("--text-file", help="read the text from this UTF-8 file instead")
     ap.add_argument("--prompt-audio", dest="references", action="append", type=lambda p: ("audio", Path(p)),
@@ -1578,25 +1597,16 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=42, help="random seed of the request (default 42)")
     ap.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
     ap.add_argument("--top-p", type=float, default=0.7, help="nucleus sampling threshold (default 0.7)")
-    ap.add_argument("--top-k", type=int, default=30,
-                    help="keep the k most likely tokens (default 30, 0 or 1: greedy, as upstream)")
+    ap.add_argument("--top-k", type=int, default=30, help="keep the k most likely tokens (default 30, 0 or 1:"
+                    " greedy, as upstream)")
     ap.add_argument("--max-new-tokens", type=int, default=0, help="frames per text batch at most, >= 2"
                     " (default 0: until <|im_end|> or the end of --max-context)")
     ap.add_argument("--max-context", type=int, default=DEFAULT_CONTEXT, help="positions (prompt + frames)"
                     f" the KV cache holds at most (default {DEFAULT_CONTEXT}, at most the model's 32768)")
-    ap.add_argument("--chunk-length", type=int, default=300,
-                    help="UTF-8 bytes of dialogue turns per batch (default 300, as upstream)")
-    ap.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: cuda > mps > cpu")
-    ap.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="default bf16 on CUDA, fp32 elsewhere")
-    ap.add_argument("--quant", choices=QUANT_SCHEMES, help="weight quantization of both transformers"
-                    " (int8wo, int4wo on CPU: torch's own kernels, any dtype; on GPU torchao: int4wo bf16 and"
-                    " compute capability >= 8.0, fp8 >= 8.9, nvfp4 >= 10.0)")
-    ap.add_argument("--compile", action=argparse.BooleanOptionalAction, help="one compiled graph per frame"
-                    " (default: on for CUDA, off on CPU where compiling takes minutes, see README)")
-    ap.add_argument("--compile-cache", help="folder that keeps compiled kernels for the next run"
-                    f" (default $TORCHINDUCTOR_CACHE_DIR, else {default_compile_cache()})")
-    ap.add_argument("--demo", action="store_true",
-                    help="run on a tiny random checkpoint built on the fly (the audio is noise)")
+    ap.add_argument("--chunk-length", type=int, default=300, help="UTF-8 bytes of dialogue turns per batch"
+                    " (default 300, as upstream)")
+    add_model_args(ap)
+    ap.add_argument("--demo", action="store_true", help="a tiny random checkpoint built on the fly (noise)")
     ap.add_argument("--bench", action="store_true", help="time the frame step instead (frames/s, GB/s,"
                     " prefill, time to first audio, peak memory): see `python bench.py --help`")
     return ap.parse_args(argv)
@@ -1619,9 +1629,7 @@ def check_args(args):
 
 def speak_cli(args):
     check_args(args)
-    device = pick_device(args.device)
-    dtype = pick_dtype(args.dtype, device)
-    compiled = device.type == "cuda" if args.compile is None else args.compile  # CPU: minutes (README)
+    device, dtype, compiled = model_settings(args)
     codes_path, wav_path = output_files(args)
     if args.demo:
         model, args.codec = demo_models(device, dtype)
@@ -1658,16 +1666,16 @@ def speak(model: DualAR, request: Request, wav_path, args) -> Tensor:
         if wav_path is None:
             collections.deque(chunks, maxlen=0)  # run to the end
             return request.codes()
-        wav = GrowingWav(wav_path, codec.CONFIG["sample_rate"])
-        try:
-            device = scheduler.pos.device
-            for samples in codec.decode_stream(codec_model(args, device), (c.to(device) for c in chunks)):
-                wav.write(samples[0])
-                request.first_audio = request.first_audio or time.perf_counter()
-        except BaseException:
-            wav.discard()
+        device, rate = scheduler.pos.device, codec.CONFIG["sample_rate"]
+        try:  # PCM-16, the header brought up to date after each chunk: a player can open it as it grows
+            with sf.SoundFile(str(wav_path), "w", rate, 1, "PCM_16", format="WAV") as wav:
+                for samples in codec.decode_stream(codec_model(args, device), (c.to(device) for c in chunks)):
+                    wav.write(samples[0].float().cpu().clamp(-1, 1).numpy())
+                    wav.flush()
+                    request.first_audio = request.first_audio or time.perf_counter()
+        except BaseException:  # no half-written wav is left behind
+            Path(wav_path).unlink(missing_ok=True)
             raise
-        wav.close()
     return request.codes()
 
 
@@ -1676,26 +1684,6 @@ def shown(chunks, bar):
     for chunk in chunks:
         bar.update(chunk.size(1))
         yield chunk
-
-
-class GrowingWav:
-    """A PCM-16 wav written chunk by chunk, its header brought up to date after each one (a player can
-    open it while it grows), removed if the run fails."""
-
-    def __init__(self, path: Path, sample_rate: int):
-        self.path = Path(path)
-        self.file = sf.SoundFile(str(path), "w", sample_rate, 1, "PCM_16", format="WAV")
-
-    def write(self, wave: Tensor):
-        self.file.write(wave.detach().float().cpu().clamp(-1, 1).numpy())
-        self.file.flush()
-
-    def close(self):
-        self.file.close()
-
-    def discard(self):
-        self.file.close()
-        self.path.unlink(missing_ok=True)
 
 
 def request_figures(request: Request, frames: int, device) -> str:

@@ -6,7 +6,7 @@ merges into a checkpoint upstream serves, and upstream's LoRA weights merge here
     python train_lora.py prepare data/                  # audio + .lab/.txt -> cached .npy codes
     python train_lora.py train data/ --out runs/me      # -> runs/me/lora.safetensors, metrics.jsonl
     python train_lora.py merge --lora runs/me --out s2-pro-me    # a checkpoint dualAR.py loads
-    torchrun --nproc-per-node N train_lora.py train data/ --out runs/me     # N GPUs (DDP); prepare too
+    torchrun --nproc-per-node N train_lora.py train data/ --out runs/me     # N GPUs; prepare too
 """
 import argparse
 import json
@@ -108,9 +108,7 @@ def lora_modules(model: nn.Module) -> dict:
 
 
 def lora_params(model: nn.Module) -> dict:
-    """{<module>.lora_A / lora_B: parameter} of every LoRA module."""
-    return {f"{name}.{ab}": getattr(m, ab) for name, m in lora_modules(model).items()
-            for ab in ("lora_A", "lora_B")}
+    return {n: p for n, p in model.named_parameters() if n.endswith((".lora_A", ".lora_B"))}
 
 
 def replace_module(model: nn.Module, name: str, module: nn.Module):
@@ -189,11 +187,8 @@ def merge_lora(model: dualAR.DualAR) -> dualAR.DualAR:
 
 # ----------------------------------------------------------------------------- samples
 def sample_tokens(model: dualAR.DualAR, text: str, codes) -> tuple:
-    """One training sample as upstream packs it -> (inputs, labels), each (1 + num_codebooks, T).
-
-    system and user turns and the assistant role header carry no loss, `<|voice|>`, the codes and
-    `<|im_end|>\\n` do. Labels are the tokens shifted by one, their code rows hold the codes where the
-    label is semantic, -100 elsewhere."""
+    """One training sample as upstream packs it -> (inputs, labels), each (1 + num_codebooks, T), with a
+    loss on `<|voice|>`, the codes and `<|im_end|>\\n` only, not on the turns and the header before them."""
     cfg = model.config
     turns = ["<|im_start|>system\n", SYSTEM_PROMPT, "<|im_end|>\n",
              "<|im_start|>user\n", text, "<|im_end|>\n"]
@@ -226,15 +221,9 @@ def make_batch(model: dualAR.DualAR, samples: list) -> tuple:
 
 
 # ----------------------------------------------------------------------------- training loss
-def head_loss_sum(model: dualAR.DualAR, x: Tensor, labels: Tensor) -> Tensor:
-    """Summed cross-entropy of the full-vocabulary slow logits at slow states x (N, dim)."""
-    return F.cross_entropy(model.vocab_logits(x).float(), labels, reduction="sum")
-
-
-def fast_loss_sum(model: dualAR.DualAR, y: Tensor, codes: Tensor) -> Tensor:
-    """Summed cross-entropy of the fast logits at fast states y (N, num_codebooks, fast_dim)."""
-    logits = model.fast_logits(y)
-    return F.cross_entropy(logits.flatten(0, 1).float(), codes.flatten(), reduction="sum")
+def loss_sum(logits, states: Tensor, labels: Tensor) -> Tensor:
+    """Summed cross-entropy of logits(states): a function of its own, which checkpointing runs again."""
+    return F.cross_entropy(logits(states).flatten(0, -2).float(), labels.flatten(), reduction="sum")
 
 
 def training_loss(model: dualAR.DualAR, inputs: Tensor, labels: Tensor, padding_mask=None,
@@ -256,7 +245,7 @@ def training_loss(model: dualAR.DualAR, inputs: Tensor, labels: Tensor, padding_
     scored = token_labels != IGNORE
     x_scored, y_scored, n = x[scored], token_labels[scored], int(scored.sum())
     chunk = HEAD_CHUNK if checkpointing else n
-    base_loss = sum(run(head_loss_sum, model, x_scored[i:i + chunk], y_scored[i:i + chunk])
+    base_loss = sum(run(loss_sum, model.vocab_logits, x_scored[i:i + chunk], y_scored[i:i + chunk])
                     for i in range(0, n, chunk)) / n
 
     semantic = (token_labels >= cfg["semantic_begin_id"]) & (token_labels <= cfg["semantic_end_id"])
@@ -265,7 +254,7 @@ def training_loss(model: dualAR.DualAR, inputs: Tensor, labels: Tensor, padding_
     chunk, total = FAST_CHUNK if checkpointing else len(codes), 0.0
     for i in range(0, len(codes), chunk):
         y = torch.cat([hidden[i:i + chunk, None], model.fast_embeddings(codes[i:i + chunk, :-1])], dim=1)
-        total = total + run(fast_loss_sum, model, model.fast_states(y, call=run), codes[i:i + chunk])
+        total = total + run(loss_sum, model.fast_logits, model.fast_states(y, call=run), codes[i:i + chunk])
     semantic_loss = total / codes.numel()
     return dict(loss=base_loss + semantic_loss, base_loss=base_loss, semantic_loss=semantic_loss,
                 positions=n, codes=codes.numel())  # what base_loss and semantic_loss average over
@@ -334,7 +323,6 @@ def join_processes(device: torch.device) -> tuple:
 
 
 def sum_over_processes(values: list, device) -> list:
-    """Each value summed over the processes; with one process the values as they are."""
     if not dist.is_initialized():
         return values
     total = torch.tensor(values, dtype=torch.float64, device=device)
@@ -343,8 +331,7 @@ def sum_over_processes(values: list, device) -> list:
 
 
 def prepare_dataset(args):
-    """`prepare`: each transcribed audio file -> <stem>.npy codes next to it, once (each process: every
-    world-th file)."""
+    """`prepare`: each transcribed audio file -> <stem>.npy codes next to it, once (each process: a share)."""
     rank, world, device = join_processes(dualAR.pick_device(args.device))
     n_found, clips = find_clips(Path(args.data_dir), args.strict, audio_only=True)
     for clip in clips.values():  # check everything before writing anything
@@ -404,8 +391,7 @@ def batch_indices(n: int, batch_size: int, seed: int, k: int) -> list:
     return order[j * batch_size:(j + 1) * batch_size]
 
 
-def mixed_precision(device):
-    """bf16 autocast on CUDA (LoRA weights stay fp32), plain fp32 elsewhere."""
+def mixed_precision(device):  # the LoRA weights stay fp32
     return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
 
 
@@ -432,11 +418,10 @@ def validation_loss(model, samples: list, batch_size: int, device, rank=0, world
 def save_checkpoint(out: Path, model, optimizer, step: int, rank=0):
     """state.pt: what a resumed run needs to continue bit for bit, the random states of every process
     included (each draws its own dropout); lora.safetensors: upstream's keys, fp32. Rank 0 writes."""
+    device = next(model.parameters()).device
     rng = dict(torch=torch.get_rng_state())
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
-    if torch.backends.mps.is_available():
-        rng["mps"] = torch.mps.get_rng_state()
+    if device.type != "cpu":  # dropout on cuda or mps draws from the generator of this process's device
+        rng[device.type] = getattr(torch, device.type).get_rng_state(device)
     rngs = [rng] * (dist.get_world_size() if dist.is_initialized() else 1)
     if dist.is_initialized():
         dist.all_gather_object(rngs, rng)
@@ -462,18 +447,16 @@ def load_checkpoint(out: Path, model, optimizer, seed: int, rank=0, world=1) -> 
         optimizer.load_state_dict(state["optimizer"])
     except (KeyError, RuntimeError, ValueError) as e:
         raise UserError(f"{out / STATE_FILE} does not fit this run's LoRA: {e}") from None
-    rngs = state["rng"] if isinstance(state["rng"], list) else [state["rng"]]  # older runs: one dict
-    if len(rngs) != world:
+    rngs, device = state["rng"], next(model.parameters()).device
+    if len(rngs) == world:
+        torch.set_rng_state(rngs[rank]["torch"])
+        if device.type in rngs[rank]:
+            getattr(torch, device.type).set_rng_state(rngs[rank][device.type], device)
+    else:
         if rank == 0:
             print(f"warning: {out} was saved by {len(rngs)} process(es), resumed by {world}: the same"
                   " batches, but other dropout draws than an uninterrupted run", file=sys.stderr)
         torch.manual_seed(seed + 1000 * state["step"] + rank)
-        return state["step"]
-    torch.set_rng_state(rngs[rank]["torch"])
-    if "cuda" in rngs[rank] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(rngs[rank]["cuda"])
-    if "mps" in rngs[rank] and torch.backends.mps.is_available():
-        torch.mps.set_rng_state(rngs[rank]["mps"])
     return state["step"]
 
 
@@ -540,7 +523,7 @@ def start_run(args, rank: int, world: int, device) -> tuple:
         raise UserError(f"--resume: {out} has {run['grad_accum']} micro-batch(es) per step, which {world}"
                         " processes cannot share: resume on a number of processes that divides it")
     run["grad_accum"] *= 1 if args.resume else world  # run.json: micro-batches per step, all processes
-    model = dualAR.load(run["checkpoint"], device, torch.bfloat16 if device.type == "cuda" else torch.float32)
+    model = dualAR.load(run["checkpoint"], device, dualAR.pick_dtype(None, device)).train()
     samples = load_samples(Path(args.data_dir), model, args.strict, run["max_length"])
     names = [name for name, _, _ in samples]
     if args.resume and names != run["samples"]:
@@ -568,7 +551,7 @@ def start_run(args, rank: int, world: int, device) -> tuple:
         n_params = sum(p.numel() for p in params) / 1e6
         print(f"{len(train_set)} training + {len(val_set)} validation samples, {n_params:.2f} M LoRA"
               f" parameters (rank {run['rank']}), {world} x {device}", file=sys.stderr)
-    return run, model.train(), params, optimizer, train_set, val_set, step
+    return run, model, params, optimizer, train_set, val_set, step
 
 
 def optimizer_step(model, params, optimizer, run: dict, train_set: list, step: int, rank=0,
@@ -725,29 +708,25 @@ def bench_training(args):
     if frames < 1:
         raise UserError(f"--seq-len {args.seq_len} leaves no room for codes after the text prompt")
     codes = torch.randint(0, cfg["codebook_size"], (args.batch_size, cfg["num_codebooks"], frames))
-    inputs, labels, _ = (t.to(device) for t in make_batch(model, [(text, c) for c in codes]))
+    samples = [("", *sample_tokens(model, text, c)) for c in codes]  # one micro-batch: all of them
+    run = dict(lr=LR, warmup=WARMUP, batch_size=args.batch_size, grad_accum=1, seed=0)
     n_params, n_lora = (sum(p.numel() for p in ps) / 1e6 for ps in (model.parameters(), params))
     print(f"S2-Pro-shaped model ({n_params:.1f} M params, {cfg['n_layer']} slow layers), {dtype}, {device},"
-          f" LoRA rank {RANK} ({n_lora:.1f} M), batch {args.batch_size} x {inputs.size(-1)} tokens")
+          f" LoRA rank {RANK} ({n_lora:.1f} M), batch {args.batch_size} x {args.seq_len} tokens")
     # the clock waits for the device's queued work
     synchronize = dict(cuda=torch.cuda.synchronize, mps=torch.mps.synchronize).get(device.type, lambda: None)
     for checkpointing in (True, False):
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        run["checkpointing"] = checkpointing
         dualAR.reset_peak_memory(device)
         try:
-            for i in range(args.steps + 1):  # the first step warms up
-                if i == 1:
+            for step in range(args.steps + 1):  # the first step warms up
+                if step == 1:
                     synchronize()
                     start = time.perf_counter()
-                with mixed_precision(device):
-                    loss = training_loss(model, inputs, labels, checkpointing=checkpointing)["loss"]
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
+                optimizer_step(model, params, optimizer, run, samples, step)
             synchronize()
             rate = args.steps / (time.perf_counter() - start)
-            figures = (f"{rate:.3f} steps/s, {rate * inputs[:, 0].numel():.0f} tokens/s,"
+            figures = (f"{rate:.3f} steps/s, {rate * args.batch_size * args.seq_len:.0f} tokens/s,"
                        f" peak memory {dualAR.peak_memory_gb(device):.2f} GB")
         except torch.OutOfMemoryError:
             optimizer.zero_grad(set_to_none=True)
@@ -756,6 +735,32 @@ def bench_training(args):
 
 
 # ----------------------------------------------------------------------------- CLI
+# the numeric flags, for --help and their checks: (flag, type, default, what a value must be, help)
+FLAGS = dict(train=[
+    ("--rank", int, RANK, ">= 1", "LoRA rank"),
+    ("--alpha", float, ALPHA, None, "LoRA alpha, scaling alpha/rank"),
+    ("--dropout", float, DROPOUT, "in [0, 1)", "LoRA dropout"),
+    ("--lr", float, LR, "> 0", "AdamW learning rate"),
+    ("--warmup", int, WARMUP, ">= 0", "linear warm-up steps"),
+    ("--batch-size", int, 4, ">= 1", "samples per micro-batch"),
+    ("--grad-accum", int, 1, ">= 1", "micro-batches per optimizer step and process: N processes with G"
+     " see what one process with N*G sees"),
+    ("--max-steps", int, 1000, ">= 1", "optimizer steps in all"),
+    ("--max-length", int, 4096, ">= 1", "upstream's limit: skip samples longer than this many tokens"),
+    ("--val-size", int, None, ">= 0", "samples held out for validation (default 5%%, at least 1; 0: none)"),
+    ("--val-every", int, 100, ">= 1", "validate every N steps"),
+    ("--save-every", int, 100, ">= 1", "checkpoint every N steps"),
+    ("--seed", int, 42, None, "seeds the LoRA init, split, data order and dropout"),
+], bench=[
+    ("--n-layer", int, None, None, "override the number of slow layers"),
+    ("--batch-size", int, 4, ">= 1", "samples per step"),
+    ("--seq-len", int, 1024, ">= 1", "tokens per sample"),
+    ("--steps", int, 3, ">= 1", "timed steps after one warm-up step"),
+])
+RULES = {">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1, "> 0": lambda v: v > 0,
+         "in [0, 1)": lambda v: 0 <= v < 1}
+
+
 def parse_args(argv=None):
     ap = codec.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
@@ -779,22 +784,6 @@ def parse_args(argv=None):
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint"
                    " (its stored settings: only --max-steps, --val-every and --save-every may change), on"
                    " any number of processes that divides its micro-batches per step")
-    t.add_argument("--rank", type=int, default=RANK, help=f"LoRA rank (default {RANK})")
-    t.add_argument("--alpha", type=float, default=ALPHA, help=f"LoRA alpha, scaling alpha/rank ({ALPHA})")
-    t.add_argument("--dropout", type=float, default=DROPOUT, help=f"LoRA dropout (default {DROPOUT})")
-    t.add_argument("--lr", type=float, default=LR, help=f"AdamW learning rate (default {LR})")
-    t.add_argument("--warmup", type=int, default=WARMUP, help=f"linear warm-up steps (default {WARMUP})")
-    t.add_argument("--batch-size", type=int, default=4, help="samples per micro-batch (default 4)")
-    t.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step and process"
-                   " (default 1): N processes with G see what one process with N*G sees")
-    t.add_argument("--max-steps", type=int, default=1000, help="optimizer steps in all (default 1000)")
-    t.add_argument("--max-length", type=int, default=4096,
-                   help="skip samples longer than this many tokens (default 4096, upstream's)")
-    t.add_argument("--val-size", type=int, help="samples held out for validation (default 5%%, at least 1)")
-    t.add_argument("--val-every", type=int, default=100, help="validate every N steps (default 100)")
-    t.add_argument("--save-every", type=int, default=100, help="checkpoint every N steps (default 100)")
-    t.add_argument("--seed", type=int, default=42, help="seeds the LoRA init, split, data order and dropout"
-                   " (default 42)")
     t.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
                    help="keep every activation (faster, much more memory) instead of gradient checkpointing")
 
@@ -812,27 +801,20 @@ def parse_args(argv=None):
     b = sub.add_parser("bench", parents=[device], help="training steps/s and peak memory, random weights")
     b.set_defaults(run=bench_training)
     b.add_argument("--config", help="a config.json for smaller dimensions (default: the real S2-Pro)")
-    b.add_argument("--n-layer", type=int, help="override the number of slow layers")
-    b.add_argument("--batch-size", type=int, default=4, help="default 4")
-    b.add_argument("--seq-len", type=int, default=1024, help="tokens per sample (default 1024)")
-    b.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step (default 3)")
-    return ap.parse_args(argv)
-
-
-def check_args(args):
-    for name in ("rank", "batch_size", "grad_accum", "max_steps", "max_length", "val_every", "save_every",
-                 "seq_len", "steps"):
-        if getattr(args, name, 1) < 1:
-            raise UserError(f"--{name.replace('_', '-')} must be >= 1")
-    if (getattr(args, "val_size", 0) or 0) < 0 or getattr(args, "warmup", 0) < 0:
-        raise UserError("--val-size and --warmup must be >= 0")
-    if getattr(args, "lr", 1) <= 0 or not 0 <= getattr(args, "dropout", 0) < 1:
-        raise UserError("--lr must be > 0 and --dropout in [0, 1)")
+    for parser, flags in ((t, FLAGS["train"]), (b, FLAGS["bench"])):
+        for flag, kind, default, _, help in flags:
+            shown = "" if default is None else f" (default {default})"
+            parser.add_argument(flag, type=kind, default=default, help=help + shown)
+    args = ap.parse_args(argv)
+    for flag, _, _, rule, _ in FLAGS.get(args.command, []):
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if rule and value is not None and not RULES[rule](value):
+            raise UserError(f"{flag} must be {rule}")
+    return args
 
 
 def main(argv=None):
     args = parse_args(argv)
-    check_args(args)
     try:
         args.run(args)
     finally:

@@ -558,6 +558,8 @@ BAD = {  # name: (setup(tmp_path) -> argv, words the error must contain)
                                   "bad.wav is not a readable audio"),
     "prepare: empty transcript": (lambda t: ["prepare", str(audio_folder(t, "a.wav", transcript=" \n"))],
                                   "a.lab is empty"),
+    "train: --dropout out of range": (lambda t: ["train", str(t), "--out", str(t / "o"), "--dropout", "1"],
+                                      "--dropout must be in [0, 1)"),
     "train: empty data folder": (lambda t: train_args(t, audio_folder(t)), "no audio files or .npy codes"),
     "train: audio not prepared": (lambda t: train_args(t, audio_folder(t, "a.wav")), "train_lora.py prepare"),
     "train: --out not writable": (lambda t: train_args(t, write_codes_data(t / "data"),

@@ -74,13 +74,7 @@ def parse_args(argv=None):
     ap.add_argument("--checkpoint", help="S2-Pro checkpoint dir (default: random weights of --config)")
     ap.add_argument("--config", choices=list(bench.BENCH_CONFIGS), default="s2-mid",
                     help="random-weight model size (default s2-mid, the README's table)")
-    ap.add_argument("--device", help="cpu, mps, cuda or cuda:N (default: cuda > mps > cpu)")
-    ap.add_argument("--dtype", choices=list(dualAR.DTYPES), help="default bf16 on CUDA, fp32 elsewhere")
-    ap.add_argument("--quant", choices=dualAR.QUANT_SCHEMES, help="weight quantization, as dualAR.py's")
-    ap.add_argument("--compile", action=argparse.BooleanOptionalAction,
-                    help="compiled frame step (default: on for CUDA, off on CPU, where compiling takes"
-                    " minutes)")
-    ap.add_argument("--compile-cache", help="folder that keeps compiled kernels for the next run")
+    dualAR.add_model_args(ap)
     ap.add_argument("--frames", type=int, default=64, help="frames each request makes (default 64)")
     ap.add_argument("--load", type=int, default=8, help="requests in the run (default 8)")
     ap.add_argument("--rate", type=float, default=2.0, help="requests arriving per second (default 2)")
@@ -93,9 +87,7 @@ def parse_args(argv=None):
 
 def main(argv=None) -> dict:
     args = parse_args(argv)
-    device = dualAR.pick_device(args.device)
-    dtype = dualAR.pick_dtype(args.dtype, device)
-    compiled = device.type == "cuda" if args.compile is None else args.compile
+    device, dtype, compiled = dualAR.model_settings(args)
     dualAR.check_quant(args.quant, device, dtype)
     if args.checkpoint:
         model = dualAR.load(args.checkpoint, device, dtype, args.quant, compiled, args.compile_cache)

@@ -716,7 +716,9 @@ def compile_model(model: DualAR, cache=None, backend="inductor", step=None):
     (or $TORCHINDUCTOR_CACHE_DIR, or `default_compile_cache()`): the next process with the same shapes
     loads it instead of compiling again. backend="eager": the same graph capture, no codegen (smoke runs).
     step: another function of (model, ...) compiled the same way (tests)."""
-    if cache is not None or "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    # importing torch._dynamo sets the variable to torch's /tmp default: that one is not the user's choice
+    if cache is not None or os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache or default_compile_cache()).expanduser())
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_GUARD)
     # the head's rows as a tensor of their own (a slice of the embedding table is a view into it)

@@ -100,12 +100,12 @@ def dac():
 @pytest.fixture(scope="session", autouse=True)
 def inductor_cache():
     """One inductor cache folder for every in-process compile of the session: $TORCHINDUCTOR_CACHE_DIR if
-    set, else torch's default (where importing torch._dynamo points the variable anyway), pinned for the
-    session so that compile_model's own fallback never decides it halfway through."""
+    the user set it, else the one `dualAR.compile_model` picks (`default_compile_cache()`)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv("TORCHINDUCTOR_CACHE_DIR", os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-                     or default_cache_dir())
+        if given in (None, default_cache_dir()):  # torch's /tmp default, set by importing torch._dynamo
+            patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(dualAR.default_compile_cache()))
         yield
 
 

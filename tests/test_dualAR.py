@@ -737,6 +737,18 @@ def test_a_context_of_partial_flex_blocks_is_rounded_up_to_whole_blocks(solo):
     assert torch.equal(many[0], solo[1])
 
 
+def test_compiled_kernels_go_to_our_cache_folder_unless_the_user_chose_one(monkeypatch, tmp_path):
+    """Importing torch._dynamo points $TORCHINDUCTOR_CACHE_DIR at torch's /tmp default: compile_model takes
+    that as unset and keeps kernels in $XDG_CACHE_HOME/fishfast/compile; a folder the user chose stays."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    ours = tmp_path / "fishfast/compile"
+    for given, used in ((default_cache_dir(), ours), ("/srv/kernels", "/srv/kernels")):
+        monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", given)
+        dualAR.compile_model(dualAR.load(CKPT), backend="eager")
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(used)
+
+
 def test_a_second_process_loads_the_compiled_step_from_the_cache(model, tmp_path):
     """Run the compiled CLI twice with one --compile-cache: the first process fills the empty folder (the
     suite's one cold compile: a minute or more), the second compiles nothing new (it finds its graph and

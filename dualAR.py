@@ -580,7 +580,8 @@ def load(checkpoint, device="cpu", dtype=torch.float32, quant=None, compile=Fals
 
 
 def optimize(model: DualAR, quant=None, compile=False, compile_cache=None) -> DualAR:
-    """Quantize and/or compile a loaded model."""
+    """Quantize and/or compile a loaded (or demo) model."""
+    check_quant(quant, model.embeddings.weight.device, model.embeddings.weight.dtype)
     if quant and quant != "none":
         quantize(model, quant)
     if compile:

@@ -1039,6 +1039,13 @@ BAD_INPUTS = {
 }
 
 
+def test_the_demo_model_is_checked_for_its_quantization_too(tmp_path):
+    """Built in memory rather than loaded, the demo model still has its scheme checked before any work."""
+    result = cli(["--demo", "--device", "cpu", "--quant", "fp8", "--text", "Hi"], tmp_path)
+    assert result.returncode == 2 and result.stderr.splitlines()[-1].startswith("error: --quant fp8 needs")
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("case", sorted(BAD_INPUTS))
 def test_bad_input_gives_one_line_error_and_writes_nothing(tmp_path, case):
     make_args, message = BAD_INPUTS[case]

@@ -398,9 +398,12 @@ class DualAR(nn.Module):
             x = torch.where(semantic, x / math.sqrt(cfg["num_codebooks"] + 1), x)
         return x
 
-    def fast_input(self, x: Tensor) -> Tensor:
-        """Slow hidden states (before the final norm) -> the fast transformer's input."""
-        return self.fast_project_in(self.norm(x) if self.config["norm_fastlayer_input"] else x)
+    def fast_input(self, x: Tensor, h: Tensor = None) -> Tensor:
+        """Slow hidden states x (before the final norm; h: after it, if already computed) -> the fast
+        transformer's input."""
+        if self.config["norm_fastlayer_input"]:
+            x = self.norm(x) if h is None else h
+        return self.fast_project_in(x)
 
     def slow_states(self, tokens: Tensor, call=None) -> Tensor:
         """Training: tokens (B, 1 + num_codebooks, S) -> slow hidden states (B, S, dim) before the final
@@ -430,10 +433,10 @@ class DualAR(nn.Module):
     def head(self, x: Tensor, full: bool = False):
         """Last slow hidden state x (B, dim) -> (logits, fast-model input). The logits cover only the
         rows sampling can pick (`sampling_rows`) unless `full`."""
-        weight = self.head_weight
+        weight, h = self.head_weight, self.norm(x)
         if not full:  # a compiled model keeps these rows apart (see compile_model)
             weight = self.head_rows if self.head_rows is not None else weight[slice(*self.sampling_rows)]
-        return F.linear(self.norm(x), weight), self.fast_input(x)
+        return F.linear(h, weight), self.fast_input(x, h)
 
     def prefill(self, tokens: Tensor, row: int = 0, full: bool = False):
         """A whole prompt (1 + num_codebooks, T) into cache row `row` -> (logits, fast input) of its last
@@ -920,7 +923,7 @@ def check_request(model: DualAR, text: str, references) -> list:
     n_semantic = cfg["semantic_end_id"] - cfg["semantic_begin_id"] + 1
     if not isinstance(text, str) or not text.strip():
         raise UserError("the text to speak is empty")
-    references = [(torch.as_tensor(c), t) for c, t in references]
+    references, checked = [(torch.as_tensor(c), t) for c, t in references], []
     check_reference_count(len(references))
     for i, (codes, transcript) in enumerate(references, 1):
         if not isinstance(transcript, str) or not transcript.strip():
@@ -933,7 +936,8 @@ def check_request(model: DualAR, text: str, references) -> list:
         codes = codes.long()
         if codes.min() < 0 or codes.max() >= cfg["codebook_size"] or codes[0].max() >= n_semantic:
             raise UserError(f"reference {i} codes are not integer codes in [0, {cfg['codebook_size']})")
-    return [(c.long(), t) for c, t in references]
+        checked.append((codes, transcript))
+    return checked
 
 
 class Request:

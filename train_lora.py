@@ -196,8 +196,7 @@ def sample_tokens(model: dualAR.DualAR, text: str, codes) -> tuple:
     target = dualAR.encode_pieces(model, ["<|voice|>", torch.as_tensor(codes), "<|im_end|>\n"])
     tokens = torch.cat([prompt, target], dim=1)
     ids = tokens[0]
-    semantic = (ids >= cfg["semantic_begin_id"]) & (ids <= cfg["semantic_end_id"])
-    labels = torch.where(semantic, tokens, IGNORE)
+    labels = torch.where(dualAR.is_semantic(ids, cfg), tokens, IGNORE)
     labels[0] = torch.cat([torch.full_like(prompt[0], IGNORE), target[0]])
     labels = labels[:, 1:].clone()
     labels[1:, -1] = 0  # upstream sets the codebook labels of the last column to its pad code 0
@@ -248,7 +247,7 @@ def training_loss(model: dualAR.DualAR, inputs: Tensor, labels: Tensor, padding_
     base_loss = sum(run(loss_sum, model.vocab_logits, x_scored[i:i + chunk], y_scored[i:i + chunk])
                     for i in range(0, n, chunk)) / n
 
-    semantic = (token_labels >= cfg["semantic_begin_id"]) & (token_labels <= cfg["semantic_end_id"])
+    semantic = dualAR.is_semantic(token_labels, cfg)
     hidden = model.fast_input(x[semantic])  # (N, fast_dim)
     codes = labels[:, 1:].transpose(1, 2)[semantic]  # (N, num_codebooks)
     chunk, total = FAST_CHUNK if checkpointing else len(codes), 0.0
@@ -713,18 +712,16 @@ def bench_training(args):
     n_params, n_lora = (sum(p.numel() for p in ps) / 1e6 for ps in (model.parameters(), params))
     print(f"S2-Pro-shaped model ({n_params:.1f} M params, {cfg['n_layer']} slow layers), {dtype}, {device},"
           f" LoRA rank {RANK} ({n_lora:.1f} M), batch {args.batch_size} x {args.seq_len} tokens")
-    # the clock waits for the device's queued work
-    synchronize = dict(cuda=torch.cuda.synchronize, mps=torch.mps.synchronize).get(device.type, lambda: None)
     for checkpointing in (True, False):
         run["checkpointing"] = checkpointing
         dualAR.reset_peak_memory(device)
         try:
             for step in range(args.steps + 1):  # the first step warms up
                 if step == 1:
-                    synchronize()
+                    bench.synchronize(device)  # the clock waits for the device's queued work
                     start = time.perf_counter()
                 optimizer_step(model, params, optimizer, run, samples, step)
-            synchronize()
+            bench.synchronize(device)
             rate = args.steps / (time.perf_counter() - start)
             figures = (f"{rate:.3f} steps/s, {rate * args.batch_size * args.seq_len:.0f} tokens/s,"
                        f" peak memory {dualAR.peak_memory_gb(device):.2f} GB")

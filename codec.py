@@ -560,7 +560,10 @@ def save_wav(path, wave, sample_rate=44100):
 
 
 def save_codes(path, codes):
-    dualAR.write_atomic(path, lambda tmp: np.save(tmp.open("wb"), codes.cpu().numpy().astype(np.int64)))
+    def write(tmp):  # a file object: np.save would add .npy to the temp file's name
+        with open(tmp, "wb") as f:
+            np.save(f, codes.cpu().numpy().astype(np.int64))
+    dualAR.write_atomic(path, write)
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -16,8 +16,8 @@ from torch import Tensor
 
 import codec
 import dualAR
-from dualAR import (CONFIG, CPU_BITS, DEMO_DIMS, DTYPES, RAS_WINDOW, DualAR, Engine,
-                    QuantLinear, batch_bucket, block_scheme, cache_bucket, decode_step, demo_tokenizer,
+from dualAR import (CONFIG, CPU_BITS, DEMO_DIMS, DTYPES, RAS_WINDOW, DualAR, QuantLinear, Scheduler,
+                    batch_bucket, block_scheme, cache_bucket, decode_step, demo_tokenizer,
                     draw_noise, sample_frame, sampling_params, special_ids, swap_linears)
 
 MID = dict(dim=1024, n_head=16, n_local_heads=4, head_dim=64, intermediate_size=3072)
@@ -106,21 +106,21 @@ def time_steps(model: DualAR, batch: int, frames: int) -> tuple:
     one host sync every `sync_every` frames, end-of-speech ignored)."""
     device = model.embeddings.weight.device
     context = cache_bucket(BENCH_PROMPT + frames + 9, model.config)
-    with Engine(model, slots=batch, context=context) as engine:
-        engine.frames[:, 0] = model.config["semantic_begin_id"]
-        engine.pos.fill_(BENCH_PROMPT)
-        engine.live.fill_(1)
+    with Scheduler(model, slots=batch, context=context) as scheduler:
+        scheduler.frames[:, 0] = model.config["semantic_begin_id"]
+        scheduler.pos.fill_(BENCH_PROMPT)
+        scheduler.live.fill_(1)
         generators = [torch.Generator(device).manual_seed(i) for i in range(batch)]
         rows = min(batch_bucket(batch), batch)
         start = time.perf_counter()
-        engine.run_frames(rows, generators)
+        scheduler.run_frames(rows, generators)
         first = time.perf_counter() - start
-        engine.run_frames(rows, generators)
-        calls = max(1, frames // engine.sync_every)
+        scheduler.run_frames(rows, generators)
+        calls = max(1, frames // scheduler.sync_every)
         start = time.perf_counter()
         for _ in range(calls):
-            engine.run_frames(rows, generators)
-        return calls * engine.sync_every / (time.perf_counter() - start), first
+            scheduler.run_frames(rows, generators)
+        return calls * scheduler.sync_every / (time.perf_counter() - start), first
 
 
 def bench_prompt(model: DualAR, frames: int = 0) -> Tensor:

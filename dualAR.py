@@ -377,11 +377,6 @@ class DualAR(nn.Module):
         return 0 if cache is None else cache.k_cache.size(2)
 
     @property
-    def cache_rows(self) -> int:
-        cache = self.layers[0].attention.kv_cache
-        return 0 if cache is None else cache.k_cache.size(0)
-
-    @property
     def head_weight(self) -> Tensor:
         return (self.embeddings if self.config["tie_word_embeddings"] else self.output).weight
 
@@ -464,24 +459,19 @@ class DualAR(nn.Module):
         return self.fast_logits(x[:, 0]) if logits else None
 
 
+HF_PREFIXES = [("codebook_embeddings.", "audio_decoder.codebook_embeddings."), ("fast_", "audio_decoder."),
+               ("", "text_model.model.")]  # our (upstream-internal) parameter names -> the HF release's
+
+
 def hf_name(name: str) -> str:
-    """Our (upstream-internal) parameter name -> the key in the HF safetensors release."""
-    if name.startswith("codebook_embeddings."):
-        return "audio_decoder." + name
-    if name.startswith("fast_"):
-        return "audio_decoder." + name[len("fast_"):]
-    return "text_model.model." + name
+    ours, theirs = next((o, t) for o, t in HF_PREFIXES if name.startswith(o))
+    return theirs + name[len(ours):]
 
 
 def internal_name(key: str) -> str:
     """Inverse of `hf_name`. Keys already in upstream's internal form pass through."""
-    if key.startswith("text_model.model."):
-        return key[len("text_model.model."):]
-    if key.startswith("audio_decoder.codebook_embeddings."):
-        return key[len("audio_decoder."):]
-    if key.startswith("audio_decoder."):
-        return "fast_" + key[len("audio_decoder."):]
-    return key
+    ours, theirs = next(((o, t) for o, t in HF_PREFIXES if key.startswith(t)), ("", ""))
+    return ours + key[len(theirs):]
 
 
 # ----------------------------------------------------------------------------- loading
@@ -522,9 +512,16 @@ def read_weights(files: list):
             raise unreadable(f, e) from None
 
 
-def load_weights(model: DualAR, ckpt: Path, device, dtype):
+def load_weights(model: DualAR, ckpt: Path, device, dtype, quant=None):
+    """The checkpoint's tensors into the meta-built model. CPU int8wo/int4wo: each transformer block is
+    quantized as soon as its last tensor is read, so the unquantized model never exists whole."""
     expected = {k: v.shape for k, v in model.state_dict().items()}
-    state = {}
+    blocks = {}  # "layers.3." -> the names of its tensors, for the blocks quantized as they are read
+    if device.type == "cpu" and quant in CPU_BITS:
+        for name in expected:
+            if name.startswith(("layers.", "fast_layers.")):
+                blocks.setdefault(block_prefix(name), set()).add(name)
+    state, seen = {}, set()
     for name, tensor in read_weights(weight_files(ckpt)):
         if name not in expected:
             raise UserError(f"{ckpt}: unexpected tensor {hf_name(name)!r} — not an S2-Pro checkpoint"
@@ -533,10 +530,22 @@ def load_weights(model: DualAR, ckpt: Path, device, dtype):
             raise UserError(f"{ckpt}: tensor {hf_name(name)!r} has shape {list(tensor.shape)},"
                             f" config.json implies {list(expected[name])}")
         state[name] = tensor.to(device=device, dtype=dtype)
-    missing = [k for k in expected if k not in state]
+        seen.add(name)
+        prefix = block_prefix(name)
+        if prefix in blocks and not blocks[prefix] - seen:
+            model.load_state_dict({k: state.pop(k) for k in blocks.pop(prefix)}, strict=False, assign=True)
+            fast = prefix.startswith("fast_")
+            swap_linears(model.get_submodule(prefix[:-1]), CPU_BITS[block_scheme(quant, fast, cpu=True)])
+    missing = [k for k in expected if k not in seen]
     if missing:
         raise UserError(f"{ckpt}: missing tensor {hf_name(missing[0])!r} ({len(missing)} missing)")
-    model.load_state_dict(state, assign=True)
+    model.load_state_dict(state, strict=False, assign=True)
+
+
+def block_prefix(name: str) -> str:
+    """"layers.3.attention.wqkv.weight" -> "layers.3." (names outside the transformer blocks: themselves)."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) + "." if parts[0] in ("layers", "fast_layers") else name
 
 
 def special_ids(tokenizer) -> dict:
@@ -576,7 +585,7 @@ def load(checkpoint, device="cpu", dtype=torch.float32, quant=None, compile=Fals
     cfg.update(special_ids(tokenizer))
     with torch.device("meta"):
         model = DualAR(cfg)
-    load_weights(model, ckpt, device, dtype)
+    load_weights(model, ckpt, device, dtype, quant)
     model.make_rope()
     model.tokenizer = tokenizer
     return optimize(model.requires_grad_(False).eval(), quant, compile, compile_cache)

@@ -822,6 +822,35 @@ def test_quantized_weights_stay_small(model):
             quantized.fast_output) > 3.7
 
 
+def test_cpu_quantization_while_loading_equals_quantizing_the_loaded_model(monkeypatch):
+    """load(quant=...) on CPU quantizes each block as soon as its last tensor is read, so the unquantized
+    model never exists whole (the real size: 17.6 GB in fp32): the same weights as quantizing afterwards."""
+    read, read_when_swapped = [], []
+    real_read, real_swap = dualAR.read_weights, dualAR.swap_linears
+
+    def counted_read(files):
+        for name, tensor in real_read(files):
+            read.append(name)
+            yield name, tensor
+
+    def counted_swap(module, bits):  # also called on each block's submodules, and on swapped blocks
+        if isinstance(module, dualAR.Block) and any(type(m) is torch.nn.Linear for m in module.modules()):
+            read_when_swapped.append(len(read))
+        real_swap(module, bits)
+
+    monkeypatch.setattr(dualAR, "read_weights", counted_read)
+    monkeypatch.setattr(dualAR, "swap_linears", counted_swap)
+    early = dualAR.load(CKPT, quant="int4wo")
+    monkeypatch.undo()
+    n_blocks = early.config["n_layer"] + early.config["n_fast_layer"]
+    assert len(read_when_swapped) == n_blocks and read_when_swapped[0] < len(read) / 2
+    late = dualAR.load(CKPT)
+    dualAR.quantize(late, "int4wo")
+    assert early.state_dict().keys() == late.state_dict().keys()
+    for name, tensor in late.state_dict().items():
+        assert torch.equal(early.state_dict()[name], tensor), name
+
+
 def test_quantization_schemes_the_device_cannot_run_are_named(monkeypatch):
     for scheme, need in [("fp8", "capability >= 8.9"), ("nvfp4", ">= 10.0")]:
         with pytest.raises(dualAR.UserError, match=need):

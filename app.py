@@ -127,8 +127,7 @@ def refuse_json_constant(name):
 
 
 def parse_body(kind: str, body: bytes) -> dict:
-    """A JSON or msgpack body (as upstream's tools/api_client.py sends it: bytes stay bytes, raw audio) -> the
-    object it holds."""
+    """A JSON or msgpack body (upstream's tools/api_client.py: bytes stay bytes, raw audio) -> its object."""
     what = "msgpack" if kind == "application/msgpack" else "JSON"
     if what == "msgpack" and MSGPACK is None:
         raise HTTPError(415, "application/msgpack needs a msgpack library on the server: pip install"
@@ -144,17 +143,15 @@ def parse_body(kind: str, body: bytes) -> dict:
 
 
 def parse_form(content_type: str, body: bytes) -> dict:
-    """multipart/form-data -> {field: bytes}, parsed by the standard library's email parser."""
+    """multipart/form-data -> {field: text, audio: bytes}, parsed by the standard library's email parser."""
     message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
         b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n" + body)
     if not message.is_multipart():
         raise dualAR.UserError("malformed multipart/form-data body")
-    fields = {}
-    for part in message.iter_parts():
-        name = part.get_param("name", header="content-disposition")
-        if name:
-            fields[name] = part.get_payload(decode=True) or b""
-    return fields
+    fields = {part.get_param("name", header="content-disposition"): part.get_payload(decode=True) or b""
+              for part in message.iter_parts()}
+    return {name: value if name == "audio" else value.decode("utf-8", "replace")
+            for name, value in fields.items() if name}
 
 
 def decode_base64(value, what: str) -> bytes:
@@ -290,11 +287,6 @@ def wav_header(data_bytes=0xFFFFFFFF) -> bytes:
             + b"data" + struct.pack("<I", data_bytes))
 
 
-def json_fallback(value):
-    """json.dumps' fallback: bytes (audio, or msgpack input echoed in an error) as base64, else repr."""
-    return base64.b64encode(value).decode() if isinstance(value, bytes) else repr(value)
-
-
 def sse_event(**payload) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
@@ -305,11 +297,9 @@ def pcm16(wave: torch.Tensor) -> bytes:
 
 def audio_file_bytes(wave: torch.Tensor, fmt: str) -> bytes:
     """A whole waveform -> the bytes of one file in `fmt`."""
-    if fmt == "pcm":
-        return pcm16(wave)
-    if fmt == "wav":
+    if fmt in STREAMABLE:
         data = pcm16(wave)
-        return wav_header(len(data)) + data
+        return data if fmt == "pcm" else wav_header(len(data)) + data
     kind, subtype, rate = SOUNDFILE_FORMATS[fmt]
     samples = np.frombuffer(pcm16(wave), dtype="<i2")  # the wav's very samples: flac is lossless of them
     if rate != SAMPLE_RATE:
@@ -362,8 +352,7 @@ class App:
         return dict(status=status, **self.info, **note, **self.engine.stats())
 
     # voices: prompt/<name>.npy (codes) or an audio file, + prompt/<name>.txt, the layout the CLI reads
-    def voice_files(self) -> dict:
-        """-> {name: (kind, path)} of the saved voices."""
+    def voice_files(self) -> dict:  # -> {name: (kind, path)}
         found = dualAR.default_references(self.voices)
         return {path.stem: (kind, path) for kind, path in found if is_voice_name(path.stem)}
 
@@ -421,7 +410,8 @@ class App:
                         for i, (audio, text) in enumerate(job["clips"], 1)]
 
     def check_voices(self, saved=(), free=()):
-        """A 404 for a name in `saved` that is not a saved voice, a 409 for one in `free` that is."""
+        """A 404 for a name in `saved` that is not a saved voice, a 409 for one in `free` that is. Each change
+        checks first without the lock (a refusal makes no lock file, encodes no audio), then under it."""
         files = self.voice_files()
         for name in saved:
             if name not in files:
@@ -433,9 +423,8 @@ class App:
     @contextlib.contextmanager
     def voices_locked(self, saved=(), free=()):
         """One save, delete or rename at a time among threads and servers sharing the folder (an flock on a
-        descriptor of each call's own), the names checked before (a refusal makes no lock file) and under it.
-        Readers take no lock: a voice appears once its transcript is renamed into place, so none is half."""
-        self.check_voices(saved, free)
+        descriptor of each call's own). Readers take no lock: a voice appears once its transcript is renamed
+        into place, so none is half."""
         self.voices.mkdir(parents=True, exist_ok=True)
         with open(self.voices / ".fishfast-lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -449,7 +438,7 @@ class App:
         return [self.voices / f"{name}.txt", *found]
 
     def save_voice(self, name: str, audio: bytes, text: str) -> dict:
-        self.check_voices(free=[name])  # before the audio is encoded for nothing
+        self.check_voices(free=[name])
         codes = self.clip_codes(audio, "audio")  # everything is checked before anything is written
         npy, txt = self.voices / f"{name}.npy", self.voices / f"{name}.txt"
         with self.voices_locked(free=[name]):
@@ -464,11 +453,13 @@ class App:
         return dict(name=name, frames=frames, seconds=round(frames * codec.hop_length() / SAMPLE_RATE, 2))
 
     def delete_voice(self, name: str):
+        self.check_voices(saved=[name])
         with self.voices_locked(saved=[name]):
             for path in self.voice_paths(name):
                 path.unlink(missing_ok=True)
 
     def rename_voice(self, old: str, new: str):
+        self.check_voices(saved=[old], free=[new])
         with self.voices_locked(saved=[old], free=[new]):
             for path in reversed(self.voice_paths(old)):  # the transcript last: then the new name appears
                 path.rename(path.with_name(new + path.suffix))
@@ -558,10 +549,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_bytes(b"", None, 204, headers)
 
     def authorize(self):
-        if self.app.api_key is None:
-            return
-        given = self.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.app.api_key}".encode()):
+        given, key = self.headers.get("Authorization", "").encode(), self.app.api_key
+        if key is not None and not hmac.compare_digest(given, f"Bearer {key}".encode()):
             raise HTTPError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                             {"WWW-Authenticate": "Bearer"})
 
@@ -586,12 +575,9 @@ class Handler(BaseHTTPRequestHandler):
         kind = self.headers.get_content_type()
         if kind not in kinds:
             raise HTTPError(415, f"Content-Type {kind} is not supported here: send {' or '.join(kinds)}")
-        if kind != "multipart/form-data":
-            return parse_body(kind, self.body())
-        body = self.body()
-        fields = parse_form(self.headers["Content-Type"], body)
-        return {key: value if key == "audio" else value.decode("utf-8", "replace")
-                for key, value in fields.items()}
+        if kind == "multipart/form-data":
+            return parse_form(self.headers["Content-Type"], self.body())
+        return parse_body(kind, self.body())
 
     def wants_msgpack(self) -> bool:
         """Upstream's rule: msgpack unless ?format=json or an Accept that names JSON and not msgpack."""
@@ -603,12 +589,13 @@ class Handler(BaseHTTPRequestHandler):
 
     # --- writing
     def send_json(self, data, status=200, headers=None):
-        """JSON (bytes as base64), or msgpack for upstream's routes when the client asks for it."""
+        """JSON, bytes (audio, or msgpack input echoed in an error) as base64; or msgpack for upstream's
+        routes when the client asks for it."""
         if self.packed:
-            self.send_bytes(MSGPACK.packb(data), "application/msgpack", status, headers)
-        else:
-            body = json.dumps(data, default=json_fallback).encode()
-            self.send_bytes(body, "application/json", status, headers)
+            return self.send_bytes(MSGPACK.packb(data), "application/msgpack", status, headers)
+        body = json.dumps(data, default=lambda value: base64.b64encode(value).decode()
+                          if isinstance(value, bytes) else repr(value))
+        self.send_bytes(body.encode(), "application/json", status, headers)
 
     def error_body(self, status: int, message: str) -> dict:
         """Ours: {error: {message, type}}. Upstream's routes: its {success: false, message, ...ids}."""
@@ -750,9 +737,6 @@ class Handler(BaseHTTPRequestHandler):
                 samples = len(wave)
             else:
                 samples = self.stream(request, job, prompt_tokens)
-        except (ConnectionError, TimeoutError):  # the client went away
-            self.close_connection = True
-            return
         finally:
             request.cancel()  # a no-op once it has finished; frees the row if the client is gone
         self.log_figures(start, samples)
@@ -788,11 +772,10 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             status, message, _, _ = error_answer(e)  # a bug's traceback is logged
             end = dict(type="error", **self.error_body(status, message)) if sse else None
-        if end is None or request.cancelled:  # a body cut off; or nobody to finish it for: the client hung up
-            return samples
-        if sse:
-            self.write_chunk(sse_event(**end))
-        self.write_chunk(b"")
+        if end is not None and not request.cancelled:  # else a body cut off, or a client that hung up
+            if sse:
+                self.write_chunk(sse_event(**end))
+            self.write_chunk(b"")
         return samples
 
     def watch(self, request):
@@ -861,15 +844,15 @@ section { background: #fff; border: 1px solid #d9dee7; border-radius: 8px; paddi
           margin: .7rem 0; }
 textarea { width: 100%; box-sizing: border-box; min-height: 5.5rem; font: inherit; padding: .4rem; }
 input, select { font: inherit; padding: .2rem .3rem; } input[type=number] { width: 5.5rem; }
-code { background: #eef1f6; padding: 0 .2rem; border-radius: 3px; } #message { color: #1d7a3a; }
+code { background: #eef1f6; padding: 0 .2rem; border-radius: 3px; }
 .row { display: flex; gap: .7rem; flex-wrap: wrap; align-items: end; margin: .3rem 0; }
 .row label { display: flex; flex-direction: column; font-size: .85rem; color: #434b5c; }
 .clip { display: grid; grid-template-columns: 13rem 1fr 9rem auto auto; gap: .4rem; margin: .4rem 0; }
-button { font: inherit; padding: .3rem .8rem; border-radius: 6px; border: 1px solid #9aa3b5; }
+button { font: inherit; padding: .3rem .8rem; border-radius: 6px; border: 1px solid #9aa3b5; background: #fff;
+         cursor: pointer; } button:disabled { opacity: .5; cursor: default; }
 button.primary { background: #1f5fd1; border-color: #1f5fd1; color: #fff; font-weight: 600; }
-button { background: #fff; cursor: pointer; } button:disabled { opacity: .5; cursor: default; }
 canvas { width: 100%; height: 80px; background: #f7f9fc; border-radius: 4px; }
-#figures { font-variant-numeric: tabular-nums; color: #2b3342; }
+#figures { font-variant-numeric: tabular-nums; color: #2b3342; } #message { color: #1d7a3a; }
 #error { color: #b3261e; white-space: pre-wrap; }
 </style></head>
 <body>
@@ -905,11 +888,8 @@ const $ = id => document.getElementById(id);
 const player = window.player = {state: 'idle'};  // read by the browser test
 const text = (id, value) => { $(id).textContent = value || ''; };
 const say = (error, message) => [text('error', error), text('message', message)];
-function headers(json) {
-  const h = json ? {'Content-Type': 'application/json'} : {};
-  if ($('api-key').value) h.Authorization = 'Bearer ' + $('api-key').value;
-  return h;
-}
+const headers = json => ({...(json && {'Content-Type': 'application/json'}),
+                          ...($('api-key').value && {Authorization: 'Bearer ' + $('api-key').value})});
 async function errorOf(res) {
   try { return (await res.json()).error.message; } catch (e) { return res.status + ' ' + res.statusText; }
 }
@@ -1010,9 +990,7 @@ async function play(reader, t0) {
   const out = ctx.createMediaStreamDestination(), audio = $('audio');
   let carry = new Uint8Array(0), next = 0;
   for (let read; !(read = await reader.read()).done;) {
-    const bytes = new Uint8Array(carry.length + read.value.length);
-    bytes.set(carry);
-    bytes.set(read.value, carry.length);
+    const bytes = new Uint8Array(await new Blob([carry, read.value]).arrayBuffer());
     const even = bytes.length & ~1;  // an odd byte waits for its other half
     carry = bytes.slice(even);
     if (!even) continue;
@@ -1049,10 +1027,7 @@ function offer(t0) {  // the figures and a download of what was made: all of it,
   if (player.state === 'done') player.last.onended = toFile;
   else toFile();  // stopped or failed: the player ends now
 }
-function busy(generating) {
-  $('generate').disabled = generating;
-  $('stop').disabled = !generating;
-}
+const busy = generating => [$('generate').disabled, $('stop').disabled] = [generating, !generating];
 async function generate() {
   say();
   text('figures');

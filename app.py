@@ -9,7 +9,6 @@ One engine thread owns the model (dualAR.Engine: --slots rows, continuous batchi
 in its own thread: it validates, submits, and turns the codes into audio through the codec as they come.
 """
 import base64
-import binascii
 import contextlib
 import email.parser
 import email.policy
@@ -122,19 +121,17 @@ def check_text(text, what="input", limit=MAX_TEXT) -> str:
     return text
 
 
-def refuse_json_constant(name):
-    raise ValueError(f"{name} is not a JSON number")
-
-
 def parse_body(kind: str, body: bytes) -> dict:
     """A JSON or msgpack body (upstream's tools/api_client.py: bytes stay bytes, raw audio) -> its object."""
+    def refuse_constant(name):  # NaN, Infinity, -Infinity
+        raise ValueError(f"{name} is not a JSON number")
     what = "msgpack" if kind == "application/msgpack" else "JSON"
     if what == "msgpack" and MSGPACK is None:
         raise HTTPError(415, "application/msgpack needs a msgpack library on the server: pip install"
                              " ormsgpack (or msgpack), or send JSON")
     try:
         data = MSGPACK.unpackb(body) if what == "msgpack" else \
-            json.loads(body, parse_constant=refuse_json_constant)
+            json.loads(body, parse_constant=refuse_constant)
     except (ValueError, TypeError, RecursionError) as e:  # both libraries' errors, the depth limits too
         raise dualAR.UserError(f"malformed {what} body: {str(e)[:100] or type(e).__name__}") from None
     if not isinstance(data, dict):
@@ -164,7 +161,7 @@ def decode_base64(value, what: str) -> bytes:
         value = value.split(",", 1)[1]
     try:
         return base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError):
+    except ValueError:  # binascii.Error is one
         raise dualAR.UserError(f"{what} is not valid base64") from None
 
 
@@ -281,8 +278,7 @@ def fish_job(body: dict) -> dict:
 # ----------------------------------------------------------------------------- audio bytes
 def wav_header(data_bytes=0xFFFFFFFF) -> bytes:
     """16-bit mono PCM WAV header. Streamed, the length is unknown: 0xFFFFFFFF sizes, which players accept."""
-    riff = 0xFFFFFFFF if data_bytes == 0xFFFFFFFF else 36 + data_bytes
-    return (b"RIFF" + struct.pack("<I", riff) + b"WAVEfmt "
+    return (b"RIFF" + struct.pack("<I", min(36 + data_bytes, 0xFFFFFFFF)) + b"WAVEfmt "
             + struct.pack("<IHHIIHH", 16, 1, 1, SAMPLE_RATE, 2 * SAMPLE_RATE, 2, 16)
             + b"data" + struct.pack("<I", data_bytes))
 
@@ -296,7 +292,6 @@ def pcm16(wave: torch.Tensor) -> bytes:
 
 
 def audio_file_bytes(wave: torch.Tensor, fmt: str) -> bytes:
-    """A whole waveform -> the bytes of one file in `fmt`."""
     if fmt in STREAMABLE:
         data = pcm16(wave)
         return data if fmt == "pcm" else wav_header(len(data)) + data
@@ -488,11 +483,8 @@ class Handler(BaseHTTPRequestHandler):
               "/v1/references/update": dict(POST="rename_voice"),
               "/v1/vqgan/encode": dict(POST="vqgan_encode"), "/v1/vqgan/decode": dict(POST="vqgan_decode")}
 
-    @property
-    def app(self) -> App:
-        return self.server.app
-
     def handle_one_request(self):
+        self.app = self.server.app
         self.started = False  # whether this response's headers went out: then no other status can
         self.cors, self.packed, self.error_fields = None, False, None  # see check_origin, send_json
         try:
@@ -694,8 +686,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def speech(self):
         job = openai_job(self.data())
-        job["voice"] = self.app.builtin_voice(job["voice"])
-        self.answer(job)
+        self.answer(dict(job, voice=self.app.builtin_voice(job["voice"])))
 
     def tts(self):
         self.answer(fish_job(self.data()))
@@ -867,6 +858,11 @@ canvas { width: 100%; height: 80px; background: #f7f9fc; border-radius: 4px; }
     <button id="delete-voice" type="button">Delete voice</button>
     <label id="key-label" hidden>API key <input id="api-key" type="password" autocomplete="off"></label></div>
   <div id="clips"></div><button id="add-clip" type="button">+ reference clip</button>
+  <template id="clip"><div class="clip"><input type="file" accept="audio/*" class="clip-file">
+    <input class="clip-text" placeholder="transcript: exactly what the clip says">
+    <input class="clip-name" placeholder="name to save as">
+    <button type="button" class="clip-save">Save as voice</button>
+    <button type="button" class="clip-remove" title="remove">&#x2715;</button></div></template>
   <span class="hint">1&ndash;4 clips of a few seconds (wav, flac, ogg, mp3), each with its transcript;
     a clip can be saved as a voice.</span></section>
 <section><div class="row">
@@ -911,15 +907,9 @@ async function changeVoices(path, method, body, done, select) {  // save or dele
 }
 function addClip() {
   if ($('clips').children.length >= CONFIG.maxReferences) return say('at most 4 reference clips');
-  const row = document.createElement('div');
-  row.className = 'clip';
-  row.innerHTML = '<input type="file" accept="audio/*" class="clip-file">'
-    + '<input class="clip-text" placeholder="transcript: exactly what the clip says">'
-    + '<input class="clip-name" placeholder="name to save as"><button type="button" class="clip-save">'
-    + 'Save as voice</button><button type="button" class="clip-remove" title="remove">&#x2715;</button>';
+  const row = $('clips').appendChild($('clip').content.firstElementChild.cloneNode(true));
   row.querySelector('.clip-remove').onclick = () => row.remove();
   row.querySelector('.clip-save').onclick = () => saveVoice(row);
-  $('clips').append(row);
 }
 async function saveVoice(row) {
   say();

@@ -61,8 +61,7 @@ FISH_DEFAULTS = dict(temperature=0.8, top_p=0.8, top_k=30, max_new_tokens=1024, 
 # upstream's ServeTTSRequest (fish_speech/utils/schema.py): what its pydantic model answers with a 422
 UPSTREAM_RANGES = dict(top_p=(0.1, 1.0), temperature=(0.1, 1.0), repetition_penalty=(0.9, 2.0))
 UPSTREAM_CHOICES = dict(format=tuple(FORMATS), latency=("normal", "balanced"), use_memory_cache=("on", "off"))
-OPENAI_VOICES = {"alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer",
-                 "verse"}
+OPENAI_VOICES = set("alloy ash ballad coral echo fable nova onyx sage shimmer verse".split())
 MAX_CODES = 8  # audios or token arrays in one /v1/vqgan request
 DEMO_FRAMES = 200  # the page's default length with the demo model: seconds of noise, not half a minute
 DEMO_NOTICE = ("DEMO: no checkpoint found, so a tiny RANDOM model is serving and the audio is NOISE. For"
@@ -581,8 +580,7 @@ class Handler(BaseHTTPRequestHandler):
 
     # --- writing
     def send_json(self, data, status=200, headers=None):
-        """JSON, bytes (audio, or msgpack input echoed in an error) as base64; or msgpack for upstream's
-        routes when the client asks for it."""
+        """JSON (bytes as base64), or msgpack for upstream's routes when the client asks for it."""
         if self.packed:
             return self.send_bytes(MSGPACK.packb(data), "application/msgpack", status, headers)
         body = json.dumps(data, default=lambda value: base64.b64encode(value).decode()
@@ -800,12 +798,8 @@ class Handler(BaseHTTPRequestHandler):
                          frames, seconds, wall, frames / max(wall, 1e-9), wall / max(seconds, 1e-9))
 
 
-class Server(ThreadingHTTPServer):
+class Server(ThreadingHTTPServer):  # its `app` is set by make_server
     request_queue_size = 128  # connections the kernel holds before accept: 5 made every 6th of 100 wait 1 s
-
-    def __init__(self, address, app: App):
-        self.app = app
-        super().__init__(address, Handler)
 
 
 # ----------------------------------------------------------------------------- the page
@@ -858,11 +852,11 @@ canvas { width: 100%; height: 80px; background: #f7f9fc; border-radius: 4px; }
     <button id="delete-voice" type="button">Delete voice</button>
     <label id="key-label" hidden>API key <input id="api-key" type="password" autocomplete="off"></label></div>
   <div id="clips"></div><button id="add-clip" type="button">+ reference clip</button>
-  <template id="clip"><div class="clip"><input type="file" accept="audio/*" class="clip-file">
-    <input class="clip-text" placeholder="transcript: exactly what the clip says">
-    <input class="clip-name" placeholder="name to save as">
+  <template id="clip"><form class="clip"><input type="file" name="audio" accept="audio/*" class="clip-file">
+    <input name="text" class="clip-text" placeholder="transcript: exactly what the clip says">
+    <input name="name" class="clip-name" placeholder="name to save as">
     <button type="button" class="clip-save">Save as voice</button>
-    <button type="button" class="clip-remove" title="remove">&#x2715;</button></div></template>
+    <button type="button" class="clip-remove" title="remove">&#x2715;</button></form></template>
   <span class="hint">1&ndash;4 clips of a few seconds (wav, flac, ogg, mp3), each with its transcript;
     a clip can be saved as a voice.</span></section>
 <section><div class="row">
@@ -886,9 +880,8 @@ const text = (id, value) => { $(id).textContent = value || ''; };
 const say = (error, message) => [text('error', error), text('message', message)];
 const headers = json => ({...(json && {'Content-Type': 'application/json'}),
                           ...($('api-key').value && {Authorization: 'Bearer ' + $('api-key').value})});
-async function errorOf(res) {
-  try { return (await res.json()).error.message; } catch (e) { return res.status + ' ' + res.statusText; }
-}
+const errorOf = res => res.json().then(body => body.error.message)
+  .catch(() => res.status + ' ' + res.statusText);
 
 async function loadVoices(select) {
   const res = await fetch('/v1/audio/voices', {headers: headers()});
@@ -911,14 +904,11 @@ function addClip() {
   row.querySelector('.clip-remove').onclick = () => row.remove();
   row.querySelector('.clip-save').onclick = () => saveVoice(row);
 }
-async function saveVoice(row) {
+async function saveVoice(row) {  // the row is a form of the upload's fields: audio, text, name
   say();
-  const file = row.querySelector('.clip-file').files[0], name = row.querySelector('.clip-name').value.trim();
-  if (!file) return say('choose an audio file first');
-  const form = new FormData();
-  form.append('name', name);
-  form.append('text', row.querySelector('.clip-text').value);
-  form.append('audio', file);
+  const form = new FormData(row), name = form.get('name').trim();
+  if (!row.querySelector('.clip-file').files[0]) return say('choose an audio file first');
+  form.set('name', name);
   await changeVoices('/v1/audio/voices', 'POST', form, 'saved voice ' + name, name);
 }
 async function deleteVoice() {
@@ -946,11 +936,11 @@ function showFigures(t0) {
     + wall.toFixed(2) + ' s = ' + (frames / wall).toFixed(1) + ' frames/s \u00b7 RTF '
     + (wall / seconds).toFixed(2) + ' (' + seconds.toFixed(2) + ' s of audio)');
 }
-const BLOCK = 512;  // samples of one min/max pair of the waveform
+const BLOCK = 512;  // samples of one [min, max] pair of the waveform
 function addPeaks(pcm) {
   for (let i = 0; i < pcm.length; i += BLOCK) {
     const block = pcm.subarray(i, i + BLOCK);
-    player.peaks.push(Math.min(0, ...block) / 32768, Math.max(0, ...block) / 32768);
+    player.peaks.push([Math.min(0, ...block) / 32768, Math.max(0, ...block) / 32768]);
   }
 }
 function playhead() {  // seconds played: of the file once it is whole, else of the stream
@@ -960,13 +950,11 @@ function playhead() {  // seconds played: of the file once it is whole, else of 
 }
 function draw() {  // the waveform as it arrives (it fills the canvas, then shrinks to fit), the playhead red
   const canvas = $('wave'), g = canvas.getContext('2d'), peaks = player.peaks || [];
-  const w = canvas.width, h = canvas.height, n = peaks.length / 2, scale = w / Math.max(w, n);
+  const w = canvas.width, h = canvas.height, scale = w / Math.max(w, peaks.length);
   g.clearRect(0, 0, w, h);
   g.fillStyle = '#1f5fd1';
-  for (let i = 0; i < n; i++) {
-    const [low, high] = [peaks[2 * i], peaks[2 * i + 1]];
-    g.fillRect(i * scale, (1 - high) * h / 2, 1, Math.max(1, (high - low) * h / 2));
-  }
+  peaks.forEach(([low, high], i) => g.fillRect(i * scale, (1 - high) * h / 2, 1,
+                                               Math.max(1, (high - low) * h / 2)));
   const t = playhead();
   g.fillStyle = '#b3261e';
   if (t !== null) g.fillRect(t * CONFIG.sampleRate / BLOCK * scale, 0, 2, h);
@@ -1104,10 +1092,12 @@ def make_server(args) -> Server:
     """Load the models and bind the port (not yet serving: call serve_forever)."""
     app = App(args)
     try:
-        return Server((args.host, args.port), app)
+        server = Server((args.host, args.port), Handler)
     except OSError as e:
         app.close()
         raise dualAR.UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    server.app = app
+    return server
 
 
 def main(argv=None):

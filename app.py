@@ -403,19 +403,17 @@ class App:
         return given + [(self.clip_codes(audio, f"reference {i} audio"), text)
                         for i, (audio, text) in enumerate(job["clips"], 1)]
 
-    def check_voices(self, saved=(), free=()):
-        """A 404 for a name in `saved` that is not a saved voice, a 409 for one in `free` that is. Each change
-        checks first without the lock (a refusal makes no lock file, encodes no audio), then under it."""
+    def check_voices(self, saved=None, free=None):
+        """A 404 if `saved` is not a saved voice, a 409 if `free` is. Each change checks first without the
+        lock (a refusal makes no lock file, encodes no audio), then under it."""
         files = self.voice_files()
-        for name in saved:
-            if name not in files:
-                raise HTTPError(404, f"no voice named {name!r}")
-        for name in free:
-            if name in files:
-                raise HTTPError(409, f"voice {name!r} exists already: delete it first")
+        if saved is not None and saved not in files:
+            raise HTTPError(404, f"no voice named {saved!r}")
+        if free in files:
+            raise HTTPError(409, f"voice {free!r} exists already: delete it first")
 
     @contextlib.contextmanager
-    def voices_locked(self, saved=(), free=()):
+    def voices_locked(self, saved=None, free=None):
         """One save, delete or rename at a time among threads and servers sharing the folder (an flock on a
         descriptor of each call's own). Readers take no lock: a voice appears once its transcript is renamed
         into place, so none is half."""
@@ -432,10 +430,10 @@ class App:
         return [self.voices / f"{name}.txt", *found]
 
     def save_voice(self, name: str, audio: bytes, text: str) -> dict:
-        self.check_voices(free=[name])
+        self.check_voices(free=name)
         codes = self.clip_codes(audio, "audio")  # everything is checked before anything is written
         npy, txt = self.voices / f"{name}.npy", self.voices / f"{name}.txt"
-        with self.voices_locked(free=[name]):
+        with self.voices_locked(free=name):
             try:
                 codec.save_codes(npy, codes)
                 # the voice appears (listed and usable) only once the transcript exists, written whole
@@ -447,14 +445,14 @@ class App:
         return dict(name=name, frames=frames, seconds=round(frames * codec.hop_length() / SAMPLE_RATE, 2))
 
     def delete_voice(self, name: str):
-        self.check_voices(saved=[name])
-        with self.voices_locked(saved=[name]):
+        self.check_voices(saved=name)
+        with self.voices_locked(saved=name):
             for path in self.voice_paths(name):
                 path.unlink(missing_ok=True)
 
     def rename_voice(self, old: str, new: str):
-        self.check_voices(saved=[old], free=[new])
-        with self.voices_locked(saved=[old], free=[new]):
+        self.check_voices(saved=old, free=new)
+        with self.voices_locked(saved=old, free=new):
             for path in reversed(self.voice_paths(old)):  # the transcript last: then the new name appears
                 path.rename(path.with_name(new + path.suffix))
 
@@ -483,9 +481,8 @@ class Handler(BaseHTTPRequestHandler):
               "/v1/vqgan/encode": dict(POST="vqgan_encode"), "/v1/vqgan/decode": dict(POST="vqgan_decode")}
 
     def handle_one_request(self):
-        self.app = self.server.app
         self.started = False  # whether this response's headers went out: then no other status can
-        self.cors, self.packed, self.error_fields = None, False, None  # see check_origin, send_json
+        self.app, self.cors, self.packed, self.error_fields = self.server.app, None, False, None
         try:
             super().handle_one_request()
         except (ConnectionError, TimeoutError):  # gone while we wrote, even an error: nobody to tell
@@ -768,9 +765,9 @@ class Handler(BaseHTTPRequestHandler):
         return samples
 
     def watch(self, request):
-        """A thread that cancels `request` once its client hangs up (a reset; in stream also a failed write),
-        even while it waits in the queue. An EOF is only a half-close (some clients and proxies send one
-        after the request): that client still reads its answer. If the engine thread dies, end it too."""
+        """A thread that cancels `request` once its client hangs up (a reset), even while it waits in the
+        queue, and ends it if the engine dies. An EOF is only a half-close (some clients and proxies send
+        one after the request): that client still reads its answer."""
         sock, app, poller = self.connection, self.app, select.poll()
         poller.register(sock, select.POLLIN)
 
@@ -821,12 +818,12 @@ PAGE = r"""<!doctype html>
  viewBox='0 0 16 16'%3E%3Cpath fill='%231f5fd1' d='M1 8q5-6 11 0q-6 6-11 0zM11 8l4-4v8z'/%3E%3C/svg%3E">
 <style>
 body { font: 15px/1.45 system-ui, sans-serif; color: #1d2330; background: #f4f6f9; max-width: 860px;
-       margin: 1.2rem auto; padding: 0 1rem; }
-[hidden] { display: none !important; } h1 { font-size: 1.35rem; margin: 0; } audio { width: 100%; }
-.sub { color: #5b6475; margin: .1rem 0 .8rem; } .hint { font-size: .82rem; color: #6b7385; }
+       margin: 1.2rem auto; padding: 0 1rem; } [hidden] { display: none !important; }
+h1 { font-size: 1.35rem; margin: 0; } .sub { color: #5b6475; margin: .1rem 0 .8rem; } audio { width: 100%; }
+.hint { font-size: .82rem; color: #6b7385; } #figures { font-variant-numeric: tabular-nums; color: #2b3342; }
 .demo { background: #b3261e; color: #fff; padding: .6rem .8rem; border-radius: 6px; font-weight: 600; }
 section { background: #fff; border: 1px solid #d9dee7; border-radius: 8px; padding: .8rem 1rem;
-          margin: .7rem 0; }
+          margin: .7rem 0; } #message { color: #1d7a3a; } #error { color: #b3261e; white-space: pre-wrap; }
 textarea { width: 100%; box-sizing: border-box; min-height: 5.5rem; font: inherit; padding: .4rem; }
 input, select { font: inherit; padding: .2rem .3rem; } input[type=number] { width: 5.5rem; }
 code { background: #eef1f6; padding: 0 .2rem; border-radius: 3px; }
@@ -837,8 +834,6 @@ button { font: inherit; padding: .3rem .8rem; border-radius: 6px; border: 1px so
          cursor: pointer; } button:disabled { opacity: .5; cursor: default; }
 button.primary { background: #1f5fd1; border-color: #1f5fd1; color: #fff; font-weight: 600; }
 canvas { width: 100%; height: 80px; background: #f7f9fc; border-radius: 4px; }
-#figures { font-variant-numeric: tabular-nums; color: #2b3342; } #message { color: #1d7a3a; }
-#error { color: #b3261e; white-space: pre-wrap; }
 </style></head>
 <body>
 <h1>fishfast</h1>
@@ -859,8 +854,7 @@ canvas { width: 100%; height: 80px; background: #f7f9fc; border-radius: 4px; }
     <button type="button" class="clip-remove" title="remove">&#x2715;</button></form></template>
   <span class="hint">1&ndash;4 clips of a few seconds (wav, flac, ogg, mp3), each with its transcript;
     a clip can be saved as a voice.</span></section>
-<section><div class="row">
-  <label>temperature
+<section><div class="row"><label>temperature
     <input id="temperature" type="number" value="0.7" min="0.05" max="1.95" step="0.05"></label>
   <label>top-p <input id="top_p" type="number" value="0.7" min="0.05" max="1" step="0.05"></label>
   <label>top-k <input id="top_k" type="number" value="30" min="0" step="1"></label>

@@ -47,7 +47,7 @@ MAX_TRANSCRIPT = 2000  # characters of a reference transcript
 MAX_CLIP_SECONDS = 30
 MAX_BODY = 48 << 20  # bytes: four 30 s 16-bit clips, base64 in JSON, fit with room
 VOICE_NAME = re.compile(r"[A-Za-z0-9_ -]{1,64}")  # upstream's rule for reference ids, at most 64 characters
-SAMPLE_RATE = codec.CONFIG["sample_rate"]
+SAMPLE_RATE, HOP = codec.CONFIG["sample_rate"], codec.hop_length()  # HOP: samples per frame
 STREAMABLE = ("wav", "pcm")  # written piece by piece; the others are encoded from the whole waveform
 # response_format -> (soundfile format, subtype, sample rate); opus exists only at 8/12/16/24/48 kHz
 SOUNDFILE_FORMATS = dict(flac=("FLAC", "PCM_16", SAMPLE_RATE), mp3=("MP3", "MPEG_LAYER_III", SAMPLE_RATE),
@@ -113,10 +113,8 @@ def check_text(text, what="input", limit=MAX_TEXT) -> str:
         raise dualAR.UserError(f"{what} is empty: give the text as a non-empty string")
     if len(text) > limit:
         raise dualAR.UserError(f"{what} has {len(text)} characters, at most {limit} are allowed")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # JSON may carry a lone surrogate ("\\ud800")
-        raise dualAR.UserError(f"{what} is not valid Unicode text") from None
+    if any("\ud800" <= c <= "\udfff" for c in text):  # JSON may carry a lone surrogate ("\\ud800")
+        raise dualAR.UserError(f"{what} is not valid Unicode text")
     return text
 
 
@@ -441,8 +439,7 @@ class App:
             except dualAR.UserError as e:  # a full disk, a folder gone
                 npy.unlink(missing_ok=True)
                 raise HTTPError(500, f"cannot save voice {name!r}: {e}") from None
-        frames = codes.size(1)
-        return dict(name=name, frames=frames, seconds=round(frames * codec.hop_length() / SAMPLE_RATE, 2))
+        return dict(name=name, frames=codes.size(1), seconds=round(codes.size(1) * HOP / SAMPLE_RATE, 2))
 
     def delete_voice(self, name: str):
         self.check_voices(saved=name)
@@ -711,8 +708,7 @@ class Handler(BaseHTTPRequestHandler):
         if not self.app.alive:
             raise HTTPError(503, "the engine stopped (see the server's log): restart the server")
         self.app.engine.check_room()  # before the clips are encoded for nothing
-        references = self.app.references(job)
-        request = self.app.engine.submit(dict(text=job["text"], references=references,
+        request = self.app.engine.submit(dict(text=job["text"], references=self.app.references(job),
                                               max_context=self.app.max_context, **job["sampling"]))
         start, prompt_tokens = time.perf_counter(), request.prompt.size(1)
         try:
@@ -749,7 +745,7 @@ class Handler(BaseHTTPRequestHandler):
                 wave = self.app.whole_wave(request)
                 send(audio_file_bytes(wave, fmt))
                 samples = len(wave)
-            frames = round(samples / codec.hop_length())
+            frames = round(samples / HOP)
             end = dict(type="speech.audio.done", usage=dict(input_tokens=prompt_tokens, output_tokens=frames,
                                                             total_tokens=prompt_tokens + frames))
         except (ConnectionError, TimeoutError):
@@ -789,8 +785,7 @@ class Handler(BaseHTTPRequestHandler):
         threading.Thread(target=run, name="fishfast-watch", daemon=True).start()
 
     def log_figures(self, start: float, samples: int):
-        wall, seconds = time.perf_counter() - start, samples / SAMPLE_RATE
-        frames = samples / codec.hop_length()
+        wall, seconds, frames = time.perf_counter() - start, samples / SAMPLE_RATE, samples / HOP
         self.log_message("%s: %d frames, %.2f s of audio in %.2f s: %.1f frames/s, RTF %.3f", self.path,
                          frames, seconds, wall, frames / max(wall, 1e-9), wall / max(seconds, 1e-9))
 
@@ -802,7 +797,7 @@ class Server(ThreadingHTTPServer):  # its `app` is set by make_server
 # ----------------------------------------------------------------------------- the page
 def render_page(app: App) -> str:
     banner = f'<p class="demo">{DEMO_NOTICE}</p>' if app.demo else ""
-    config = dict(sampleRate=SAMPLE_RATE, hop=codec.hop_length(), auth=app.api_key is not None,
+    config = dict(sampleRate=SAMPLE_RATE, hop=HOP, auth=app.api_key is not None,
                   wavHeader=base64.b64encode(wav_header(0)).decode(),
                   model=f"{app.info['model']} on {app.info['device']} ({app.info['dtype']})",
                   maxReferences=dualAR.MAX_REFERENCES, maxFrames=DEMO_FRAMES if app.demo else 0)
@@ -811,9 +806,8 @@ def render_page(app: App) -> str:
 
 
 PAGE = r"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8">
+<html lang="en"><head><meta charset="utf-8"><title>fishfast: S2-Pro text-to-speech</title>
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<title>fishfast: S2-Pro text-to-speech</title>
 <link rel="icon" href="data:image/svg+xml,%3Csvg xmlns='http://www.w3.org/2000/svg'
  viewBox='0 0 16 16'%3E%3Cpath fill='%231f5fd1' d='M1 8q5-6 11 0q-6 6-11 0zM11 8l4-4v8z'/%3E%3C/svg%3E">
 <style>
@@ -901,7 +895,7 @@ function addClip() {
 async function saveVoice(row) {  // the row is a form of the upload's fields: audio, text, name
   say();
   const form = new FormData(row), name = form.get('name').trim();
-  if (!row.querySelector('.clip-file').files[0]) return say('choose an audio file first');
+  if (!form.get('audio').name) return say('choose an audio file first');
   form.set('name', name);
   await changeVoices('/v1/audio/voices', 'POST', form, 'saved voice ' + name, name);
 }
@@ -916,12 +910,6 @@ const base64 = file => new Promise((ok, fail) => {
   reader.readAsDataURL(file);
 });
 
-function wavHeader(samples) {  // the server's 44 bytes (16-bit mono PCM), the sizes known now
-  const view = new DataView(Uint8Array.from(atob(CONFIG.wavHeader), c => c.charCodeAt(0)).buffer);
-  view.setUint32(4, 36 + 2 * samples, true);
-  view.setUint32(40, 2 * samples, true);
-  return view.buffer;
-}
 function showFigures(t0) {
   const wall = (performance.now() - t0) / 1000, seconds = player.samples / CONFIG.sampleRate;
   const frames = player.samples / CONFIG.hop;
@@ -937,11 +925,6 @@ function addPeaks(pcm) {
     player.peaks.push([Math.min(0, ...block) / 32768, Math.max(0, ...block) / 32768]);
   }
 }
-function playhead() {  // seconds played: of the file once it is whole, else of the stream
-  const audio = $('audio');
-  if (audio.src && !audio.srcObject) return audio.currentTime;
-  return player.start != null ? Math.max(0, player.ctx.currentTime - player.start) : null;
-}
 function draw() {  // the waveform as it arrives (it fills the canvas, then shrinks to fit), the playhead red
   const canvas = $('wave'), g = canvas.getContext('2d'), peaks = player.peaks || [];
   const w = canvas.width, h = canvas.height, scale = w / Math.max(w, peaks.length);
@@ -949,7 +932,8 @@ function draw() {  // the waveform as it arrives (it fills the canvas, then shri
   g.fillStyle = '#1f5fd1';
   peaks.forEach(([low, high], i) => g.fillRect(i * scale, (1 - high) * h / 2, 1,
                                                Math.max(1, (high - low) * h / 2)));
-  const t = playhead();
+  const audio = $('audio'), t = audio.src && !audio.srcObject ? audio.currentTime  // in the whole file,
+    : player.start != null ? Math.max(0, player.ctx.currentTime - player.start) : null;  // else the stream
   g.fillStyle = '#b3261e';
   if (t !== null) g.fillRect(t * CONFIG.sampleRate / BLOCK * scale, 0, 2, h);
   requestAnimationFrame(draw);
@@ -989,8 +973,10 @@ async function play(reader, t0) {
 }
 function offer(t0) {  // the figures and a download of what was made: all of it, or what came before Stop
   showFigures(t0);
-  const wav = new Blob([wavHeader(player.samples), ...player.pieces], {type: 'audio/wav'});
-  const url = URL.createObjectURL(wav);
+  const header = new DataView(Uint8Array.from(atob(CONFIG.wavHeader), c => c.charCodeAt(0)).buffer);
+  header.setUint32(4, 36 + 2 * player.samples, true);  // the server's 44 bytes, the sizes known now
+  header.setUint32(40, 2 * player.samples, true);
+  const url = URL.createObjectURL(new Blob([header, ...player.pieces], {type: 'audio/wav'}));
   Object.assign($('download'), {href: url, hidden: false});
   const toFile = () => {  // then the element replays (and seeks in) the file
     Object.assign($('audio'), {srcObject: null, src: url});
@@ -1006,12 +992,9 @@ async function generate() {
   $('download').hidden = true;
   const body = {model: 's2-pro', input: $('text').value, response_format: 'pcm', stream_format: 'audio'};
   if ($('voice').value) body.voice = $('voice').value;
-  const references = [];
-  for (const row of $('clips').children) {
-    const file = row.querySelector('.clip-file').files[0];
-    if (file) references.push({audio: await base64(file), text: row.querySelector('.clip-text').value});
-  }
-  if (references.length) body.references = references;
+  const clips = [...$('clips').children].map(row => new FormData(row)).filter(clip => clip.get('audio').name);
+  if (clips.length) body.references = await Promise.all(clips.map(async clip =>
+    ({audio: await base64(clip.get('audio')), text: clip.get('text')})));
   for (const key of ['temperature', 'top_p', 'top_k', 'seed', 'max_new_tokens'])
     if ($(key).value !== '') body[key] = Number($(key).value);
   Object.assign(player, {abort: new AbortController(), state: 'generating', pieces: [], peaks: [], samples: 0,

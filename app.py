@@ -258,8 +258,7 @@ def fish_job(body: dict) -> dict:
     repetition_penalty, normalize, latency, use_memory_cache: checked, no effect, as upstream's S2-Pro."""
     errors = upstream_errors(body)
     if errors:
-        message = "; ".join(f"{e['loc'][0]}: {e['msg']}" for e in errors)
-        raise HTTPError(422, message, body=errors)
+        raise HTTPError(422, "; ".join(f"{e['loc'][0]}: {e['msg']}" for e in errors), body=errors)
     streaming = body.get("streaming", False)
     if not isinstance(streaming, bool):
         raise dualAR.UserError("streaming must be true or false")
@@ -412,9 +411,8 @@ class App:
 
     @contextlib.contextmanager
     def voices_locked(self, saved=None, free=None):
-        """One save, delete or rename at a time among threads and servers sharing the folder (an flock on a
-        descriptor of each call's own). Readers take no lock: a voice appears once its transcript is renamed
-        into place, so none is half."""
+        """One save, delete or rename at a time among threads and servers sharing the folder (an flock on
+        each call's own descriptor). Readers take no lock: a voice appears once its transcript is in place."""
         self.voices.mkdir(parents=True, exist_ok=True)
         with open(self.voices / ".fishfast-lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)

@@ -9,7 +9,6 @@ One engine thread owns the model (dualAR.Engine: --slots rows, continuous batchi
 in its own thread: it validates, submits, and turns the codes into audio through the codec as they come.
 """
 import base64
-import binascii
 import contextlib
 import email.parser
 import email.policy
@@ -48,7 +47,7 @@ MAX_TRANSCRIPT = 2000  # characters of a reference transcript
 MAX_CLIP_SECONDS = 30
 MAX_BODY = 48 << 20  # bytes: four 30 s 16-bit clips, base64 in JSON, fit with room
 VOICE_NAME = re.compile(r"[A-Za-z0-9_ -]{1,64}")  # upstream's rule for reference ids, at most 64 characters
-SAMPLE_RATE = codec.CONFIG["sample_rate"]
+SAMPLE_RATE, HOP = codec.CONFIG["sample_rate"], codec.hop_length()  # HOP: samples per frame
 STREAMABLE = ("wav", "pcm")  # written piece by piece; the others are encoded from the whole waveform
 # response_format -> (soundfile format, subtype, sample rate); opus exists only at 8/12/16/24/48 kHz
 SOUNDFILE_FORMATS = dict(flac=("FLAC", "PCM_16", SAMPLE_RATE), mp3=("MP3", "MPEG_LAYER_III", SAMPLE_RATE),
@@ -62,8 +61,7 @@ FISH_DEFAULTS = dict(temperature=0.8, top_p=0.8, top_k=30, max_new_tokens=1024, 
 # upstream's ServeTTSRequest (fish_speech/utils/schema.py): what its pydantic model answers with a 422
 UPSTREAM_RANGES = dict(top_p=(0.1, 1.0), temperature=(0.1, 1.0), repetition_penalty=(0.9, 2.0))
 UPSTREAM_CHOICES = dict(format=tuple(FORMATS), latency=("normal", "balanced"), use_memory_cache=("on", "off"))
-OPENAI_VOICES = {"alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer",
-                 "verse"}
+OPENAI_VOICES = set("alloy ash ballad coral echo fable nova onyx sage shimmer verse".split())
 MAX_CODES = 8  # audios or token arrays in one /v1/vqgan request
 DEMO_FRAMES = 200  # the page's default length with the demo model: seconds of noise, not half a minute
 DEMO_NOTICE = ("DEMO: no checkpoint found, so a tiny RANDOM model is serving and the audio is NOISE. For"
@@ -115,27 +113,22 @@ def check_text(text, what="input", limit=MAX_TEXT) -> str:
         raise dualAR.UserError(f"{what} is empty: give the text as a non-empty string")
     if len(text) > limit:
         raise dualAR.UserError(f"{what} has {len(text)} characters, at most {limit} are allowed")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:  # JSON may carry a lone surrogate ("\\ud800")
-        raise dualAR.UserError(f"{what} is not valid Unicode text") from None
+    if any("\ud800" <= c <= "\udfff" for c in text):  # JSON may carry a lone surrogate ("\\ud800")
+        raise dualAR.UserError(f"{what} is not valid Unicode text")
     return text
 
 
-def refuse_json_constant(name):
-    raise ValueError(f"{name} is not a JSON number")
-
-
 def parse_body(kind: str, body: bytes) -> dict:
-    """A JSON or msgpack body (as upstream's tools/api_client.py sends it: bytes stay bytes, raw audio) -> the
-    object it holds."""
+    """A JSON or msgpack body (upstream's tools/api_client.py: bytes stay bytes, raw audio) -> its object."""
+    def refuse_constant(name):  # NaN, Infinity, -Infinity
+        raise ValueError(f"{name} is not a JSON number")
     what = "msgpack" if kind == "application/msgpack" else "JSON"
     if what == "msgpack" and MSGPACK is None:
         raise HTTPError(415, "application/msgpack needs a msgpack library on the server: pip install"
                              " ormsgpack (or msgpack), or send JSON")
     try:
         data = MSGPACK.unpackb(body) if what == "msgpack" else \
-            json.loads(body, parse_constant=refuse_json_constant)
+            json.loads(body, parse_constant=refuse_constant)
     except (ValueError, TypeError, RecursionError) as e:  # both libraries' errors, the depth limits too
         raise dualAR.UserError(f"malformed {what} body: {str(e)[:100] or type(e).__name__}") from None
     if not isinstance(data, dict):
@@ -144,17 +137,15 @@ def parse_body(kind: str, body: bytes) -> dict:
 
 
 def parse_form(content_type: str, body: bytes) -> dict:
-    """multipart/form-data -> {field: bytes}, parsed by the standard library's email parser."""
+    """multipart/form-data -> {field: text, audio: bytes}, parsed by the standard library's email parser."""
     message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
         b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n" + body)
     if not message.is_multipart():
         raise dualAR.UserError("malformed multipart/form-data body")
-    fields = {}
-    for part in message.iter_parts():
-        name = part.get_param("name", header="content-disposition")
-        if name:
-            fields[name] = part.get_payload(decode=True) or b""
-    return fields
+    fields = {part.get_param("name", header="content-disposition"): part.get_payload(decode=True) or b""
+              for part in message.iter_parts()}
+    return {name: value if name == "audio" else value.decode("utf-8", "replace")
+            for name, value in fields.items() if name}
 
 
 def decode_base64(value, what: str) -> bytes:
@@ -167,7 +158,7 @@ def decode_base64(value, what: str) -> bytes:
         value = value.split(",", 1)[1]
     try:
         return base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError):
+    except ValueError:  # binascii.Error is one
         raise dualAR.UserError(f"{what} is not valid base64") from None
 
 
@@ -267,8 +258,7 @@ def fish_job(body: dict) -> dict:
     repetition_penalty, normalize, latency, use_memory_cache: checked, no effect, as upstream's S2-Pro."""
     errors = upstream_errors(body)
     if errors:
-        message = "; ".join(f"{e['loc'][0]}: {e['msg']}" for e in errors)
-        raise HTTPError(422, message, body=errors)
+        raise HTTPError(422, "; ".join(f"{e['loc'][0]}: {e['msg']}" for e in errors), body=errors)
     streaming = body.get("streaming", False)
     if not isinstance(streaming, bool):
         raise dualAR.UserError("streaming must be true or false")
@@ -284,15 +274,9 @@ def fish_job(body: dict) -> dict:
 # ----------------------------------------------------------------------------- audio bytes
 def wav_header(data_bytes=0xFFFFFFFF) -> bytes:
     """16-bit mono PCM WAV header. Streamed, the length is unknown: 0xFFFFFFFF sizes, which players accept."""
-    riff = 0xFFFFFFFF if data_bytes == 0xFFFFFFFF else 36 + data_bytes
-    return (b"RIFF" + struct.pack("<I", riff) + b"WAVEfmt "
+    return (b"RIFF" + struct.pack("<I", min(36 + data_bytes, 0xFFFFFFFF)) + b"WAVEfmt "
             + struct.pack("<IHHIIHH", 16, 1, 1, SAMPLE_RATE, 2 * SAMPLE_RATE, 2, 16)
             + b"data" + struct.pack("<I", data_bytes))
-
-
-def json_fallback(value):
-    """json.dumps' fallback: bytes (audio, or msgpack input echoed in an error) as base64, else repr."""
-    return base64.b64encode(value).decode() if isinstance(value, bytes) else repr(value)
 
 
 def sse_event(**payload) -> bytes:
@@ -304,12 +288,9 @@ def pcm16(wave: torch.Tensor) -> bytes:
 
 
 def audio_file_bytes(wave: torch.Tensor, fmt: str) -> bytes:
-    """A whole waveform -> the bytes of one file in `fmt`."""
-    if fmt == "pcm":
-        return pcm16(wave)
-    if fmt == "wav":
+    if fmt in STREAMABLE:
         data = pcm16(wave)
-        return wav_header(len(data)) + data
+        return data if fmt == "pcm" else wav_header(len(data)) + data
     kind, subtype, rate = SOUNDFILE_FORMATS[fmt]
     samples = np.frombuffer(pcm16(wave), dtype="<i2")  # the wav's very samples: flac is lossless of them
     if rate != SAMPLE_RATE:
@@ -362,8 +343,7 @@ class App:
         return dict(status=status, **self.info, **note, **self.engine.stats())
 
     # voices: prompt/<name>.npy (codes) or an audio file, + prompt/<name>.txt, the layout the CLI reads
-    def voice_files(self) -> dict:
-        """-> {name: (kind, path)} of the saved voices."""
+    def voice_files(self) -> dict:  # -> {name: (kind, path)}
         found = dualAR.default_references(self.voices)
         return {path.stem: (kind, path) for kind, path in found if is_voice_name(path.stem)}
 
@@ -420,22 +400,19 @@ class App:
         return given + [(self.clip_codes(audio, f"reference {i} audio"), text)
                         for i, (audio, text) in enumerate(job["clips"], 1)]
 
-    def check_voices(self, saved=(), free=()):
-        """A 404 for a name in `saved` that is not a saved voice, a 409 for one in `free` that is."""
+    def check_voices(self, saved=None, free=None):
+        """A 404 if `saved` is not a saved voice, a 409 if `free` is. Each change checks first without the
+        lock (a refusal makes no lock file, encodes no audio), then under it."""
         files = self.voice_files()
-        for name in saved:
-            if name not in files:
-                raise HTTPError(404, f"no voice named {name!r}")
-        for name in free:
-            if name in files:
-                raise HTTPError(409, f"voice {name!r} exists already: delete it first")
+        if saved is not None and saved not in files:
+            raise HTTPError(404, f"no voice named {saved!r}")
+        if free in files:
+            raise HTTPError(409, f"voice {free!r} exists already: delete it first")
 
     @contextlib.contextmanager
-    def voices_locked(self, saved=(), free=()):
-        """One save, delete or rename at a time among threads and servers sharing the folder (an flock on a
-        descriptor of each call's own), the names checked before (a refusal makes no lock file) and under it.
-        Readers take no lock: a voice appears once its transcript is renamed into place, so none is half."""
-        self.check_voices(saved, free)
+    def voices_locked(self, saved=None, free=None):
+        """One save, delete or rename at a time among threads and servers sharing the folder (an flock on
+        each call's own descriptor). Readers take no lock: a voice appears once its transcript is in place."""
         self.voices.mkdir(parents=True, exist_ok=True)
         with open(self.voices / ".fishfast-lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
@@ -449,10 +426,10 @@ class App:
         return [self.voices / f"{name}.txt", *found]
 
     def save_voice(self, name: str, audio: bytes, text: str) -> dict:
-        self.check_voices(free=[name])  # before the audio is encoded for nothing
+        self.check_voices(free=name)
         codes = self.clip_codes(audio, "audio")  # everything is checked before anything is written
         npy, txt = self.voices / f"{name}.npy", self.voices / f"{name}.txt"
-        with self.voices_locked(free=[name]):
+        with self.voices_locked(free=name):
             try:
                 codec.save_codes(npy, codes)
                 # the voice appears (listed and usable) only once the transcript exists, written whole
@@ -460,16 +437,17 @@ class App:
             except dualAR.UserError as e:  # a full disk, a folder gone
                 npy.unlink(missing_ok=True)
                 raise HTTPError(500, f"cannot save voice {name!r}: {e}") from None
-        frames = codes.size(1)
-        return dict(name=name, frames=frames, seconds=round(frames * codec.hop_length() / SAMPLE_RATE, 2))
+        return dict(name=name, frames=codes.size(1), seconds=round(codes.size(1) * HOP / SAMPLE_RATE, 2))
 
     def delete_voice(self, name: str):
-        with self.voices_locked(saved=[name]):
+        self.check_voices(saved=name)
+        with self.voices_locked(saved=name):
             for path in self.voice_paths(name):
                 path.unlink(missing_ok=True)
 
     def rename_voice(self, old: str, new: str):
-        with self.voices_locked(saved=[old], free=[new]):
+        self.check_voices(saved=old, free=new)
+        with self.voices_locked(saved=old, free=new):
             for path in reversed(self.voice_paths(old)):  # the transcript last: then the new name appears
                 path.rename(path.with_name(new + path.suffix))
 
@@ -497,13 +475,9 @@ class Handler(BaseHTTPRequestHandler):
               "/v1/references/update": dict(POST="rename_voice"),
               "/v1/vqgan/encode": dict(POST="vqgan_encode"), "/v1/vqgan/decode": dict(POST="vqgan_decode")}
 
-    @property
-    def app(self) -> App:
-        return self.server.app
-
     def handle_one_request(self):
         self.started = False  # whether this response's headers went out: then no other status can
-        self.cors, self.packed, self.error_fields = None, False, None  # see check_origin, send_json
+        self.app, self.cors, self.packed, self.error_fields = self.server.app, None, False, None
         try:
             super().handle_one_request()
         except (ConnectionError, TimeoutError):  # gone while we wrote, even an error: nobody to tell
@@ -558,10 +532,8 @@ class Handler(BaseHTTPRequestHandler):
         self.send_bytes(b"", None, 204, headers)
 
     def authorize(self):
-        if self.app.api_key is None:
-            return
-        given = self.headers.get("Authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {self.app.api_key}".encode()):
+        given, key = self.headers.get("Authorization", "").encode(), self.app.api_key
+        if key is not None and not hmac.compare_digest(given, f"Bearer {key}".encode()):
             raise HTTPError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                             {"WWW-Authenticate": "Bearer"})
 
@@ -586,12 +558,9 @@ class Handler(BaseHTTPRequestHandler):
         kind = self.headers.get_content_type()
         if kind not in kinds:
             raise HTTPError(415, f"Content-Type {kind} is not supported here: send {' or '.join(kinds)}")
-        if kind != "multipart/form-data":
-            return parse_body(kind, self.body())
-        body = self.body()
-        fields = parse_form(self.headers["Content-Type"], body)
-        return {key: value if key == "audio" else value.decode("utf-8", "replace")
-                for key, value in fields.items()}
+        if kind == "multipart/form-data":
+            return parse_form(self.headers["Content-Type"], self.body())
+        return parse_body(kind, self.body())
 
     def wants_msgpack(self) -> bool:
         """Upstream's rule: msgpack unless ?format=json or an Accept that names JSON and not msgpack."""
@@ -605,10 +574,10 @@ class Handler(BaseHTTPRequestHandler):
     def send_json(self, data, status=200, headers=None):
         """JSON (bytes as base64), or msgpack for upstream's routes when the client asks for it."""
         if self.packed:
-            self.send_bytes(MSGPACK.packb(data), "application/msgpack", status, headers)
-        else:
-            body = json.dumps(data, default=json_fallback).encode()
-            self.send_bytes(body, "application/json", status, headers)
+            return self.send_bytes(MSGPACK.packb(data), "application/msgpack", status, headers)
+        body = json.dumps(data, default=lambda value: base64.b64encode(value).decode()
+                          if isinstance(value, bytes) else repr(value))
+        self.send_bytes(body.encode(), "application/json", status, headers)
 
     def error_body(self, status: int, message: str) -> dict:
         """Ours: {error: {message, type}}. Upstream's routes: its {success: false, message, ...ids}."""
@@ -707,8 +676,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def speech(self):
         job = openai_job(self.data())
-        job["voice"] = self.app.builtin_voice(job["voice"])
-        self.answer(job)
+        self.answer(dict(job, voice=self.app.builtin_voice(job["voice"])))
 
     def tts(self):
         self.answer(fish_job(self.data()))
@@ -738,8 +706,7 @@ class Handler(BaseHTTPRequestHandler):
         if not self.app.alive:
             raise HTTPError(503, "the engine stopped (see the server's log): restart the server")
         self.app.engine.check_room()  # before the clips are encoded for nothing
-        references = self.app.references(job)
-        request = self.app.engine.submit(dict(text=job["text"], references=references,
+        request = self.app.engine.submit(dict(text=job["text"], references=self.app.references(job),
                                               max_context=self.app.max_context, **job["sampling"]))
         start, prompt_tokens = time.perf_counter(), request.prompt.size(1)
         try:
@@ -750,9 +717,6 @@ class Handler(BaseHTTPRequestHandler):
                 samples = len(wave)
             else:
                 samples = self.stream(request, job, prompt_tokens)
-        except (ConnectionError, TimeoutError):  # the client went away
-            self.close_connection = True
-            return
         finally:
             request.cancel()  # a no-op once it has finished; frees the row if the client is gone
         self.log_figures(start, samples)
@@ -779,7 +743,7 @@ class Handler(BaseHTTPRequestHandler):
                 wave = self.app.whole_wave(request)
                 send(audio_file_bytes(wave, fmt))
                 samples = len(wave)
-            frames = round(samples / codec.hop_length())
+            frames = round(samples / HOP)
             end = dict(type="speech.audio.done", usage=dict(input_tokens=prompt_tokens, output_tokens=frames,
                                                             total_tokens=prompt_tokens + frames))
         except (ConnectionError, TimeoutError):
@@ -788,17 +752,16 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             status, message, _, _ = error_answer(e)  # a bug's traceback is logged
             end = dict(type="error", **self.error_body(status, message)) if sse else None
-        if end is None or request.cancelled:  # a body cut off; or nobody to finish it for: the client hung up
-            return samples
-        if sse:
-            self.write_chunk(sse_event(**end))
-        self.write_chunk(b"")
+        if end is not None and not request.cancelled:  # else a body cut off, or a client that hung up
+            if sse:
+                self.write_chunk(sse_event(**end))
+            self.write_chunk(b"")
         return samples
 
     def watch(self, request):
-        """A thread that cancels `request` once its client hangs up (a reset; in stream also a failed write),
-        even while it waits in the queue. An EOF is only a half-close (some clients and proxies send one
-        after the request): that client still reads its answer. If the engine thread dies, end it too."""
+        """A thread that cancels `request` once its client hangs up (a reset), even while it waits in the
+        queue, and ends it if the engine dies. An EOF is only a half-close (some clients and proxies send
+        one after the request): that client still reads its answer."""
         sock, app, poller = self.connection, self.app, select.poll()
         poller.register(sock, select.POLLIN)
 
@@ -820,24 +783,19 @@ class Handler(BaseHTTPRequestHandler):
         threading.Thread(target=run, name="fishfast-watch", daemon=True).start()
 
     def log_figures(self, start: float, samples: int):
-        wall, seconds = time.perf_counter() - start, samples / SAMPLE_RATE
-        frames = samples / codec.hop_length()
+        wall, seconds, frames = time.perf_counter() - start, samples / SAMPLE_RATE, samples / HOP
         self.log_message("%s: %d frames, %.2f s of audio in %.2f s: %.1f frames/s, RTF %.3f", self.path,
                          frames, seconds, wall, frames / max(wall, 1e-9), wall / max(seconds, 1e-9))
 
 
-class Server(ThreadingHTTPServer):
+class Server(ThreadingHTTPServer):  # its `app` is set by make_server
     request_queue_size = 128  # connections the kernel holds before accept: 5 made every 6th of 100 wait 1 s
-
-    def __init__(self, address, app: App):
-        self.app = app
-        super().__init__(address, Handler)
 
 
 # ----------------------------------------------------------------------------- the page
 def render_page(app: App) -> str:
     banner = f'<p class="demo">{DEMO_NOTICE}</p>' if app.demo else ""
-    config = dict(sampleRate=SAMPLE_RATE, hop=codec.hop_length(), auth=app.api_key is not None,
+    config = dict(sampleRate=SAMPLE_RATE, hop=HOP, auth=app.api_key is not None,
                   wavHeader=base64.b64encode(wav_header(0)).decode(),
                   model=f"{app.info['model']} on {app.info['device']} ({app.info['dtype']})",
                   maxReferences=dualAR.MAX_REFERENCES, maxFrames=DEMO_FRAMES if app.demo else 0)
@@ -846,31 +804,28 @@ def render_page(app: App) -> str:
 
 
 PAGE = r"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8">
+<html lang="en"><head><meta charset="utf-8"><title>fishfast: S2-Pro text-to-speech</title>
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<title>fishfast: S2-Pro text-to-speech</title>
 <link rel="icon" href="data:image/svg+xml,%3Csvg xmlns='http://www.w3.org/2000/svg'
  viewBox='0 0 16 16'%3E%3Cpath fill='%231f5fd1' d='M1 8q5-6 11 0q-6 6-11 0zM11 8l4-4v8z'/%3E%3C/svg%3E">
 <style>
 body { font: 15px/1.45 system-ui, sans-serif; color: #1d2330; background: #f4f6f9; max-width: 860px;
-       margin: 1.2rem auto; padding: 0 1rem; }
-[hidden] { display: none !important; } h1 { font-size: 1.35rem; margin: 0; } audio { width: 100%; }
-.sub { color: #5b6475; margin: .1rem 0 .8rem; } .hint { font-size: .82rem; color: #6b7385; }
+       margin: 1.2rem auto; padding: 0 1rem; } [hidden] { display: none !important; }
+h1 { font-size: 1.35rem; margin: 0; } .sub { color: #5b6475; margin: .1rem 0 .8rem; } audio { width: 100%; }
+.hint { font-size: .82rem; color: #6b7385; } #figures { font-variant-numeric: tabular-nums; color: #2b3342; }
 .demo { background: #b3261e; color: #fff; padding: .6rem .8rem; border-radius: 6px; font-weight: 600; }
 section { background: #fff; border: 1px solid #d9dee7; border-radius: 8px; padding: .8rem 1rem;
-          margin: .7rem 0; }
+          margin: .7rem 0; } #message { color: #1d7a3a; } #error { color: #b3261e; white-space: pre-wrap; }
 textarea { width: 100%; box-sizing: border-box; min-height: 5.5rem; font: inherit; padding: .4rem; }
 input, select { font: inherit; padding: .2rem .3rem; } input[type=number] { width: 5.5rem; }
-code { background: #eef1f6; padding: 0 .2rem; border-radius: 3px; } #message { color: #1d7a3a; }
+code { background: #eef1f6; padding: 0 .2rem; border-radius: 3px; }
 .row { display: flex; gap: .7rem; flex-wrap: wrap; align-items: end; margin: .3rem 0; }
 .row label { display: flex; flex-direction: column; font-size: .85rem; color: #434b5c; }
 .clip { display: grid; grid-template-columns: 13rem 1fr 9rem auto auto; gap: .4rem; margin: .4rem 0; }
-button { font: inherit; padding: .3rem .8rem; border-radius: 6px; border: 1px solid #9aa3b5; }
+button { font: inherit; padding: .3rem .8rem; border-radius: 6px; border: 1px solid #9aa3b5; background: #fff;
+         cursor: pointer; } button:disabled { opacity: .5; cursor: default; }
 button.primary { background: #1f5fd1; border-color: #1f5fd1; color: #fff; font-weight: 600; }
-button { background: #fff; cursor: pointer; } button:disabled { opacity: .5; cursor: default; }
 canvas { width: 100%; height: 80px; background: #f7f9fc; border-radius: 4px; }
-#figures { font-variant-numeric: tabular-nums; color: #2b3342; }
-#error { color: #b3261e; white-space: pre-wrap; }
 </style></head>
 <body>
 <h1>fishfast</h1>
@@ -884,10 +839,14 @@ canvas { width: 100%; height: 80px; background: #f7f9fc; border-radius: 4px; }
     <button id="delete-voice" type="button">Delete voice</button>
     <label id="key-label" hidden>API key <input id="api-key" type="password" autocomplete="off"></label></div>
   <div id="clips"></div><button id="add-clip" type="button">+ reference clip</button>
+  <template id="clip"><form class="clip"><input type="file" name="audio" accept="audio/*" class="clip-file">
+    <input name="text" class="clip-text" placeholder="transcript: exactly what the clip says">
+    <input name="name" class="clip-name" placeholder="name to save as">
+    <button type="button" class="clip-save">Save as voice</button>
+    <button type="button" class="clip-remove" title="remove">&#x2715;</button></form></template>
   <span class="hint">1&ndash;4 clips of a few seconds (wav, flac, ogg, mp3), each with its transcript;
     a clip can be saved as a voice.</span></section>
-<section><div class="row">
-  <label>temperature
+<section><div class="row"><label>temperature
     <input id="temperature" type="number" value="0.7" min="0.05" max="1.95" step="0.05"></label>
   <label>top-p <input id="top_p" type="number" value="0.7" min="0.05" max="1" step="0.05"></label>
   <label>top-k <input id="top_k" type="number" value="30" min="0" step="1"></label>
@@ -905,14 +864,10 @@ const $ = id => document.getElementById(id);
 const player = window.player = {state: 'idle'};  // read by the browser test
 const text = (id, value) => { $(id).textContent = value || ''; };
 const say = (error, message) => [text('error', error), text('message', message)];
-function headers(json) {
-  const h = json ? {'Content-Type': 'application/json'} : {};
-  if ($('api-key').value) h.Authorization = 'Bearer ' + $('api-key').value;
-  return h;
-}
-async function errorOf(res) {
-  try { return (await res.json()).error.message; } catch (e) { return res.status + ' ' + res.statusText; }
-}
+const headers = json => ({...(json && {'Content-Type': 'application/json'}),
+                          ...($('api-key').value && {Authorization: 'Bearer ' + $('api-key').value})});
+const errorOf = res => res.json().then(body => body.error.message)
+  .catch(() => res.status + ' ' + res.statusText);
 
 async function loadVoices(select) {
   const res = await fetch('/v1/audio/voices', {headers: headers()});
@@ -931,24 +886,15 @@ async function changeVoices(path, method, body, done, select) {  // save or dele
 }
 function addClip() {
   if ($('clips').children.length >= CONFIG.maxReferences) return say('at most 4 reference clips');
-  const row = document.createElement('div');
-  row.className = 'clip';
-  row.innerHTML = '<input type="file" accept="audio/*" class="clip-file">'
-    + '<input class="clip-text" placeholder="transcript: exactly what the clip says">'
-    + '<input class="clip-name" placeholder="name to save as"><button type="button" class="clip-save">'
-    + 'Save as voice</button><button type="button" class="clip-remove" title="remove">&#x2715;</button>';
+  const row = $('clips').appendChild($('clip').content.firstElementChild.cloneNode(true));
   row.querySelector('.clip-remove').onclick = () => row.remove();
   row.querySelector('.clip-save').onclick = () => saveVoice(row);
-  $('clips').append(row);
 }
-async function saveVoice(row) {
+async function saveVoice(row) {  // the row is a form of the upload's fields: audio, text, name
   say();
-  const file = row.querySelector('.clip-file').files[0], name = row.querySelector('.clip-name').value.trim();
-  if (!file) return say('choose an audio file first');
-  const form = new FormData();
-  form.append('name', name);
-  form.append('text', row.querySelector('.clip-text').value);
-  form.append('audio', file);
+  const form = new FormData(row), name = form.get('name').trim();
+  if (!form.get('audio').name) return say('choose an audio file first');
+  form.set('name', name);
   await changeVoices('/v1/audio/voices', 'POST', form, 'saved voice ' + name, name);
 }
 async function deleteVoice() {
@@ -962,12 +908,6 @@ const base64 = file => new Promise((ok, fail) => {
   reader.readAsDataURL(file);
 });
 
-function wavHeader(samples) {  // the server's 44 bytes (16-bit mono PCM), the sizes known now
-  const view = new DataView(Uint8Array.from(atob(CONFIG.wavHeader), c => c.charCodeAt(0)).buffer);
-  view.setUint32(4, 36 + 2 * samples, true);
-  view.setUint32(40, 2 * samples, true);
-  return view.buffer;
-}
 function showFigures(t0) {
   const wall = (performance.now() - t0) / 1000, seconds = player.samples / CONFIG.sampleRate;
   const frames = player.samples / CONFIG.hop;
@@ -976,28 +916,22 @@ function showFigures(t0) {
     + wall.toFixed(2) + ' s = ' + (frames / wall).toFixed(1) + ' frames/s \u00b7 RTF '
     + (wall / seconds).toFixed(2) + ' (' + seconds.toFixed(2) + ' s of audio)');
 }
-const BLOCK = 512;  // samples of one min/max pair of the waveform
+const BLOCK = 512;  // samples of one [min, max] pair of the waveform
 function addPeaks(pcm) {
   for (let i = 0; i < pcm.length; i += BLOCK) {
     const block = pcm.subarray(i, i + BLOCK);
-    player.peaks.push(Math.min(0, ...block) / 32768, Math.max(0, ...block) / 32768);
+    player.peaks.push([Math.min(0, ...block) / 32768, Math.max(0, ...block) / 32768]);
   }
-}
-function playhead() {  // seconds played: of the file once it is whole, else of the stream
-  const audio = $('audio');
-  if (audio.src && !audio.srcObject) return audio.currentTime;
-  return player.start != null ? Math.max(0, player.ctx.currentTime - player.start) : null;
 }
 function draw() {  // the waveform as it arrives (it fills the canvas, then shrinks to fit), the playhead red
   const canvas = $('wave'), g = canvas.getContext('2d'), peaks = player.peaks || [];
-  const w = canvas.width, h = canvas.height, n = peaks.length / 2, scale = w / Math.max(w, n);
+  const w = canvas.width, h = canvas.height, scale = w / Math.max(w, peaks.length);
   g.clearRect(0, 0, w, h);
   g.fillStyle = '#1f5fd1';
-  for (let i = 0; i < n; i++) {
-    const [low, high] = [peaks[2 * i], peaks[2 * i + 1]];
-    g.fillRect(i * scale, (1 - high) * h / 2, 1, Math.max(1, (high - low) * h / 2));
-  }
-  const t = playhead();
+  peaks.forEach(([low, high], i) => g.fillRect(i * scale, (1 - high) * h / 2, 1,
+                                               Math.max(1, (high - low) * h / 2)));
+  const audio = $('audio'), t = audio.src && !audio.srcObject ? audio.currentTime  // in the whole file,
+    : player.start != null ? Math.max(0, player.ctx.currentTime - player.start) : null;  // else the stream
   g.fillStyle = '#b3261e';
   if (t !== null) g.fillRect(t * CONFIG.sampleRate / BLOCK * scale, 0, 2, h);
   requestAnimationFrame(draw);
@@ -1010,9 +944,7 @@ async function play(reader, t0) {
   const out = ctx.createMediaStreamDestination(), audio = $('audio');
   let carry = new Uint8Array(0), next = 0;
   for (let read; !(read = await reader.read()).done;) {
-    const bytes = new Uint8Array(carry.length + read.value.length);
-    bytes.set(carry);
-    bytes.set(read.value, carry.length);
+    const bytes = new Uint8Array(await new Blob([carry, read.value]).arrayBuffer());
     const even = bytes.length & ~1;  // an odd byte waits for its other half
     carry = bytes.slice(even);
     if (!even) continue;
@@ -1039,8 +971,10 @@ async function play(reader, t0) {
 }
 function offer(t0) {  // the figures and a download of what was made: all of it, or what came before Stop
   showFigures(t0);
-  const wav = new Blob([wavHeader(player.samples), ...player.pieces], {type: 'audio/wav'});
-  const url = URL.createObjectURL(wav);
+  const header = new DataView(Uint8Array.from(atob(CONFIG.wavHeader), c => c.charCodeAt(0)).buffer);
+  header.setUint32(4, 36 + 2 * player.samples, true);  // the server's 44 bytes, the sizes known now
+  header.setUint32(40, 2 * player.samples, true);
+  const url = URL.createObjectURL(new Blob([header, ...player.pieces], {type: 'audio/wav'}));
   Object.assign($('download'), {href: url, hidden: false});
   const toFile = () => {  // then the element replays (and seeks in) the file
     Object.assign($('audio'), {srcObject: null, src: url});
@@ -1049,22 +983,16 @@ function offer(t0) {  // the figures and a download of what was made: all of it,
   if (player.state === 'done') player.last.onended = toFile;
   else toFile();  // stopped or failed: the player ends now
 }
-function busy(generating) {
-  $('generate').disabled = generating;
-  $('stop').disabled = !generating;
-}
+const busy = generating => [$('generate').disabled, $('stop').disabled] = [generating, !generating];
 async function generate() {
   say();
   text('figures');
   $('download').hidden = true;
   const body = {model: 's2-pro', input: $('text').value, response_format: 'pcm', stream_format: 'audio'};
   if ($('voice').value) body.voice = $('voice').value;
-  const references = [];
-  for (const row of $('clips').children) {
-    const file = row.querySelector('.clip-file').files[0];
-    if (file) references.push({audio: await base64(file), text: row.querySelector('.clip-text').value});
-  }
-  if (references.length) body.references = references;
+  const clips = [...$('clips').children].map(row => new FormData(row)).filter(clip => clip.get('audio').name);
+  if (clips.length) body.references = await Promise.all(clips.map(async clip =>
+    ({audio: await base64(clip.get('audio')), text: clip.get('text')})));
   for (const key of ['temperature', 'top_p', 'top_k', 'seed', 'max_new_tokens'])
     if ($(key).value !== '') body[key] = Number($(key).value);
   Object.assign(player, {abort: new AbortController(), state: 'generating', pieces: [], peaks: [], samples: 0,
@@ -1139,10 +1067,12 @@ def make_server(args) -> Server:
     """Load the models and bind the port (not yet serving: call serve_forever)."""
     app = App(args)
     try:
-        return Server((args.host, args.port), app)
+        server = Server((args.host, args.port), Handler)
     except OSError as e:
         app.close()
         raise dualAR.UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+    server.app = app
+    return server
 
 
 def main(argv=None):

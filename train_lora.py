@@ -163,9 +163,7 @@ def load_lora(model: dualAR.DualAR, path, alpha=None, dropout=0.0) -> list:
         if lora[key].shape != param.shape:
             raise UserError(f"{path}: {key} has shape {list(lora[key].shape)}, the base checkpoint needs"
                             f" {list(param.shape)} — weights for another model or rank?")
-    with torch.no_grad():
-        for key, param in params.items():
-            param.copy_(lora[key])
+    model.load_state_dict(lora, strict=False)  # exactly the LoRA parameters, checked above
     return list(params.values())
 
 
@@ -189,14 +187,12 @@ def merge_lora(model: dualAR.DualAR) -> dualAR.DualAR:
 def sample_tokens(model: dualAR.DualAR, text: str, codes) -> tuple:
     """One training sample as upstream packs it -> (inputs, labels), each (1 + num_codebooks, T), with a
     loss on `<|voice|>`, the codes and `<|im_end|>\\n` only, not on the turns and the header before them."""
-    cfg = model.config
     turns = ["<|im_start|>system\n", SYSTEM_PROMPT, "<|im_end|>\n",
              "<|im_start|>user\n", text, "<|im_end|>\n"]
     prompt = dualAR.encode_pieces(model, turns + ["<|im_start|>assistant\n"])
     target = dualAR.encode_pieces(model, ["<|voice|>", torch.as_tensor(codes), "<|im_end|>\n"])
     tokens = torch.cat([prompt, target], dim=1)
-    ids = tokens[0]
-    labels = torch.where(dualAR.is_semantic(ids, cfg), tokens, IGNORE)
+    labels = torch.where(dualAR.is_semantic(tokens[0], model.config), tokens, IGNORE)
     labels[0] = torch.cat([torch.full_like(prompt[0], IGNORE), target[0]])
     labels = labels[:, 1:].clone()
     labels[1:, -1] = 0  # upstream sets the codebook labels of the last column to its pad code 0
@@ -220,23 +216,19 @@ def make_batch(model: dualAR.DualAR, samples: list) -> tuple:
 
 
 # ----------------------------------------------------------------------------- training loss
-def loss_sum(logits, states: Tensor, labels: Tensor) -> Tensor:
-    """Summed cross-entropy of logits(states): a function of its own, which checkpointing runs again."""
+def loss_sum(logits, states: Tensor, labels: Tensor) -> Tensor:  # its own function: checkpointing reruns it
     return F.cross_entropy(logits(states).flatten(0, -2).float(), labels.flatten(), reduction="sum")
 
 
 def training_loss(model: dualAR.DualAR, inputs: Tensor, labels: Tensor, padding_mask=None,
                   checkpointing=False) -> dict:
-    """Upstream's loss: cross-entropy of the slow logits (full vocabulary) on label row 0, plus that of
-    the fast logits on the codes where the label is semantic (fast input: the slow state, then label
-    codes 0..8; predicted: codes 0..9). With checkpointing, every block and slices of HEAD_CHUNK head
-    positions and FAST_CHUNK fast sequences run again in the backward pass. Right padding never reaches
-    a real position through causal attention: padding_mask is only checked to be right padding."""
-    cfg = model.config
+    """Upstream's loss: slow logits (full vocabulary) on label row 0, plus fast logits on the codes where the
+    label is semantic (fast input: the slow state, then label codes 0..8). Causal attention keeps right
+    padding from real positions: padding_mask is only checked to be right padding."""
     if padding_mask is not None and (padding_mask[:, :-1] & ~padding_mask[:, 1:]).any():
         raise ValueError("padding_mask: padding must be at the end of each row (right padding)")
 
-    def run(fn, *args):  # with checkpointing only the arguments are kept: the backward pass runs fn again
+    def run(fn, *args):  # checkpointing keeps only the arguments: the backward pass runs fn again
         return checkpoint(fn, *args, use_reentrant=False) if checkpointing else fn(*args)
 
     x = model.slow_states(inputs, call=run)  # (B, S, dim), the training embedding (no codebook scale)
@@ -246,8 +238,7 @@ def training_loss(model: dualAR.DualAR, inputs: Tensor, labels: Tensor, padding_
     chunk = HEAD_CHUNK if checkpointing else n
     base_loss = sum(run(loss_sum, model.vocab_logits, x_scored[i:i + chunk], y_scored[i:i + chunk])
                     for i in range(0, n, chunk)) / n
-
-    semantic = dualAR.is_semantic(token_labels, cfg)
+    semantic = dualAR.is_semantic(token_labels, model.config)
     hidden = model.fast_input(x[semantic])  # (N, fast_dim)
     codes = labels[:, 1:].transpose(1, 2)[semantic]  # (N, num_codebooks)
     chunk, total = FAST_CHUNK if checkpointing else len(codes), 0.0

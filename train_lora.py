@@ -15,7 +15,6 @@ import os
 import shutil
 import sys
 import time
-from contextlib import nullcontext
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
@@ -55,11 +54,11 @@ RUN_SETTINGS = ("checkpoint", "rank", "alpha", "dropout", "lr", "warmup", "batch
 
 # ----------------------------------------------------------------------------- LoRA
 class LoRALinear(nn.Module):
-    """x W^T + dropout(x) A^T B^T * alpha / rank, W frozen (loralib's Linear, as upstream wraps it)."""
+    """base(x) + dropout(x) A^T B^T * alpha / rank, base frozen (loralib's Linear, as upstream wraps it)."""
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float):
         super().__init__()
-        self.weight, self.bias, device = base.weight, base.bias, base.weight.device
+        self.base, device = base, base.weight.device
         self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, device=device))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=device))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # loralib's init: B = 0, so W' = W at first
@@ -67,26 +66,29 @@ class LoRALinear(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        lora = self.dropout(x) @ self.lora_A.T @ self.lora_B.T
-        return F.linear(x, self.weight, self.bias) + lora * self.scaling
+        return self.base(x) + self.dropout(x) @ self.lora_A.T @ self.lora_B.T * self.scaling
 
     def delta(self) -> Tensor:
         return (self.lora_B @ self.lora_A) * self.scaling
 
 
 class LoRAEmbedding(nn.Module):
-    """W[ids] + A^T[ids] B^T * alpha / rank, W frozen (loralib's Embedding: no dropout). `.weight` is the
-    raw table W: a tied head reading it does not see the LoRA, as in upstream's training forward."""
+    """base(ids) + A^T[ids] B^T * alpha / rank, base frozen (loralib's Embedding: no dropout). `.weight` is
+    the raw table: a tied head reading it does not see the LoRA, as in upstream's training forward."""
 
     def __init__(self, base: nn.Embedding, rank: int, alpha: float, dropout: float = 0.0):
         super().__init__()
-        self.weight, device = base.weight, base.weight.device
+        self.base, device = base, base.weight.device
         self.lora_A = nn.Parameter(torch.zeros(rank, base.num_embeddings, device=device))
         self.lora_B = nn.Parameter(torch.randn(base.embedding_dim, rank, device=device))  # loralib's init
         self.scaling = alpha / rank
 
+    @property
+    def weight(self) -> Tensor:
+        return self.base.weight
+
     def forward(self, ids: Tensor) -> Tensor:
-        return F.embedding(ids, self.weight) + F.embedding(ids, self.lora_A.T) @ self.lora_B.T * self.scaling
+        return self.base(ids) + F.embedding(ids, self.lora_A.T) @ self.lora_B.T * self.scaling
 
     def delta(self) -> Tensor:
         return (self.lora_B @ self.lora_A).T * self.scaling  # the embedding table is (num, dim)
@@ -169,17 +171,11 @@ def load_lora(model: dualAR.DualAR, path, alpha=None, dropout=0.0) -> list:
 
 @torch.no_grad()
 def merge_lora(model: dualAR.DualAR) -> dualAR.DualAR:
-    """Fold every LoRA into its weight as upstream does: W' = W + B A alpha/r (embeddings: transposed),
-    computed in fp32 and kept in fp32 (upstream's LoRA modules are fp32). Other weights keep their dtype."""
-    for name, m in lora_modules(model).items():
-        weight = nn.Parameter(m.weight.float() + m.delta(), requires_grad=False)
-        if isinstance(m, LoRAEmbedding):
-            plain = nn.Embedding.from_pretrained(weight, freeze=True)
-        else:
-            with torch.device("meta"):
-                plain = nn.Linear(weight.shape[1], weight.shape[0], bias=m.bias is not None)
-            plain.weight, plain.bias = weight, m.bias
-        replace_module(model, name, plain)
+    """Fold every LoRA into its base as upstream does: W' = W + B A alpha/r (embeddings: transposed), in
+    fp32 and kept in fp32 (upstream's LoRA modules are fp32). Other weights keep their dtype."""
+    for name, lora in lora_modules(model).items():
+        lora.base.weight = nn.Parameter(lora.base.weight.float() + lora.delta(), requires_grad=False)
+        replace_module(model, name, lora.base)
     return model
 
 
@@ -381,8 +377,13 @@ def batch_indices(n: int, batch_size: int, seed: int, k: int) -> list:
     return order[j * batch_size:(j + 1) * batch_size]
 
 
-def mixed_precision(device):  # the LoRA weights stay fp32
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+def batch_loss(model, samples: list, device, checkpointing=False) -> tuple:
+    """[(name, inputs, labels)] -> (training_loss of them as one batch, real tokens). bf16 autocast on CUDA:
+    the LoRA weights stay fp32."""
+    inputs, labels, padding = collate([(x, y) for _, x, y in samples])
+    with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+        result = training_loss(model, inputs.to(device), labels.to(device), None, checkpointing)
+    return result, int((~padding).sum())
 
 
 @torch.no_grad()
@@ -394,11 +395,9 @@ def validation_loss(model, samples: list, batch_size: int, device, rank=0, world
     mine = samples[rank::world]
     for i in tqdm(range(0, len(mine), batch_size), desc="validate", unit="batch", leave=False,
                   disable=rank > 0):
-        inputs, labels, _ = collate([(x, y) for _, x, y in mine[i:i + batch_size]])
-        with mixed_precision(device):
-            r = training_loss(model, inputs.to(device), labels.to(device))
-        n, codes = r["positions"], r["codes"]
-        parts = (r["base_loss"].item() * n, n, r["semantic_loss"].item() * codes, codes)
+        result, _ = batch_loss(model, mine[i:i + batch_size], device)
+        n, codes = result["positions"], result["codes"]
+        parts = (result["base_loss"].item() * n, n, result["semantic_loss"].item() * codes, codes)
         sums = [a + b for a, b in zip(sums, parts)]
     model.train()
     base, n, semantic, codes = sum_over_processes(sums, device)
@@ -556,14 +555,11 @@ def optimizer_step(model, params, optimizer, run: dict, train_set: list, step: i
     loss, tokens, accum = 0.0, 0, run["grad_accum"] // world
     for micro in range(accum):
         k = (step * accum + micro) * world + rank
-        batch = [train_set[i][1:] for i in batch_indices(len(train_set), run["batch_size"], run["seed"], k)]
-        inputs, labels, padding = collate(batch)
-        with mixed_precision(device):
-            result = training_loss(model, inputs.to(device), labels.to(device), None, run["checkpointing"])
+        batch = [train_set[i] for i in batch_indices(len(train_set), run["batch_size"], run["seed"], k)]
+        result, n = batch_loss(model, batch, device, run["checkpointing"])
         # every micro-batch of every process weighs 1/grad_accum: N processes = one with N x the micro-batches
         (result["loss"] / run["grad_accum"]).backward()
-        loss += result["loss"].item() / run["grad_accum"]
-        tokens += int((~padding).sum())
+        loss, tokens = loss + result["loss"].item() / run["grad_accum"], tokens + n
     if world > 1:  # data parallel: the gradients summed over the processes, all in one all-reduce
         grads = torch.cat([p.grad.flatten() for p in params])
         dist.all_reduce(grads)

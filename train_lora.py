@@ -95,8 +95,7 @@ class LoRAEmbedding(nn.Module):
 
 
 def lora_targets(model: dualAR.DualAR) -> list:
-    """What upstream's target_modules [attention, mlp, embeddings, output] wrap: wqkv, wo, w1, w2, w3 of
-    every slow and fast layer, the three embeddings and the fast output (the LM head is tied)."""
+    """What upstream's target_modules [attention, mlp, embeddings, output] wrap (the LM head is tied)."""
     names = ["embeddings", "codebook_embeddings", "fast_embeddings", "fast_output"]
     names += ["output"] if hasattr(model, "output") else []
     weights = ("attention.wqkv", "attention.wo", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
@@ -113,24 +112,18 @@ def lora_params(model: nn.Module) -> dict:
     return {n: p for n, p in model.named_parameters() if n.endswith((".lora_A", ".lora_B"))}
 
 
-def replace_module(model: nn.Module, name: str, module: nn.Module):
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, module)
-
-
 def add_lora(model: dualAR.DualAR, rank=RANK, alpha=ALPHA, dropout=DROPOUT, names=None) -> list:
     """Wrap the target modules in LoRA (fp32 A and B, the only trainable parameters) -> those parameters."""
     model.requires_grad_(False)
     for name in names or lora_targets(model):
         base = model.get_submodule(name)
         wrap = LoRAEmbedding if isinstance(base, nn.Embedding) else LoRALinear
-        replace_module(model, name, wrap(base, rank, alpha, dropout))
+        model.set_submodule(name, wrap(base, rank, alpha, dropout))
     return list(lora_params(model).values())
 
 
 def load_lora(model: dualAR.DualAR, path, alpha=None, dropout=0.0) -> list:
-    """LoRA weights, ours or upstream's (a torch file with `state_dict`), into the model (a model without
-    LoRA gets it on the modules the file names) -> the LoRA parameters. alpha: the file's, else this."""
+    """Our or upstream's LoRA file (or a run folder) into the model, wrapped if need be -> its parameters."""
     path = Path(path) / LORA_FILE if Path(path).is_dir() else Path(path)
     if not path.is_file():
         raise UserError(f"LoRA weights {path} not found")
@@ -171,11 +164,10 @@ def load_lora(model: dualAR.DualAR, path, alpha=None, dropout=0.0) -> list:
 
 @torch.no_grad()
 def merge_lora(model: dualAR.DualAR) -> dualAR.DualAR:
-    """Fold every LoRA into its base as upstream does: W' = W + B A alpha/r (embeddings: transposed), in
-    fp32 and kept in fp32 (upstream's LoRA modules are fp32). Other weights keep their dtype."""
+    """W' = W + B A alpha/r (embeddings: transposed), in fp32 and kept in fp32 as upstream's LoRA modules."""
     for name, lora in lora_modules(model).items():
         lora.base.weight = nn.Parameter(lora.base.weight.float() + lora.delta(), requires_grad=False)
-        replace_module(model, name, lora.base)
+        model.set_submodule(name, lora.base)
     return model
 
 
@@ -196,9 +188,8 @@ def sample_tokens(model: dualAR.DualAR, text: str, codes) -> tuple:
 
 
 def collate(encoded: list) -> tuple:
-    """[(inputs, labels)] -> right-padded batch (inputs, labels, padding_mask): tokens and codes are
-    padded with 0 (upstream's collator asks the tokenizer for a pad token it lacks, and gets 0), labels
-    with -100, and padding_mask is True at padding."""
+    """[(inputs, labels)] -> right-padded (inputs, labels, padding_mask). Tokens and codes pad with 0:
+    upstream's collator asks the tokenizer for a pad token it lacks, and gets 0."""
     length = max(x.size(1) for x, _ in encoded)
     inputs = torch.stack([F.pad(x, (0, length - x.size(1)), value=0) for x, _ in encoded])
     labels = torch.stack([F.pad(y, (0, length - y.size(1)), value=IGNORE) for _, y in encoded])
@@ -218,9 +209,8 @@ def loss_sum(logits, states: Tensor, labels: Tensor) -> Tensor:  # its own funct
 
 def training_loss(model: dualAR.DualAR, inputs: Tensor, labels: Tensor, padding_mask=None,
                   checkpointing=False) -> dict:
-    """Upstream's loss: slow logits (full vocabulary) on label row 0, plus fast logits on the codes where the
-    label is semantic (fast input: the slow state, then label codes 0..8). Causal attention keeps right
-    padding from real positions: padding_mask is only checked to be right padding."""
+    """Upstream's loss: slow logits on label row 0, plus fast logits on the codes of semantic labels. Causal
+    attention keeps right padding from real positions: padding_mask is only checked to be right padding."""
     if padding_mask is not None and (padding_mask[:, :-1] & ~padding_mask[:, 1:]).any():
         raise ValueError("padding_mask: padding must be at the end of each row (right padding)")
 
@@ -253,8 +243,7 @@ def short_list(paths: list, n=5) -> str:
 
 
 def find_clips(data_dir: Path, strict: bool, audio_only: bool) -> tuple:
-    """Audio files (and .npy codes unless audio_only) under data_dir -> (how many, {path without suffix:
-    dict(audio, codes, text, stale)} of those with a .lab/.txt transcript; the others: a warning)."""
+    """-> (clips found, {stem: dict(audio, codes, text, stale)} of the transcribed); others: a warning."""
     if not data_dir.is_dir():
         raise UserError(f"data folder {data_dir} does not exist")
     clips = {}
@@ -328,13 +317,10 @@ def prepare_dataset(args):
     todo = [clip for clip in clips.values() if clip["stale"]]
     if world > 1:
         dist.barrier()  # every process has its list before any writes codes
-    start = time.perf_counter()
-    if todo[rank::world]:
-        # fp32 on every device, as dualAR encodes references: a clip gets the same codes everywhere
-        dac = codec.load(args.checkpoint, device, torch.float32)
-        for clip in tqdm(todo[rank::world], desc="encode", unit="file", disable=rank > 0):
-            codes = codec.encode(dac, codec.load_audio(clip["audio"]))[0]
-            codec.save_codes(clip["audio"].with_suffix(".npy"), codes)
+    start, mine = time.perf_counter(), todo[rank::world]
+    for clip in tqdm(mine, desc="encode", unit="file", disable=rank > 0 or not mine):
+        codes = codec.encode(dualAR.codec_model(args, device), codec.load_audio(clip["audio"]))[0]
+        codec.save_codes(clip["audio"].with_suffix(".npy"), codes)
     if world > 1:
         dist.barrier()
     if rank == 0:
@@ -378,8 +364,7 @@ def batch_indices(n: int, batch_size: int, seed: int, k: int) -> list:
 
 
 def batch_loss(model, samples: list, device, checkpointing=False) -> tuple:
-    """[(name, inputs, labels)] -> (training_loss of them as one batch, real tokens). bf16 autocast on CUDA:
-    the LoRA weights stay fp32."""
+    """[(name, inputs, labels)] -> (their training_loss as one batch, real tokens); the LoRA stays fp32."""
     inputs, labels, padding = collate([(x, y) for _, x, y in samples])
     with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
         result = training_loss(model, inputs.to(device), labels.to(device), None, checkpointing)
@@ -415,6 +400,7 @@ def save_checkpoint(out: Path, model, optimizer, step: int, rank=0):
     if dist.is_initialized():
         dist.all_gather_object(rngs, rng)
     if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
         lora = {f"model.{k}": p.detach().float().cpu().contiguous() for k, p in lora_params(model).items()}
         state = dict(step=step, lora=lora, optimizer=optimizer.state_dict(), rng=rngs)
         write_atomic(out / STATE_FILE, lambda tmp: torch.save(state, tmp))
@@ -458,8 +444,7 @@ def check_writable(out: Path):
 
 
 def run_settings(args) -> dict:
-    """--out: a new or empty folder we can write -> the command line's settings; with --resume, one of
-    our runs -> its stored settings."""
+    """The command line's settings for a new run in --out, or (--resume) the stored ones of the run there."""
     out = Path(args.out)
     if args.resume:
         if not (out / RUN_FILE).is_file() or not (out / STATE_FILE).is_file():
@@ -503,8 +488,7 @@ def keep_metrics_up_to(path: Path, step: int):
 
 
 def start_run(args, rank: int, world: int, device) -> tuple:
-    """The run folder set up, or read back (--resume) -> (settings, model with LoRA, LoRA parameters,
-    AdamW, training and validation samples, step)."""
+    """The run in --out set up, or read back (--resume) -> its settings, model, LoRA, AdamW, samples, step."""
     run, out = run_settings(args), Path(args.out)
     if world > 1:
         dist.barrier()  # every process has checked --out before rank 0 writes in it
@@ -531,8 +515,6 @@ def start_run(args, rank: int, world: int, device) -> tuple:
     else:
         step = 0
         run.update(samples=names, checkpoint=str(run["checkpoint"]))
-        if rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
         save_checkpoint(out, model, optimizer, step, rank)  # resumable from the start
         if rank == 0:  # last: a folder with run.json has a checkpoint
             write_atomic(out / RUN_FILE, lambda tmp: tmp.write_text(json.dumps(run, indent=1)))
@@ -545,8 +527,7 @@ def start_run(args, rank: int, world: int, device) -> tuple:
 
 def optimizer_step(model, params, optimizer, run: dict, train_set: list, step: int, rank=0,
                    world=1) -> tuple:
-    """Optimizer step `step` (0-based), over grad_accum micro-batches (this process: every world-th) ->
-    (mean loss, lr, real tokens seen) over all processes."""
+    """Step `step`: grad_accum micro-batches (every world-th here) -> (mean loss, lr, tokens) of all ranks."""
     device = params[0].device
     # upstream's schedule: linear warm-up, then constant, counted from 1 so step 0 does not run at lr 0
     lr = run["lr"] * min(1.0, (step + 1) / max(1, run["warmup"]))
@@ -743,6 +724,7 @@ FLAGS = dict(train=[
 ])
 RULES = {">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1, "> 0": lambda v: v > 0,
          "in [0, 1)": lambda v: 0 <= v < 1}
+COMMANDS = dict(prepare=prepare_dataset, train=train, merge=merge_checkpoint, bench=bench_training)
 
 
 def parse_args(argv=None):
@@ -758,21 +740,16 @@ def parse_args(argv=None):
                       " with a same-stem .lab or .txt transcript, in any sub-folders")
     data.add_argument("--strict", action="store_true",
                       help="a file without transcript is an error (default: a warning, the file is skipped)")
-    p = sub.add_parser("prepare", parents=[data], help="encode the audio once into <stem>.npy codes")
-    p.set_defaults(run=prepare_dataset)
-
+    sub.add_parser("prepare", parents=[data], help="encode the audio once into <stem>.npy codes")
     t = sub.add_parser("train", parents=[data], help="train a LoRA on the prepared data")
-    t.set_defaults(run=train)
-    t.add_argument("--out", required=True, help="run folder: run.json, metrics.jsonl, lora.safetensors,"
-                   " state.pt")
+    t.add_argument("--out", required=True,
+                   help="run folder: run.json, metrics.jsonl, lora.safetensors, state.pt")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint"
                    " (its stored settings: only --max-steps, --val-every and --save-every may change), on"
                    " any number of processes that divides its micro-batches per step")
     t.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
                    help="keep every activation (faster, much more memory) instead of gradient checkpointing")
-
     m = sub.add_parser("merge", parents=[base], help="fold a LoRA into the base weights: a checkpoint folder")
-    m.set_defaults(run=merge_checkpoint)
     m.add_argument("--lora", required=True, help="one of our run folders, or a LoRA file: ours, or upstream's"
                    " (keys model.<module>.lora_A / lora_B, safetensors or a torch file with state_dict)")
     m.add_argument("--out", required=True, help="new folder for the merged checkpoint")
@@ -781,9 +758,7 @@ def parse_args(argv=None):
                    " flat config.json + model.pth")
     m.add_argument("--alpha", type=float, help=f"LoRA alpha of a file that does not store it (upstream's),"
                    f" default {ALPHA}")
-
     b = sub.add_parser("bench", parents=[device], help="training steps/s and peak memory, random weights")
-    b.set_defaults(run=bench_training)
     b.add_argument("--config", help="a config.json for smaller dimensions (default: the real S2-Pro)")
     for parser, flags in ((t, FLAGS["train"]), (b, FLAGS["bench"])):
         for flag, kind, default, _, help in flags:
@@ -800,7 +775,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     try:
-        args.run(args)
+        COMMANDS[args.command](args)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -68,9 +68,6 @@ class LoRALinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         return self.base(x) + self.dropout(x) @ self.lora_A.T @ self.lora_B.T * self.scaling
 
-    def delta(self) -> Tensor:
-        return (self.lora_B @ self.lora_A) * self.scaling
-
 
 class LoRAEmbedding(nn.Module):
     """base(ids) + A^T[ids] B^T * alpha / rank, base frozen (loralib's Embedding: no dropout). `.weight` is
@@ -89,9 +86,6 @@ class LoRAEmbedding(nn.Module):
 
     def forward(self, ids: Tensor) -> Tensor:
         return self.base(ids) + F.embedding(ids, self.lora_A.T) @ self.lora_B.T * self.scaling
-
-    def delta(self) -> Tensor:
-        return (self.lora_B @ self.lora_A).T * self.scaling  # the embedding table is (num, dim)
 
 
 def lora_targets(model: dualAR.DualAR) -> list:
@@ -166,15 +160,16 @@ def load_lora(model: dualAR.DualAR, path, alpha=None, dropout=0.0) -> list:
 def merge_lora(model: dualAR.DualAR) -> dualAR.DualAR:
     """W' = W + B A alpha/r (embeddings: transposed), in fp32 and kept in fp32 as upstream's LoRA modules."""
     for name, lora in lora_modules(model).items():
-        lora.base.weight = nn.Parameter(lora.base.weight.float() + lora.delta(), requires_grad=False)
+        delta = (lora.lora_B @ lora.lora_A) * lora.scaling
+        delta = delta.T if isinstance(lora, LoRAEmbedding) else delta  # an embedding table is (num, dim)
+        lora.base.weight = nn.Parameter(lora.base.weight.float() + delta, requires_grad=False)
         model.set_submodule(name, lora.base)
     return model
 
 
 # ----------------------------------------------------------------------------- samples
 def sample_tokens(model: dualAR.DualAR, text: str, codes) -> tuple:
-    """One training sample as upstream packs it -> (inputs, labels), each (1 + num_codebooks, T), with a
-    loss on `<|voice|>`, the codes and `<|im_end|>\\n` only, not on the turns and the header before them."""
+    """Upstream's sample -> (inputs, labels) (1 + num_codebooks, T): a loss on <|voice|> codes <|im_end|>."""
     turns = ["<|im_start|>system\n", SYSTEM_PROMPT, "<|im_end|>\n",
              "<|im_start|>user\n", text, "<|im_end|>\n"]
     prompt = dualAR.encode_pieces(model, turns + ["<|im_start|>assistant\n"])
@@ -207,8 +202,7 @@ def loss_sum(logits, states: Tensor, labels: Tensor) -> Tensor:  # its own funct
     return F.cross_entropy(logits(states).flatten(0, -2).float(), labels.flatten(), reduction="sum")
 
 
-def training_loss(model: dualAR.DualAR, inputs: Tensor, labels: Tensor, padding_mask=None,
-                  checkpointing=False) -> dict:
+def training_loss(model, inputs: Tensor, labels: Tensor, padding_mask=None, checkpointing=False) -> dict:
     """Upstream's loss: slow logits on label row 0, plus fast logits on the codes of semantic labels. Causal
     attention keeps right padding from real positions: padding_mask is only checked to be right padding."""
     if padding_mask is not None and (padding_mask[:, :-1] & ~padding_mask[:, 1:]).any():
@@ -266,11 +260,10 @@ def find_clips(data_dir: Path, strict: bool, audio_only: bool) -> tuple:
         clip["text"] = next((t for s in TRANSCRIPT_SUFFIXES if (t := Path(f"{stem}{s}")).is_file()), None)
         audio, codes = clip.get("audio"), clip.get("codes")
         clip["stale"] = audio is not None and (codes is None or codes.stat().st_mtime < audio.stat().st_mtime)
-    missing = [clip.get("audio") or clip["codes"] for clip in clips.values() if clip["text"] is None]
-    files, listed = f"{len(missing)} file(s)", short_list(missing)
-    if missing and strict:
-        raise UserError(f"{files} have no .lab/.txt transcript (--strict): {listed}")
-    if missing:
+    if missing := [clip.get("audio") or clip["codes"] for clip in clips.values() if clip["text"] is None]:
+        files, listed = f"{len(missing)} file(s)", short_list(missing)
+        if strict:
+            raise UserError(f"{files} have no .lab/.txt transcript (--strict): {listed}")
         print(f"warning: skipped {files} without a .lab/.txt transcript: {listed}", file=sys.stderr)
     return len(clips), {stem: clip for stem, clip in clips.items() if clip["text"] is not None}
 
@@ -333,8 +326,7 @@ def prepare_dataset(args):
 def load_samples(data_dir: Path, model: dualAR.DualAR, strict=False, max_length=None) -> list:
     """Every prepared (codes + transcript) pair under data_dir, tokenized once -> [(name, inputs, labels)]."""
     _, clips = find_clips(data_dir, strict, audio_only=False)
-    stale = [clip["audio"] for clip in clips.values() if clip["stale"]]
-    if stale:
+    if stale := [clip["audio"] for clip in clips.values() if clip["stale"]]:
         raise UserError(f"{len(stale)} audio file(s) have no up-to-date codes ({short_list(stale, 2)}):"
                         f" run `python train_lora.py prepare {data_dir}` first")
     samples, too_long = [], []
@@ -436,9 +428,7 @@ def load_checkpoint(out: Path, model, optimizer, seed: int, rank=0, world=1) -> 
 
 
 def check_writable(out: Path):
-    parent = out
-    while not parent.exists():
-        parent = parent.parent
+    parent = next(folder for folder in (out, *out.parents) if folder.exists())
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         raise UserError(f"--out {out} is not writable ({parent} is not a writable folder)")
 
@@ -519,14 +509,13 @@ def start_run(args, rank: int, world: int, device) -> tuple:
         if rank == 0:  # last: a folder with run.json has a checkpoint
             write_atomic(out / RUN_FILE, lambda tmp: tmp.write_text(json.dumps(run, indent=1)))
     if rank == 0:
-        n_params = sum(p.numel() for p in params) / 1e6
-        print(f"{len(train_set)} training + {len(val_set)} validation samples, {n_params:.2f} M LoRA"
+        print(f"{len(train_set)} training + {len(val_set)} validation samples,"
+              f" {sum(p.numel() for p in params) / 1e6:.2f} M LoRA"
               f" parameters (rank {run['rank']}), {world} x {device}", file=sys.stderr)
     return run, model, params, optimizer, train_set, val_set, step
 
 
-def optimizer_step(model, params, optimizer, run: dict, train_set: list, step: int, rank=0,
-                   world=1) -> tuple:
+def optimizer_step(model, params, optimizer, run: dict, train_set: list, step: int, rank=0, world=1) -> tuple:
     """Step `step`: grad_accum micro-batches (every world-th here) -> (mean loss, lr, tokens) of all ranks."""
     device = params[0].device
     # upstream's schedule: linear warm-up, then constant, counted from 1 so step 0 does not run at lr 0
@@ -621,36 +610,30 @@ def save_hf_weights(state: dict, folder: Path):
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def export_checkpoint(model: dualAR.DualAR, base: Path, folder: Path, fmt: str):
-    """hf: the base's config.json + safetensors, HF names. dual_ar: upstream's save_pretrained form, flat
-    config.json + model.pth (internal names). Both: the base's tokenizer and codec files."""
-    state = {name: p.detach().cpu().contiguous() for name, p in model.named_parameters()}
-    if fmt == "hf":
-        shutil.copy(base / "config.json", folder / "config.json")
-        save_hf_weights(state, folder)
-    else:  # upstream's own flat `dual_ar` config.json, which dualAR.py reads too
-        flat = dict(model_type="dual_ar", **{k: model.config[k] for k in FLAT_KEYS if k in model.config})
-        (folder / "config.json").write_text(json.dumps(flat, indent=4, sort_keys=True))
-        torch.save(state, folder / "model.pth")
-    for name in COPIED_FILES:
-        if (base / name).is_file():
-            shutil.copy(base / name, folder / name)
-
-
 def merge_checkpoint(args):
-    """`merge`: base checkpoint + LoRA -> a new checkpoint folder, written in full, then renamed."""
+    """`merge`: base checkpoint + LoRA -> a new folder, written in full, then renamed. hf: the base's
+    config.json + HF-named safetensors; dual_ar: upstream's save_pretrained form (flat config, model.pth)."""
     out, base, lora = Path(args.out), Path(args.checkpoint), Path(args.lora)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out} already exists and is not empty: choose a new folder")
     check_writable(out)
     model = dualAR.load(base, "cpu", None)  # dtype None: every tensor as stored (upstream's merge dtypes)
     n = len(load_lora(model, lora, args.alpha)) // 2
-    merge_lora(model)
+    state = {name: p.detach().cpu().contiguous() for name, p in merge_lora(model).named_parameters()}
     tmp = out.parent / f".{out.name}.part"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        export_checkpoint(model, base, tmp, args.format)
+        if args.format == "hf":
+            shutil.copy(base / "config.json", tmp / "config.json")
+            save_hf_weights(state, tmp)
+        else:  # upstream's own flat `dual_ar` config.json, which dualAR.py reads too
+            flat = dict(model_type="dual_ar", **{k: model.config[k] for k in FLAT_KEYS if k in model.config})
+            (tmp / "config.json").write_text(json.dumps(flat, indent=4, sort_keys=True))
+            torch.save(state, tmp / "model.pth")
+        for name in COPIED_FILES:
+            if (base / name).is_file():
+                shutil.copy(base / name, tmp / name)
         os.replace(tmp, out)
     except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: torch.save and safetensors
         raise UserError(f"cannot write {out}: {getattr(e, 'strerror', None) or e}") from None
@@ -708,8 +691,7 @@ FLAGS = dict(train=[
     ("--lr", float, LR, "> 0", "AdamW learning rate"),
     ("--warmup", int, WARMUP, ">= 0", "linear warm-up steps"),
     ("--batch-size", int, 4, ">= 1", "samples per micro-batch"),
-    ("--grad-accum", int, 1, ">= 1", "micro-batches per optimizer step and process: N processes with G"
-     " see what one process with N*G sees"),
+    ("--grad-accum", int, 1, ">= 1", "micro-batches per step and process: N processes x G = 1 x N*G"),
     ("--max-steps", int, 1000, ">= 1", "optimizer steps in all"),
     ("--max-length", int, 4096, ">= 1", "upstream's limit: skip samples longer than this many tokens"),
     ("--val-size", int, None, ">= 0", "samples held out for validation (default 5%%, at least 1; 0: none)"),

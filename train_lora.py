@@ -15,6 +15,7 @@ import os
 import shutil
 import sys
 import time
+from contextlib import suppress
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
@@ -40,7 +41,6 @@ LR, WARMUP, BETAS, EPS, CLIP = 1e-4, 10, (0.9, 0.95), 1e-5, 1.0  # upstream's te
 HEAD_CHUNK = 1024  # positions per slice of the slow logits (positions x vocabulary: the largest activation)
 FAST_CHUNK = 1024  # semantic positions per slice of the fast model (each is a sequence of num_codebooks)
 SHARD_BYTES = 4 * 2**30  # per exported safetensors file: saving one holds a copy of its bytes in memory
-TRANSCRIPT_SUFFIXES = (".lab", ".txt")
 LORA_FILE, STATE_FILE, RUN_FILE, METRICS_FILE = "lora.safetensors", "state.pt", "run.json", "metrics.jsonl"
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "codec.pth",
                 "codec_config.json")
@@ -62,8 +62,7 @@ class LoRALinear(nn.Module):
         self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, device=device))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=device))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # loralib's init: B = 0, so W' = W at first
-        self.scaling = alpha / rank
-        self.dropout = nn.Dropout(dropout)
+        self.scaling, self.dropout = alpha / rank, nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.base(x) + self.dropout(x) @ self.lora_A.T @ self.lora_B.T * self.scaling
@@ -80,9 +79,7 @@ class LoRAEmbedding(nn.Module):
         self.lora_B = nn.Parameter(torch.randn(base.embedding_dim, rank, device=device))  # loralib's init
         self.scaling = alpha / rank
 
-    @property
-    def weight(self) -> Tensor:
-        return self.base.weight
+    weight = property(lambda self: self.base.weight)  # the raw table, as the docstring says
 
     def forward(self, ids: Tensor) -> Tensor:
         return self.base(ids) + F.embedding(ids, self.lora_A.T) @ self.lora_B.T * self.scaling
@@ -144,8 +141,7 @@ def load_lora(model: dualAR.DualAR, path, alpha=None, dropout=0.0) -> list:
         alpha = float(meta.get("alpha", alpha or ALPHA))
         add_lora(model, rank, alpha, dropout, names=[n for n in targets if n in names])
     params = lora_params(model)
-    if unmatched := sorted(params.keys() ^ lora.keys()):
-        key = unmatched[0]
+    if key := min(params.keys() ^ lora.keys(), default=None):
         raise UserError(f"{path}: {key} is {'missing' if key in params else 'not in the model'}: LoRA weights"
                         " for other modules")
     for key, param in params.items():
@@ -167,7 +163,7 @@ def merge_lora(model: dualAR.DualAR) -> dualAR.DualAR:
     return model
 
 
-# ----------------------------------------------------------------------------- samples
+# ----------------------------------------------------------------------------- samples and loss
 def sample_tokens(model: dualAR.DualAR, text: str, codes) -> tuple:
     """Upstream's sample -> (inputs, labels) (1 + num_codebooks, T): a loss on <|voice|> codes <|im_end|>."""
     turns = ["<|im_start|>system\n", SYSTEM_PROMPT, "<|im_end|>\n",
@@ -183,8 +179,7 @@ def sample_tokens(model: dualAR.DualAR, text: str, codes) -> tuple:
 
 
 def collate(encoded: list) -> tuple:
-    """[(inputs, labels)] -> right-padded (inputs, labels, padding_mask). Tokens and codes pad with 0:
-    upstream's collator asks the tokenizer for a pad token it lacks, and gets 0."""
+    """-> right-padded (inputs, labels, padding_mask); tokens pad with 0 as upstream's (no pad token)."""
     length = max(x.size(1) for x, _ in encoded)
     inputs = torch.stack([F.pad(x, (0, length - x.size(1)), value=0) for x, _ in encoded])
     labels = torch.stack([F.pad(y, (0, length - y.size(1)), value=IGNORE) for _, y in encoded])
@@ -197,7 +192,6 @@ def make_batch(model: dualAR.DualAR, samples: list) -> tuple:
     return collate([sample_tokens(model, text, codes) for text, codes in samples])
 
 
-# ----------------------------------------------------------------------------- training loss
 def loss_sum(logits, states: Tensor, labels: Tensor) -> Tensor:  # its own function: checkpointing reruns it
     return F.cross_entropy(logits(states).flatten(0, -2).float(), labels.flatten(), reduction="sum")
 
@@ -232,8 +226,7 @@ def training_loss(model, inputs: Tensor, labels: Tensor, padding_mask=None, chec
 
 # ----------------------------------------------------------------------------- data
 def short_list(paths: list, n=5) -> str:
-    names = ", ".join(str(p) for p in paths[:n])
-    return names + (f" and {len(paths) - n} more" if len(paths) > n else "")
+    return ", ".join(map(str, paths[:n])) + (f" and {len(paths) - n} more" if len(paths) > n else "")
 
 
 def find_clips(data_dir: Path, strict: bool, audio_only: bool) -> tuple:
@@ -257,7 +250,7 @@ def find_clips(data_dir: Path, strict: bool, audio_only: bool) -> tuple:
         raise UserError(f"no audio files{'' if audio_only else ' or .npy codes'} under {data_dir} (looked"
                         f" for {kinds})")
     for stem, clip in clips.items():
-        clip["text"] = next((t for s in TRANSCRIPT_SUFFIXES if (t := Path(f"{stem}{s}")).is_file()), None)
+        clip["text"] = next((t for s in (".lab", ".txt") if (t := Path(f"{stem}{s}")).is_file()), None)
         audio, codes = clip.get("audio"), clip.get("codes")
         clip["stale"] = audio is not None and (codes is None or codes.stat().st_mtime < audio.stat().st_mtime)
     if missing := [clip.get("audio") or clip["codes"] for clip in clips.values() if clip["text"] is None]:
@@ -266,16 +259,6 @@ def find_clips(data_dir: Path, strict: bool, audio_only: bool) -> tuple:
             raise UserError(f"{files} have no .lab/.txt transcript (--strict): {listed}")
         print(f"warning: skipped {files} without a .lab/.txt transcript: {listed}", file=sys.stderr)
     return len(clips), {stem: clip for stem, clip in clips.items() if clip["text"] is not None}
-
-
-def audio_seconds(path: Path) -> float:
-    try:
-        info = sf.info(str(path))
-    except Exception as e:
-        raise UserError(f"{path} is not a readable audio file ({str(e).strip().splitlines()[-1]})") from None
-    if info.frames == 0:
-        raise UserError(f"{path} contains no audio samples")
-    return info.frames / info.samplerate
 
 
 def join_processes(device: torch.device) -> tuple:
@@ -304,7 +287,14 @@ def prepare_dataset(args):
     n_found, clips = find_clips(Path(args.data_dir), args.strict, audio_only=True)
     for clip in clips.values():  # check everything before writing anything
         dualAR.read_transcript(clip["text"])
-        clip["seconds"] = audio_seconds(clip["audio"])
+        try:
+            info = sf.info(str(clip["audio"]))  # the header: decoding every file twice would be slow
+        except Exception as e:
+            detail = str(e).strip().splitlines()[-1]
+            raise UserError(f"{clip['audio']} is not a readable audio file ({detail})") from None
+        if info.frames == 0:
+            raise UserError(f"{clip['audio']} contains no audio samples")
+        clip["seconds"] = info.frames / info.samplerate
         if not os.access(clip["audio"].parent, os.W_OK):
             raise UserError(f"cannot write codes next to {clip['audio']}: the folder is not writable")
     todo = [clip for clip in clips.values() if clip["stale"]]
@@ -348,8 +338,7 @@ def load_samples(data_dir: Path, model: dualAR.DualAR, strict=False, max_length=
 
 # ----------------------------------------------------------------------------- training loop
 def batch_indices(n: int, batch_size: int, seed: int, k: int) -> list:
-    """Sample indices of micro-batch k: every epoch visits the samples in an order drawn from (seed,
-    epoch) alone, so a resumed run sees the same batches without storing the data order."""
+    """Micro-batch k: each epoch's order comes from (seed, epoch) alone, so a resumed run keeps it."""
     epoch, j = divmod(k, -(-n // batch_size))
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch)).tolist()
     return order[j * batch_size:(j + 1) * batch_size]
@@ -365,8 +354,7 @@ def batch_loss(model, samples: list, device, checkpointing=False) -> tuple:
 
 @torch.no_grad()
 def validation_loss(model, samples: list, batch_size: int, device, rank=0, world=1) -> float:
-    """The loss of all the samples as one batch: each part of the loss is a sum over positions divided
-    by their number, so batches (and processes, every world-th sample each) add sums and counts."""
+    """The loss of all the samples as one batch: batches and processes add sums over positions and counts."""
     model.eval()
     sums = [0.0] * 4  # base loss, scored positions, semantic loss, scored codes
     mine = samples[rank::world]
@@ -382,8 +370,7 @@ def validation_loss(model, samples: list, batch_size: int, device, rank=0, world
 
 
 def save_checkpoint(out: Path, model, optimizer, step: int, rank=0):
-    """state.pt: what a resumed run needs to continue bit for bit, the random states of every process
-    included (each draws its own dropout); lora.safetensors: upstream's keys, fp32. Rank 0 writes."""
+    """state.pt: all a resumed run needs (each process's dropout state too); lora.safetensors: upstream's."""
     device = next(model.parameters()).device
     rng = dict(torch=torch.get_rng_state())
     if device.type != "cpu":  # dropout on cuda or mps draws from the generator of this process's device
@@ -469,11 +456,9 @@ def keep_metrics_up_to(path: Path, step: int):
     """On resume: drop the metrics logged after the checkpoint (they will be logged again)."""
     kept = []
     for line in path.read_text().splitlines() if path.exists() else []:
-        try:
+        with suppress(ValueError):  # a line cut short by a crash
             if json.loads(line)["step"] <= step:
                 kept.append(line + "\n")
-        except ValueError:  # a line cut short by a crash
-            pass
     write_atomic(path, lambda tmp: tmp.write_text("".join(kept)))
 
 
@@ -509,8 +494,8 @@ def start_run(args, rank: int, world: int, device) -> tuple:
         if rank == 0:  # last: a folder with run.json has a checkpoint
             write_atomic(out / RUN_FILE, lambda tmp: tmp.write_text(json.dumps(run, indent=1)))
     if rank == 0:
-        print(f"{len(train_set)} training + {len(val_set)} validation samples,"
-              f" {sum(p.numel() for p in params) / 1e6:.2f} M LoRA"
+        n_params = sum(p.numel() for p in params) / 1e6
+        print(f"{len(train_set)} training + {len(val_set)} validation samples, {n_params:.2f} M LoRA"
               f" parameters (rank {run['rank']}), {world} x {device}", file=sys.stderr)
     return run, model, params, optimizer, train_set, val_set, step
 
@@ -593,19 +578,18 @@ def train(args):
 # ----------------------------------------------------------------------------- merge and export
 def save_hf_weights(state: dict, folder: Path):
     """model.safetensors with the HF key names, or shards of <= SHARD_BYTES + model.safetensors.index.json."""
-    shards, size = [[]], 0
+    shards, size = [{}], 0
     for name, tensor in state.items():
         if shards[-1] and size + tensor.nbytes > SHARD_BYTES:
-            shards, size = shards + [[]], 0
-        shards[-1].append(name)
-        size += tensor.nbytes
-    files = ["model.safetensors"] if len(shards) == 1 else \
-        [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-    for file, names in zip(files, shards):
-        save_file({dualAR.hf_name(k): state[k] for k in names}, str(folder / file))
+            shards, size = shards + [{}], 0
+        shards[-1][dualAR.hf_name(name)], size = tensor, size + tensor.nbytes
+    n, weight_map = len(shards), {}
+    for i, shard in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{n:05d}.safetensors" if n > 1 else "model.safetensors"
+        save_file(shard, str(folder / file))
         dualAR.usual_permissions(folder / file)
-    if len(shards) > 1:
-        weight_map = {dualAR.hf_name(k): file for file, names in zip(files, shards) for k in names}
+        weight_map.update(dict.fromkeys(shard, file))
+    if n > 1:
         index = dict(metadata=dict(total_size=sum(t.nbytes for t in state.values())), weight_map=weight_map)
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
@@ -735,9 +719,8 @@ def parse_args(argv=None):
     m.add_argument("--lora", required=True, help="one of our run folders, or a LoRA file: ours, or upstream's"
                    " (keys model.<module>.lora_A / lora_B, safetensors or a torch file with state_dict)")
     m.add_argument("--out", required=True, help="new folder for the merged checkpoint")
-    m.add_argument("--format", choices=["hf", "dual_ar"], default="hf", help="hf: config.json +"
-                   " model.safetensors with HF names, as fishaudio/s2-pro (default). dual_ar: upstream's own"
-                   " flat config.json + model.pth")
+    m.add_argument("--format", choices=["hf", "dual_ar"], default="hf", help="hf: config.json + safetensors,"
+                   " HF names, as fishaudio/s2-pro (default); dual_ar: upstream's flat config + model.pth")
     m.add_argument("--alpha", type=float, help=f"LoRA alpha of a file that does not store it (upstream's),"
                    f" default {ALPHA}")
     b = sub.add_parser("bench", parents=[device], help="training steps/s and peak memory, random weights")

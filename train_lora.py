@@ -79,7 +79,7 @@ class LoRAEmbedding(nn.Module):
         self.lora_B = nn.Parameter(torch.randn(base.embedding_dim, rank, device=device))  # loralib's init
         self.scaling = alpha / rank
 
-    weight = property(lambda self: self.base.weight)  # the raw table, as the docstring says
+    weight = property(lambda self: self.base.weight)
 
     def forward(self, ids: Tensor) -> Tensor:
         return self.base(ids) + F.embedding(ids, self.lora_A.T) @ self.lora_B.T * self.scaling

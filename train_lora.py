@@ -15,7 +15,7 @@ import os
 import shutil
 import sys
 import time
-from contextlib import nullcontext
+from contextlib import suppress
 from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
@@ -41,7 +41,6 @@ LR, WARMUP, BETAS, EPS, CLIP = 1e-4, 10, (0.9, 0.95), 1e-5, 1.0  # upstream's te
 HEAD_CHUNK = 1024  # positions per slice of the slow logits (positions x vocabulary: the largest activation)
 FAST_CHUNK = 1024  # semantic positions per slice of the fast model (each is a sequence of num_codebooks)
 SHARD_BYTES = 4 * 2**30  # per exported safetensors file: saving one holds a copy of its bytes in memory
-TRANSCRIPT_SUFFIXES = (".lab", ".txt")
 LORA_FILE, STATE_FILE, RUN_FILE, METRICS_FILE = "lora.safetensors", "state.pt", "run.json", "metrics.jsonl"
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "codec.pth",
                 "codec_config.json")
@@ -55,46 +54,39 @@ RUN_SETTINGS = ("checkpoint", "rank", "alpha", "dropout", "lr", "warmup", "batch
 
 # ----------------------------------------------------------------------------- LoRA
 class LoRALinear(nn.Module):
-    """x W^T + dropout(x) A^T B^T * alpha / rank, W frozen (loralib's Linear, as upstream wraps it)."""
+    """base(x) + dropout(x) A^T B^T * alpha / rank, base frozen (loralib's Linear, as upstream wraps it)."""
 
     def __init__(self, base: nn.Linear, rank: int, alpha: float, dropout: float):
         super().__init__()
-        self.weight, self.bias, device = base.weight, base.bias, base.weight.device
+        self.base, device = base, base.weight.device
         self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, device=device))
         self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=device))
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # loralib's init: B = 0, so W' = W at first
-        self.scaling = alpha / rank
-        self.dropout = nn.Dropout(dropout)
+        self.scaling, self.dropout = alpha / rank, nn.Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
-        lora = self.dropout(x) @ self.lora_A.T @ self.lora_B.T
-        return F.linear(x, self.weight, self.bias) + lora * self.scaling
-
-    def delta(self) -> Tensor:
-        return (self.lora_B @ self.lora_A) * self.scaling
+        return self.base(x) + self.dropout(x) @ self.lora_A.T @ self.lora_B.T * self.scaling
 
 
 class LoRAEmbedding(nn.Module):
-    """W[ids] + A^T[ids] B^T * alpha / rank, W frozen (loralib's Embedding: no dropout). `.weight` is the
-    raw table W: a tied head reading it does not see the LoRA, as in upstream's training forward."""
+    """base(ids) + A^T[ids] B^T * alpha / rank, base frozen (loralib's Embedding: no dropout). `.weight` is
+    the raw table: a tied head reading it does not see the LoRA, as in upstream's training forward."""
 
     def __init__(self, base: nn.Embedding, rank: int, alpha: float, dropout: float = 0.0):
         super().__init__()
-        self.weight, device = base.weight, base.weight.device
+        self.base, device = base, base.weight.device
         self.lora_A = nn.Parameter(torch.zeros(rank, base.num_embeddings, device=device))
         self.lora_B = nn.Parameter(torch.randn(base.embedding_dim, rank, device=device))  # loralib's init
         self.scaling = alpha / rank
 
-    def forward(self, ids: Tensor) -> Tensor:
-        return F.embedding(ids, self.weight) + F.embedding(ids, self.lora_A.T) @ self.lora_B.T * self.scaling
+    weight = property(lambda self: self.base.weight)
 
-    def delta(self) -> Tensor:
-        return (self.lora_B @ self.lora_A).T * self.scaling  # the embedding table is (num, dim)
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.base(ids) + F.embedding(ids, self.lora_A.T) @ self.lora_B.T * self.scaling
 
 
 def lora_targets(model: dualAR.DualAR) -> list:
-    """What upstream's target_modules [attention, mlp, embeddings, output] wrap: wqkv, wo, w1, w2, w3 of
-    every slow and fast layer, the three embeddings and the fast output (the LM head is tied)."""
+    """What upstream's target_modules [attention, mlp, embeddings, output] wrap (the LM head is tied)."""
     names = ["embeddings", "codebook_embeddings", "fast_embeddings", "fast_output"]
     names += ["output"] if hasattr(model, "output") else []
     weights = ("attention.wqkv", "attention.wo", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")
@@ -111,24 +103,18 @@ def lora_params(model: nn.Module) -> dict:
     return {n: p for n, p in model.named_parameters() if n.endswith((".lora_A", ".lora_B"))}
 
 
-def replace_module(model: nn.Module, name: str, module: nn.Module):
-    parent, _, child = name.rpartition(".")
-    setattr(model.get_submodule(parent) if parent else model, child, module)
-
-
 def add_lora(model: dualAR.DualAR, rank=RANK, alpha=ALPHA, dropout=DROPOUT, names=None) -> list:
     """Wrap the target modules in LoRA (fp32 A and B, the only trainable parameters) -> those parameters."""
     model.requires_grad_(False)
     for name in names or lora_targets(model):
         base = model.get_submodule(name)
         wrap = LoRAEmbedding if isinstance(base, nn.Embedding) else LoRALinear
-        replace_module(model, name, wrap(base, rank, alpha, dropout))
+        model.set_submodule(name, wrap(base, rank, alpha, dropout))
     return list(lora_params(model).values())
 
 
 def load_lora(model: dualAR.DualAR, path, alpha=None, dropout=0.0) -> list:
-    """LoRA weights, ours or upstream's (a torch file with `state_dict`), into the model (a model without
-    LoRA gets it on the modules the file names) -> the LoRA parameters. alpha: the file's, else this."""
+    """Our or upstream's LoRA file (or a run folder) into the model, wrapped if need be -> its parameters."""
     path = Path(path) / LORA_FILE if Path(path).is_dir() else Path(path)
     if not path.is_file():
         raise UserError(f"LoRA weights {path} not found")
@@ -155,48 +141,37 @@ def load_lora(model: dualAR.DualAR, path, alpha=None, dropout=0.0) -> list:
         alpha = float(meta.get("alpha", alpha or ALPHA))
         add_lora(model, rank, alpha, dropout, names=[n for n in targets if n in names])
     params = lora_params(model)
-    if unmatched := sorted(params.keys() ^ lora.keys()):
-        key = unmatched[0]
+    if key := min(params.keys() ^ lora.keys(), default=None):
         raise UserError(f"{path}: {key} is {'missing' if key in params else 'not in the model'}: LoRA weights"
                         " for other modules")
     for key, param in params.items():
         if lora[key].shape != param.shape:
             raise UserError(f"{path}: {key} has shape {list(lora[key].shape)}, the base checkpoint needs"
                             f" {list(param.shape)} — weights for another model or rank?")
-    with torch.no_grad():
-        for key, param in params.items():
-            param.copy_(lora[key])
+    model.load_state_dict(lora, strict=False)  # exactly the LoRA parameters, checked above
     return list(params.values())
 
 
 @torch.no_grad()
 def merge_lora(model: dualAR.DualAR) -> dualAR.DualAR:
-    """Fold every LoRA into its weight as upstream does: W' = W + B A alpha/r (embeddings: transposed),
-    computed in fp32 and kept in fp32 (upstream's LoRA modules are fp32). Other weights keep their dtype."""
-    for name, m in lora_modules(model).items():
-        weight = nn.Parameter(m.weight.float() + m.delta(), requires_grad=False)
-        if isinstance(m, LoRAEmbedding):
-            plain = nn.Embedding.from_pretrained(weight, freeze=True)
-        else:
-            with torch.device("meta"):
-                plain = nn.Linear(weight.shape[1], weight.shape[0], bias=m.bias is not None)
-            plain.weight, plain.bias = weight, m.bias
-        replace_module(model, name, plain)
+    """W' = W + B A alpha/r (embeddings: transposed), in fp32 and kept in fp32 as upstream's LoRA modules."""
+    for name, lora in lora_modules(model).items():
+        delta = (lora.lora_B @ lora.lora_A) * lora.scaling
+        delta = delta.T if isinstance(lora, LoRAEmbedding) else delta  # an embedding table is (num, dim)
+        lora.base.weight = nn.Parameter(lora.base.weight.float() + delta, requires_grad=False)
+        model.set_submodule(name, lora.base)
     return model
 
 
-# ----------------------------------------------------------------------------- samples
+# ----------------------------------------------------------------------------- samples and loss
 def sample_tokens(model: dualAR.DualAR, text: str, codes) -> tuple:
-    """One training sample as upstream packs it -> (inputs, labels), each (1 + num_codebooks, T), with a
-    loss on `<|voice|>`, the codes and `<|im_end|>\\n` only, not on the turns and the header before them."""
-    cfg = model.config
+    """Upstream's sample -> (inputs, labels) (1 + num_codebooks, T): a loss on <|voice|> codes <|im_end|>."""
     turns = ["<|im_start|>system\n", SYSTEM_PROMPT, "<|im_end|>\n",
              "<|im_start|>user\n", text, "<|im_end|>\n"]
     prompt = dualAR.encode_pieces(model, turns + ["<|im_start|>assistant\n"])
     target = dualAR.encode_pieces(model, ["<|voice|>", torch.as_tensor(codes), "<|im_end|>\n"])
     tokens = torch.cat([prompt, target], dim=1)
-    ids = tokens[0]
-    labels = torch.where(dualAR.is_semantic(ids, cfg), tokens, IGNORE)
+    labels = torch.where(dualAR.is_semantic(tokens[0], model.config), tokens, IGNORE)
     labels[0] = torch.cat([torch.full_like(prompt[0], IGNORE), target[0]])
     labels = labels[:, 1:].clone()
     labels[1:, -1] = 0  # upstream sets the codebook labels of the last column to its pad code 0
@@ -204,9 +179,7 @@ def sample_tokens(model: dualAR.DualAR, text: str, codes) -> tuple:
 
 
 def collate(encoded: list) -> tuple:
-    """[(inputs, labels)] -> right-padded batch (inputs, labels, padding_mask): tokens and codes are
-    padded with 0 (upstream's collator asks the tokenizer for a pad token it lacks, and gets 0), labels
-    with -100, and padding_mask is True at padding."""
+    """-> right-padded (inputs, labels, padding_mask); tokens pad with 0 as upstream's (no pad token)."""
     length = max(x.size(1) for x, _ in encoded)
     inputs = torch.stack([F.pad(x, (0, length - x.size(1)), value=0) for x, _ in encoded])
     labels = torch.stack([F.pad(y, (0, length - y.size(1)), value=IGNORE) for _, y in encoded])
@@ -219,24 +192,17 @@ def make_batch(model: dualAR.DualAR, samples: list) -> tuple:
     return collate([sample_tokens(model, text, codes) for text, codes in samples])
 
 
-# ----------------------------------------------------------------------------- training loss
-def loss_sum(logits, states: Tensor, labels: Tensor) -> Tensor:
-    """Summed cross-entropy of logits(states): a function of its own, which checkpointing runs again."""
+def loss_sum(logits, states: Tensor, labels: Tensor) -> Tensor:  # its own function: checkpointing reruns it
     return F.cross_entropy(logits(states).flatten(0, -2).float(), labels.flatten(), reduction="sum")
 
 
-def training_loss(model: dualAR.DualAR, inputs: Tensor, labels: Tensor, padding_mask=None,
-                  checkpointing=False) -> dict:
-    """Upstream's loss: cross-entropy of the slow logits (full vocabulary) on label row 0, plus that of
-    the fast logits on the codes where the label is semantic (fast input: the slow state, then label
-    codes 0..8; predicted: codes 0..9). With checkpointing, every block and slices of HEAD_CHUNK head
-    positions and FAST_CHUNK fast sequences run again in the backward pass. Right padding never reaches
-    a real position through causal attention: padding_mask is only checked to be right padding."""
-    cfg = model.config
+def training_loss(model, inputs: Tensor, labels: Tensor, padding_mask=None, checkpointing=False) -> dict:
+    """Upstream's loss: slow logits on label row 0, plus fast logits on the codes of semantic labels. Causal
+    attention keeps right padding from real positions: padding_mask is only checked to be right padding."""
     if padding_mask is not None and (padding_mask[:, :-1] & ~padding_mask[:, 1:]).any():
         raise ValueError("padding_mask: padding must be at the end of each row (right padding)")
 
-    def run(fn, *args):  # with checkpointing only the arguments are kept: the backward pass runs fn again
+    def run(fn, *args):  # checkpointing keeps only the arguments: the backward pass runs fn again
         return checkpoint(fn, *args, use_reentrant=False) if checkpointing else fn(*args)
 
     x = model.slow_states(inputs, call=run)  # (B, S, dim), the training embedding (no codebook scale)
@@ -246,8 +212,7 @@ def training_loss(model: dualAR.DualAR, inputs: Tensor, labels: Tensor, padding_
     chunk = HEAD_CHUNK if checkpointing else n
     base_loss = sum(run(loss_sum, model.vocab_logits, x_scored[i:i + chunk], y_scored[i:i + chunk])
                     for i in range(0, n, chunk)) / n
-
-    semantic = dualAR.is_semantic(token_labels, cfg)
+    semantic = dualAR.is_semantic(token_labels, model.config)
     hidden = model.fast_input(x[semantic])  # (N, fast_dim)
     codes = labels[:, 1:].transpose(1, 2)[semantic]  # (N, num_codebooks)
     chunk, total = FAST_CHUNK if checkpointing else len(codes), 0.0
@@ -261,13 +226,11 @@ def training_loss(model: dualAR.DualAR, inputs: Tensor, labels: Tensor, padding_
 
 # ----------------------------------------------------------------------------- data
 def short_list(paths: list, n=5) -> str:
-    names = ", ".join(str(p) for p in paths[:n])
-    return names + (f" and {len(paths) - n} more" if len(paths) > n else "")
+    return ", ".join(map(str, paths[:n])) + (f" and {len(paths) - n} more" if len(paths) > n else "")
 
 
 def find_clips(data_dir: Path, strict: bool, audio_only: bool) -> tuple:
-    """Audio files (and .npy codes unless audio_only) under data_dir -> (how many, {path without suffix:
-    dict(audio, codes, text, stale)} of those with a .lab/.txt transcript; the others: a warning)."""
+    """-> (clips found, {stem: dict(audio, codes, text, stale)} of the transcribed); others: a warning."""
     if not data_dir.is_dir():
         raise UserError(f"data folder {data_dir} does not exist")
     clips = {}
@@ -287,26 +250,15 @@ def find_clips(data_dir: Path, strict: bool, audio_only: bool) -> tuple:
         raise UserError(f"no audio files{'' if audio_only else ' or .npy codes'} under {data_dir} (looked"
                         f" for {kinds})")
     for stem, clip in clips.items():
-        clip["text"] = next((t for s in TRANSCRIPT_SUFFIXES if (t := Path(f"{stem}{s}")).is_file()), None)
+        clip["text"] = next((t for s in (".lab", ".txt") if (t := Path(f"{stem}{s}")).is_file()), None)
         audio, codes = clip.get("audio"), clip.get("codes")
         clip["stale"] = audio is not None and (codes is None or codes.stat().st_mtime < audio.stat().st_mtime)
-    missing = [clip.get("audio") or clip["codes"] for clip in clips.values() if clip["text"] is None]
-    files, listed = f"{len(missing)} file(s)", short_list(missing)
-    if missing and strict:
-        raise UserError(f"{files} have no .lab/.txt transcript (--strict): {listed}")
-    if missing:
+    if missing := [clip.get("audio") or clip["codes"] for clip in clips.values() if clip["text"] is None]:
+        files, listed = f"{len(missing)} file(s)", short_list(missing)
+        if strict:
+            raise UserError(f"{files} have no .lab/.txt transcript (--strict): {listed}")
         print(f"warning: skipped {files} without a .lab/.txt transcript: {listed}", file=sys.stderr)
     return len(clips), {stem: clip for stem, clip in clips.items() if clip["text"] is not None}
-
-
-def audio_seconds(path: Path) -> float:
-    try:
-        info = sf.info(str(path))
-    except Exception as e:
-        raise UserError(f"{path} is not a readable audio file ({str(e).strip().splitlines()[-1]})") from None
-    if info.frames == 0:
-        raise UserError(f"{path} contains no audio samples")
-    return info.frames / info.samplerate
 
 
 def join_processes(device: torch.device) -> tuple:
@@ -335,19 +287,23 @@ def prepare_dataset(args):
     n_found, clips = find_clips(Path(args.data_dir), args.strict, audio_only=True)
     for clip in clips.values():  # check everything before writing anything
         dualAR.read_transcript(clip["text"])
-        clip["seconds"] = audio_seconds(clip["audio"])
+        try:
+            info = sf.info(str(clip["audio"]))  # the header: decoding every file twice would be slow
+        except Exception as e:
+            detail = str(e).strip().splitlines()[-1]
+            raise UserError(f"{clip['audio']} is not a readable audio file ({detail})") from None
+        if info.frames == 0:
+            raise UserError(f"{clip['audio']} contains no audio samples")
+        clip["seconds"] = info.frames / info.samplerate
         if not os.access(clip["audio"].parent, os.W_OK):
             raise UserError(f"cannot write codes next to {clip['audio']}: the folder is not writable")
     todo = [clip for clip in clips.values() if clip["stale"]]
     if world > 1:
         dist.barrier()  # every process has its list before any writes codes
-    start = time.perf_counter()
-    if todo[rank::world]:
-        # fp32 on every device, as dualAR encodes references: a clip gets the same codes everywhere
-        dac = codec.load(args.checkpoint, device, torch.float32)
-        for clip in tqdm(todo[rank::world], desc="encode", unit="file", disable=rank > 0):
-            codes = codec.encode(dac, codec.load_audio(clip["audio"]))[0]
-            codec.save_codes(clip["audio"].with_suffix(".npy"), codes)
+    start, mine = time.perf_counter(), todo[rank::world]
+    for clip in tqdm(mine, desc="encode", unit="file", disable=rank > 0 or not mine):
+        codes = codec.encode(dualAR.codec_model(args, device), codec.load_audio(clip["audio"]))[0]
+        codec.save_codes(clip["audio"].with_suffix(".npy"), codes)
     if world > 1:
         dist.barrier()
     if rank == 0:
@@ -360,8 +316,7 @@ def prepare_dataset(args):
 def load_samples(data_dir: Path, model: dualAR.DualAR, strict=False, max_length=None) -> list:
     """Every prepared (codes + transcript) pair under data_dir, tokenized once -> [(name, inputs, labels)]."""
     _, clips = find_clips(data_dir, strict, audio_only=False)
-    stale = [clip["audio"] for clip in clips.values() if clip["stale"]]
-    if stale:
+    if stale := [clip["audio"] for clip in clips.values() if clip["stale"]]:
         raise UserError(f"{len(stale)} audio file(s) have no up-to-date codes ({short_list(stale, 2)}):"
                         f" run `python train_lora.py prepare {data_dir}` first")
     samples, too_long = [], []
@@ -383,31 +338,31 @@ def load_samples(data_dir: Path, model: dualAR.DualAR, strict=False, max_length=
 
 # ----------------------------------------------------------------------------- training loop
 def batch_indices(n: int, batch_size: int, seed: int, k: int) -> list:
-    """Sample indices of micro-batch k: every epoch visits the samples in an order drawn from (seed,
-    epoch) alone, so a resumed run sees the same batches without storing the data order."""
+    """Micro-batch k: each epoch's order comes from (seed, epoch) alone, so a resumed run keeps it."""
     epoch, j = divmod(k, -(-n // batch_size))
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100003 + epoch)).tolist()
     return order[j * batch_size:(j + 1) * batch_size]
 
 
-def mixed_precision(device):  # the LoRA weights stay fp32
-    return torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else nullcontext()
+def batch_loss(model, samples: list, device, checkpointing=False) -> tuple:
+    """[(name, inputs, labels)] -> (their training_loss as one batch, real tokens); the LoRA stays fp32."""
+    inputs, labels, padding = collate([(x, y) for _, x, y in samples])
+    with torch.autocast(device.type, torch.bfloat16, enabled=device.type == "cuda"):
+        result = training_loss(model, inputs.to(device), labels.to(device), None, checkpointing)
+    return result, int((~padding).sum())
 
 
 @torch.no_grad()
 def validation_loss(model, samples: list, batch_size: int, device, rank=0, world=1) -> float:
-    """The loss of all the samples as one batch: each part of the loss is a sum over positions divided
-    by their number, so batches (and processes, every world-th sample each) add sums and counts."""
+    """The loss of all the samples as one batch: batches and processes add sums over positions and counts."""
     model.eval()
     sums = [0.0] * 4  # base loss, scored positions, semantic loss, scored codes
     mine = samples[rank::world]
     for i in tqdm(range(0, len(mine), batch_size), desc="validate", unit="batch", leave=False,
                   disable=rank > 0):
-        inputs, labels, _ = collate([(x, y) for _, x, y in mine[i:i + batch_size]])
-        with mixed_precision(device):
-            r = training_loss(model, inputs.to(device), labels.to(device))
-        n, codes = r["positions"], r["codes"]
-        parts = (r["base_loss"].item() * n, n, r["semantic_loss"].item() * codes, codes)
+        result, _ = batch_loss(model, mine[i:i + batch_size], device)
+        n, codes = result["positions"], result["codes"]
+        parts = (result["base_loss"].item() * n, n, result["semantic_loss"].item() * codes, codes)
         sums = [a + b for a, b in zip(sums, parts)]
     model.train()
     base, n, semantic, codes = sum_over_processes(sums, device)
@@ -415,8 +370,7 @@ def validation_loss(model, samples: list, batch_size: int, device, rank=0, world
 
 
 def save_checkpoint(out: Path, model, optimizer, step: int, rank=0):
-    """state.pt: what a resumed run needs to continue bit for bit, the random states of every process
-    included (each draws its own dropout); lora.safetensors: upstream's keys, fp32. Rank 0 writes."""
+    """state.pt: all a resumed run needs (each process's dropout state too); lora.safetensors: upstream's."""
     device = next(model.parameters()).device
     rng = dict(torch=torch.get_rng_state())
     if device.type != "cpu":  # dropout on cuda or mps draws from the generator of this process's device
@@ -425,6 +379,7 @@ def save_checkpoint(out: Path, model, optimizer, step: int, rank=0):
     if dist.is_initialized():
         dist.all_gather_object(rngs, rng)
     if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
         lora = {f"model.{k}": p.detach().float().cpu().contiguous() for k, p in lora_params(model).items()}
         state = dict(step=step, lora=lora, optimizer=optimizer.state_dict(), rng=rngs)
         write_atomic(out / STATE_FILE, lambda tmp: torch.save(state, tmp))
@@ -460,16 +415,13 @@ def load_checkpoint(out: Path, model, optimizer, seed: int, rank=0, world=1) -> 
 
 
 def check_writable(out: Path):
-    parent = out
-    while not parent.exists():
-        parent = parent.parent
+    parent = next(folder for folder in (out, *out.parents) if folder.exists())
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         raise UserError(f"--out {out} is not writable ({parent} is not a writable folder)")
 
 
 def run_settings(args) -> dict:
-    """--out: a new or empty folder we can write -> the command line's settings; with --resume, one of
-    our runs -> its stored settings."""
+    """The command line's settings for a new run in --out, or (--resume) the stored ones of the run there."""
     out = Path(args.out)
     if args.resume:
         if not (out / RUN_FILE).is_file() or not (out / STATE_FILE).is_file():
@@ -504,17 +456,14 @@ def keep_metrics_up_to(path: Path, step: int):
     """On resume: drop the metrics logged after the checkpoint (they will be logged again)."""
     kept = []
     for line in path.read_text().splitlines() if path.exists() else []:
-        try:
+        with suppress(ValueError):  # a line cut short by a crash
             if json.loads(line)["step"] <= step:
                 kept.append(line + "\n")
-        except ValueError:  # a line cut short by a crash
-            pass
     write_atomic(path, lambda tmp: tmp.write_text("".join(kept)))
 
 
 def start_run(args, rank: int, world: int, device) -> tuple:
-    """The run folder set up, or read back (--resume) -> (settings, model with LoRA, LoRA parameters,
-    AdamW, training and validation samples, step)."""
+    """The run in --out set up, or read back (--resume) -> its settings, model, LoRA, AdamW, samples, step."""
     run, out = run_settings(args), Path(args.out)
     if world > 1:
         dist.barrier()  # every process has checked --out before rank 0 writes in it
@@ -541,8 +490,6 @@ def start_run(args, rank: int, world: int, device) -> tuple:
     else:
         step = 0
         run.update(samples=names, checkpoint=str(run["checkpoint"]))
-        if rank == 0:
-            out.mkdir(parents=True, exist_ok=True)
         save_checkpoint(out, model, optimizer, step, rank)  # resumable from the start
         if rank == 0:  # last: a folder with run.json has a checkpoint
             write_atomic(out / RUN_FILE, lambda tmp: tmp.write_text(json.dumps(run, indent=1)))
@@ -553,10 +500,8 @@ def start_run(args, rank: int, world: int, device) -> tuple:
     return run, model, params, optimizer, train_set, val_set, step
 
 
-def optimizer_step(model, params, optimizer, run: dict, train_set: list, step: int, rank=0,
-                   world=1) -> tuple:
-    """Optimizer step `step` (0-based), over grad_accum micro-batches (this process: every world-th) ->
-    (mean loss, lr, real tokens seen) over all processes."""
+def optimizer_step(model, params, optimizer, run: dict, train_set: list, step: int, rank=0, world=1) -> tuple:
+    """Step `step`: grad_accum micro-batches (every world-th here) -> (mean loss, lr, tokens) of all ranks."""
     device = params[0].device
     # upstream's schedule: linear warm-up, then constant, counted from 1 so step 0 does not run at lr 0
     lr = run["lr"] * min(1.0, (step + 1) / max(1, run["warmup"]))
@@ -565,14 +510,11 @@ def optimizer_step(model, params, optimizer, run: dict, train_set: list, step: i
     loss, tokens, accum = 0.0, 0, run["grad_accum"] // world
     for micro in range(accum):
         k = (step * accum + micro) * world + rank
-        batch = [train_set[i][1:] for i in batch_indices(len(train_set), run["batch_size"], run["seed"], k)]
-        inputs, labels, padding = collate(batch)
-        with mixed_precision(device):
-            result = training_loss(model, inputs.to(device), labels.to(device), None, run["checkpointing"])
+        batch = [train_set[i] for i in batch_indices(len(train_set), run["batch_size"], run["seed"], k)]
+        result, n = batch_loss(model, batch, device, run["checkpointing"])
         # every micro-batch of every process weighs 1/grad_accum: N processes = one with N x the micro-batches
         (result["loss"] / run["grad_accum"]).backward()
-        loss += result["loss"].item() / run["grad_accum"]
-        tokens += int((~padding).sum())
+        loss, tokens = loss + result["loss"].item() / run["grad_accum"], tokens + n
     if world > 1:  # data parallel: the gradients summed over the processes, all in one all-reduce
         grads = torch.cat([p.grad.flatten() for p in params])
         dist.all_reduce(grads)
@@ -636,53 +578,46 @@ def train(args):
 # ----------------------------------------------------------------------------- merge and export
 def save_hf_weights(state: dict, folder: Path):
     """model.safetensors with the HF key names, or shards of <= SHARD_BYTES + model.safetensors.index.json."""
-    shards, size = [[]], 0
+    shards, size = [{}], 0
     for name, tensor in state.items():
         if shards[-1] and size + tensor.nbytes > SHARD_BYTES:
-            shards, size = shards + [[]], 0
-        shards[-1].append(name)
-        size += tensor.nbytes
-    files = ["model.safetensors"] if len(shards) == 1 else \
-        [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-    for file, names in zip(files, shards):
-        save_file({dualAR.hf_name(k): state[k] for k in names}, str(folder / file))
+            shards, size = shards + [{}], 0
+        shards[-1][dualAR.hf_name(name)], size = tensor, size + tensor.nbytes
+    n, weight_map = len(shards), {}
+    for i, shard in enumerate(shards, 1):
+        file = f"model-{i:05d}-of-{n:05d}.safetensors" if n > 1 else "model.safetensors"
+        save_file(shard, str(folder / file))
         dualAR.usual_permissions(folder / file)
-    if len(shards) > 1:
-        weight_map = {dualAR.hf_name(k): file for file, names in zip(files, shards) for k in names}
+        weight_map.update(dict.fromkeys(shard, file))
+    if n > 1:
         index = dict(metadata=dict(total_size=sum(t.nbytes for t in state.values())), weight_map=weight_map)
         (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
 
 
-def export_checkpoint(model: dualAR.DualAR, base: Path, folder: Path, fmt: str):
-    """hf: the base's config.json + safetensors, HF names. dual_ar: upstream's save_pretrained form, flat
-    config.json + model.pth (internal names). Both: the base's tokenizer and codec files."""
-    state = {name: p.detach().cpu().contiguous() for name, p in model.named_parameters()}
-    if fmt == "hf":
-        shutil.copy(base / "config.json", folder / "config.json")
-        save_hf_weights(state, folder)
-    else:  # upstream's own flat `dual_ar` config.json, which dualAR.py reads too
-        flat = dict(model_type="dual_ar", **{k: model.config[k] for k in FLAT_KEYS if k in model.config})
-        (folder / "config.json").write_text(json.dumps(flat, indent=4, sort_keys=True))
-        torch.save(state, folder / "model.pth")
-    for name in COPIED_FILES:
-        if (base / name).is_file():
-            shutil.copy(base / name, folder / name)
-
-
 def merge_checkpoint(args):
-    """`merge`: base checkpoint + LoRA -> a new checkpoint folder, written in full, then renamed."""
+    """`merge`: base checkpoint + LoRA -> a new folder, written in full, then renamed. hf: the base's
+    config.json + HF-named safetensors; dual_ar: upstream's save_pretrained form (flat config, model.pth)."""
     out, base, lora = Path(args.out), Path(args.checkpoint), Path(args.lora)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise UserError(f"--out {out} already exists and is not empty: choose a new folder")
     check_writable(out)
     model = dualAR.load(base, "cpu", None)  # dtype None: every tensor as stored (upstream's merge dtypes)
     n = len(load_lora(model, lora, args.alpha)) // 2
-    merge_lora(model)
+    state = {name: p.detach().cpu().contiguous() for name, p in merge_lora(model).named_parameters()}
     tmp = out.parent / f".{out.name}.part"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        export_checkpoint(model, base, tmp, args.format)
+        if args.format == "hf":
+            shutil.copy(base / "config.json", tmp / "config.json")
+            save_hf_weights(state, tmp)
+        else:  # upstream's own flat `dual_ar` config.json, which dualAR.py reads too
+            flat = dict(model_type="dual_ar", **{k: model.config[k] for k in FLAT_KEYS if k in model.config})
+            (tmp / "config.json").write_text(json.dumps(flat, indent=4, sort_keys=True))
+            torch.save(state, tmp / "model.pth")
+        for name in COPIED_FILES:
+            if (base / name).is_file():
+                shutil.copy(base / name, tmp / name)
         os.replace(tmp, out)
     except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: torch.save and safetensors
         raise UserError(f"cannot write {out}: {getattr(e, 'strerror', None) or e}") from None
@@ -740,8 +675,7 @@ FLAGS = dict(train=[
     ("--lr", float, LR, "> 0", "AdamW learning rate"),
     ("--warmup", int, WARMUP, ">= 0", "linear warm-up steps"),
     ("--batch-size", int, 4, ">= 1", "samples per micro-batch"),
-    ("--grad-accum", int, 1, ">= 1", "micro-batches per optimizer step and process: N processes with G"
-     " see what one process with N*G sees"),
+    ("--grad-accum", int, 1, ">= 1", "micro-batches per step and process: N processes x G = 1 x N*G"),
     ("--max-steps", int, 1000, ">= 1", "optimizer steps in all"),
     ("--max-length", int, 4096, ">= 1", "upstream's limit: skip samples longer than this many tokens"),
     ("--val-size", int, None, ">= 0", "samples held out for validation (default 5%%, at least 1; 0: none)"),
@@ -756,6 +690,7 @@ FLAGS = dict(train=[
 ])
 RULES = {">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1, "> 0": lambda v: v > 0,
          "in [0, 1)": lambda v: 0 <= v < 1}
+COMMANDS = dict(prepare=prepare_dataset, train=train, merge=merge_checkpoint, bench=bench_training)
 
 
 def parse_args(argv=None):
@@ -771,32 +706,24 @@ def parse_args(argv=None):
                       " with a same-stem .lab or .txt transcript, in any sub-folders")
     data.add_argument("--strict", action="store_true",
                       help="a file without transcript is an error (default: a warning, the file is skipped)")
-    p = sub.add_parser("prepare", parents=[data], help="encode the audio once into <stem>.npy codes")
-    p.set_defaults(run=prepare_dataset)
-
+    sub.add_parser("prepare", parents=[data], help="encode the audio once into <stem>.npy codes")
     t = sub.add_parser("train", parents=[data], help="train a LoRA on the prepared data")
-    t.set_defaults(run=train)
-    t.add_argument("--out", required=True, help="run folder: run.json, metrics.jsonl, lora.safetensors,"
-                   " state.pt")
+    t.add_argument("--out", required=True,
+                   help="run folder: run.json, metrics.jsonl, lora.safetensors, state.pt")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint"
                    " (its stored settings: only --max-steps, --val-every and --save-every may change), on"
                    " any number of processes that divides its micro-batches per step")
     t.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
                    help="keep every activation (faster, much more memory) instead of gradient checkpointing")
-
     m = sub.add_parser("merge", parents=[base], help="fold a LoRA into the base weights: a checkpoint folder")
-    m.set_defaults(run=merge_checkpoint)
     m.add_argument("--lora", required=True, help="one of our run folders, or a LoRA file: ours, or upstream's"
                    " (keys model.<module>.lora_A / lora_B, safetensors or a torch file with state_dict)")
     m.add_argument("--out", required=True, help="new folder for the merged checkpoint")
-    m.add_argument("--format", choices=["hf", "dual_ar"], default="hf", help="hf: config.json +"
-                   " model.safetensors with HF names, as fishaudio/s2-pro (default). dual_ar: upstream's own"
-                   " flat config.json + model.pth")
+    m.add_argument("--format", choices=["hf", "dual_ar"], default="hf", help="hf: config.json + safetensors,"
+                   " HF names, as fishaudio/s2-pro (default); dual_ar: upstream's flat config + model.pth")
     m.add_argument("--alpha", type=float, help=f"LoRA alpha of a file that does not store it (upstream's),"
                    f" default {ALPHA}")
-
     b = sub.add_parser("bench", parents=[device], help="training steps/s and peak memory, random weights")
-    b.set_defaults(run=bench_training)
     b.add_argument("--config", help="a config.json for smaller dimensions (default: the real S2-Pro)")
     for parser, flags in ((t, FLAGS["train"]), (b, FLAGS["bench"])):
         for flag, kind, default, _, help in flags:
@@ -813,7 +740,7 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     try:
-        args.run(args)
+        COMMANDS[args.command](args)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -8,7 +8,7 @@ Everything is written to give upstream fish-speech's codes for upstream's seed o
 
 How the file reads (sections, top to bottom):
     config          CONFIG (the real S2-Pro), config.json of either layout -> one flat dict
-    building blocks RMSNorm, FeedForward, RoPE, KVCache, Attention (3 ways), flex-decoding, Block
+    building blocks RMSNorm, FeedForward, RoPE, KVCache, Attention and Block (3 ways each), flex-decoding
     model           DualAR: embeddings, slow and fast transformers, the head; prefill, forward_slow/fast
     loading         sharded safetensors (HF names) -> the model, ids from the tokenizer
     quantization    int8/int4 on CPU (QuantLinear, torch's kernels), torchao on GPU; compile_model
@@ -300,9 +300,16 @@ class Block(nn.Module):
         self.attention_norm = RMSNorm(c["dim"], c["norm_eps"])
         self.ffn_norm = RMSNorm(c["dim"], c["norm_eps"])
 
-    def forward(self, x: Tensor, rope: Tensor, attend: str = "forward", *where) -> Tensor:
-        """attend: the Attention method (forward, decode, codebook), `where` its cache row or positions."""
-        h = x + getattr(self.attention, attend)(self.attention_norm(x), rope, *where)
+    def forward(self, x: Tensor, rope: Tensor, row: int = None) -> Tensor:  # training, or a prefill
+        return self.mlp(x + self.attention(self.attention_norm(x), rope, row))
+
+    def decode(self, x: Tensor, rope: Tensor, pos: Tensor) -> Tensor:  # the slow model's frames
+        return self.mlp(x + self.attention.decode(self.attention_norm(x), rope, pos))
+
+    def codebook(self, x: Tensor, rope: Tensor, i: int) -> Tensor:  # the fast model's codebooks
+        return self.mlp(x + self.attention.codebook(self.attention_norm(x), rope, i))
+
+    def mlp(self, h: Tensor) -> Tensor:
         return h + self.feed_forward(self.ffn_norm(h))
 
 
@@ -439,7 +446,7 @@ class DualAR(nn.Module):
         x = self.embed(tokens[None])
         rope = self.rope[: tokens.size(1)]
         for layer in self.layers:
-            x = layer(x, rope, "forward", row)
+            x = layer(x, rope, row)
         return self.head(x[:, -1], full)
 
     def forward_slow(self, frames: Tensor, pos: Tensor, full: bool = False):
@@ -447,7 +454,7 @@ class DualAR(nn.Module):
         x = self.embed(frames[:, :, None])
         rope = self.rope[pos][:, None]  # (B, 1, head_dim / 2, 2): each row at its own position
         for layer in self.layers:
-            x = layer(x, rope, "decode", pos)
+            x = layer.decode(x, rope, pos)
         return self.head(x[:, -1], full)
 
     def forward_fast(self, x: Tensor, i: int, logits: bool = True):
@@ -455,7 +462,7 @@ class DualAR(nn.Module):
         x = x[:, None]
         rope = self.fast_rope[i: i + 1]
         for layer in self.fast_layers:
-            x = layer(x, rope, "codebook", i)
+            x = layer.codebook(x, rope, i)
         return self.fast_logits(x[:, 0]) if logits else None
 
 

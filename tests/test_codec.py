@@ -70,11 +70,19 @@ def test_decode_clamps_wide_codes_like_upstream_without_touching_caller(model):
     assert torch.equal(wide, before)  # upstream clamps the caller's tensor in place; we do not
 
 
+@pytest.fixture(scope="module")
+def one_shot(dac):
+    """codes_random (40 frames) and, as a second row, the same codes reversed -> each batch size's decode
+    without chunks: what every chunked and streamed decode below must equal."""
+    codes = torch.from_numpy(gold("codes_random.npy"))
+    codes = torch.stack([codes, codes.flip(-1)])
+    return codes, {b: codec.decode(dac, codes[:b], chunk_frames=None) for b in (1, 2)}
+
+
 @pytest.mark.parametrize("chunk", [1, 5, 16])
-def test_chunked_decode_equals_one_shot(model, chunk):
-    codes = gold("codes_random.npy")  # 40 frames
-    one_shot = codec.decode(model, codes, chunk_frames=None)
-    assert max_diff(codec.decode(model, codes, chunk_frames=chunk), one_shot) <= 1e-5
+def test_chunked_decode_equals_one_shot(model, one_shot, chunk):
+    codes, waves = one_shot
+    assert max_diff(codec.decode(model, codes[:1], chunk_frames=chunk), waves[1]) <= 1e-5
 
 
 def chunk_sizes(schedule, total):
@@ -88,14 +96,13 @@ def chunk_sizes(schedule, total):
 
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("schedule", [[1], [3], [7], [2, 5, 1, 9, 4]])
-def test_stream_decode_equals_one_shot(model, batch, schedule):
-    codes = torch.from_numpy(gold("codes_random.npy"))  # 40 frames
-    codes = torch.stack([codes, codes.flip(-1)])[:batch]
-    chunks = codes.split(chunk_sizes(schedule, 40), -1)
+def test_stream_decode_equals_one_shot(model, one_shot, batch, schedule):
+    codes, waves = one_shot
+    chunks = codes[:batch].split(chunk_sizes(schedule, 40), -1)
     pieces = list(codec.decode_stream(model, [c[0] for c in chunks] if batch == 1 else chunks))
     assert [tuple(p.shape) for p in pieces] == [(batch, c.shape[-1] * 2048) for c in chunks]
     assert all(p.dtype == torch.float32 for p in pieces)
-    assert max_diff(torch.cat(pieces, -1), codec.decode(model, codes, chunk_frames=None)) <= 1e-5
+    assert max_diff(torch.cat(pieces, -1), waves[batch]) <= 1e-5
 
 
 def test_stream_decode_clamps_wide_codes_like_decode_without_touching_caller(model):
@@ -124,14 +131,13 @@ def test_fast_path_one_shot_and_chunked_equal_eager_and_upstream(model, fast_mod
 
 @pytest.mark.parametrize("batch", [1, 2])
 @pytest.mark.parametrize("schedule", [[1], [3], [4], [2, 5, 1, 9, 4]])
-def test_fast_path_stream_equals_eager(model, fast_model, batch, schedule):
-    codes = torch.from_numpy(gold("codes_random.npy"))
-    codes = torch.stack([codes, codes.flip(-1)])[:batch]
-    chunks = codes.split(chunk_sizes(schedule, 40), -1)
+def test_fast_path_stream_equals_eager(fast_model, one_shot, batch, schedule):
+    codes, waves = one_shot
+    chunks = codes[:batch].split(chunk_sizes(schedule, 40), -1)
     fast = list(codec.decode_stream(fast_model, chunks))
     assert [tuple(p.shape) for p in fast] == [(batch, c.shape[-1] * 2048) for c in chunks]
     # eager streams equal eager one-shot decodes to 1e-5 (test_stream_decode_equals_one_shot)
-    assert max_diff(torch.cat(fast, -1), codec.decode(model, codes, chunk_frames=None)) <= 1e-5
+    assert max_diff(torch.cat(fast, -1), waves[batch]) <= 1e-5
 
 
 def test_encode_and_decode_from_several_threads_match_sequential(model):

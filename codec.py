@@ -80,13 +80,17 @@ class CausalConv(nn.Module):
         conv = nn.Conv1d(cin, cout, kernel, stride=stride, dilation=dilation, groups=groups)
         self.conv = weight_norm(conv) if wn else conv
         self.pad = (kernel - 1) * dilation + 1 - stride
-        self.as_matmul = False  # fast_path: a 1x1 conv as one batched matmul (mkldnn reorders its layout)
+        self.matmul, self.packed = False, None  # fast_path: 1x1 convs as matmuls, others on prepacked weights
 
     def forward(self, x, cache=None):  # (B, C, L) -> (B, C', L / stride); L is whole frames, so divisible
-        if self.as_matmul:
-            w = self.conv.weight[:, :, 0]  # (C', C)
-            return torch.baddbmm(self.conv.bias[:, None], w.expand(x.shape[0], -1, -1), x)
-        return self.conv(with_past(cache, self, x, self.pad))
+        conv = self.conv
+        if self.matmul:  # fast_path's tensors are channels-last, (B, L, C) in memory: this one needs no copy
+            return F.linear(x.mT, conv.weight[:, :, 0], conv.bias).mT
+        if self.packed is None:
+            return conv(with_past(cache, self, x, self.pad))
+        x = with_past(cache, self, x.mT, self.pad, dim=1).mT[:, :, None]  # (B, C, 1, pad + L) channels-last
+        y = torch.ops.mkldnn._convolution_pointwise(x, self.packed, conv.bias, *self.geometry, "none", [], "")
+        return y[:, :, 0]  # channels-last too
 
 
 class CausalConvT(nn.Module):
@@ -101,16 +105,21 @@ class CausalConvT(nn.Module):
                                    " is not supported (kernel = stride or 2 * stride)")
         conv = nn.ConvTranspose1d(cin, cout, kernel, stride=stride)
         self.conv = weight_norm(conv) if wn else conv
-        self.stride, self.overlap = stride, kernel // stride - 1
+        self.stride, self.overlap, self.fast = stride, kernel // stride - 1, False
 
     def forward(self, x, cache=None):  # (B, C, L) -> (B, C', L * stride)
         B, _, L = x.shape
-        w = self.conv.weight  # (C, C', kernel)
-        y = (x.transpose(1, 2) @ w.flatten(1)).view(B, L, w.shape[1], 1 + self.overlap, self.stride)
-        out = y[:, :, :, 0]  # (B, L, C', stride): what each input sample writes into its own block
+        w = self.conv.weight  # (C, C', kernel); fast_path lays it out as (C, kernel, C'): no permute below
+        if self.fast:
+            y = (x.mT @ w.mT.flatten(1)).view(B, L, 1 + self.overlap, self.stride, -1)
+        else:
+            y = (x.mT @ w.flatten(1)).view(B, L, -1, 1 + self.overlap, self.stride).movedim(2, -1)
+        out = y[:, :, 0]  # (B, L, stride, C'): what each input sample writes into its own block
         if self.overlap:  # ... plus what the one before it writes into the next block
-            out = out + with_past(cache, self, y[:, :, :, 1], 1, dim=1)[:, :L]
-        return out.permute(0, 2, 1, 3).reshape(B, -1, L * self.stride) + self.conv.bias[:, None]
+            out = out + with_past(cache, self, y[:, :, 1], 1, dim=1)[:, :L]
+        if self.fast:
+            return (out.reshape(B, L * self.stride, -1) + self.conv.bias).mT
+        return out.permute(0, 3, 1, 2).reshape(B, -1, L * self.stride) + self.conv.bias[:, None]
 
 
 class Sequential(nn.Sequential):
@@ -454,8 +463,16 @@ def fast_path(model, on=True):
     for module in model.modules():
         if isinstance(module, Snake):
             module.fn = fused_snake() if on else snake
-        elif isinstance(module, CausalConv) and module.pad == 0 and module.conv.kernel_size == (1,):
-            module.as_matmul = on and module.conv.groups == 1
+        elif isinstance(module, CausalConvT):
+            module.fast, w = on, module.conv.weight
+            w.data = w.data.mT.contiguous().mT if on else w.data.contiguous()
+        elif isinstance(module, CausalConv):
+            c = module.conv
+            module.matmul = on and c.kernel_size == (1,) and c.groups == 1
+            module.geometry = [0, 0], [1, c.stride[0]], [1, c.dilation[0]], c.groups  # conv2d's, over (1, L)
+            pack = on and not module.matmul and c.weight.is_cpu  # runs on any input size
+            module.packed = torch.ops.mkldnn._reorder_convolution_weight(
+                c.weight[:, :, None], *module.geometry, [1, c.in_channels, 1, 1024]) if pack else None
     return model
 
 

@@ -232,7 +232,7 @@ class Transformer(nn.Module):
         self.window, self.head_dim, self.rope_base = window, cfg["head_dim"], cfg["rope_base"]
 
     def forward(self, x, cache=None):
-        x = x.transpose(1, 2)  # (B, T, C)
+        x = x.transpose(1, 2).contiguous()  # (B, T, C); a transposed view made each Linear a slower bmm
         start = 0 if cache is None else cache.get(self, 0)  # positions count from a stream's first frame
         if cache is not None:
             cache[self] = start + x.shape[1]

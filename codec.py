@@ -454,7 +454,7 @@ def fused_snake():  # one compiled snake for every model; it compiles on first u
 
 
 def fast_path(model, on=True):
-    """The faster CPU path (on=False: eager), equal to eager within 1e-5; returns the model. Snakes run compiled
+    """The faster CPU path (on=False: eager), equal to eager within 1e-5; returns the model. Snakes compiled
     (dynamic shapes: one kernel for all layers and chunk sizes); tensors stay channels-last; convs run on
     weights prepacked once (eager mkldnn reorders them every call); 1x1 and transposed convs as matmuls."""
     for module in model.modules():

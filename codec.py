@@ -80,13 +80,18 @@ class CausalConv(nn.Module):
         conv = nn.Conv1d(cin, cout, kernel, stride=stride, dilation=dilation, groups=groups)
         self.conv = weight_norm(conv) if wn else conv
         self.pad = (kernel - 1) * dilation + 1 - stride
-        self.as_matmul = False  # fast_path: a 1x1 conv as one batched matmul (mkldnn reorders its layout)
+        self.matmul, self.packed = False, None  # fast_path: 1x1 convs as matmuls, others on prepacked weights
+        self.geo = [0, 0], [1, stride], [1, dilation], groups  # as a conv2d over (1, L), for fast_path
 
     def forward(self, x, cache=None):  # (B, C, L) -> (B, C', L / stride); L is whole frames, so divisible
-        if self.as_matmul:
-            w = self.conv.weight[:, :, 0]  # (C', C)
-            return torch.baddbmm(self.conv.bias[:, None], w.expand(x.shape[0], -1, -1), x)
-        return self.conv(with_past(cache, self, x, self.pad))
+        conv = self.conv
+        if self.matmul:  # fast_path's tensors are channels-last, (B, L, C) in memory: this one needs no copy
+            return F.linear(x.mT, conv.weight[:, :, 0], conv.bias).mT
+        if self.packed is None:
+            return conv(with_past(cache, self, x, self.pad))
+        x = with_past(cache, self, x.mT, self.pad, dim=1).mT[:, :, None]  # (B, C, 1, pad + L) channels-last
+        y = torch.ops.mkldnn._convolution_pointwise(x, self.packed, conv.bias, *self.geo, "none", [], "")
+        return y[:, :, 0]
 
 
 class CausalConvT(nn.Module):
@@ -101,16 +106,19 @@ class CausalConvT(nn.Module):
                                    " is not supported (kernel = stride or 2 * stride)")
         conv = nn.ConvTranspose1d(cin, cout, kernel, stride=stride)
         self.conv = weight_norm(conv) if wn else conv
-        self.stride, self.overlap = stride, kernel // stride - 1
+        self.stride, self.overlap, self.fast = stride, kernel // stride - 1, False
 
     def forward(self, x, cache=None):  # (B, C, L) -> (B, C', L * stride)
         B, _, L = x.shape
-        w = self.conv.weight  # (C, C', kernel)
-        y = (x.transpose(1, 2) @ w.flatten(1)).view(B, L, w.shape[1], 1 + self.overlap, self.stride)
-        out = y[:, :, :, 0]  # (B, L, C', stride): what each input sample writes into its own block
+        w = self.conv.weight  # (C, C', kernel); fast_path lays it out as (C, kernel, C'): no permute below
+        y = x.mT @ (w.mT if self.fast else w).flatten(1)
+        y = y.view(B, L, w.shape[2], -1) if self.fast else y.view(B, L, -1, w.shape[2]).mT  # (.., kernel, C')
+        y = y.unflatten(2, (1 + self.overlap, self.stride))
+        out = y[:, :, 0]  # (B, L, stride, C'): what each input sample writes into its own block
         if self.overlap:  # ... plus what the one before it writes into the next block
-            out = out + with_past(cache, self, y[:, :, :, 1], 1, dim=1)[:, :L]
-        return out.permute(0, 2, 1, 3).reshape(B, -1, L * self.stride) + self.conv.bias[:, None]
+            out = out + with_past(cache, self, y[:, :, 1], 1, dim=1)[:, :L]
+        out = out.reshape(B, L * self.stride, -1).mT if self.fast else out.permute(0, 3, 1, 2).flatten(2)
+        return out + self.conv.bias[:, None]  # fast_path: channels-last
 
 
 class Sequential(nn.Sequential):
@@ -223,7 +231,7 @@ class Transformer(nn.Module):
         self.window, self.head_dim, self.rope_base = window, cfg["head_dim"], cfg["rope_base"]
 
     def forward(self, x, cache=None):
-        x = x.transpose(1, 2)  # (B, T, C)
+        x = x.transpose(1, 2).contiguous()  # (B, T, C); a transposed view made each Linear a slower bmm
         start = 0 if cache is None else cache.get(self, 0)  # positions count from a stream's first frame
         if cache is not None:
             cache[self] = start + x.shape[1]
@@ -418,9 +426,8 @@ def load(path="s2-pro", device="cpu", dtype=torch.float32):
 
 def keep_freed_memory():
     """glibc only (elsewhere nothing): keep freed blocks of up to 32 MB for reuse, not unmapped."""
-    # glibc hands freed blocks back to the OS and gets them back zeroed, page by page (minor page faults).
-    # Chunks keep every tensor under 32 MB, which alone takes 5 s of audio from ~2 M faults to 0.1-0.3 M;
-    # these two settings take it to ~0 (4-10% less wall time, no more peak RSS; see `codec.py bench`).
+    # glibc unmaps freed blocks and faults them back in zeroed: chunks (tensors under 32 MB) alone take 5 s of
+    # audio from ~2 M minor faults to 0.1-0.3 M, these settings to ~0 (4-10% less wall time, same peak RSS).
     try:
         libc = ctypes.CDLL(None)
         libc.gnu_get_libc_version
@@ -447,24 +454,29 @@ def fused_snake():  # one compiled snake for every model; it compiles on first u
 
 
 def fast_path(model, on=True):
-    """The faster CPU path (on=False: eager), equal to eager within 1e-5: each Snake one compiled kernel, 1x1
-    convs as batched matmuls. Only the Snake is compiled (34 % of an eager decode): with dynamic shapes one
-    compile serves every layer and chunk size, while a graph of the whole decoder recompiles per chunk size
-    and shape of the stream's state (20-50 s each on 2 cores). Returns the model."""
+    """The faster CPU path (on=False: eager), equal to eager within 1e-5; returns the model. Snakes compiled
+    (dynamic shapes: one kernel for all layers and chunk sizes); tensors stay channels-last; convs run on
+    weights prepacked once (eager mkldnn reorders them every call); 1x1 and transposed convs as matmuls."""
     for module in model.modules():
         if isinstance(module, Snake):
             module.fn = fused_snake() if on else snake
-        elif isinstance(module, CausalConv) and module.pad == 0 and module.conv.kernel_size == (1,):
-            module.as_matmul = on and module.conv.groups == 1
+        elif isinstance(module, CausalConvT):
+            module.fast, w = on, module.conv.weight
+            w.data = w.data.mT.contiguous().mT if on else w.data.contiguous()
+        elif isinstance(module, CausalConv):
+            c = module.conv
+            module.matmul = on and c.kernel_size == (1,) and c.groups == 1
+            pack = on and not module.matmul and c.weight.is_cpu  # a packed weight takes inputs of any length
+            module.packed = torch.ops.mkldnn._reorder_convolution_weight(
+                c.weight[:, :, None], *module.geo, [1, c.in_channels, 1, 1024]) if pack else None
     return model
 
 
 # ----------------------------------------------------------------------------- API
 # Every part of the codec is causal, so it runs on chunks of whole frames as a stream: each conv keeps the
 # last inputs its kernel reaches back to, each attention layer its last window - 1 keys and values, in a
-# `cache` dict owned by the call (so calls share no state). Chunks then cost what their own frames cost:
-# re-decoding 16 frames of left context through the convs instead (the transformer still needs its keys:
-# ~1000 frames reach through its 8 windowed layers) took 7.8x the time per chunk at 1 frame, 1.6x at 16.
+# `cache` dict owned by the call. Re-decoding 16 frames of left context through the convs instead (attention
+# needs keys ~1000 frames back anyway) took 7.8x the time per chunk at 1 frame, 1.6x at 16.
 @torch.inference_mode()
 def encode(model, wave, chunk_frames=CHUNK_FRAMES):
     """Waveform (N,), (B, N) or (B, 1, N) at 44.1 kHz -> codes (B, 10, ceil(N / 2048)) int64.
@@ -694,7 +706,7 @@ def main(argv=None):
     bn.add_argument("--stream-chunks", type=int, default=8, help="chunks per stream (default %(default)s)")
     bn.add_argument("--repeats", type=int, default=3, help="timed calls per path (default %(default)s)")
     bn.add_argument("--compile", action="store_true",
-                    help="also time fast_path(): compiled Snakes, 1x1 convs as matmuls")
+                    help="also time fast_path(): compiled Snakes, channels-last prepacked convs")
     args = parser.parse_args(argv)
     if args.chunk_frames < 0:
         raise dualAR.UserError("--chunk-frames must be >= 0")

@@ -466,7 +466,7 @@ def fast_path(model, on=True):
         elif isinstance(module, CausalConv):
             c = module.conv
             module.matmul = on and c.kernel_size == (1,) and c.groups == 1
-            pack = on and not module.matmul and c.weight.is_cpu  # a packed weight takes inputs of any length
+            pack = on and not module.matmul and c.weight.is_cpu and torch.backends.mkldnn.is_available()
             module.packed = torch.ops.mkldnn._reorder_convolution_weight(
                 c.weight[:, :, None], *module.geo, [1, c.in_channels, 1, 1024]) if pack else None
     return model

@@ -526,7 +526,7 @@ def load_weights(model: DualAR, ckpt: Path, device, dtype, quant=None):
     blocks = {}  # "layers.3." -> the names of its tensors, for the blocks quantized as they are read
     if device.type == "cpu" and quant in CPU_BITS:
         for name in expected:
-            if name.startswith(("layers.", "fast_layers.")):
+            if block_prefix(name) != name:
                 blocks.setdefault(block_prefix(name), set()).add(name)
     state, seen = {}, set()
     for name, tensor in read_weights(weight_files(ckpt)):

@@ -9,6 +9,7 @@ import re
 import shutil
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -750,25 +751,30 @@ def test_compiled_kernels_go_to_our_cache_folder_unless_the_user_chose_one(monke
 
 
 def test_a_second_process_loads_the_compiled_step_from_the_cache(model, tmp_path):
-    """Run the compiled CLI twice with one --compile-cache: the first process fills the empty folder (the
-    suite's one cold compile: a minute or more), the second compiles nothing new (it finds its graph and
-    kernels there and leaves every file as it was) and writes the same codes as the eager model."""
-    cache = tmp_path / "cache"
-    args = ["--checkpoint", str(CKPT), "--text", "Hi.", "--seed", "1", "--max-new-tokens", "8", "--no-prompt",
-            "--codes-only", "--compile", "--compile-cache", str(cache), "--max-context", "256"]
-    times, files = [], []
-    for run in range(2):
-        start = time.perf_counter()
-        result = run_script("dualAR.py", args + ["--out", f"run{run}.npy"], tmp_path, timeout=900)
-        assert result.returncode == 0, result.stderr
-        times.append(time.perf_counter() - start)
-        files.append({str(p.relative_to(cache)): p.stat().st_size for p in cache.rglob("*") if p.is_file()})
-    print(f"compiled CLI, tiny checkpoint: cold {times[0]:.1f} s, warm {times[1]:.1f} s (start to end)")
-    assert any(name.startswith("fxgraph/") for name in files[0]) and any(n.endswith(".so") for n in files[0])
-    assert files[1] == files[0]
+    """This process compiles a model's frame step (batch 1, a 256-position cache) into the session's
+    compile cache, unless an earlier test did; then the compiled CLI in a new process, given that folder
+    as --compile-cache, compiles nothing new (it finds the graph and kernels there and leaves every file
+    as it was) and writes the same codes as the eager model."""
+    cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])  # the session's (conftest: inductor_cache)
     eager = dualAR.generate(model, "Hi.", seed=1, max_new_tokens=8, max_context=256)
-    for run in range(2):
-        assert torch.equal(torch.from_numpy(np.load(tmp_path / f"run{run}.npy")), eager)
+    start = time.perf_counter()
+    compiled = dualAR.load(CKPT, compile=True)  # fresh caches: 1 row x 256 positions, as the CLI's below
+    assert torch.equal(dualAR.generate(compiled, "Hi.", seed=1, max_new_tokens=8, max_context=256), eager)
+    assert compiled.cache_len == 256
+    files = [{str(p.relative_to(cache)): p.stat().st_size for p in cache.rglob("*") if p.is_file()}]
+    times = [time.perf_counter() - start]
+    assert any(name.startswith("fxgraph/") for name in files[0]) and any(n.endswith(".so") for n in files[0])
+    args = ["--checkpoint", str(CKPT), "--text", "Hi.", "--seed", "1", "--max-new-tokens", "8", "--no-prompt",
+            "--codes-only", "--compile", "--compile-cache", str(cache), "--max-context", "256",
+            "--out", "run.npy"]
+    start = time.perf_counter()
+    result = run_script("dualAR.py", args, tmp_path, timeout=900)
+    times.append(time.perf_counter() - start)
+    assert result.returncode == 0, result.stderr
+    files.append({str(p.relative_to(cache)): p.stat().st_size for p in cache.rglob("*") if p.is_file()})
+    print(f"compiled step, tiny checkpoint: this process {times[0]:.1f} s, the next one {times[1]:.1f} s")
+    assert files[1] == files[0]
+    assert torch.equal(torch.from_numpy(np.load(tmp_path / "run.npy")), eager)
 
 
 # ----------------------------------------------------------------------------- quantization

@@ -1,13 +1,16 @@
 """fishfast's benchmark, gpt-fast style: frames/s of the frame step per batch size, the weight bytes it reads
 (GB/s, % of the measured copy bandwidth), prefill tokens/s, time to first audio, peak memory; for a
 quantized model also its logit error and code agreement against the unquantized one. Random weights
-(torch.rand: randn differs between CPUs) at the real size or smaller, or a checkpoint.
+(torch.rand: randn differs between CPUs) at the real size or smaller, or a checkpoint. Also the codec's
+encode / decode / streaming speed, eager and fast path (`python codec.py bench`).
 
     python bench.py --config s2-mid --batch 1,4 --frames 64 --compile --quant int8wo
     python dualAR.py --bench ...                     # the same, from the main CLI
 """
 import argparse
 import ctypes
+import os
+import resource
 import time
 from pathlib import Path
 
@@ -269,6 +272,63 @@ def bench(args):
         print(f"time to first audio at batch 1 (prefill {prompt} tokens + first frames + their codec"
               f" decode): {1000 * ttfa:.0f} ms")
         print(f"bench ttfa_ms={1000 * ttfa:.0f} prompt_tokens={prompt}")
+
+
+# ----------------------------------------------------------------------------- codec (`codec.py bench`)
+def timed_codec_call(dac, fast: bool, fn, device) -> tuple:
+    """fn() once, on the codec's fast path or not -> (seconds, minor page faults, peak memory GB)."""
+    codec.fast_path(dac, fast)
+    dualAR.reset_peak_memory(device)
+    faults, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+    fn().cpu()
+    wall, faults = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+    return wall, faults, dualAR.peak_memory_gb(device)
+
+
+def codec_speed(args):
+    """`python codec.py bench`: encode / decode / streaming speed, page faults and peak memory at the real
+    size, random weights; with --compile, the fast path and the eager one side by side (interleaved,
+    min/median/max)."""
+    device = dualAR.pick_device(args.device)
+    dtype = dualAR.pick_dtype(args.dtype, device, cuda="fp16")
+    torch.manual_seed(0)
+    codec.keep_freed_memory()
+    cfg = codec.read_config(args.config) if args.config else codec.CONFIG
+    with torch.device(device):
+        dac = codec.fold_weight_norm(codec.DAC(cfg)).requires_grad_(False).eval().to(dtype)
+    n_params = sum(p.numel() for p in dac.parameters())
+    print(f"codec: {n_params / 1e6:.1f} M parameters, {device}, {dtype}, {torch.get_num_threads()} threads")
+    wave = 0.1 * torch.randn(int(args.seconds * cfg["sample_rate"]))
+    codes = codec.encode(dac, wave)
+    chunk, frames = args.chunk_frames, codes.shape[-1]
+    runs = [("encode", chunk, frames, 1, lambda: codec.encode(dac, wave, chunk)),
+            ("decode", chunk, frames, 1, lambda: codec.decode(dac, codes, chunk)),
+            ("decode", 0, frames, 1, lambda: codec.decode(dac, codes, None))]
+    for n in args.stream_frames:  # a stream's first chunks: each costs about what later ones do
+        chunks = codes.split(n, -1)[: args.stream_chunks]
+        runs.append(("stream", n, sum(c.shape[-1] for c in chunks), len(chunks),
+                     lambda chunks=chunks: torch.cat([w.cpu() for w in codec.decode_stream(dac, chunks)], 1)))
+    modes = [0, 1] if args.compile else [0]
+    for path, chunk, n_frames, n_chunks, fn in runs:
+        # warm-up: first calls allocate what later calls reuse; the first fast one compiles
+        warm = {m: timed_codec_call(dac, m, fn, device)[0] for m in modes}
+        if args.compile and path == "encode":  # the first run
+            print(f"compile: first fast encode {warm[1]:.1f} s, first eager one {warm[0]:.1f} s "
+                  f"(TORCHINDUCTOR_CACHE_DIR={os.environ.get('TORCHINDUCTOR_CACHE_DIR', 'default')})")
+        calls = {m: [] for m in modes}  # (seconds, faults, peak GB) per call, modes interleaved
+        for _ in range(args.repeats):
+            for m in modes:
+                calls[m].append(timed_codec_call(dac, m, fn, device))
+        for m in modes:
+            walls, (_, faults, peak) = sorted(c[0] for c in calls[m]), calls[m][-1]
+            med, audio = walls[len(walls) // 2], n_frames * dac.hop / cfg["sample_rate"]
+            rtfs = " / ".join(f"{w / audio:.3f}" for w in (walls[0], med, walls[-1]))
+            print(f"{path:6s} chunk={chunk:<3d} {'fast ' if m else 'eager'}: RTF {rtfs} (min / median / max"
+                  f" of {len(walls)}), {faults} minor page faults, peak memory {peak:.2f} GB")
+            per_chunk = f" ms_per_chunk={1000 * med / n_chunks:.4g}" if path == "stream" else ""
+            print(f"codec_bench path={path} chunk={chunk} compile={m} rtf={med / audio:.4g} "
+                  f"frames_per_s={n_frames / med:.4g}{per_chunk}")
+    codec.fast_path(dac, False)
 
 
 def batch_sizes(text: str) -> list:

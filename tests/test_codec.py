@@ -126,7 +126,11 @@ def test_fast_path_one_shot_and_chunked_equal_eager_and_upstream(model, fast_mod
         assert max_diff(wave[0], gold("codec_decoded_from_given_codes.npy")) <= WAVE_ATOL
     codes = codec.encode(fast_model, codec.load_audio(GOLDEN / "audio_in.wav"))
     np.testing.assert_array_equal(codes[0].numpy(), gold("codec_codes.npy"))
-    assert codec.fast_path(codec.load(CKPT), on=False).decoder.model[-2].fn is codec.snake
+    eager = codec.fast_path(codec.load(CKPT), on=False)
+    assert eager.decoder.model[-2].fn is codec.snake
+    linears = [type(m) for m in fast_model.modules() if isinstance(m, torch.nn.Linear)]
+    assert set(linears) == {codec.FewRowsLinear}  # a stream's few rows: W @ x^T
+    assert {type(m) for m in eager.modules() if isinstance(m, torch.nn.Linear)} == {torch.nn.Linear}
 
 
 @pytest.mark.parametrize("batch", [1, 2])

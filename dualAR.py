@@ -1669,6 +1669,8 @@ def speak_cli(args):
     references = load_references(args, model, device)
     if args.demo and not references:
         references = demo_reference(args, device)
+    if wav_path is not None and compiled and device.type == "cpu":  # decode only: references stay eager codes
+        codec.fast_path(codec_model(args, device))
     request = Request(model, args.text, references, seed=args.seed, temperature=args.temperature,
                       top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
                       chunk_length=args.chunk_length, max_context=args.max_context,

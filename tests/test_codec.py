@@ -279,7 +279,7 @@ def run_cli(*args, cwd=ROOT):  # `python codec.py args` in cwd, in this process
     return run_main(codec.main, args, cwd)
 
 
-def test_cli_encode_and_decode_reproduce_goldens(tmp_path):
+def test_cli_encode_and_decode_reproduce_goldens(tmp_path, monkeypatch):
     res = run_cli("encode", GOLDEN / "audio_in.wav", "--checkpoint", CKPT, "--out", tmp_path / "a.npy",
                   "--chunk-frames", 5)
     assert res.returncode == 0, res.stderr

@@ -962,6 +962,23 @@ def test_cli_stream_writes_the_same_wav_as_it_goes_and_reports_time_to_first_aud
     assert np.abs(wave - one_shot).max() <= 1 / 32768  # streamed decode == one-shot, up to PCM-16 rounding
 
 
+def test_cli_compiled_on_cpu_decodes_on_the_codec_fast_path(tmp_path, monkeypatch):
+    """--compile on CPU: the frame step compiled (the shape the compile-cache test compiles) and the codec's
+    decode on its fast path: the eager run's codes, and its wav up to PCM-16 rounding."""
+    import soundfile as sf
+    calls, fast_path = [], codec.fast_path
+    monkeypatch.setattr(codec, "fast_path", lambda dac, on=True: calls.append(on) or fast_path(dac, on))
+    args = ["--checkpoint", str(CKPT), "--text", "Hi.", "--seed", "1", "--max-new-tokens", "8", "--no-prompt",
+            "--max-context", "256"]
+    for name, flag in (("eager", "--no-compile"), ("compiled", "--compile")):
+        result = cli(args + [flag, "--out", f"{name}.wav"], tmp_path)
+        assert result.returncode == 0, result.stderr
+    assert calls == [True]
+    assert np.array_equal(np.load(tmp_path / "eager.npy"), np.load(tmp_path / "compiled.npy"))
+    wave, eager = sf.read(tmp_path / "compiled.wav")[0], sf.read(tmp_path / "eager.wav")[0]
+    assert wave.shape == eager.shape == (7 * 2048,) and np.abs(wave - eager).max() <= 1 / 32768
+
+
 def test_cli_text_file_and_no_prompt_give_upstreams_plain_tts(tmp_path):
     call = CASES["noref_greedy"]["call"]
     (tmp_path / "prompt").mkdir()

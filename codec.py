@@ -642,7 +642,8 @@ def main(argv=None):
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: cuda > mps > cpu")
+    common.add_argument("--device", type=dualAR.device_name, help="cpu, mps, cuda or cuda:N (default: cuda >"
+                        " mps > cpu)")
     common.add_argument("--dtype", choices=["fp32", "fp16", "bf16"],
                         help="default: fp16 on CUDA, else fp32 (bf16 is audibly noisier in the decoder)")
     common.add_argument("--chunk-frames", type=int, default=CHUNK_FRAMES,

@@ -363,13 +363,16 @@ def bad_inputs(tmp_path):
         "negative chunk": (["decode", codes, "--chunk-frames", "-5"], "--chunk-frames must be >= 0"),
         "bad flag value": (["decode", codes, "--chunk-frames", "many"], "invalid int value"),
         "unavailable device": (["decode", codes, "--device", MISSING_DEVICE], f"no {MISSING_DEVICE} device"),
+        "unknown device": (["decode", codes, "--device", "tpu"], "use cpu, mps, cuda or cuda:N"),
+        "a CUDA device past the last": (["decode", codes, "--device", f"cuda:{torch.cuda.device_count()}"],
+                                        "CUDA devices" if torch.cuda.is_available() else "no cuda device"),
     }
 
 
 @pytest.mark.parametrize("case", ["no checkpoint dir", "no codec.pth", "not audio", "empty audio",
                                   "wrong codebooks", "code too high", "negative code", "unwritable out",
                                   "two outputs collide", "negative chunk", "bad flag value",
-                                  "unavailable device"])
+                                  "unavailable device", "unknown device", "a CUDA device past the last"])
 def test_cli_bad_input_gives_one_line_error_and_no_output(tmp_path, capsys, case):
     args, message = bad_inputs(tmp_path)[case]
     if "--checkpoint" not in args:

@@ -533,6 +533,8 @@ def load_weights(model: DualAR, ckpt: Path, device, dtype, quant=None):
         if name not in expected:
             raise UserError(f"{ckpt}: unexpected tensor {hf_name(name)!r} — not an S2-Pro checkpoint"
                             " of this config.json?")
+        if name in seen:  # two shards holding one tensor: which copy a user gets must not be an accident
+            raise UserError(f"{ckpt}: tensor {hf_name(name)!r} is stored twice")
         if tensor.shape != expected[name]:
             raise UserError(f"{ckpt}: tensor {hf_name(name)!r} has shape {list(tensor.shape)},"
                             f" config.json implies {list(expected[name])}")

@@ -115,6 +115,23 @@ def test_unexpected_or_misshapen_tensors_are_named(model, tmp_path):
         dualAR.load(folder)
 
 
+@pytest.mark.parametrize("quant", [None, "int8wo"])
+def test_a_tensor_stored_in_two_shards_is_refused(tmp_path, quant):
+    """Also when CPU quantization swaps a block in as soon as its tensors are read: the second copy would
+    have replaced the block's int8 weight with fp32 numbers."""
+    from safetensors.torch import load_file, save_file
+    folder = tmp_path / "checkpoint"
+    shutil.copytree(CKPT, folder)
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    key = "text_model.model.layers.0.attention.wqkv.weight"
+    first = load_file(folder / index["weight_map"][key])[key]
+    save_file({key: first}, str(folder / "model-00003-of-00003.safetensors"))
+    index["weight_map"][key] = "model-00003-of-00003.safetensors"
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(dualAR.UserError, match=f"tensor '{key}' is stored twice"):
+        dualAR.load(folder, quant=quant)
+
+
 # ----------------------------------------------------------------------------- prompts
 def test_voice_clone_prompt_matches_upstream(model):
     call = CASES["seeded"]["call"]

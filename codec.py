@@ -79,15 +79,15 @@ class CausalConv(nn.Module):
         conv = nn.Conv1d(cin, cout, kernel, stride=stride, dilation=dilation, groups=groups)
         self.conv = weight_norm(conv) if wn else conv
         self.pad = (kernel - 1) * dilation + 1 - stride
-        self.matmul, self.packed = False, None  # fast_path: 1x1 convs as matmuls, others on prepacked weights
+        self.matmul, self.packed = False, None  # fast_path: its weight prepacked (1x1 convs: for a matmul)
         self.geo = [0, 0], [1, stride], [1, dilation], groups  # as a conv2d over (1, L), for fast_path
 
     def forward(self, x, cache=None):  # (B, C, L) -> (B, C', L / stride); L is whole frames, so divisible
         conv = self.conv
-        if self.matmul:  # fast_path's tensors are channels-last, (B, L, C) in memory: this one needs no copy
-            return F.linear(x.mT, conv.weight[:, :, 0], conv.bias).mT
         if self.packed is None:
             return conv(with_past(cache, self, x, self.pad))
+        if self.matmul:  # fast_path's tensors are channels-last, (B, L, C) in memory: this one needs no copy
+            return packed_matmul(x.mT, self.packed, conv.bias).mT
         x = with_past(cache, self, x.mT, self.pad, dim=1).mT[:, :, None]  # (B, C, 1, pad + L) channels-last
         y = torch.ops.mkldnn._convolution_pointwise(x, self.packed, conv.bias, *self.geo, "none", [], "")
         return y[:, :, 0]
@@ -105,18 +105,18 @@ class CausalConvT(nn.Module):
                                    " is not supported (kernel = stride or 2 * stride)")
         conv = nn.ConvTranspose1d(cin, cout, kernel, stride=stride)
         self.conv = weight_norm(conv) if wn else conv
-        self.stride, self.overlap, self.fast = stride, kernel // stride - 1, False
+        self.stride, self.overlap, self.packed = stride, kernel // stride - 1, None  # packed: fast_path
 
     def forward(self, x, cache=None):  # (B, C, L) -> (B, C', L * stride)
         B, _, L = x.shape
-        w = self.conv.weight  # (C, C', kernel); fast_path lays it out as (C, kernel, C'): no permute below
-        y = x.mT @ (w.mT if self.fast else w).flatten(1)
-        y = y.view(B, L, w.shape[2], -1) if self.fast else y.view(B, L, -1, w.shape[2]).mT  # (.., kernel, C')
+        w, fast = self.conv.weight, self.packed is not None  # w (C, C', kernel); fast: (kernel * C', C)
+        y = packed_matmul(x.mT, self.packed) if fast else x.mT @ w.flatten(1)
+        y = y.view(B, L, w.shape[2], -1) if fast else y.view(B, L, -1, w.shape[2]).mT  # (.., kernel, C')
         y = y.unflatten(2, (1 + self.overlap, self.stride))
         out = y[:, :, 0]  # (B, L, stride, C'): what each input sample writes into its own block
         if self.overlap:  # ... plus what the one before it writes into the next block
             out = out + with_past(cache, self, y[:, :, 1], 1, dim=1)[:, :L]
-        out = out.reshape(B, L * self.stride, -1).mT if self.fast else out.permute(0, 3, 1, 2).flatten(2)
+        out = out.reshape(B, L * self.stride, -1).mT if fast else out.permute(0, 3, 1, 2).flatten(2)
         return out + self.conv.bias[:, None]  # fast_path: channels-last
 
 
@@ -447,15 +447,19 @@ def fold_weight_norm(model):
     return model
 
 
-class FewRowsLinear(nn.Linear):
-    """fast_path: nn.Linear on up to 4 rows (a stream's frames) as W @ x^T, 1.4-2.5x faster on CPU BLAS."""
+def packed_matmul(x, packed, bias=None):  # x @ W^T + bias, W prepacked for oneDNN by fast_path (`prepack`)
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def prepack(weight):  # (out, in) -> oneDNN's own layout, made once
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+
+
+class PackedLinear(nn.Linear):
+    """fast_path's nn.Linear: the same parameters, and oneDNN's matmul on its weight prepacked (`packed`)."""
 
     def forward(self, x):
-        rows = x.numel() // x.shape[-1]
-        if rows > 4:
-            return super().forward(x)
-        y = (self.weight @ x.reshape(rows, -1).mT).mT.reshape(*x.shape[:-1], -1)
-        return y if self.bias is None else y + self.bias
+        return packed_matmul(x, self.packed, self.bias)
 
 
 @functools.cache
@@ -465,22 +469,30 @@ def fused_snake():  # one compiled snake for every model; it compiles on first u
 
 def fast_path(model, on=True):
     """The faster CPU path (on=False: eager), equal to eager within 1e-5; returns the model. Snakes compiled
-    (dynamic shapes: one kernel for all layers and chunk sizes); tensors stay channels-last; convs run on
-    weights prepacked once (eager mkldnn reorders them every call); 1x1 and transposed convs as matmuls."""
+    (dynamic shapes: one kernel for all layers and chunk sizes); tensors stay channels-last; convs, linear
+    layers and transposed convs (as one matmul each) run on weights prepacked once for oneDNN, where torch
+    and mkldnn are there: eager mkldnn reorders a conv's weight on every call, and MKL reads a linear
+    layer's weight for a stream's few rows at a third of the memory bandwidth (README, Speed)."""
+    p = next(model.parameters())
+    pack = on and p.is_cpu and p.dtype != torch.float16 and torch.backends.mkldnn.is_available()
     for module in model.modules():
         if isinstance(module, Snake):
             module.fn = fused_snake() if on else snake
-        elif type(module) in (nn.Linear, FewRowsLinear):  # the same module, its forward swapped
-            module.__class__ = FewRowsLinear if on else nn.Linear
-        elif isinstance(module, CausalConvT):
-            module.fast, w = on, module.conv.weight
-            w.data = w.data.mT.contiguous().mT if on else w.data.contiguous()
+        elif type(module) in (nn.Linear, PackedLinear):  # the same module and parameters, another forward
+            module.__class__ = PackedLinear if pack else nn.Linear
+            module.packed = prepack(module.weight) if pack else None
+        elif isinstance(module, CausalConvT):  # (C, C', kernel) -> one matmul's (kernel * C', C)
+            module.packed = prepack(module.conv.weight.mT.flatten(1).T) if pack else None
         elif isinstance(module, CausalConv):
             c = module.conv
-            module.matmul = on and c.kernel_size == (1,) and c.groups == 1
-            pack = on and not module.matmul and c.weight.is_cpu and torch.backends.mkldnn.is_available()
-            module.packed = torch.ops.mkldnn._reorder_convolution_weight(
-                c.weight[:, :, None], *module.geo, [1, c.in_channels, 1, 1024]) if pack else None
+            module.matmul = c.kernel_size == (1,) and c.groups == 1
+            if not pack:
+                module.packed = None
+            elif module.matmul:
+                module.packed = prepack(c.weight[:, :, 0])
+            else:
+                module.packed = torch.ops.mkldnn._reorder_convolution_weight(
+                    c.weight[:, :, None], *module.geo, [1, c.in_channels, 1, 1024])
     return model
 
 

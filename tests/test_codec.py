@@ -129,8 +129,9 @@ def test_fast_path_one_shot_and_chunked_equal_eager_and_upstream(model, fast_mod
     eager = codec.fast_path(codec.load(CKPT), on=False)
     assert eager.decoder.model[-2].fn is codec.snake
     linears = [type(m) for m in fast_model.modules() if isinstance(m, torch.nn.Linear)]
-    assert set(linears) == {codec.FewRowsLinear}  # a stream's few rows: W @ x^T
+    assert set(linears) == {codec.PackedLinear}  # oneDNN's matmul on prepacked weights
     assert {type(m) for m in eager.modules() if isinstance(m, torch.nn.Linear)} == {torch.nn.Linear}
+    assert all(getattr(m, "packed", None) is None for m in eager.modules())
 
 
 @pytest.mark.parametrize("batch", [1, 2])

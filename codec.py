@@ -671,8 +671,8 @@ def main(argv=None):
     dec = sub.add_parser("decode", parents=[files], help="codes -> <stem>.wav (44.1 kHz PCM-16)")
     dec.add_argument("paths", nargs="*", help=".npy or raw int16 .code files of codes [10, T]. "
                                               "Default: every generate/*.npy")
-    dec.add_argument("--fast", action="store_true", help="decode on fast_path(): compiled Snakes, prepacked"
-                     " convs (CPU: 1.2-1.6x, within 1e-5 of eager; see README)")
+    dec.add_argument("--fast", action="store_true", help="decode on fast_path(): compiled Snakes, oneDNN on"
+                     " prepacked weights (CPU: ~1.3-1.5x, ~1.5 GB more memory, within 1e-5 of eager; README)")
     bn = sub.add_parser("bench", parents=[common], help="encode/decode RTF at the real size, random weights")
     bn.add_argument("--config", help="a codec_config.json to time instead of the real size (e.g. tiny's)")
     bn.add_argument("--seconds", type=float, default=5.0, help="seconds of audio (default %(default)s)")
@@ -681,7 +681,7 @@ def main(argv=None):
     bn.add_argument("--stream-chunks", type=int, default=8, help="chunks per stream (default %(default)s)")
     bn.add_argument("--repeats", type=int, default=3, help="timed calls per path (default %(default)s)")
     bn.add_argument("--compile", action="store_true",
-                    help="also time fast_path(): compiled Snakes, channels-last prepacked convs")
+                    help="also time fast_path(): compiled Snakes, oneDNN on prepacked weights")
     args = parser.parse_args(argv)
     if args.chunk_frames < 0:
         raise dualAR.UserError("--chunk-frames must be >= 0")

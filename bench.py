@@ -193,9 +193,14 @@ def bench_codec(args, device):
     """The checkpoint's codec, or the real codec size with random weights (fp32, as the CLI runs it)."""
     if args.checkpoint and (Path(args.checkpoint) / "codec.pth").is_file():
         return codec.load(args.checkpoint, device)
+    return random_codec(codec.CONFIG, device, torch.float32)
+
+
+def random_codec(cfg: dict, device, dtype):
+    """A codec of config `cfg` with its default (seeded) random weights, ready for inference."""
     torch.manual_seed(0)
     with torch.device(device):
-        return codec.fold_weight_norm(codec.DAC(codec.CONFIG)).requires_grad_(False).eval()
+        return codec.fold_weight_norm(codec.DAC(cfg)).requires_grad_(False).eval().to(dtype)
 
 
 BENCH_TEXT = "The quick brown fox jumps over the lazy dog, and the river is calm today."
@@ -291,11 +296,9 @@ def codec_speed(args):
     min/median/max)."""
     device = dualAR.pick_device(args.device)
     dtype = dualAR.pick_dtype(args.dtype, device, cuda="fp16")
-    torch.manual_seed(0)
     codec.keep_freed_memory()
     cfg = codec.read_config(args.config) if args.config else codec.CONFIG
-    with torch.device(device):
-        dac = codec.fold_weight_norm(codec.DAC(cfg)).requires_grad_(False).eval().to(dtype)
+    dac = random_codec(cfg, device, dtype)
     n_params = sum(p.numel() for p in dac.parameters())
     print(f"codec: {n_params / 1e6:.1f} M parameters, {device}, {dtype}, {torch.get_num_threads()} threads")
     wave = 0.1 * torch.randn(int(args.seconds * cfg["sample_rate"]))

@@ -79,7 +79,8 @@ class CausalConv(nn.Module):
         conv = nn.Conv1d(cin, cout, kernel, stride=stride, dilation=dilation, groups=groups)
         self.conv = weight_norm(conv) if wn else conv
         self.pad = (kernel - 1) * dilation + 1 - stride
-        self.matmul, self.packed = False, None  # fast_path: its weight prepacked (1x1 convs: for a matmul)
+        self.matmul = kernel == 1 and groups == 1  # on fast_path: one matmul on channels-last x
+        self.packed = None  # fast_path: the weight prepacked (for a matmul where self.matmul)
         self.geo = [0, 0], [1, stride], [1, dilation], groups  # as a conv2d over (1, L), for fast_path
 
     def forward(self, x, cache=None):  # (B, C, L) -> (B, C', L / stride); L is whole frames, so divisible
@@ -485,7 +486,6 @@ def fast_path(model, on=True):
             module.packed = prepack(module.conv.weight.mT.flatten(1).T) if pack else None
         elif isinstance(module, CausalConv):
             c = module.conv
-            module.matmul = c.kernel_size == (1,) and c.groups == 1
             if not pack:
                 module.packed = None
             elif module.matmul:

@@ -96,6 +96,14 @@ def dac():
     return codec.load(CKPT)
 
 
+@pytest.fixture
+def fast_path_calls(monkeypatch):
+    """codec.fast_path, still working, with the `on` of each call recorded in the returned list."""
+    calls, fast_path = [], codec.fast_path
+    monkeypatch.setattr(codec, "fast_path", lambda dac, on=True: calls.append(on) or fast_path(dac, on))
+    return calls
+
+
 # ----------------------------------------------------------------------------- no state leaks between tests
 @pytest.fixture(scope="session", autouse=True)
 def inductor_cache():

@@ -280,7 +280,7 @@ def run_cli(*args, cwd=ROOT):  # `python codec.py args` in cwd, in this process
     return run_main(codec.main, args, cwd)
 
 
-def test_cli_encode_and_decode_reproduce_goldens(tmp_path, monkeypatch):
+def test_cli_encode_and_decode_reproduce_goldens(tmp_path, fast_path_calls):
     res = run_cli("encode", GOLDEN / "audio_in.wav", "--checkpoint", CKPT, "--out", tmp_path / "a.npy",
                   "--chunk-frames", 5)
     assert res.returncode == 0, res.stderr
@@ -293,6 +293,11 @@ def test_cli_encode_and_decode_reproduce_goldens(tmp_path, monkeypatch):
     wave, rate = sf.read(tmp_path / "a.wav", dtype="float32")
     assert rate == 44100 and sf.info(tmp_path / "a.wav").subtype == "PCM_16"
     assert max_diff(wave, gold("codec_decoded.npy")) <= 1 / 32768 + WAVE_ATOL  # PCM-16 rounding
+    assert fast_path_calls == []
+    res = run_cli("decode", tmp_path / "a.npy", "--checkpoint", CKPT, "--fast", "--out", tmp_path / "b.wav")
+    assert res.returncode == 0, res.stderr
+    assert fast_path_calls == [True]  # decode --fast: on the fast path, the same wav up to PCM-16 rounding
+    assert max_diff(sf.read(tmp_path / "b.wav", dtype="float32")[0], wave) <= 1 / 32768
 
 
 def test_cli_defaults_read_prompt_and_generate_folders_and_any_audio(model, tmp_path):

@@ -773,12 +773,16 @@ def test_a_second_process_loads_the_compiled_step_from_the_cache(model, tmp_path
     as --compile-cache, compiles nothing new (it finds the graph and kernels there and leaves every file
     as it was) and writes the same codes as the eager model."""
     cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])  # the session's (conftest: inductor_cache)
+
+    def cache_files():  # path -> size of every file in the cache folder
+        return {str(p.relative_to(cache)): p.stat().st_size for p in cache.rglob("*") if p.is_file()}
+
     eager = dualAR.generate(model, "Hi.", seed=1, max_new_tokens=8, max_context=256)
     start = time.perf_counter()
     compiled = dualAR.load(CKPT, compile=True)  # fresh caches: 1 row x 256 positions, as the CLI's below
     assert torch.equal(dualAR.generate(compiled, "Hi.", seed=1, max_new_tokens=8, max_context=256), eager)
     assert compiled.cache_len == 256
-    files = [{str(p.relative_to(cache)): p.stat().st_size for p in cache.rglob("*") if p.is_file()}]
+    files = [cache_files()]
     times = [time.perf_counter() - start]
     assert any(name.startswith("fxgraph/") for name in files[0]) and any(n.endswith(".so") for n in files[0])
     args = ["--checkpoint", str(CKPT), "--text", "Hi.", "--seed", "1", "--max-new-tokens", "8", "--no-prompt",
@@ -788,7 +792,7 @@ def test_a_second_process_loads_the_compiled_step_from_the_cache(model, tmp_path
     result = run_script("dualAR.py", args, tmp_path, timeout=900)
     times.append(time.perf_counter() - start)
     assert result.returncode == 0, result.stderr
-    files.append({str(p.relative_to(cache)): p.stat().st_size for p in cache.rglob("*") if p.is_file()})
+    files.append(cache_files())
     print(f"compiled step, tiny checkpoint: this process {times[0]:.1f} s, the next one {times[1]:.1f} s")
     assert files[1] == files[0]
     assert torch.equal(torch.from_numpy(np.load(tmp_path / "run.npy")), eager)
@@ -979,18 +983,16 @@ def test_cli_stream_writes_the_same_wav_as_it_goes_and_reports_time_to_first_aud
     assert np.abs(wave - one_shot).max() <= 1 / 32768  # streamed decode == one-shot, up to PCM-16 rounding
 
 
-def test_cli_compiled_on_cpu_decodes_on_the_codec_fast_path(tmp_path, monkeypatch):
+def test_cli_compiled_on_cpu_decodes_on_the_codec_fast_path(tmp_path, fast_path_calls):
     """--compile on CPU: the frame step compiled (the shape the compile-cache test compiles) and the codec's
     decode on its fast path: the eager run's codes, and its wav up to PCM-16 rounding."""
     import soundfile as sf
-    calls, fast_path = [], codec.fast_path
-    monkeypatch.setattr(codec, "fast_path", lambda dac, on=True: calls.append(on) or fast_path(dac, on))
     args = ["--checkpoint", str(CKPT), "--text", "Hi.", "--seed", "1", "--max-new-tokens", "8", "--no-prompt",
             "--max-context", "256"]
     for name, flag in (("eager", "--no-compile"), ("compiled", "--compile")):
         result = cli(args + [flag, "--out", f"{name}.wav"], tmp_path)
         assert result.returncode == 0, result.stderr
-    assert calls == [True]
+    assert fast_path_calls == [True]
     assert np.array_equal(np.load(tmp_path / "eager.npy"), np.load(tmp_path / "compiled.npy"))
     wave, eager = sf.read(tmp_path / "compiled.wav")[0], sf.read(tmp_path / "eager.wav")[0]
     assert wave.shape == eager.shape == (7 * 2048,) and np.abs(wave - eager).max() <= 1 / 32768

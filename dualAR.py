@@ -29,6 +29,7 @@ import math
 import os
 import re
 import resource
+import shutil
 import sys
 import threading
 import time
@@ -1489,8 +1490,8 @@ def model_settings(args) -> tuple:
 
 
 def write_atomic(path, write):
-    """write(tmp) fills a temp file in the same folder, which then replaces `path`: a failure (a full
-    disk, a missing folder) is one UserError and never leaves a half-written file."""
+    """write(tmp) fills a temp file (or folder) next to `path`, which then replaces `path`: a failure (a
+    full disk, a missing folder) is one UserError and never leaves a half-written file."""
     from safetensors import SafetensorError
     path = Path(path)
     tmp = path.with_name(f".{path.name}.part")
@@ -1501,14 +1502,14 @@ def write_atomic(path, write):
     except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: torch.save's and safetensors' own
         raise UserError(f"cannot write {path}: {getattr(e, 'strerror', None) or e}") from None
     finally:
-        tmp.unlink(missing_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
 
 
 def usual_permissions(path: Path):
     """safetensors makes files only their owner can read: give them the permissions of any new file."""
     umask = os.umask(0)
     os.umask(umask)
-    path.chmod(0o666 & ~umask)
+    path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
 
 
 def reset_peak_memory(device: torch.device):

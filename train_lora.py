@@ -18,7 +18,7 @@ import time
 from contextlib import suppress
 from pathlib import Path
 
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from safetensors.torch import save_file
 import soundfile as sf
 import torch
@@ -604,9 +604,9 @@ def merge_checkpoint(args):
     model = dualAR.load(base, "cpu", None)  # dtype None: every tensor as stored (upstream's merge dtypes)
     n = len(load_lora(model, lora, args.alpha)) // 2
     state = {name: p.detach().cpu().contiguous() for name, p in merge_lora(model).named_parameters()}
-    tmp = out.parent / f".{out.name}.part"
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
+
+    def write(tmp: Path):
+        shutil.rmtree(tmp, ignore_errors=True)  # what a killed merge left
         tmp.mkdir()
         if args.format == "hf":
             shutil.copy(base / "config.json", tmp / "config.json")
@@ -618,11 +618,7 @@ def merge_checkpoint(args):
         for name in COPIED_FILES:
             if (base / name).is_file():
                 shutil.copy(base / name, tmp / name)
-        os.replace(tmp, out)
-    except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: torch.save and safetensors
-        raise UserError(f"cannot write {out}: {getattr(e, 'strerror', None) or e}") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    write_atomic(out, write)
     size = sum(f.stat().st_size for f in out.iterdir()) / 2**30
     print(f"merged {n} LoRA modules of {lora} into {base}: wrote {out} ({args.format}, {size:.2f} GiB)")
 
@@ -748,3 +744,7 @@ def main(argv=None):
 
 if __name__ == "__main__":
     dualAR.cli(main)
+    if "RANK" in os.environ:  # torchrun: skip the interpreter's teardown, where gloo's threads, still freeing
+        sys.stdout.flush()  # the last collective's tensors, cannot take the GIL and abort (pytorch PR 179291)
+        sys.stderr.flush()
+        os._exit(0)

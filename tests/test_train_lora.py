@@ -3,6 +3,7 @@ plus tiny end-to-end runs: prepare, train, resume, merge, export, and every bad 
 
 See tests/fixtures/s2-tiny/README.md, section LoRA, for what each golden is and how upstream made it.
 """
+import errno
 import json
 import math
 import os
@@ -209,6 +210,7 @@ def test_merge_hf_gives_a_checkpoint_dualAR_loads_and_generates_with(tmp_path):
     umask = os.umask(0)
     os.umask(umask)
     assert stat.S_IMODE((out / "model.safetensors").stat().st_mode) == 0o666 & ~umask  # not owner-only
+    assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask
     assert "text_model.model.embeddings.weight" in load_file(out / "model.safetensors")
     model = dualAR.load(out)
     want = load_file(GOLDEN / "merged_model.safetensors")["layers.1.attention.wqkv.weight"]
@@ -581,6 +583,16 @@ BAD = {  # name: (setup(tmp_path) -> argv, words the error must contain)
     "merge: --out not empty": (into_non_empty_folder, "not empty"),
     "merge: --out not writable": (lambda t: merge_args(t, out=CKPT / "config.json/merged"), "not writable"),
 }
+
+
+def test_a_merge_that_cannot_finish_leaves_no_folder(tmp_path, monkeypatch):
+    def full_disk(state, folder):
+        (folder / "model.safetensors").write_bytes(b"half")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(train_lora, "save_hf_weights", full_disk)
+    with pytest.raises(UserError, match=f"^cannot write {tmp_path}/merged: {os.strerror(errno.ENOSPC)}$"):
+        train_lora.main(merge_args(tmp_path))
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("case", BAD, ids=list(BAD))

@@ -280,6 +280,48 @@ def bench(args):
 
 
 # ----------------------------------------------------------------------------- codec (`codec.py bench`)
+def matmul_peak(device, dtype, n=2048, repeats=8) -> float:
+    """The best GFLOP/s of an n x n matmul, torch's or oneDNN's on a prepacked weight (the codec's fast
+    path; MKL's reached half of it on this AMD CPU): the ceiling of compute-bound work such as the codec's."""
+    a, b = torch.rand(n, n, device=device, dtype=dtype), torch.rand(n, n, device=device, dtype=dtype)
+    ways = [lambda: a @ b]
+    if codec.can_prepack(b):
+        packed = codec.prepack(b.T)
+        ways.append(lambda: codec.packed_matmul(a, packed))
+    best = float("inf")
+    for way in ways:
+        for _ in range(repeats + 1):  # the first one warms up
+            synchronize(device)
+            start = time.perf_counter()
+            way()
+            synchronize(device)
+            best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e9
+
+
+def counted_flops(model: nn.Module, fn) -> int:
+    """FLOPs fn() spends in model's convolutions, transposed convolutions and linear layers (the codec's
+    arithmetic but for attention scores and element-wise work)."""
+    counts = []
+
+    def count(module, inputs, output):
+        x, conv = inputs[0], getattr(module, "conv", None)
+        if isinstance(module, codec.CausalConvT):  # each input sample meets the whole kernel
+            counts.append(x.shape[0] * x.shape[2] * conv.in_channels * conv.out_channels * conv.kernel_size[0])
+        elif isinstance(module, codec.CausalConv):
+            counts.append(output.numel() * conv.in_channels // conv.groups * conv.kernel_size[0])
+        else:
+            counts.append(x.numel() // x.shape[-1] * module.in_features * module.out_features)
+    kinds = (codec.CausalConv, codec.CausalConvT, nn.Linear)
+    hooks = [m.register_forward_hook(count) for m in model.modules() if isinstance(m, kinds)]
+    try:
+        fn()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return 2 * sum(counts)  # a multiply and an add
+
+
 def timed_codec_call(dac, fast: bool, fn, device) -> tuple:
     """fn() once, on the codec's fast path or not -> (seconds, minor page faults, peak memory GB)."""
     codec.fast_path(dac, fast)
@@ -300,7 +342,9 @@ def codec_speed(args):
     cfg = codec.read_config(args.config) if args.config else codec.CONFIG
     dac = random_codec(cfg, device, dtype)
     n_params = sum(p.numel() for p in dac.parameters())
-    print(f"codec: {n_params / 1e6:.1f} M parameters, {device}, {dtype}, {torch.get_num_threads()} threads")
+    peak = matmul_peak(device, dtype)
+    print(f"codec: {n_params / 1e6:.1f} M parameters, {device}, {dtype}, {torch.get_num_threads()} threads,"
+          f" matmul peak {peak:.0f} GFLOP/s (2048 x 2048, best of torch and oneDNN)")
     wave = 0.1 * torch.randn(int(args.seconds * cfg["sample_rate"]))
     codes = codec.encode(dac, wave)
     chunk, frames = args.chunk_frames, codes.shape[-1]
@@ -313,6 +357,7 @@ def codec_speed(args):
                      lambda chunks=chunks: torch.cat([w.cpu() for w in codec.decode_stream(dac, chunks)], 1)))
     modes = [0, 1] if args.compile else [0]
     for path, chunk, n_frames, n_chunks, fn in runs:
+        flops = counted_flops(dac, fn)  # eager: the fast path does the same arithmetic
         # warm-up: first calls allocate what later calls reuse; the first fast one compiles
         warm = {m: timed_codec_call(dac, m, fn, device)[0] for m in modes}
         if args.compile and path == "encode":  # the first run
@@ -323,14 +368,17 @@ def codec_speed(args):
             for m in modes:
                 calls[m].append(timed_codec_call(dac, m, fn, device))
         for m in modes:
-            walls, (_, faults, peak) = sorted(c[0] for c in calls[m]), calls[m][-1]
+            walls, (_, faults, memory) = sorted(c[0] for c in calls[m]), calls[m][-1]
             med, audio = walls[len(walls) // 2], n_frames * dac.hop / cfg["sample_rate"]
             rtfs = " / ".join(f"{w / audio:.3f}" for w in (walls[0], med, walls[-1]))
+            speed = flops / med / 1e9
             print(f"{path:6s} chunk={chunk:<3d} {'fast ' if m else 'eager'}: RTF {rtfs} (min / median / max"
-                  f" of {len(walls)}), {faults} minor page faults, peak memory {peak:.2f} GB")
+                  f" of {len(walls)}), {speed:.0f} GFLOP/s = {100 * speed / peak:.0f} % of the matmul peak"
+                  f" ({flops / audio / 1e9:.0f} GFLOP per second of audio), {faults} minor page faults,"
+                  f" peak memory {memory:.2f} GB")
             per_chunk = f" ms_per_chunk={1000 * med / n_chunks:.4g}" if path == "stream" else ""
             print(f"codec_bench path={path} chunk={chunk} compile={m} rtf={med / audio:.4g} "
-                  f"frames_per_s={n_frames / med:.4g}{per_chunk}")
+                  f"frames_per_s={n_frames / med:.4g} gflops={speed:.4g}{per_chunk}")
     codec.fast_path(dac, False)
 
 

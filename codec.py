@@ -452,6 +452,10 @@ def packed_matmul(x, packed, bias=None):  # x @ W^T + bias, W prepacked for oneD
     return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
 
 
+def can_prepack(t):  # whether oneDNN runs this tensor's device and dtype (CPU, fp32 or bf16)
+    return t.is_cpu and t.dtype != torch.float16 and torch.backends.mkldnn.is_available()
+
+
 def prepack(weight):  # (out, in) -> oneDNN's own layout, made once
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
@@ -475,7 +479,7 @@ def fast_path(model, on=True):
     and mkldnn are there: eager mkldnn reorders a conv's weight on every call, and MKL reads a linear
     layer's weight for a stream's few rows at a third of the memory bandwidth (README, Speed)."""
     p = next(model.parameters())
-    pack = on and p.is_cpu and p.dtype != torch.float16 and torch.backends.mkldnn.is_available()
+    pack = on and can_prepack(p)
     for module in model.modules():
         if isinstance(module, Snake):
             module.fn = fused_snake() if on else snake

@@ -1,6 +1,7 @@
 """codec.py against the upstream goldens in tests/fixtures/s2-tiny (see its README) and the S2-Pro shapes."""
 import itertools
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -9,6 +10,7 @@ import soundfile as sf
 import torch
 from torch.nn.utils import parametrize
 
+import bench
 import codec
 import dualAR
 from conftest import CKPT, GOLDEN, REAL, ROOT, run_main
@@ -319,7 +321,9 @@ def test_cli_defaults_read_prompt_and_generate_folders_and_any_audio(model, tmp_
 def test_cli_bench_prints_eager_and_fast_lines_with_plausible_figures(capsys):
     codec.main(["bench", "--device", "cpu", "--compile", "--seconds", "0.2", "--repeats", "1",
                 "--stream-frames", "1", "--stream-chunks", "2", "--config", str(CKPT / "codec_config.json")])
-    lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("codec_bench ")]
+    out = capsys.readouterr().out
+    peak = float(re.search(r"matmul peak (\d+) GFLOP/s", out)[1])
+    lines = [line.split() for line in out.splitlines() if line.startswith("codec_bench ")]
     rows = {(f["path"], f["chunk"], f["compile"]): f for f in (dict(w.split("=") for w in line[1:])
                                                                for line in lines)}
     assert set(rows) == {(p, c, m) for p, c in [("encode", "16"), ("decode", "16"), ("decode", "0"),
@@ -329,6 +333,23 @@ def test_cli_bench_prints_eager_and_fast_lines_with_plausible_figures(capsys):
         assert 1e-4 < rtf < 1e3 and abs(rtf * fps * 2048 / 44100 - 1) < 1e-3  # rtf = seconds per 21.5 frames
         if path == "stream":
             assert abs(float(f["ms_per_chunk"]) - 1000 / fps) < 0.01 * 1000 / fps
+    for (path, chunk, _), eager in rows.items():  # both paths do the same FLOPs per frame
+        fast = rows[path, chunk, "1"]
+        per_frame = [float(f["gflops"]) / float(f["frames_per_s"]) for f in (eager, fast)]
+        assert per_frame[0] > 0 and per_frame[0] == pytest.approx(per_frame[1], rel=1e-3)
+        assert float(eager["gflops"]) < peak and float(fast["gflops"]) < peak  # tiny layers: far below
+
+
+def test_bench_counts_the_flops_of_convolutions_and_linear_layers():
+    conv, convt, linear = codec.CausalConv(4, 6, 3, wn=False), codec.CausalConvT(4, 6, 4, 2), torch.nn.Linear(4, 6)
+    x = torch.rand(2, 4, 10)
+    assert bench.counted_flops(conv, lambda: conv(x)) == 2 * (2 * 6 * 10) * 4 * 3  # outputs x inputs reached
+    depthwise = codec.CausalConv(4, 4, 7, groups=4, wn=False)  # ConvNeXt's: each channel reads only itself
+    assert bench.counted_flops(depthwise, lambda: depthwise(x)) == 2 * (2 * 4 * 10) * 1 * 7
+    assert bench.counted_flops(convt, lambda: convt(x)) == 2 * (2 * 10) * 4 * 6 * 4  # inputs x whole kernel
+    assert bench.counted_flops(linear, lambda: linear(x.mT)) == 2 * (2 * 10) * 4 * 6
+    both = torch.nn.ModuleList([conv, linear])  # 1440 and 480 multiply-adds
+    assert bench.counted_flops(both, lambda: linear(conv(x).mT[..., :4])) == 2 * 1440 + 2 * 480
 
 
 def test_cli_decodes_raw_int16_code_files(tmp_path):

@@ -307,7 +307,8 @@ def counted_flops(model: nn.Module, fn) -> int:
     def count(module, inputs, output):
         x, conv = inputs[0], getattr(module, "conv", None)
         if isinstance(module, codec.CausalConvT):  # each input sample meets the whole kernel
-            counts.append(x.shape[0] * x.shape[2] * conv.in_channels * conv.out_channels * conv.kernel_size[0])
+            kernel = conv.in_channels * conv.out_channels * conv.kernel_size[0]
+            counts.append(x.shape[0] * x.shape[2] * kernel)
         elif isinstance(module, codec.CausalConv):
             counts.append(output.numel() * conv.in_channels // conv.groups * conv.kernel_size[0])
         else:

@@ -341,7 +341,8 @@ def test_cli_bench_prints_eager_and_fast_lines_with_plausible_figures(capsys):
 
 
 def test_bench_counts_the_flops_of_convolutions_and_linear_layers():
-    conv, convt, linear = codec.CausalConv(4, 6, 3, wn=False), codec.CausalConvT(4, 6, 4, 2), torch.nn.Linear(4, 6)
+    conv, convt = codec.CausalConv(4, 6, 3, wn=False), codec.CausalConvT(4, 6, 4, 2)
+    linear = torch.nn.Linear(4, 6)
     x = torch.rand(2, 4, 10)
     assert bench.counted_flops(conv, lambda: conv(x)) == 2 * (2 * 6 * 10) * 4 * 3  # outputs x inputs reached
     depthwise = codec.CausalConv(4, 4, 7, groups=4, wn=False)  # ConvNeXt's: each channel reads only itself

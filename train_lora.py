@@ -9,6 +9,7 @@ merges into a checkpoint upstream serves, and upstream's LoRA weights merge here
     torchrun --nproc-per-node N train_lora.py train data/ --out runs/me     # N GPUs; prepare too
 """
 import argparse
+import importlib
 import json
 import math
 import os
@@ -269,6 +270,9 @@ def join_processes(device: torch.device) -> tuple:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     if not dist.is_initialized():
+        # dynamo imported after the group exists keeps references to it: destroy_process_group would then
+        # leave gloo's threads running into the interpreter's teardown, where freeing a tensor aborts
+        importlib.import_module("torch._dynamo")
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return dist.get_rank(), dist.get_world_size(), device
 
@@ -744,7 +748,3 @@ def main(argv=None):
 
 if __name__ == "__main__":
     dualAR.cli(main)
-    if "RANK" in os.environ:  # torchrun: skip the interpreter's teardown, where gloo's threads, still freeing
-        sys.stdout.flush()  # the last collective's tensors, cannot take the GIL and abort (pytorch PR 179291)
-        sys.stderr.flush()
-        os._exit(0)

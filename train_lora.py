@@ -270,8 +270,8 @@ def join_processes(device: torch.device) -> tuple:
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
     if not dist.is_initialized():
-        # dynamo imported after the group exists keeps references to it: destroy_process_group would then
-        # leave gloo's threads running into the interpreter's teardown, where freeing a tensor aborts
+        # dynamo imports torch.distributed.nn.functional, whose 10 `group=group.WORLD` defaults would keep a
+        # group made before it (and gloo's threads) past destroy_process_group, into the teardown: an abort
         importlib.import_module("torch._dynamo")
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return dist.get_rank(), dist.get_world_size(), device

@@ -384,9 +384,10 @@ def train_steps(run: Path) -> list:
 
 def test_a_worker_ends_its_process_group_with_its_threads_once_the_model_is_loaded():
     """A torchrun worker once aborted at exit (1 run in ~20): dynamo, imported by the model's loading after
-    the group existed, kept references to it, so gloo's threads outlived destroy_process_group and freed a
-    tensor during the interpreter's teardown. join_processes imports dynamo first: only the main thread
-    is left (one OpenMP thread, so that none of its pool counts)."""
+    the group existed, imports torch.distributed.nn.functional, whose `group=group.WORLD` defaults then held
+    the group, so gloo's threads outlived destroy_process_group and freed a tensor during the interpreter's
+    teardown. join_processes imports dynamo first: only the main thread is left (one OpenMP thread, so that
+    none of its pool counts)."""
     script = f"""if True:
         import os, sys, torch, torch.distributed as dist
         sys.path.insert(0, {str(ROOT)!r})

@@ -358,7 +358,7 @@ def codec_speed(args):
                      lambda chunks=chunks: torch.cat([w.cpu() for w in codec.decode_stream(dac, chunks)], 1)))
     modes = [0, 1] if args.compile else [0]
     for path, chunk, n_frames, n_chunks, fn in runs:
-        flops = counted_flops(dac, fn)  # eager: the fast path does the same arithmetic
+        flops = counted_flops(dac, fn)  # on either path: both do the same arithmetic
         # warm-up: first calls allocate what later calls reuse; the first fast one compiles
         warm = {m: timed_codec_call(dac, m, fn, device)[0] for m in modes}
         if args.compile and path == "encode":  # the first run

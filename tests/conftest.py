@@ -12,6 +12,7 @@ import io
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 import types
@@ -58,6 +59,13 @@ def run_script(script, args, cwd, timeout=300):
     cache left for the next process) -> CompletedProcess with text stdout and stderr."""
     return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now, for a server a test starts."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 # ----------------------------------------------------------------------------- models, once per session

@@ -31,7 +31,7 @@ import torch
 import app
 import codec
 import dualAR
-from conftest import CKPT, CLIP
+from conftest import CKPT, CLIP, free_port
 
 TEXT = "Hello from the server test."
 SPEECH = "/v1/audio/speech"
@@ -913,9 +913,7 @@ class Browser:
     def __init__(self, profile: Path):
         chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
         assert chromium and driver, "this test needs Chromium: apt-get install -y chromium chromium-driver"
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        port = free_port()
         self.driver = subprocess.Popen([driver, f"--port={port}"], stdout=subprocess.DEVNULL,
                                        stderr=subprocess.DEVNULL)
         self.url = f"http://127.0.0.1:{port}"

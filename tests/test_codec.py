@@ -333,11 +333,16 @@ def test_cli_bench_prints_eager_and_fast_lines_with_plausible_figures(capsys):
         assert 1e-4 < rtf < 1e3 and abs(rtf * fps * 2048 / 44100 - 1) < 1e-3  # rtf = seconds per 21.5 frames
         if path == "stream":
             assert abs(float(f["ms_per_chunk"]) - 1000 / fps) < 0.01 * 1000 / fps
-    for (path, chunk, _), eager in rows.items():  # both paths do the same FLOPs per frame
-        fast = rows[path, chunk, "1"]
-        per_frame = [float(f["gflops"]) / float(f["frames_per_s"]) for f in (eager, fast)]
+    def flops_per_frame(f):
+        return float(f["gflops"]) / float(f["frames_per_s"])
+    for path, chunk in {(path, chunk) for path, chunk, _ in rows}:  # both paths do the same FLOPs per frame
+        eager, fast = rows[path, chunk, "0"], rows[path, chunk, "1"]
+        per_frame = [flops_per_frame(eager), flops_per_frame(fast)]
         assert per_frame[0] > 0 and per_frame[0] == pytest.approx(per_frame[1], rel=1e-3)
         assert float(eager["gflops"]) < peak and float(fast["gflops"]) < peak  # tiny layers: far below
+    decodes = [flops_per_frame(rows[run]) for run in [("decode", "16", "0"), ("decode", "0", "0"),
+                                                      ("stream", "1", "0")]]
+    assert decodes == pytest.approx([decodes[0]] * 3, rel=1e-3)  # each counted in its own run: chunks or not
 
 
 def test_bench_counts_the_flops_of_convolutions_and_linear_layers():

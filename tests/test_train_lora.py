@@ -8,7 +8,6 @@ import json
 import math
 import os
 import re
-import socket
 import stat
 import subprocess
 import sys
@@ -23,7 +22,7 @@ from safetensors.torch import load_file, save_file
 import codec
 import dualAR
 import train_lora
-from conftest import CASES, CKPT, GOLDEN, ROOT, golden
+from conftest import CASES, CKPT, GOLDEN, ROOT, free_port, golden
 from dualAR import UserError
 
 LORA = CASES["lora"]
@@ -355,12 +354,6 @@ def test_ctrl_c_during_the_first_validation_is_a_one_line_error(tmp_path, monkey
 
 
 # ----------------------------------------------------------------------------- several processes (torchrun)
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun(*argv, processes=2, ok=True) -> subprocess.CompletedProcess:
     """python -m torch.distributed.run (= torchrun) train_lora.py *argv on `processes` CPU processes (gloo),
     one thread each."""

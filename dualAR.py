@@ -28,8 +28,6 @@ import json
 import math
 import os
 import re
-import resource
-import shutil
 import sys
 import threading
 import time
@@ -45,6 +43,8 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from tqdm import tqdm
 
+from common import (DTYPES, UserError, cli, device_name, peak_memory_gb, pick_device,  # noqa: F401 (re-export)
+                    pick_dtype, reset_peak_memory, unreadable, usual_permissions, write_atomic)
 import codec  # the CLI's audio; codec.py takes its blocks (RMSNorm, FeedForward, RoPE) from this file
 
 # The real fishaudio/s2-pro dimensions, with upstream's flat `dual_ar` key names.
@@ -72,12 +72,7 @@ CONTEXT_RESERVE = 2048  # upstream refuses prompts longer than max_seq_len - 204
 DEFAULT_CONTEXT = 4096  # KV cache positions a request may use unless told otherwise (32k is 4.8 GB a row)
 CHUNK_FRAMES = 8  # frames per streamed codes chunk
 DEFAULT_CHECKPOINT = "./s2-pro"
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 SEMANTIC_TOKEN = re.compile(r"<\|semantic:\d+\|>")  # codebook-0 code k is token <|semantic:0|> + k
-
-
-class UserError(ValueError):
-    """Bad input: the CLI prints the message as one line and writes nothing."""
 
 
 class QueueFull(RuntimeError):
@@ -86,13 +81,6 @@ class QueueFull(RuntimeError):
 
 class EngineClosed(RuntimeError):
     """The engine was closed: a server error (the server is shutting down), not bad input."""
-
-
-def unreadable(path, error: Exception) -> UserError:
-    """One line for a file that exists but cannot be parsed."""
-    lines = str(error).strip().splitlines()
-    detail = f"no key {error}" if isinstance(error, KeyError) else lines[0] if lines else type(error).__name__
-    return UserError(f"cannot read {path}: {detail}")
 
 
 # ----------------------------------------------------------------------------- config
@@ -1437,32 +1425,6 @@ def demo_reference(args, device):
 
 
 # ----------------------------------------------------------------------------- CLI
-def cli(main, argv=None):
-    """Run a CLI's main(argv): bad input is one `error: ...` line and exit status 2; anything else is a
-    bug and keeps its traceback."""
-    try:
-        main(argv)
-    except UserError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-
-
-def pick_device(name: str = None) -> torch.device:
-    """--device as given (cpu, mps, cuda, cuda:N), else cuda > mps > cpu."""
-    kind, _, index = (name or "").partition(":")
-    available = dict(cpu=True, cuda=torch.cuda.is_available(), mps=torch.backends.mps.is_available())
-    if kind and not available.get(kind, False):
-        raise UserError(f"--device {name}: no {kind} device on this machine")
-    if index and int(index) >= torch.cuda.device_count():
-        raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA devices")
-    return torch.device(name or next(kind for kind in ("cuda", "mps", "cpu") if available[kind]))
-
-
-def pick_dtype(name: str, device: torch.device, cuda: str = "bf16") -> torch.dtype:
-    """--dtype as given, else `cuda` on CUDA and fp32 elsewhere."""
-    return DTYPES[name or (cuda if device.type == "cuda" else "fp32")]
-
-
 def add_model_args(ap: argparse.ArgumentParser):
     """The flags of every CLI that runs the model (this one, bench.py, app.py, tools/)."""
     ap.add_argument("--device", type=device_name, help="cpu, mps, cuda or cuda:N (default: cuda > mps > cpu)")
@@ -1476,62 +1438,11 @@ def add_model_args(ap: argparse.ArgumentParser):
                     f" (default $TORCHINDUCTOR_CACHE_DIR, else {default_compile_cache()})")
 
 
-def device_name(text: str) -> str:
-    if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", text):
-        raise argparse.ArgumentTypeError(f"{text}: use cpu, mps, cuda or cuda:N")
-    return text
-
-
 def model_settings(args) -> tuple:
     """The shared flags -> (device, dtype, compile): bf16 and compiled on CUDA, fp32 and eager elsewhere."""
     device = pick_device(args.device)
     compiled = device.type == "cuda" if args.compile is None else args.compile  # CPU: minutes (README)
     return device, pick_dtype(args.dtype, device), compiled
-
-
-def write_atomic(path, write):
-    """write(tmp) fills a temp file (or folder) next to `path`, which then replaces `path`: a failure (a
-    full disk, a missing folder) is one UserError and never leaves a half-written file."""
-    from safetensors import SafetensorError
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.part")
-    try:
-        write(tmp)
-        usual_permissions(tmp)
-        os.replace(tmp, path)
-    except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: torch.save's and safetensors' own
-        raise UserError(f"cannot write {path}: {getattr(e, 'strerror', None) or e}") from None
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
-
-
-def usual_permissions(path: Path):
-    """safetensors makes files only their owner can read: give them the permissions of any new file."""
-    umask = os.umask(0)
-    os.umask(umask)
-    path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
-
-
-def reset_peak_memory(device: torch.device):
-    """Restart `peak_memory_gb` from the memory in use now (where the platform allows it)."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    elif Path("/proc/self/clear_refs").exists():  # Linux: the peak RSS (VmHWM) restarts from the current RSS
-        try:
-            Path("/proc/self/clear_refs").write_text("5")
-        except OSError:  # some containers forbid it: the peak is then the process's so far
-            pass
-
-
-def peak_memory_gb(device: torch.device) -> float:
-    """Peak memory since `reset_peak_memory`: CUDA allocations, else the peak resident set."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    status = Path("/proc/self/status")
-    if status.is_file():
-        return int(re.search(r"VmHWM:\s+(\d+)", status.read_text())[1]) / 1e6  # kB
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS, kB elsewhere
-    return peak / (1e9 if sys.platform == "darwin" else 1e6)
 
 
 def read_transcript(path: Path) -> str:

@@ -1,0 +1,140 @@
+"""What every fishfast model and tool shares, and nothing model-specific: the error users see, device and
+dtype choice, atomic writes, audio files, peak memory. It imports no model file, so a model file can be
+copied with this one alone.
+
+Sections: errors and the CLI wrapper, devices and dtypes, files (atomic writes, audio), memory.
+"""
+import argparse
+import os
+import re
+import resource
+import shutil
+import sys
+from pathlib import Path
+
+import numpy as np
+import soundfile as sf
+import torch
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+# ----------------------------------------------------------------------------- errors, the CLI wrapper
+class UserError(ValueError):
+    """Bad input: the CLI prints the message as one line and writes nothing."""
+
+
+def unreadable(path, error: Exception) -> UserError:
+    """One line for a file that exists but cannot be parsed."""
+    lines = str(error).strip().splitlines()
+    detail = f"no key {error}" if isinstance(error, KeyError) else lines[0] if lines else type(error).__name__
+    return UserError(f"cannot read {path}: {detail}")
+
+
+def cli(main, argv=None):
+    """Run a CLI's main(argv): bad input is one `error: ...` line and exit status 2; anything else is a
+    bug and keeps its traceback."""
+    try:
+        main(argv)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+# ----------------------------------------------------------------------------- devices and dtypes
+def pick_device(name: str = None) -> torch.device:
+    """--device as given (cpu, mps, cuda, cuda:N), else cuda > mps > cpu."""
+    kind, _, index = (name or "").partition(":")
+    available = dict(cpu=True, cuda=torch.cuda.is_available(), mps=torch.backends.mps.is_available())
+    if kind and not available.get(kind, False):
+        raise UserError(f"--device {name}: no {kind} device on this machine")
+    if index and int(index) >= torch.cuda.device_count():
+        raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA devices")
+    return torch.device(name or next(kind for kind in ("cuda", "mps", "cpu") if available[kind]))
+
+
+def pick_dtype(name: str, device: torch.device, cuda: str = "bf16") -> torch.dtype:
+    """--dtype as given, else `cuda` on CUDA and fp32 elsewhere."""
+    return DTYPES[name or (cuda if device.type == "cuda" else "fp32")]
+
+
+def device_name(text: str) -> str:
+    if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"{text}: use cpu, mps, cuda or cuda:N")
+    return text
+
+
+# ----------------------------------------------------------------------------- files
+def write_atomic(path, write):
+    """write(tmp) fills a temp file (or folder) next to `path`, which then replaces `path`: a failure (a
+    full disk, a missing folder) is one UserError and never leaves a half-written file."""
+    from safetensors import SafetensorError
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.part")
+    try:
+        write(tmp)
+        usual_permissions(tmp)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError, SafetensorError) as e:  # a full disk: torch.save's and safetensors' own
+        raise UserError(f"cannot write {path}: {getattr(e, 'strerror', None) or e}") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+
+
+def usual_permissions(path: Path):
+    """safetensors makes files only their owner can read: give them the permissions of any new file."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+def read_audio(path) -> tuple:
+    """Any file soundfile reads -> (float32 array (frames, channels), sample rate); a missing, unreadable
+    or empty file is one UserError."""
+    if not Path(path).is_file():
+        raise UserError(f"audio file {path} not found")
+    try:
+        data, rate = sf.read(str(path), dtype="float32", always_2d=True)
+    except Exception as e:
+        detail = str(e).strip().splitlines()[-1]
+        raise UserError(f"{path} is not a readable audio file ({detail})") from None
+    if data.shape[0] == 0:
+        raise UserError(f"{path} contains no audio samples")
+    return data, rate
+
+
+def save_wav(path, wave, sample_rate: int):
+    """Mono float waveform -> PCM-16 .wav, atomically."""
+    data = torch.as_tensor(wave).detach().float().cpu().reshape(-1).clamp(-1, 1).numpy()
+    write_atomic(path, lambda tmp: sf.write(tmp, data, sample_rate, format="WAV", subtype="PCM_16"))
+
+
+def save_npy(path, array):
+    """An integer array (codes) -> .npy, atomically."""
+    def write(tmp):  # a file object: np.save would add .npy to the temp file's name
+        with open(tmp, "wb") as f:
+            np.save(f, torch.as_tensor(array).cpu().numpy().astype(np.int64))
+    write_atomic(path, write)
+
+
+# ----------------------------------------------------------------------------- memory
+def reset_peak_memory(device: torch.device):
+    """Restart `peak_memory_gb` from the memory in use now (where the platform allows it)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif Path("/proc/self/clear_refs").exists():  # Linux: the peak RSS (VmHWM) restarts from the current RSS
+        try:
+            Path("/proc/self/clear_refs").write_text("5")
+        except OSError:  # some containers forbid it: the peak is then the process's so far
+            pass
+
+
+def peak_memory_gb(device: torch.device) -> float:
+    """Peak memory since `reset_peak_memory`: CUDA allocations, else the peak resident set."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    status = Path("/proc/self/status")
+    if status.is_file():
+        return int(re.search(r"VmHWM:\s+(\d+)", status.read_text())[1]) / 1e6  # kB
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS, kB elsewhere
+    return peak / (1e9 if sys.platform == "darwin" else 1e6)

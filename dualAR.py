@@ -43,7 +43,7 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from tqdm import tqdm
 
-from common import (DTYPES, UserError, cli, device_name, peak_memory_gb, pick_device,  # noqa: F401 (re-export)
+from common import (DTYPES, UserError, cli, device_name, peak_memory_gb, pick_device,  # noqa: F401
                     pick_dtype, reset_peak_memory, unreadable, usual_permissions, write_atomic)
 import codec  # the CLI's audio; codec.py takes its blocks (RMSNorm, FeedForward, RoPE) from this file
 

@@ -264,6 +264,11 @@ def test_sampling_rows_are_whole_64_row_blocks_and_keeps_im_end_far_below_the_se
     assert dualAR.sampling_rows(dict(cfg, im_end_id=3000)) == (960, 3008)
 
 
+def test_sampling_rows_keep_a_last_id_that_starts_a_64_row_block():
+    cfg = dict(semantic_begin_id=1000, semantic_end_id=2048, im_end_id=10, vocab_size=4096)
+    assert dualAR.sampling_rows(cfg) == (0, 2112)  # 2048 itself is in: its block ends at 2112
+
+
 def test_trimmed_head_draws_what_the_full_head_draws():
     """Logits over the sampling window only (semantic tokens + <|im_end|>) give the full vocabulary's
     probabilities bit for bit, so every draw is the same. At the real vocabulary size, random logits."""

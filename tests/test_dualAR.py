@@ -513,6 +513,16 @@ def test_cancelled_request_frees_its_row_and_the_others_continue(model, solo):
     assert torch.equal(kept.codes(), solo[0]) and torch.equal(waiting.codes(), solo[1])
 
 
+def test_a_request_cancelled_while_it_waits_ends_with_no_codes(model, solo):
+    engine = dualAR.Engine(model, slots=1)
+    first, second = (engine.add(dualAR.Request(model, **r)) for r in (MIXED[1], MIXED[3]))
+    second.cancel()
+    with torch.inference_mode():
+        engine.run()
+    assert second.done and second.codes().shape == (10, 0)  # done first: else codes() would wait forever
+    assert torch.equal(first.codes(), solo[1])
+
+
 def test_engine_thread_serves_requests_submitted_from_several_threads(model, solo):
     import threading
     engine = dualAR.Engine(model, slots=2).start()

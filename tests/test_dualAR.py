@@ -676,6 +676,16 @@ def test_a_partly_filled_engine_runs_the_smallest_batch_that_holds_its_rows(mode
     assert all(torch.equal(r.codes(), c) for r, c in zip(made, solo[::-1], strict=True))
 
 
+def test_batch_buckets_are_1_then_powers_of_two_from_4():
+    assert [dualAR.batch_bucket(rows) for rows in range(1, 10)] == [1, 4, 4, 4, 8, 8, 8, 8, 16]
+
+
+def test_cache_buckets_are_powers_of_two_from_256_up_to_the_context():
+    buckets = [dualAR.cache_bucket(n, dict(max_seq_len=4096)) for n in (1, 255, 256, 257, 512, 513, 5000)]
+    assert buckets == [256, 256, 256, 512, 512, 1024, 4096]
+    assert dualAR.cache_bucket(4096, dict(max_seq_len=32768)) == 4096  # exactly a power of two: not 8192
+
+
 def test_a_second_engine_on_a_live_model_is_refused(model):
     """Two engines on one model would write the same KV cache rows: the second is refused while the first
     has work (or its thread), and takes the model once the first is done."""

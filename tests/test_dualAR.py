@@ -703,6 +703,16 @@ def test_a_second_engine_on_a_live_model_is_refused(model):
     assert torch.equal(again.codes(), solo)
 
 
+def test_an_idle_engine_whose_thread_runs_keeps_the_model(model):
+    """Its thread may take a submitted request at any moment: idle is not free."""
+    engine = dualAR.Engine(model, slots=1).start()
+    try:
+        with pytest.raises(RuntimeError, match="belong to another live Engine"):
+            dualAR.generate(model, "Hi.")
+    finally:
+        engine.close()
+
+
 def test_a_stream_left_early_frees_the_model(model):
     chunks = dualAR.stream(model, **dict(MIXED[3], chunk_frames=2))
     next(chunks)

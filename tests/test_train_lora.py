@@ -242,6 +242,13 @@ def test_thirty_steps_lower_the_validation_loss(trained_run):
     assert (run["rank"], run["alpha"], len(run["samples"])) == (8, 16, 6)
 
 
+def test_a_runs_lora_and_state_get_the_permissions_of_any_new_file(trained_run):
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in (train_lora.LORA_FILE, train_lora.STATE_FILE):  # safetensors alone would make lora 0o600
+        assert stat.S_IMODE((trained_run / name).stat().st_mode) == 0o666 & ~umask, name
+
+
 def test_exported_lora_changes_the_generated_codes(model, trained_run, tmp_path):
     train_lora.main(["merge", "--checkpoint", str(CKPT), "--lora", str(trained_run),
                      "--out", str(tmp_path / "m")])

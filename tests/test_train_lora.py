@@ -11,6 +11,7 @@ import re
 import stat
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -403,6 +404,35 @@ def test_a_worker_ends_its_process_group_with_its_threads_once_the_model_is_load
     assert run.returncode == 0, run.stderr[-2000:]
     before, after = map(int, run.stdout.split())
     assert before == after == 1
+
+
+def test_each_process_weighs_its_micro_batches_by_the_whole_steps_grad_accum(monkeypatch):
+    """2 processes, 4 micro-batches a step: this process's 2 each weigh 1/4 (the all-reduce, a no-op here,
+    sums the processes' gradients). AdamW barely reacts to a gradient's scale, so it is read before it."""
+    model = lora_model()
+    params = list(train_lora.lora_params(model).values())
+    train_set = [(f"s{i}", *train_lora.sample_tokens(model, *sample)) for i, sample in enumerate(SAMPLES)]
+    seen, batch_loss = [], train_lora.batch_loss
+
+    def recorded(model, batch, *rest):
+        seen.append(batch)
+        return batch_loss(model, batch, *rest)
+
+    monkeypatch.setattr(train_lora, "batch_loss", recorded)
+    monkeypatch.setattr(train_lora.dist, "all_reduce", lambda tensor: None)
+    monkeypatch.setattr(train_lora, "CLIP", math.inf)  # clipping could hide the scale too
+    grads = []
+    optimizer = types.SimpleNamespace(param_groups=[{}], zero_grad=lambda set_to_none: None,
+                                      step=lambda: grads.extend(p.grad.clone() for p in params))
+    run = dict(lr=1e-3, warmup=1, grad_accum=4, batch_size=1, seed=0, checkpointing=False)
+    train_lora.optimizer_step(model, params, optimizer, run, train_set, step=0, rank=1, world=2)
+    assert len(seen) == 2
+    for p in params:
+        p.grad = None
+    for batch in seen:
+        (batch_loss(model, batch, torch.device("cpu"))[0]["loss"] / 4).backward()
+    for grad, p in zip(grads, params, strict=True):
+        assert torch.equal(grad, p.grad)
 
 
 def test_two_processes_train_as_one_process_with_twice_the_micro_batches(tmp_path):

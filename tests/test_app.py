@@ -23,7 +23,6 @@ from pathlib import Path
 
 import msgpack  # requirements-test.txt: upstream's client speaks msgpack
 import numpy as np
-import openai
 import pytest
 import soundfile as sf
 import torch
@@ -788,6 +787,7 @@ def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
 
 # ----------------------------------------------------------------------------- OpenAI's client
 def test_openai_client_builtin_voices_instructions_and_every_format(server, ref, root, monkeypatch):
+    import openai  # requirements-test.txt; here, so that without it this test alone fails
     url = "http://%s:%d/v1" % server.server_address[:2]
     client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
     speech, extra = client.audio.speech, dict(seed=31, max_new_tokens=8)

@@ -656,10 +656,18 @@ def test_a_failed_frame_step_is_a_500_and_the_server_keeps_serving(tmp_path):
         stop_server(server)
 
 
+# RIFF, its size, WAVE, fmt, 16, PCM, channels, rate, byte rate, block align, bits, data, its size
+WAV_FIELDS = "<4sI4s4sIHHIIHH4sI"
+
+
 def test_the_streamed_wav_header_says_its_sizes_are_unknown():
-    header = app.wav_header()
-    assert len(header) == 44 and header[:4] == b"RIFF" and header[36:40] == b"data"
-    assert header[4:8] == b"\xff\xff\xff\xff" and header[40:44] == b"\xff\xff\xff\xff"
+    assert struct.unpack(WAV_FIELDS, app.wav_header()) == (b"RIFF", 0xFFFFFFFF, b"WAVE", b"fmt ", 16, 1, 1,
+                                                           44100, 88200, 2, 16, b"data", 0xFFFFFFFF)
+
+
+def test_a_wav_header_gives_its_sizes_and_two_bytes_a_sample():
+    assert struct.unpack(WAV_FIELDS, app.wav_header(100)) == (b"RIFF", 136, b"WAVE", b"fmt ", 16, 1, 1, 44100,
+                                                              88200, 2, 16, b"data", 100)
 
 
 def test_a_request_waiting_when_the_engine_closes_is_a_503(tmp_path):

@@ -264,6 +264,8 @@ def test_a_whole_file_answer_is_not_decoded_after_its_client_hung_up(server, mon
     sock.close()
     wait_for(lambda: health(server)["busy"] == 0 and not request_threads(), 10, "the request to end")
     assert decodes == []
+    body = dict(input=TEXT, seed=12, max_new_tokens=4, response_format="flac")  # a client that stays
+    assert call(server, "POST", SPEECH, body)[0] == 200 and decodes == [1]
 
 
 # ----------------------------------------------------------------------------- voices

@@ -473,6 +473,15 @@ def test_a_cross_site_form_post_is_refused_and_writes_nothing(server, root):
     assert call(server, "POST", "/v1/tts", dict(text=TEXT, max_new_tokens=4), own)[0] == 200  # our own page
 
 
+def test_a_same_site_page_is_refused_even_without_a_foreign_origin(server):
+    """Another port or subdomain of the server's site is another origin. Sec-Fetch-Site comes from the
+    browser, not the page: same-site is refused whatever the Origin says (none, or the server's own)."""
+    own = "http://%s:%d" % server.server_address[:2]
+    for headers in ({"Sec-Fetch-Site": "same-site"}, {"Origin": own, "Sec-Fetch-Site": "same-site"}):
+        status, _, body = call(server, "POST", "/v1/tts", dict(text=TEXT, max_new_tokens=4), headers)
+        assert status == 403 and "--allow-origin" in json.loads(body)["error"]["message"], headers
+
+
 def test_an_allowed_origin_gets_cors_headers_and_its_preflight(locked, monkeypatch):
     ask = {"Origin": FOREIGN, "Access-Control-Request-Method": "POST",
            "Access-Control-Request-Headers": "authorization,content-type"}

@@ -115,6 +115,8 @@ def read_config(path: Path) -> dict:
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
         kind = data.get("model_type")
+        if kind == "omnivoice":
+            raise UserError(f"{Path(path).parent} is an OmniVoice checkpoint: run it with omnivoice.py")
         if kind not in ("dual_ar", "fish_qwen3_omni"):
             raise UserError(f"{path}: model_type {kind!r} is not fish_qwen3_omni or dual_ar")
         return config_from_flat(data if kind == "dual_ar" else flatten_omni(data))

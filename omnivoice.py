@@ -1,0 +1,1210 @@
+"""OmniVoice (k2-fsa) text-to-speech in one file: a bidirectional Qwen3 that unmasks audio codes.
+
+The LM reads style tokens, text, the reference's audio codes and a fully masked target, all at once (no causal
+mask), and predicts every codebook at every target position; over `num_step` steps the most confident
+predictions are revealed, classifier-free guided by a second row that holds only the target. Its audio
+tokenizer (HiggsAudio v2: DAC + HuBERT + residual quantizer, 24 kHz) lives in omnivoice_codec.py. Everything
+is written to give upstream omnivoice's audio for upstream's seed on CPU fp32.
+
+    python omnivoice.py --text "Hello!" --ref-audio me.wav --ref-text "what me.wav says"
+    python omnivoice.py --text "Hello!" --instruct "female, low pitch, british accent"
+
+How the file reads (sections, top to bottom):
+    config           CONFIG (the real OmniVoice), GENERATION (upstream's defaults), config.json -> a flat dict
+    building blocks  RMSNorm, RoPE, Attention (GQA, q/k norm), Block
+    model            OmniVoice: text + summed audio embeddings, the Qwen3 stack, one head per codebook
+    loading          the checkpoint folder -> model, tokenizer and audio tokenizer
+    text             tokenization with non-verbal tags, language, voice design attributes, chunks, length
+    audio utilities  pydub's silence trimming, fades, cross-fades, levels, the unmasking schedule
+    voices           a clone prompt from a clip (voice_prompt), saved and read back
+    requests         generate()'s arguments -> one item per text (target length, style, reference)
+    unmasking        the batch of cond/uncond rows, CFG in log-prob space, layer penalty, Gumbel reveal
+    generation       encode, decode, generate (short and chunked), post-processing
+    demo             a tiny random model and tokenizer, built in memory
+    CLI              `python omnivoice.py`
+"""
+import argparse
+import bisect
+import difflib
+import functools
+import json
+import math
+import re
+import time
+import unicodedata
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+from tqdm import tqdm
+
+import common
+import omnivoice_codec
+from common import UserError
+
+# The real k2-fsa/OmniVoice LM (Qwen3-0.6B shape), in our flat key names.
+CONFIG = dict(vocab_size=151676, dim=1024, n_layer=28, n_head=16, n_local_heads=8, head_dim=128,
+              intermediate_size=3072, rope_base=1e6, norm_eps=1e-6, audio_vocab_size=1025, audio_mask_id=1024,
+              num_codebooks=8)
+# upstream's OmniVoiceGenerationConfig defaults: generate(**config) takes these names
+GENERATION = dict(num_step=32, guidance_scale=2.0, t_shift=0.1, layer_penalty_factor=5.0,
+                  position_temperature=5.0, class_temperature=0.0, denoise=True, preprocess_prompt=True,
+                  postprocess_output=True, audio_chunk_duration=15.0, audio_chunk_threshold=30.0,
+                  pad_duration=0.1, fade_duration=0.1)
+DEFAULT_CHECKPOINT = "./OmniVoice"
+VOICE_SUFFIX = ".omnivoice.safetensors"  # a saved voice: codes + transcript + level, beside S2's in prompt/
+
+
+# ----------------------------------------------------------------------------- config
+def config_from_json(data: dict) -> dict:
+    """OmniVoiceConfig (model_type omnivoice, nested qwen3 llm_config) -> our flat dict."""
+    llm = data["llm_config"]
+    rope = llm.get("rope_parameters") or {}
+    return dict(vocab_size=llm["vocab_size"], dim=llm["hidden_size"], n_layer=llm["num_hidden_layers"],
+                n_head=llm["num_attention_heads"], n_local_heads=llm["num_key_value_heads"],
+                head_dim=llm.get("head_dim") or llm["hidden_size"] // llm["num_attention_heads"],
+                intermediate_size=llm["intermediate_size"],
+                rope_base=float(rope.get("rope_theta", llm.get("rope_theta", 1e6))),
+                norm_eps=llm["rms_norm_eps"], audio_vocab_size=data["audio_vocab_size"],
+                audio_mask_id=data["audio_mask_id"], num_codebooks=data["num_audio_codebook"])
+
+
+def read_config(path: Path) -> dict:
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+        kind = data.get("model_type")
+        if kind in ("fish_qwen3_omni", "dual_ar"):
+            raise UserError(f"{path.parent} is an S2-Pro checkpoint ({kind}): run it with dualAR.py")
+        if kind != "omnivoice":
+            raise UserError(f"{path}: model_type {kind!r} is not omnivoice — download k2-fsa/OmniVoice")
+        if data["llm_config"].get("model_type", "qwen3") != "qwen3":
+            raise UserError(f"{path}: llm_config is {data['llm_config']['model_type']!r}, not qwen3")
+        return config_from_json(data)
+    except UserError:
+        raise
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise common.unreadable(path, e) from None
+
+
+# ----------------------------------------------------------------------------- building blocks
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = x.float()  # computed in fp32, as transformers' Qwen3RMSNorm
+        y = y * torch.rsqrt(y.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * y.to(x.dtype)
+
+
+def rope_tables(length: int, head_dim: int, base: float, device) -> tuple:
+    """cos, sin (length, head_dim) in fp32, each half duplicated (the rotate-half form)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv_freq = 1.0 / base ** exponents
+    angles = torch.arange(length, device=device).float()[:, None] * inv_freq[None, :]
+    angles = torch.cat([angles, angles], -1)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+    return (x * cos + rotated * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        dim, self.n_head, self.n_local_heads = cfg["dim"], cfg["n_head"], cfg["n_local_heads"]
+        self.head_dim = cfg["head_dim"]
+        self.q_proj = nn.Linear(dim, self.n_head * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(dim, self.n_local_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(dim, self.n_local_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_head * self.head_dim, dim, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg["norm_eps"])  # per head, before RoPE
+        self.k_norm = RMSNorm(self.head_dim, cfg["norm_eps"])
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        B, L, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(B, L, self.n_head, self.head_dim)).transpose(1, 2)  # (B, h, L, d)
+        k = self.k_norm(self.k_proj(x).view(B, L, self.n_local_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(B, L, self.n_local_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        repeat = self.n_head // self.n_local_heads  # kv head j serves query heads j*r .. j*r+r-1
+        k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # mask (B, 1, L, L) bool: bidirectional
+        return self.o_proj(y.transpose(1, 2).reshape(B, L, -1))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.input_layernorm = RMSNorm(cfg["dim"], cfg["norm_eps"])
+        self.post_attention_layernorm = RMSNorm(cfg["dim"], cfg["norm_eps"])
+        self.gate_proj = nn.Linear(cfg["dim"], cfg["intermediate_size"], bias=False)
+        self.up_proj = nn.Linear(cfg["dim"], cfg["intermediate_size"], bias=False)
+        self.down_proj = nn.Linear(cfg["intermediate_size"], cfg["dim"], bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+# ----------------------------------------------------------------------------- model
+class OmniVoice(nn.Module):
+    """The LM: ids (B, C, L) -> logits (B, C, L, V), every position attending to every other in its row."""
+
+    def __init__(self, cfg: dict):
+        super().__init__()
+        self.cfg = cfg
+        C, V = cfg["num_codebooks"], cfg["audio_vocab_size"]
+        self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["dim"])
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg["n_layer"]))
+        self.norm = RMSNorm(cfg["dim"], cfg["norm_eps"])
+        self.audio_embeddings = nn.Embedding(C * V, cfg["dim"])  # codebook c: rows c*V .. c*V+V-1
+        self.audio_heads = nn.Linear(cfg["dim"], C * V, bias=False)
+        self.register_buffer("codebook_offsets", torch.arange(C) * V, persistent=False)
+        self.tokenizer = self.audio_tokenizer = None  # set by load()
+
+    def embed(self, ids: Tensor, audio_mask: Tensor) -> Tensor:
+        """Text rows embed codebook 0's id; audio positions sum the codebooks' embeddings."""
+        # upstream looks every position up in both tables (audio ids as text ids, zeroed ids as audio ids)
+        text = self.embed_tokens(ids[:, 0])
+        audio = self.audio_embeddings(ids * audio_mask[:, None] + self.codebook_offsets[:, None]).sum(1)
+        return torch.where(audio_mask[..., None], audio, text)
+
+    def hidden(self, ids: Tensor, audio_mask: Tensor, mask: Tensor) -> Tensor:
+        """(B, C, L) ids -> (B, L, dim) hidden states after the final norm."""
+        x = self.embed(ids, audio_mask)
+        cos, sin = rope_tables(x.shape[1], self.cfg["head_dim"], self.cfg["rope_base"], x.device)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
+        return self.norm(x)
+
+    def heads(self, hidden: Tensor) -> Tensor:
+        """(..., dim) -> (..., C, V) fp32 logits."""
+        return self.audio_heads(hidden).unflatten(-1, (self.cfg["num_codebooks"], -1)).float()
+
+    def forward(self, ids: Tensor, audio_mask: Tensor, mask: Tensor) -> Tensor:
+        return self.heads(self.hidden(ids, audio_mask, mask)).permute(0, 2, 1, 3)  # (B, C, L, V)
+
+    @property
+    def sample_rate(self) -> int:
+        return self.audio_tokenizer.sample_rate
+
+    @property
+    def frame_rate(self) -> int:
+        return self.audio_tokenizer.frame_rate
+
+
+# ----------------------------------------------------------------------------- loading
+def internal_name(key: str) -> str:
+    """upstream's state_dict name -> ours (the Qwen3 stack sits under `llm.`, its MLP under `mlp.`)."""
+    return key.removeprefix("llm.").replace(".mlp.", ".")
+
+
+def weight_files(ckpt: Path) -> list:
+    index = ckpt / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise common.unreadable(index, e) from None
+        return [ckpt / name for name in shards]
+    if not (ckpt / "model.safetensors").is_file():
+        raise UserError(f"checkpoint dir {ckpt} has no model.safetensors — download k2-fsa/OmniVoice")
+    return [ckpt / "model.safetensors"]
+
+
+def load_weights(model: OmniVoice, ckpt: Path, device, dtype):
+    from safetensors import safe_open
+    expected = {name: p.shape for name, p in model.named_parameters()}
+    state = {}
+    for f in weight_files(ckpt):
+        if not f.is_file():
+            raise UserError(f"{ckpt}: weight shard {f.name} is missing")
+        try:
+            with safe_open(f, framework="pt", device="cpu") as st:
+                for key in st.keys():
+                    name = internal_name(key)
+                    if name in expected:  # codebook_layer_offsets is recomputed, not read
+                        state[name] = st.get_tensor(key).to(device, dtype)
+        except Exception as e:  # a truncated or foreign file: say which one
+            raise common.unreadable(f, e) from None
+    missing = [name for name in expected if name not in state]
+    if missing:
+        raise UserError(f"{ckpt} lacks {len(missing)} tensors (first: {missing[0]}): not OmniVoice's")
+    wrong = [f"{n} is {list(t.shape)}, config.json says {list(expected[n])}" for n, t in state.items()
+             if t.shape != expected[n]]
+    if wrong:
+        raise UserError(f"{ckpt}: {wrong[0]}")
+    model.load_state_dict(state, assign=True, strict=False)
+    C, V = model.cfg["num_codebooks"], model.cfg["audio_vocab_size"]
+    model.codebook_offsets = torch.arange(C, device=device) * V
+
+
+def load_tokenizer(path: Path):
+    from tokenizers import Tokenizer
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:
+        raise common.unreadable(path, e) from None
+
+
+def load(checkpoint=DEFAULT_CHECKPOINT, device="cpu", dtype=torch.float32) -> OmniVoice:
+    """The k2-fsa/OmniVoice folder (config.json, model.safetensors, tokenizer.json, audio_tokenizer/) -> the
+    model with .tokenizer and .audio_tokenizer (which always runs in fp32, as upstream's)."""
+    ckpt, device = Path(checkpoint), torch.device(device)
+    if not ckpt.is_dir():
+        raise UserError(f"checkpoint dir {ckpt} does not exist — download k2-fsa/OmniVoice (see README)")
+    for name in ("config.json", "tokenizer.json"):
+        if not (ckpt / name).is_file():
+            raise UserError(f"checkpoint dir {ckpt} has no {name} — download k2-fsa/OmniVoice (see README)")
+    cfg = read_config(ckpt / "config.json")
+    if cfg["vocab_size"] <= cfg["audio_mask_id"]:  # upstream looks audio ids up in the text table
+        raise UserError(f"{ckpt}: LM vocab {cfg['vocab_size']} <= audio_mask_id {cfg['audio_mask_id']}")
+    tokenizer = load_tokenizer(ckpt / "tokenizer.json")
+    with torch.device("meta"):
+        model = OmniVoice(cfg)
+    load_weights(model, ckpt, device, dtype)
+    model.tokenizer = tokenizer
+    model.audio_tokenizer = omnivoice_codec.load(ckpt / "audio_tokenizer", device)
+    return model.requires_grad_(False).eval()
+
+
+# ----------------------------------------------------------------------------- text
+NONVERBAL_TAGS = re.compile(r"\[(laughter|sigh|confirmation-en|question-en|question-ah|question-oh|"
+                            r"question-ei|question-yi|surprise-ah|surprise-oh|surprise-wa|surprise-yo|"
+                            r"dissatisfaction-hnn)\]")
+CJK = re.compile(r"[\u4e00-\u9fff]")  # upstream's "Chinese" everywhere: the CJK Unified Ideographs block only
+LANGUAGES_TSV = Path(__file__).with_name("omnivoice_languages.tsv")
+
+# voice design: each category allows one item; English -> Chinese where both exist
+INSTRUCT_TRANSLATED = dict(
+    gender={"male": "男", "female": "女"},
+    age={"child": "儿童", "teenager": "少年", "young adult": "青年", "middle-aged": "中年", "elderly": "老年"},
+    pitch={"very low pitch": "极低音调", "low pitch": "低音调", "moderate pitch": "中音调", "high pitch": "高音调",
+           "very high pitch": "极高音调"},
+    style={"whisper": "耳语"},
+)
+ACCENTS = ("american accent", "british accent", "australian accent", "chinese accent",  # English only
+           "canadian accent", "indian accent", "korean accent", "portuguese accent", "russian accent",
+           "japanese accent")
+DIALECTS = ("河南话", "陕西话", "四川话", "贵州话", "云南话", "桂林话", "济南话", "石家庄话",  # Chinese only
+            "甘肃话", "宁夏话", "青岛话", "东北话")
+INSTRUCT_CATEGORIES = [set(en) | set(en.values()) for en in INSTRUCT_TRANSLATED.values()]
+INSTRUCT_CATEGORIES += [set(ACCENTS), set(DIALECTS)]
+EN_TO_ZH = {en: zh for category in INSTRUCT_TRANSLATED.values() for en, zh in category.items()}
+ZH_TO_EN = {zh: en for en, zh in EN_TO_ZH.items()}
+
+SPLIT_PUNCTUATION = set(".,;:!?。，；：！？")
+CLOSING_MARKS = set("\"'“”‘’）]》>」】")
+END_PUNCTUATION = set(";:,.!?…)]}\"'“”‘’；：，。！？、）】")
+ABBREVIATIONS = set("Mr. Mrs. Ms. Dr. Prof. Sr. Jr. Rev. Fr. Hon. Pres. Gov. Capt. Gen. Sen. Rep. Col. "
+                    "Maj. Lt. Cmdr. Sgt. Cpl. Co. Corp. Inc. Ltd. Est. Dept. St. Ave. Blvd. Rd. Mt. Ft. No. "
+                    "Jan. Feb. Mar. Apr. Aug. Sep. Sept. Oct. Nov. Dec. i.e. e.g. vs. Vs. Etc. approx. fig. "
+                    "def.".split())
+
+# Speaking time per character relative to a Latin letter: (last codepoint of a run of Unicode blocks, weight).
+# Upstream's block table with neighbouring blocks of equal weight merged (bisect gives the same answers).
+SCRIPT_WEIGHTS = [
+    (0x058F, 1.0),  # Latin, IPA, Greek, Cyrillic, Armenian
+    (0x08FF, 1.5),  # Hebrew, Arabic, Syriac
+    (0x0DFF, 1.8),  # Devanagari .. Sinhala
+    (0x0EFF, 1.5),  # Thai, Lao
+    (0x109F, 1.8),  # Tibetan, Myanmar
+    (0x10FF, 1.0),  # Georgian
+    (0x11FF, 2.5),  # Hangul Jamo
+    (0x139F, 3.0),  # Ethiopic
+    (0x177F, 1.0),  # Cherokee, Canadian syllabics, Ogham, Runic, Philippine scripts
+    (0x17FF, 1.8),  # Khmer
+    (0x18FF, 1.0),  # Mongolian, Canadian syllabics extended
+    (0x1C7F, 1.8),  # Limbu .. Ol Chiki
+    (0x1CBF, 1.0),  # Cyrillic Extended-C, Georgian Extended
+    (0x1CFF, 1.8),  # Sundanese Supplement, Vedic
+    (0x1EFF, 1.0),  # phonetic extensions, combining marks supplement, Latin Extended Additional
+    (0x30FF, 2.2),  # Hiragana, Katakana; upstream's entry reaches back to U+1F00 (Greek Extended, ℓ, ...)
+    (0x312F, 3.0),  # Bopomofo
+    (0x318F, 2.5),  # Hangul Compatibility Jamo
+    (0xA4CF, 3.0),  # CJK Unified Ideographs, Yi
+    (0xA7FF, 1.0),  # Lisu, Vai, Cyrillic Extended-B, Bamum, Latin Extended-D
+    (0xA82F, 1.8),  # Syloti Nagri
+    (0xA87F, 1.0),  # Phags-pa
+    (0xA95F, 1.8),  # Saurashtra, Devanagari Extended, Kayah Li, Rejang
+    (0xA97F, 2.5),  # Hangul Jamo Extended-A
+    (0xAAFF, 1.8),  # Javanese, Myanmar extended, Cham, Tai Viet, Meetei Mayek extensions
+    (0xAB2F, 3.0),  # Ethiopic Extended-A
+    (0xABBF, 1.0),  # Latin Extended-E, Cherokee Supplement
+    (0xABFF, 1.8),  # Meetei Mayek
+    (0xD7AF, 2.5),  # Hangul Syllables
+    (0xFAFF, 3.0),  # CJK Compatibility Ideographs
+    (0xFDFF, 1.5),  # Arabic Presentation Forms-A
+    (0xFE6F, 1.0),  # variation selectors, small forms
+    (0xFEFF, 1.5),  # Arabic Presentation Forms-B
+    (0xFFEF, 1.0),  # full-width forms
+]
+SCRIPT_ENDS = [end for end, _ in SCRIPT_WEIGHTS]
+CATEGORY_WEIGHTS = dict(M=0.0, P=0.5, S=0.5, Z=0.2, N=3.5)  # marks, punctuation, symbols, separators, digits
+NO_REF_TEXT, NO_REF_TOKENS = "Nice to meet you.", 25  # upstream's length reference when there is no voice
+
+
+def tokenize(tokenizer, text: str) -> list[int]:
+    """Upstream's default tokenizer call (style prefix, fallback): with the post-processor, which adds
+    nothing in OmniVoice's tokenizer."""
+    return tokenizer.encode(text).ids
+
+
+def tokenize_with_nonverbal_tags(tokenizer, text: str) -> list[int]:
+    """Text ids with each non-verbal tag tokenized on its own, so "[laughter]" gets the same ids whatever
+    surrounds it; the pieces between the tags without special tokens."""
+    ids, start = [], 0
+    for tag in NONVERBAL_TAGS.finditer(text):
+        for piece in (text[start:tag.start()], tag.group()):
+            if piece:
+                ids += tokenizer.encode(piece, add_special_tokens=False).ids
+        start = tag.end()
+    if text[start:]:
+        ids += tokenizer.encode(text[start:], add_special_tokens=False).ids
+    return ids or tokenize(tokenizer, text)
+
+
+def combine_text(ref_text: str | None, text: str) -> str:
+    """The reference transcript and the text as the LM reads them: one line, single spaces, ASCII
+    parentheses, no whitespace next to a Chinese character."""
+    full = f"{ref_text.strip()} {text.strip()}" if ref_text else text.strip()
+    full = re.sub(r"[\r\n]+", "", full)
+    full = full.replace("（", "(").replace("）", ")")
+    full = re.sub(r"[ \t]+", " ", full)
+    return re.sub(r"(?<=[\u4e00-\u9fff])\s+|\s+(?=[\u4e00-\u9fff])", "", full)
+
+
+def has_cjk(text: str | None) -> bool:
+    """Whether upstream treats the text as Chinese (voice design attributes, end punctuation)."""
+    return bool(text and CJK.search(text))
+
+
+@functools.lru_cache(maxsize=1)
+def languages() -> tuple[frozenset, dict]:
+    """(language ids, lowercase name -> id) of the 646 languages OmniVoice was trained on."""
+    rows = [line.split("\t") for line in LANGUAGES_TSV.read_text(encoding="utf-8").splitlines()
+            if line and not line.startswith("#")]
+    return frozenset(code for code, _ in rows), {name: code for code, name in rows}
+
+
+def resolve_language(language: str | None) -> str | None:
+    """A language id (exact) or name (any case) -> its id; None or "none" -> None (language-agnostic)."""
+    if language is None or language.lower() == "none":
+        return None
+    ids, names = languages()
+    if language in ids:
+        return language
+    if language.lower() in names:
+        return names[language.lower()]
+    # upstream warns and falls back to None: we make it an error
+    raise UserError(f"unknown language '{language}' — use a code such as en, zh, ja or a name such as English"
+                    " (see README)")
+
+
+def _unknown_attributes(items: list[str]) -> UserError:
+    """The error for instruct items outside the closed list: the list, and a close match if there is one."""
+    english, chinese = [*EN_TO_ZH, *ACCENTS], [*ZH_TO_EN, *DIALECTS]
+    named = []
+    for item in items:
+        close = difflib.get_close_matches(item, english + chinese, n=1, cutoff=0.6)
+        named.append(f"'{item}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+    return UserError(f"instruct: unknown attribute{'s' * (len(items) > 1)} {', '.join(named)} — use only: "
+                     f"{', '.join(english)} (English, comma + space) or {'，'.join(chinese)} (Chinese,"
+                     " full-width comma)")
+
+
+def resolve_instruct(instruct: str | None, use_zh: bool = False) -> str | None:
+    """A voice-design instruct -> upstream's canonical string: known attributes only, lower case, all in
+    Chinese (use_zh, or any dialect) or all in English (otherwise, or any accent), one per category."""
+    if instruct is None or not instruct.strip():
+        return None
+    items = [item.strip().lower() for item in re.split(r"\s*[,，]\s*", instruct.strip()) if item]
+    unknown = [item for item in items if item not in EN_TO_ZH and item not in ZH_TO_EN
+               and item not in ACCENTS and item not in DIALECTS]
+    if unknown:
+        raise _unknown_attributes(unknown)
+    has_dialect, has_accent = any(i in DIALECTS for i in items), any(i in ACCENTS for i in items)
+    if has_dialect and has_accent:
+        raise UserError("instruct: a Chinese dialect and an English accent cannot be mixed — dialects are for"
+                        " Chinese speech, accents for English speech")
+    use_zh = has_dialect or (use_zh and not has_accent)
+    items = [(EN_TO_ZH if use_zh else ZH_TO_EN).get(item, item) for item in items]
+    clashes = [[i for i in items if i in category] for category in INSTRUCT_CATEGORIES]
+    clashes = [" vs ".join(f"'{i}'" for i in hits) for hits in clashes if len(hits) > 1]
+    if clashes:
+        raise UserError(f"Conflicting instruct items within the same category: {'; '.join(clashes)}. Each"
+                        " category (gender, age, pitch, style, accent, dialect) allows at most one item.")
+    return ("，" if any(has_cjk(i) for i in items) else ", ").join(items)
+
+
+def style_prefix(denoise: bool, has_ref: bool, language: str | None, instruct: str | None) -> str:
+    """The style text in front of every conditional row (tokenized with the default call)."""
+    return (("<|denoise|>" if denoise and has_ref else "") + f"<|lang_start|>{language or 'None'}<|lang_end|>"
+            + f"<|instruct_start|>{instruct or 'None'}<|instruct_end|>")
+
+
+def add_punctuation(text: str) -> str:
+    """Strip; end with "。" (Chinese) or "." unless the text already ends in punctuation or a closing mark."""
+    text = text.strip()
+    if text and text[-1] not in END_PUNCTUATION:
+        text += "。" if has_cjk(text) else "."
+    return text
+
+
+def _sentences(text: str) -> list[list[str]]:
+    """Characters cut after each split mark (not after an abbreviation's '.'); marks and closing quotes
+    that would start a sentence stay with the one before."""
+    sentences, current = [], []
+    for ch in text:
+        if not current and sentences and (ch in SPLIT_PUNCTUATION or ch in CLOSING_MARKS):
+            sentences[-1].append(ch)
+            continue
+        current.append(ch)
+        if ch in SPLIT_PUNCTUATION and not (ch == "." and "".join(current).split()[-1] in ABBREVIATIONS):
+            sentences.append(current)
+            current = []
+    return sentences + [current] if current else sentences
+
+
+def chunk_text_punctuation(text: str, chunk_len: int, min_chunk_len: int = 3) -> list[str]:
+    """A long text -> chunks of at most chunk_len characters where sentences allow (longer sentences stay
+    whole); chunks under min_chunk_len join the one before (the first one joins the next)."""
+    merged = []
+    for sentence in _sentences(text):
+        if merged and len(merged[-1]) + len(sentence) <= chunk_len:
+            merged[-1] = merged[-1] + sentence
+        else:
+            merged.append(sentence)
+    min_chunk_len = min_chunk_len or 0
+    chunks = []
+    for i, chunk in enumerate(merged):
+        first_was_short = i == 1 and len(merged[0]) < min_chunk_len
+        if chunks and (first_was_short or len(chunk) < min_chunk_len):
+            chunks[-1] = chunks[-1] + chunk
+        else:
+            chunks.append(chunk)
+    return [s for s in ("".join(chunk).strip() for chunk in chunks) if s]
+
+
+def _char_weight(ch: str) -> float:
+    code = ord(ch)
+    if ch.isascii() and ch.isalpha():
+        return 1.0
+    if code == 0x20:
+        return 0.2
+    if code == 0x0640:  # Arabic tatweel: a stretch, not a sound
+        return 0.0
+    weight = CATEGORY_WEIGHTS.get(unicodedata.category(ch)[0])
+    if weight is not None:
+        return weight
+    if code <= SCRIPT_ENDS[-1]:
+        return SCRIPT_WEIGHTS[bisect.bisect_left(SCRIPT_ENDS, code)][1]
+    return 3.0 if code > 0x20000 else 1.0  # upstream's '>' leaves U+20000 itself (CJK Ext-B) at 1.0
+
+
+def text_weight(text: str) -> float:
+    """Upstream's rule of thumb for how long a text takes to say, in Latin letters (tags count as text)."""
+    return sum(_char_weight(ch) for ch in text)
+
+
+def estimate_duration(text: str, ref_text: str, ref_duration: float) -> float:
+    """text's length in ref_duration's unit at the reference's weight rate; short ones lengthened on a
+    cube-root curve below 50."""
+    ref_weight = text_weight(ref_text) if ref_text and ref_duration > 0 else 0
+    if ref_weight == 0:
+        return 0.0
+    estimate = text_weight(text) / (ref_weight / ref_duration)
+    return 50 * (estimate / 50) ** (1 / 3) if estimate < 50 else estimate
+
+
+def estimate_target_tokens(text: str, ref_text: str | None, ref_tokens: int | None, speed: float = 1.0
+                           ) -> int:
+    """The number of audio frames to generate for text, from the reference's frames per weight."""
+    if ref_tokens is None or not ref_text:
+        # upstream's fallback is 25 frames for "Nice to meet you.", whatever the codec's frame rate
+        ref_text, ref_tokens = NO_REF_TEXT, NO_REF_TOKENS
+    estimate = estimate_duration(text, ref_text, ref_tokens)
+    if speed > 0 and speed != 1.0:
+        estimate /= speed
+    return max(1, int(estimate))
+
+
+# ----------------------------------------------------------------------------- audio utilities
+# pydub 0.25.1's arithmetic on int16 (C, N) arrays: lengths and positions in ms, loudness as integer rms.
+SILENCE_DBFS = -50  # every trim of upstream's
+SEEK_MS = 10  # split_on_silence's seek step and detect_leading_silence's chunk
+
+
+def _to_pcm16(x: np.ndarray) -> np.ndarray:
+    # upstream's float -> int16 truncates toward zero (astype), it does not round
+    return (x * 32768.0).clip(-32768, 32767).astype(np.int16)
+
+
+def _length_ms(pcm: np.ndarray, sr: int) -> int:
+    return round(1000 * (pcm.shape[-1] / sr))  # Python round: half to even
+
+
+def _slice_ms(pcm: np.ndarray, sr: int, start: int, end: int | None = None) -> np.ndarray:
+    """pydub's segment[start:end]: ms clamped to the length, samples truncated, and zero-filled (under
+    2 ms) where the rounded length runs past the data, unless the slice starts past it."""
+    length = _length_ms(pcm, sr)
+    end = length if end is None else min(end, length)
+    a, b = int(min(start, length) * (sr / 1000.0)), int(end * (sr / 1000.0))
+    part = pcm[:, a:b]
+    if 0 < part.shape[-1] < b - a:
+        part = np.pad(part, ((0, 0), (0, b - a - part.shape[-1])))
+    return part
+
+
+def _rms16(pcm: np.ndarray) -> int:
+    """audioop.rms: floor(sqrt(sum of squares / samples)), 0 when empty."""
+    flat = pcm.astype(np.int64).ravel()
+    return int(math.sqrt(float(flat @ flat) / flat.size)) if flat.size else 0
+
+
+def _detect_silence(pcm: np.ndarray, sr: int, min_len: int) -> list[list[int]]:
+    """[start, end] ms of the runs of quiet min_len windows, tried every 10 ms plus the last start."""
+    length = _length_ms(pcm, sr)
+    if length < min_len:
+        return []
+    threshold = 10 ** (SILENCE_DBFS / 20) * 32768.0
+    last = length - min_len
+    starts = list(range(0, last + 1, SEEK_MS)) + ([last] if last % SEEK_MS else [])
+    ranges = []
+    for i in starts:
+        if _rms16(_slice_ms(pcm, sr, i, i + min_len)) > threshold:
+            continue
+        # a window that overlaps the silence so far, or starts one seek step after its last window, extends it
+        if ranges and (i <= ranges[-1][1] or i == ranges[-1][1] - min_len + SEEK_MS):
+            ranges[-1][1] = i + min_len
+        else:
+            ranges.append([i, i + min_len])
+    return ranges
+
+
+def _detect_nonsilent(pcm: np.ndarray, sr: int, min_len: int) -> list[list[int]]:
+    length = _length_ms(pcm, sr)
+    silent = _detect_silence(pcm, sr, min_len)
+    if not silent:
+        return [[0, length]]
+    if silent[0] == [0, length]:
+        return []
+    edges = [0] + [ms for r in silent for ms in r] + [length]
+    loud = [edges[k:k + 2] for k in range(0, len(edges), 2)]
+    if loud[-1][0] == length:  # the audio ends in silence
+        loud.pop()
+    return loud[1:] if loud[0] == [0, 0] else loud
+
+
+def _split_on_silence(pcm: np.ndarray, sr: int, min_len: int, keep: int) -> list[np.ndarray]:
+    """The sounding parts, each with `keep` ms of its silence on both sides; where two parts' kept
+    silences overlap, they meet halfway (floor)."""
+    ranges = [[a - keep, b + keep] for a, b in _detect_nonsilent(pcm, sr, min_len)]
+    for left, right in zip(ranges, ranges[1:]):
+        if right[0] < left[1]:
+            left[1] = right[0] = (left[1] + right[0]) // 2
+    length = _length_ms(pcm, sr)
+    return [_slice_ms(pcm, sr, max(a, 0), min(b, length)) for a, b in ranges]
+
+
+def _leading_silence(pcm: np.ndarray, sr: int) -> int:
+    """pydub's detect_leading_silence: ms of whole 10 ms chunks quieter than -50 dBFS at the start."""
+    length, ms = _length_ms(pcm, sr), 0
+    while ms < length:
+        rms = _rms16(_slice_ms(pcm, sr, ms, ms + SEEK_MS))
+        if rms and 20 * math.log(rms / 32768.0, 10) >= SILENCE_DBFS:
+            break
+        ms += SEEK_MS
+    return min(ms, length)
+
+
+def _trim_edges(pcm: np.ndarray, sr: int, lead_sil: int, trail_sil: int) -> np.ndarray:
+    pcm = _slice_ms(pcm, sr, max(0, _leading_silence(pcm, sr) - lead_sil))
+    pcm = pcm[:, ::-1]  # the tail is trimmed as the head of the reversed audio, ms counted from its end
+    return _slice_ms(pcm, sr, max(0, _leading_silence(pcm, sr) - trail_sil))[:, ::-1]
+
+
+def remove_silence(x: np.ndarray, sr: int, mid_sil: int, lead_sil: int, trail_sil: int) -> np.ndarray:
+    """Upstream's silence trimming, (C, N) float32 -> (C, M) float32 on the int16 grid: silences longer
+    than mid_sil ms cut to mid_sil ms (0: keep them), then the edges cut to lead_sil / trail_sil ms."""
+    pcm = _to_pcm16(x)
+    if mid_sil > 0:
+        pieces = _split_on_silence(pcm, sr, mid_sil, keep=mid_sil)
+        pcm = np.concatenate(pieces, axis=-1) if pieces else pcm[:, :0]
+    return _trim_edges(pcm, sr, lead_sil, trail_sil).astype(np.float32) / 32768.0
+
+
+def fade_and_pad(x: np.ndarray, pad_duration: float, fade_duration: float, sample_rate: int) -> np.ndarray:
+    """(C, N) float32: linear fade-in and fade-out (each at most half the audio), then zeros on both sides."""
+    if x.shape[-1] == 0:
+        return x
+    x, fade, pad = x.copy(), int(fade_duration * sample_rate), int(pad_duration * sample_rate)
+    k = min(fade, x.shape[-1] // 2)
+    if k > 0:
+        x[..., :k] *= np.linspace(0, 1, k, dtype=np.float32)
+        x[..., -k:] *= np.linspace(1, 0, k, dtype=np.float32)
+    if pad > 0:
+        zeros = np.zeros((x.shape[0], pad), dtype=x.dtype)
+        x = np.concatenate([zeros, x, zeros], axis=-1)
+    return x
+
+
+def cross_fade_chunks(chunks: list[np.ndarray], sample_rate: int, silence_duration: float = 0.3
+                      ) -> np.ndarray:
+    """(C, N_i) chunks joined as: tail faded out over a third of silence_duration, a third of silence,
+    the next chunk faded in over a third."""
+    if len(chunks) == 1:
+        return chunks[0]
+    fade = int(silence_duration * sample_rate) // 3
+    merged = chunks[0].copy()
+    for chunk in chunks[1:]:
+        out_n, in_n = min(fade, merged.shape[-1]), min(fade, chunk.shape[-1])
+        if out_n > 0:
+            merged[..., -out_n:] *= np.linspace(1, 0, out_n, dtype=np.float32)
+        chunk = chunk.copy()
+        if in_n > 0:
+            chunk[..., :in_n] *= np.linspace(0, 1, in_n, dtype=np.float32)
+        gap = np.zeros((chunks[0].shape[0], fade), dtype=np.float32)
+        merged = np.concatenate([merged, gap, chunk], axis=-1)
+    return merged
+
+
+def rms(x: np.ndarray) -> float:
+    """sqrt(mean(x²)) of a float32 array in float32 (numpy's pairwise mean), as a Python float."""
+    return float(np.sqrt(np.mean(x ** 2)))
+
+
+def normalize_reference(x: np.ndarray, ref_rms: float) -> np.ndarray:
+    """A reference quieter than RMS 0.1 scaled up to it: (x * 0.1) / ref_rms, two float32 roundings."""
+    return x * 0.1 / float(ref_rms) if 0 < ref_rms < 0.1 else x
+
+
+def output_gain(x: np.ndarray, ref_rms: float | None) -> np.ndarray:
+    """The output's level: scaled back down as the reference was scaled up ((x * ref_rms) / 0.1), left alone
+    for a reference at RMS >= 0.1, or peak-normalised to 0.5 without a reference."""
+    if ref_rms is None:
+        peak = np.abs(x).max() if x.size else 0.0
+        return x / peak * 0.5 if peak > 1e-6 else x
+    return x * float(ref_rms) / 0.1 if ref_rms < 0.1 else x
+
+
+def time_steps(t_start: float, t_end: float, num_step: int, t_shift: float) -> torch.Tensor:
+    """The num_step + 1 unmasking times, float32: linspace, then shifted t -> s*t / (1 + (s-1)*t)."""
+    # torch's CPU linspace fills its second half backwards from t_end (end - step*(n-1-i)): keep torch's
+    ts = torch.linspace(t_start, t_end, num_step + 1, dtype=torch.float32, device="cpu")
+    return t_shift * ts / (1 + (t_shift - 1) * ts)
+
+
+def count_schedule(total: int, ts) -> list[int]:
+    """How many of the total masked positions each step reveals: ceil(total * dt) (in float64 on the float32
+    times), the last step whatever is left."""
+    ts = [float(t) for t in ts]
+    counts, left = [], total
+    for step in range(len(ts) - 1):
+        n = left if step == len(ts) - 2 else min(math.ceil(total * (ts[step + 1] - ts[step])), left)
+        counts.append(n)
+        left -= n
+    return counts
+
+
+# ----------------------------------------------------------------------------- voices
+def read_clip(ref_audio, sample_rate: int) -> np.ndarray:
+    """A path or (wave, rate) -> float32 (1, N) at sample_rate: channels averaged, upstream's resampling."""
+    if isinstance(ref_audio, (str, Path)):
+        data, rate = common.read_audio(ref_audio)
+        wave = data.T  # (channels, N)
+    else:
+        try:
+            wave, rate = ref_audio
+        except (TypeError, ValueError):
+            raise UserError("ref_audio must be a path or a (wave, sample_rate) pair") from None
+        wave = wave.detach().cpu().numpy() if isinstance(wave, Tensor) else np.asarray(wave)
+        wave = wave.astype(np.float32)
+        wave = wave[None] if wave.ndim == 1 else wave
+        if wave.ndim != 2 or wave.shape[1] == 0 or not isinstance(rate, (int, np.integer)) or rate <= 0:
+            raise UserError(f"ref_audio: a (channels, samples) wave and a positive integer rate, got "
+                            f"{list(wave.shape)} at {rate!r}")
+        if not np.isfinite(wave).all():
+            raise UserError("ref_audio has NaN or infinite samples")
+    if wave.shape[0] > 1:
+        wave = np.mean(wave, axis=0, keepdims=True)
+    if rate != sample_rate:
+        wave = omnivoice_codec.resample(torch.from_numpy(np.ascontiguousarray(wave)), rate, sample_rate)
+        wave = wave.numpy()
+    return wave
+
+
+def voice_prompt(model: OmniVoice, ref_audio, ref_text: str, preprocess_prompt: bool = True) -> dict:
+    """A clip and its transcript -> dict(codes (C, T) int64, text, rms): upstream's voice-clone prompt (level
+    to RMS 0.1, silences trimmed, cut to whole frames, encoded; the transcript ends in punctuation)."""
+    if ref_text is None or not str(ref_text).strip():
+        raise UserError("ref_text is missing: give the transcript of the reference clip (fishfast ships no"
+                        " speech recogniser)")
+    wave = read_clip(ref_audio, model.sample_rate)
+    level = rms(wave)  # of the whole clip, silences included
+    wave = normalize_reference(wave, level)
+    if preprocess_prompt:
+        wave = remove_silence(wave, model.sample_rate, mid_sil=200, lead_sil=100, trail_sil=200)
+    hop = model.audio_tokenizer.hop_length
+    wave = wave[:, :wave.shape[-1] // hop * hop]
+    if wave.shape[-1] == 0:
+        raise UserError("the reference clip is silent or shorter than a frame (try preprocess_prompt=False)")
+    codes = encode(model, wave[0], model.sample_rate)
+    return dict(codes=codes, text=add_punctuation(ref_text) if preprocess_prompt else ref_text, rms=level)
+
+
+def save_voice(path, voice: dict):
+    """A voice -> one safetensors file (codes; transcript, level and model kind in its metadata)."""
+    from safetensors.torch import save_file
+    meta = dict(model="omnivoice", format="1", text=voice["text"], rms=repr(float(voice["rms"])))
+    common.write_atomic(path, lambda tmp: save_file({"codes": voice["codes"].cpu().contiguous()}, tmp, meta))
+
+
+def load_voice(path, model: OmniVoice = None) -> dict:
+    """A voice saved by save_voice, or upstream's VoiceClonePrompt.save() .pt file -> the voice dict."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"voice file {path} not found")
+    try:
+        if path.suffix == ".pt":
+            data = torch.load(path, map_location="cpu", weights_only=True)
+            voice = dict(codes=data["ref_audio_tokens"], text=data["ref_text"], rms=float(data["ref_rms"]))
+        else:
+            from safetensors import safe_open
+            with safe_open(path, framework="pt") as f:
+                meta = f.metadata() or {}
+                if meta.get("model") != "omnivoice":
+                    raise UserError(f"{path} is not an OmniVoice voice (model: {meta.get('model')!r})")
+                voice = dict(codes=f.get_tensor("codes"), text=meta["text"], rms=float(meta["rms"]))
+    except UserError:
+        raise
+    except Exception as e:
+        raise common.unreadable(path, e) from None
+    check_voice(voice, model)
+    return voice
+
+
+def check_voice(voice, model: OmniVoice = None):
+    if not isinstance(voice, dict) or not {"codes", "text", "rms"} <= voice.keys():
+        raise UserError("voice must be a dict(codes=, text=, rms=) as voice_prompt returns")
+    codes = torch.as_tensor(voice["codes"])
+    if codes.ndim != 2 or codes.shape[1] == 0 or codes.is_floating_point():
+        raise UserError(f"voice codes must be integers of shape (codebooks, frames), got {list(codes.shape)}")
+    if model is not None:
+        C, size = model.cfg["num_codebooks"], model.audio_tokenizer.codebook_size
+        if codes.shape[0] != C or codes.min() < 0 or codes.max() >= size:
+            raise UserError(f"voice codes {list(codes.shape)} in {codes.min()}..{codes.max()} do not fit this"
+                            f" model ({C} codebooks of {size})")
+
+
+# ----------------------------------------------------------------------------- requests
+def per_item(name: str, value, n: int) -> list:
+    """A value for every text, or a list with one value per text (or one for all)."""
+    values = value if isinstance(value, (list, tuple)) and name != "ref_audio" or (
+        name == "ref_audio" and isinstance(value, list)) else [value]
+    if len(values) not in (1, n):
+        raise UserError(f"{name}: {len(values)} values for {n} texts (give one, or one per text)")
+    return list(values) * n if len(values) == 1 else list(values)
+
+
+def check_number(name: str, value, low=0.0):
+    if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                              or not math.isfinite(value) or value <= low):
+        raise UserError(f"{name} must be a number > {low:g}, got {value!r}")
+
+
+def plan(model: OmniVoice, texts: list, language, ref_audio, ref_text, voice, instruct, speed, duration,
+         gen: dict) -> list:
+    """generate()'s arguments -> one item per text: text, language, instruct, reference (codes, text, level),
+    target length in frames, speed (upstream's _preprocess_all)."""
+    n = len(texts)
+    if voice is not None and ref_audio is not None:
+        raise UserError("give voice or ref_audio, not both")
+    if ref_text is not None and ref_audio is None:
+        raise UserError("ref_text is given without ref_audio")
+    voices = per_item("voice", voice, n)
+    if ref_audio is not None:
+        clips, transcripts = per_item("ref_audio", ref_audio, n), per_item("ref_text", ref_text, n)
+        made = [voice_prompt(model, a, t, gen["preprocess_prompt"]) for a, t in zip(clips, transcripts)]
+        voices = made * n if len(made) == 1 else made
+    for v in voices:
+        if v is not None:
+            check_voice(v, model)
+    items = []
+    columns = [per_item(name, value, n) for name, value in
+               (("language", language), ("instruct", instruct), ("speed", speed), ("duration", duration))]
+    for text, v, lang, inst, s, d in zip(texts, voices, *columns):
+        check_number("speed", s)
+        check_number("duration", d)
+        if not isinstance(text, str) or not text.strip():
+            raise UserError("text is empty: give the words to speak")
+        codes = None if v is None else torch.as_tensor(v["codes"]).long()
+        item = dict(text=text, language=resolve_language(lang), ref_codes=codes,
+                    ref_text=None if v is None else v["text"], ref_rms=None if v is None else float(v["rms"]),
+                    instruct=None if inst is None else resolve_instruct(inst, use_zh=has_cjk(text)))
+        ref_frames = None if codes is None else codes.shape[1]
+        speed_for_estimate = 1.0 if d is not None else s or 1.0
+        estimate = estimate_target_tokens(text, item["ref_text"], ref_frames, speed_for_estimate)
+        if d is not None:  # a duration sets the length; speed becomes what the estimate implies (for chunks)
+            item["target_len"] = max(1, int(d * model.frame_rate))
+            item["speed"] = estimate / item["target_len"]
+        else:
+            item["target_len"], item["speed"] = estimate, s or 1.0
+        limit = model.cfg.get("max_seq_len", 40960)
+        if item["target_len"] > limit:
+            seconds = item["target_len"] / model.frame_rate
+            raise UserError(f"{item['target_len']} frames ({seconds:.0f} s) is too long for the model"
+                            f" ({limit} positions)")
+        items.append(item)
+    return items
+
+
+# ----------------------------------------------------------------------------- unmasking
+def item_ids(model: OmniVoice, item: dict, denoise: bool) -> Tensor:
+    """One request's conditional sequence (C, L): style, text, reference codes, then the masked target."""
+    C, has_ref = model.cfg["num_codebooks"], item["ref_codes"] is not None
+    style = tokenize(model.tokenizer, style_prefix(denoise, has_ref, item["language"], item["instruct"]))
+    text = f"<|text_start|>{combine_text(item['ref_text'], item['text'])}<|text_end|>"
+    words = tokenize_with_nonverbal_tags(model.tokenizer, text)
+    parts = [torch.tensor(style + words).expand(C, -1)]
+    if has_ref:
+        parts.append(item["ref_codes"])
+    parts.append(torch.full((C, item["target_len"]), model.cfg["audio_mask_id"]))
+    return torch.cat(parts, 1)
+
+
+def batch_rows(model: OmniVoice, items: list, denoise: bool) -> tuple:
+    """B requests -> 2B rows (upstream's _generate_iterative): row i is request i's whole sequence, row B+i
+    only its target (the unconditional input), each right-padded with the mask id -> (ids (2B, C, L),
+    audio_mask (2B, L), attention mask (2B, 1, L, L), conditional lengths)."""
+    seqs = [item_ids(model, item, denoise) for item in items]
+    B, C, mask_id = len(items), model.cfg["num_codebooks"], model.cfg["audio_mask_id"]
+    c_lens, L = [s.shape[1] for s in seqs], max(s.shape[1] for s in seqs)
+    ids = torch.full((2 * B, C, L), mask_id)
+    audio_mask = torch.zeros(2 * B, L, dtype=torch.bool)
+    attn = torch.zeros(2 * B, 1, L, L, dtype=torch.bool)
+    for i, (seq, item) in enumerate(zip(seqs, items)):
+        c_len, T = c_lens[i], item["target_len"]
+        audio_start = c_len - T - (0 if item["ref_codes"] is None else item["ref_codes"].shape[1])
+        ids[i, :, :c_len], ids[B + i, :, :T] = seq, seq[:, -T:]
+        audio_mask[i, audio_start:c_len], audio_mask[B + i, :T] = True, True
+        attn[i, :, :c_len, :c_len] = attn[B + i, :, :T, :T] = True
+        pad = torch.arange(T, L)
+        attn[B + i, :, pad, pad] = True  # an unconditional pad position sees itself (not a fully masked row)
+    return ids, audio_mask, attn, c_lens
+
+
+def gumbel(logits: Tensor, temperature: float, generator) -> Tensor:
+    """logits / temperature + Gumbel noise, the uniforms drawn on the CPU from `generator` as upstream's
+    torch.rand_like draws them from the global one."""
+    u = torch.rand(logits.shape, generator=generator).to(logits.device)
+    return logits / temperature - torch.log(-torch.log(u + 1e-10) + 1e-10)
+
+
+def predict(c_logits: Tensor, u_logits: Tensor, gen: dict, mask_id: int, generator) -> tuple:
+    """Guided log-probs -> (tokens, confidence) per position (upstream's _predict_tokens_with_scoring)."""
+    s = gen["guidance_scale"]
+    if s != 0:
+        c, u = F.log_softmax(c_logits, -1), F.log_softmax(u_logits, -1)
+        log_probs = F.log_softmax(c + s * (c - u), -1)
+    else:
+        log_probs = F.log_softmax(c_logits, -1)
+    log_probs[..., mask_id] = -math.inf  # after the renormalisation, as upstream: not renormalised again
+    if gen["class_temperature"] > 0:
+        k = math.ceil(0.1 * log_probs.shape[-1])
+        top, where = log_probs.topk(k, -1)
+        kept = torch.full_like(log_probs, -math.inf).scatter_(-1, where, top)
+        tokens = gumbel(kept, gen["class_temperature"], generator).argmax(-1)
+    else:
+        tokens = log_probs.argmax(-1)
+    return tokens, log_probs.max(-1).values  # the max log-prob, not the drawn token's: upstream's confidence
+
+
+def reveal(tokens: Tensor, pred: Tensor, conf: Tensor, k: int, gen: dict, mask_id: int, generator):
+    """Write the k most confident still-masked predictions into tokens (C, T), in place."""
+    layers = torch.arange(conf.shape[1], device=conf.device).view(1, -1, 1)
+    scores = conf - layers * gen["layer_penalty_factor"]  # earlier codebooks first
+    if gen["position_temperature"] > 0:
+        scores = gumbel(scores, gen["position_temperature"], generator)
+    scores = scores.masked_fill(tokens[None] != mask_id, -math.inf)
+    chosen = torch.topk(scores.flatten(), k).indices
+    flat = tokens.view(-1)
+    flat[chosen] = pred.flatten()[chosen]
+
+
+def unmask(model: OmniVoice, items: list, gen: dict, generator, progress=False) -> list:
+    """num_step passes over the batch, each revealing its scheduled count of codes per request -> (C, T_i)
+    codes per item. Random numbers are drawn per request in batch order: the class draw, then the position."""
+    dev, mask_id, C = model.audio_heads.weight.device, model.cfg["audio_mask_id"], model.cfg["num_codebooks"]
+    ids, audio_mask, attn, c_lens = (t.to(dev) if isinstance(t, Tensor) else t
+                                     for t in batch_rows(model, items, gen["denoise"]))
+    B, ts = len(items), time_steps(0.0, 1.0, gen["num_step"], gen["t_shift"]).tolist()
+    schedules = [count_schedule(item["target_len"] * C, ts) for item in items]
+    tokens = [torch.full((C, item["target_len"]), mask_id, device=dev) for item in items]
+    for step in tqdm(range(gen["num_step"]), desc=f"unmasking {B} x {max(c_lens)}", disable=not progress,
+                     leave=False):
+        hidden = model.hidden(ids, audio_mask, attn)
+        for i, item in enumerate(items):
+            k, T = schedules[i][step], item["target_len"]
+            if k <= 0:
+                continue
+            cond = model.heads(hidden[i, c_lens[i] - T:c_lens[i]]).transpose(0, 1)[None]  # (1, C, T, V)
+            uncond = model.heads(hidden[B + i, :T]).transpose(0, 1)[None]
+            pred, conf = predict(cond, uncond, gen, mask_id, generator)
+            reveal(tokens[i], pred, conf, k, gen, mask_id, generator)
+            ids[i, :, c_lens[i] - T:c_lens[i]] = ids[B + i, :, :T] = tokens[i]
+    return [t.cpu() for t in tokens]
+
+
+# ----------------------------------------------------------------------------- generation
+def encode(model: OmniVoice, wave, sample_rate: int) -> Tensor:
+    """A mono wave (N,) at any rate -> codes (C, T) int64 (no level change, no trimming: see voice_prompt)."""
+    wave = wave.float() if isinstance(wave, Tensor) else torch.from_numpy(np.asarray(wave, dtype=np.float32))
+    if wave.ndim != 1 or wave.numel() == 0:
+        raise UserError(f"encode takes a non-empty mono wave (N,), got shape {list(wave.shape)}")
+    if sample_rate != model.sample_rate:
+        wave = omnivoice_codec.resample(wave, sample_rate, model.sample_rate)
+    tok = model.audio_tokenizer
+    with torch.inference_mode():
+        return tok.encode(wave.to(next(tok.parameters()).device)[None, None])[0].cpu()
+
+
+def decode(model: OmniVoice, codes) -> np.ndarray:
+    """Codes (C, T) -> a 1-D float32 wave at model.sample_rate (upstream's decoder output, unclipped)."""
+    codes = torch.as_tensor(codes)
+    tok, C = model.audio_tokenizer, model.cfg["num_codebooks"]
+    if codes.ndim != 2 or codes.shape[0] != C or codes.shape[1] == 0 or codes.is_floating_point():
+        raise UserError(f"codes must be integers of shape ({C}, T), got {list(codes.shape)}")
+    if codes.min() < 0 or codes.max() >= tok.codebook_size:
+        raise UserError(f"codes must lie in 0..{tok.codebook_size - 1}: {codes.min()}..{codes.max()}")
+    with torch.inference_mode():
+        return tok.decode(codes.long().to(next(tok.parameters()).device)[None])[0, 0].float().cpu().numpy()
+
+
+def chunked(model: OmniVoice, items: list, gen: dict, generator, progress=False) -> list:
+    """Long texts, split at punctuation into chunks of audio_chunk_duration, each chunk generated with the
+    request's reference (or, with none, with chunk 0's own codes and text) -> a list of chunk codes per item.
+    Chunk i of every request runs in one batch (upstream's _generate_chunked)."""
+    has_ref = [item["ref_codes"] is not None for item in items]
+    if any(has_ref) and not all(has_ref):  # upstream asserts
+        raise UserError("long texts with and without a reference cannot be generated in one batch")
+    pieces = []
+    for item in items:
+        frames_per_char = item["target_len"] / len(item["text"])
+        chunk_len = int(gen["audio_chunk_duration"] * model.frame_rate / frames_per_char)
+        pieces.append(chunk_text_punctuation(item["text"], chunk_len, min_chunk_len=3))
+    results = [[] for _ in items]
+
+    def run(indices, texts, refs, ref_texts):
+        batch = [dict(items[i], text=text, ref_codes=ref, ref_text=ref_text,
+                      target_len=estimate_target_tokens(text, ref_text, None if ref is None else ref.shape[1],
+                                                        items[i]["speed"]))
+                 for i, text, ref, ref_text in zip(indices, texts, refs, ref_texts)]
+        for i, codes in zip(indices, unmask(model, batch, gen, generator, progress)):
+            results[i].append(codes)
+
+    for n in range(max(len(p) for p in pieces)):
+        indices = [i for i, p in enumerate(pieces) if n < len(p)]
+        if all(has_ref):
+            run(indices, [pieces[i][n] for i in indices], [items[i]["ref_codes"] for i in indices],
+                [items[i]["ref_text"] for i in indices])
+        elif n == 0:
+            run(indices, [pieces[i][0] for i in indices], [None] * len(indices), [None] * len(indices))
+        else:
+            run(indices, [pieces[i][n] for i in indices], [results[i][0] for i in indices],
+                [pieces[i][0] for i in indices])
+    return results
+
+
+def finish(model: OmniVoice, tokens, ref_rms, gen: dict) -> np.ndarray:
+    """Codes (or a long text's chunks, cross-faded) -> the output wave: silences trimmed, level back to the
+    reference's (or peak 0.5 without one), faded and padded (upstream's _decode_and_post_process)."""
+    sr = model.sample_rate
+    if isinstance(tokens, list):
+        wave = cross_fade_chunks([decode(model, t)[None] for t in tokens], sr)
+    else:
+        wave = decode(model, tokens)[None]
+    if gen["postprocess_output"]:
+        wave = remove_silence(wave, sr, mid_sil=500, lead_sil=100, trail_sil=100)
+    wave = output_gain(wave, ref_rms)
+    return fade_and_pad(wave, gen["pad_duration"], gen["fade_duration"], sr)[0]
+
+
+def generation_config(config: dict) -> dict:
+    unknown = sorted(set(config) - set(GENERATION))
+    if unknown:
+        raise UserError(f"unknown generation option {unknown[0]!r}: use {', '.join(GENERATION)}")
+    gen = dict(GENERATION, **config)
+    if isinstance(gen["num_step"], bool) or not isinstance(gen["num_step"], int) or gen["num_step"] < 1:
+        raise UserError(f"num_step must be an integer >= 1, got {gen['num_step']!r}")
+    for name in ("guidance_scale", "t_shift", "layer_penalty_factor", "position_temperature",
+                 "class_temperature", "audio_chunk_duration", "audio_chunk_threshold", "pad_duration",
+                 "fade_duration"):
+        value = gen[name]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise UserError(f"{name} must be a number, got {value!r}")
+        positive = name in ("t_shift", "audio_chunk_duration")
+        if value < 0 or (value == 0 and positive):
+            raise UserError(f"{name} must be {'>' if positive else '>='} 0, got {value!r}")
+    return gen
+
+
+def generate(model: OmniVoice, text, language=None, ref_audio=None, ref_text=None, voice=None, instruct=None,
+             speed=None, duration=None, seed=None, return_tokens=False, progress=False, **config):
+    """Text (or a list: a batch) -> a list of 1-D float32 waves at model.sample_rate (and the codes of each:
+    (C, T), or a long text's list of chunk codes, with return_tokens=True).
+
+    Clone with voice= (voice_prompt's dict) or ref_audio= + ref_text=; design with instruct=; neither: auto.
+    seed=S gives what upstream gives right after torch.manual_seed(S), from a generator of its own; with no
+    seed the draws come from torch's global generator, as upstream's do. **config: GENERATION's names."""
+    gen = generation_config(config)
+    texts = [text] if isinstance(text, str) else list(text) if isinstance(text, (list, tuple)) else None
+    if not texts:
+        raise UserError("text is empty: give the words to speak (a string or a list of strings)")
+    generator = torch.default_generator if seed is None else torch.Generator().manual_seed(int(seed))
+    with torch.inference_mode():
+        items = plan(model, texts, language, ref_audio, ref_text, voice, instruct, speed, duration, gen)
+        threshold = int(gen["audio_chunk_threshold"] * model.frame_rate)
+        short = [i for i, item in enumerate(items) if item["target_len"] <= threshold]
+        long = [i for i, item in enumerate(items) if item["target_len"] > threshold]
+        tokens = [None] * len(items)
+        if short:
+            for i, codes in zip(short, unmask(model, [items[i] for i in short], gen, generator, progress)):
+                tokens[i] = codes
+        if long:
+            for i, chunks in zip(long, chunked(model, [items[i] for i in long], gen, generator, progress)):
+                tokens[i] = chunks
+        audios = [finish(model, t, item["ref_rms"], gen) for t, item in zip(tokens, items)]
+    return (audios, tokens) if return_tokens else audios
+
+
+# ----------------------------------------------------------------------------- demo
+DEMO_DIMS = dict(CONFIG, vocab_size=1040, dim=64, n_layer=2, n_head=4, n_local_heads=2, head_dim=32,
+                 intermediate_size=96)  # the fixture's dims
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|denoise|>", "<|lang_start|>",
+                  "<|lang_end|>", "<|instruct_start|>", "<|instruct_end|>", "<|text_start|>", "<|text_end|>"]
+
+
+def demo_tokenizer():
+    """Byte-level tokenizer (no merges) with the special tokens OmniVoice's prompt uses."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(SPECIAL_TOKENS)
+    return tokenizer
+
+
+def demo_model(device="cpu", dtype=torch.float32) -> OmniVoice:
+    """A tiny random OmniVoice and audio tokenizer, built in memory: its 'speech' is noise, it only runs the
+    pipeline (what `python omnivoice.py` does without a checkpoint)."""
+    generator = torch.Generator().manual_seed(0)
+    model = OmniVoice(dict(DEMO_DIMS))
+    for name, p in model.named_parameters():  # uniform weights of unit variance / sqrt(fan in)
+        scale = 0.1 if name.endswith("norm.weight") else 1 / math.sqrt(p.shape[-1]) if p.ndim == 2 else 1
+        p.data = (torch.rand(p.shape, generator=generator) * 2 - 1) * math.sqrt(3) * scale
+        if name.endswith("norm.weight"):
+            p.data += 1
+    model.tokenizer = demo_tokenizer()
+    model.audio_tokenizer = omnivoice_codec.random_tokenizer(omnivoice_codec.DEMO_CONFIG).to(device)
+    return model.to(device, dtype).requires_grad_(False).eval()
+
+
+# ----------------------------------------------------------------------------- CLI
+def voice_path(name: str, folder: Path) -> Path:
+    """--voice NAME: a file, or NAME in the voices folder."""
+    path = Path(name)
+    if path.suffix in (".pt", ".safetensors") or path.is_file():
+        return path
+    if not re.fullmatch(r"[\w.-]{1,64}", name) or name.startswith("."):
+        raise UserError(f"--voice {name!r}: a voice name is letters, digits, '.', '_' and '-'")
+    return folder / f"{name}{VOICE_SUFFIX}"
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description="OmniVoice text-to-speech: voice cloning, design, auto voices")
+    ap.add_argument("--text", required=True, help="what to say ([laughter], [sigh]... are non-verbal tags)")
+    ap.add_argument("--checkpoint", help=f"the k2-fsa/OmniVoice folder (default {DEFAULT_CHECKPOINT}; without"
+                    " one: a tiny random demo model that makes noise)")
+    ap.add_argument("--ref-audio", help="a clip of the voice to clone (any rate, any format soundfile reads)")
+    ap.add_argument("--ref-text", help="what --ref-audio says (required with it: no speech recogniser)")
+    ap.add_argument("--voice", help=f"a saved voice: NAME in --voices ({VOICE_SUFFIX}) or a .safetensors/.pt")
+    ap.add_argument("--save-voice", metavar="NAME", help="save the --ref-audio clone prompt as voice NAME")
+    ap.add_argument("--voices", default="prompt", help="the voices folder (default prompt/)")
+    ap.add_argument("--instruct", help="voice design: attributes such as 'female, low pitch, british accent'")
+    ap.add_argument("--language", help="a language code (en, zh...) or name (English...); default: none")
+    ap.add_argument("--speed", type=float, help="speaking rate factor (> 1 faster)")
+    ap.add_argument("--duration", type=float, help="length of the audio in seconds (overrides --speed)")
+    ap.add_argument("--num-step", type=int, default=GENERATION["num_step"], help="unmasking steps (32)")
+    ap.add_argument("--guidance-scale", type=float, default=GENERATION["guidance_scale"], help="CFG (2.0)")
+    ap.add_argument("--class-temperature", type=float, default=GENERATION["class_temperature"],
+                    help="token sampling temperature (0: the most likely token)")
+    ap.add_argument("--no-denoise", action="store_true", help="leave out the <|denoise|> token")
+    ap.add_argument("--no-preprocess", action="store_true", help="keep the reference clip's silences")
+    ap.add_argument("--no-postprocess", action="store_true", help="keep the output's silences")
+    ap.add_argument("--seed", type=int, default=42, help="random seed (42)")
+    ap.add_argument("--out", default="generate/omnivoice.wav", help="output wav; its codes beside it (.npy)")
+    ap.add_argument("--device", type=common.device_name, help="cpu, mps, cuda or cuda:N (default: best)")
+    ap.add_argument("--dtype", choices=list(common.DTYPES), help="LM dtype (default bf16 on CUDA, else fp32)")
+    return ap.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    device = common.pick_device(args.device)
+    dtype = common.pick_dtype(args.dtype, device)
+    out = Path(args.out)
+    if out.suffix != ".wav" or out.is_dir():
+        raise UserError(f"--out {out}: give a .wav file path")
+    if args.save_voice and not args.ref_audio:
+        raise UserError("--save-voice needs --ref-audio and --ref-text")
+    checkpoint = args.checkpoint or (DEFAULT_CHECKPOINT if Path(DEFAULT_CHECKPOINT).is_dir() else None)
+    if checkpoint:
+        model = load(checkpoint, device, dtype)
+    else:
+        print("!" * 100 + f"\nNo checkpoint ({DEFAULT_CHECKPOINT} not found): DEMO on a tiny RANDOM model"
+              " built in memory. The pipeline is real, the AUDIO IS NOISE.\n" + "!" * 100)
+        model = demo_model(device, dtype)
+    voice = load_voice(voice_path(args.voice, Path(args.voices)), model) if args.voice else None
+    gen = dict(num_step=args.num_step, guidance_scale=args.guidance_scale, denoise=not args.no_denoise,
+               class_temperature=args.class_temperature, preprocess_prompt=not args.no_preprocess,
+               postprocess_output=not args.no_postprocess)
+    if args.ref_audio:
+        voice = voice_prompt(model, args.ref_audio, args.ref_text, gen["preprocess_prompt"])
+        if args.save_voice:
+            path = voice_path(args.save_voice, Path(args.voices))
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_voice(path, voice)
+            print(f"saved voice {args.save_voice} -> {path}")
+    common.reset_peak_memory(device)
+    start = time.perf_counter()
+    [audio], [tokens] = generate(model, args.text, language=args.language, voice=voice,
+                                 instruct=args.instruct, speed=args.speed, duration=args.duration,
+                                 seed=args.seed, return_tokens=True, progress=True, **gen)
+    wall = time.perf_counter() - start
+    out.parent.mkdir(parents=True, exist_ok=True)
+    common.save_wav(out, audio, model.sample_rate)
+    codes = torch.cat(tokens, 1) if isinstance(tokens, list) else tokens  # a long text's chunks, in a row
+    common.save_npy(out.with_suffix(".npy"), codes)
+    seconds = len(audio) / model.sample_rate
+    print(f"{out} ({out.with_suffix('.npy').name}): {seconds:.2f} s of audio, {codes.shape[1]} frames,"
+          f" wall {wall:.2f} s, RTF {wall / max(seconds, 1e-9):.3f}, peak memory"
+          f" {common.peak_memory_gb(device):.2f} GB")
+
+
+if __name__ == "__main__":
+    common.cli(main)

@@ -1,0 +1,344 @@
+"""OmniVoice against what upstream (omnivoice 0.2.1, CPU fp32) computed on the tiny checkpoint: the LM
+forward, the unmasking loop step by step, voice prompts and all 14 generate() cases, through the Python API
+and the CLI.
+The fixture's README (tests/fixtures/omnivoice-tiny/README.md) says what each golden is."""
+import hashlib
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import common
+import dualAR
+import omnivoice
+from conftest import ROOT, run_main
+
+TINY = ROOT / "tests/fixtures/omnivoice-tiny"
+CKPT, GOLDEN = TINY / "checkpoint", TINY / "golden"
+CASES = json.loads((GOLDEN / "cases.json").read_text())
+INT16_STEP = 1 / 32768
+
+
+def golden(name):
+    return torch.from_numpy(np.load(GOLDEN / name))
+
+
+@pytest.fixture(scope="module")
+def model():
+    return omnivoice.load(CKPT)
+
+
+def clip_by_sha(sha):
+    """The clip a case's kwargs name by the sha256 of its samples."""
+    for name in ("clip_ref24.npy", "clip_ref_alt.npy", "clip_odd24.npy"):
+        clip = np.load(GOLDEN / name)
+        if hashlib.sha256(clip.tobytes()).hexdigest() == sha:
+            return clip
+    raise KeyError(sha)
+
+
+def voice_of(spec):
+    """A case's VoiceClonePrompt, read from upstream's own saved file (prompt_<k>.pt) with the same codes."""
+    for name in ("prompt_ref24.pt", "prompt_ref_alt.pt"):
+        voice = omnivoice.load_voice(GOLDEN / name)
+        if hashlib.sha256(voice["codes"].numpy().tobytes()).hexdigest() == spec["tokens"]["sha256"]:
+            assert voice["text"] == spec["ref_text"] and voice["rms"] == spec["ref_rms"]
+            return voice
+    raise KeyError(spec["tokens"]["sha256"])
+
+
+def api_kwargs(case):
+    """cases.json's generate() kwargs in our API's words (voice_clone_prompt -> voice)."""
+    kwargs = dict(CASES["generate"][case]["kwargs"])
+    prompt = kwargs.pop("voice_clone_prompt", None)
+    if prompt is not None:
+        prompts = prompt if isinstance(prompt, list) else [prompt]
+        voices = [voice_of(p["VoiceClonePrompt"]) for p in prompts]
+        kwargs["voice"] = voices if isinstance(prompt, list) else voices[0]
+    if "ref_audio" in kwargs:
+        spec, rate = kwargs["ref_audio"]
+        kwargs["ref_audio"] = (clip_by_sha(spec["tensor"]["sha256"]), rate)
+    return kwargs
+
+
+def reference_rms(case, i):
+    """The level of request i's reference (None without one), from the goldens' own prompt records."""
+    kwargs = CASES["generate"][case]["kwargs"]
+    prompt = kwargs.get("voice_clone_prompt")
+    if prompt is not None:
+        return (prompt[i] if isinstance(prompt, list) else prompt)["VoiceClonePrompt"]["ref_rms"]
+    if "ref_audio" in kwargs:
+        sha = kwargs["ref_audio"][0]["tensor"]["sha256"]
+        return next(p["ref_rms"] for p in CASES["voice_clone_prompt"].values()
+                    if isinstance(p["kwargs"]["ref_audio"], list)
+                    and p["kwargs"]["ref_audio"][0]["tensor"]["sha256"] == sha)
+    return None
+
+
+def audio_gain(case, i, tokens, model):
+    """The gain upstream applies after its int16 silence trim: reference level / 0.1 (below 0.1), else 1,
+    and without a reference 0.5 / the trimmed decode's peak."""
+    rms = reference_rms(case, i)
+    if rms is not None:
+        return rms / 0.1 if rms < 0.1 else 1.0
+    waves = [omnivoice.decode(model, t)[None] for t in (tokens if isinstance(tokens, list) else [tokens])]
+    wave = omnivoice.cross_fade_chunks(waves, model.sample_rate) if len(waves) > 1 else waves[0]
+    trimmed = omnivoice.remove_silence(wave, model.sample_rate, mid_sil=500, lead_sil=100, trail_sil=100)
+    return 0.5 / np.abs(trimmed).max()
+
+
+def assert_audio_close(audio, expected, case, i, tokens, model):
+    """Untrimmed audio: within 1e-4 (the decoder's own tolerance). Trimmed audio went through int16 by
+    truncation, then a gain: almost every sample within 2 int16 steps x gain (the README's tolerance, for a
+    1-ulp difference), and every one within (1e-4 + 1 step) x gain, which is what the decoder's 1e-4 allows.
+    The tiny decoder runs activations of ~2^11 through Snake's sin (its conv2 is scaled by 2^-11), so fp32
+    decodes differ by ~5e-5 between any two kernels (fp64 is 5e-5 from upstream's, and from ours):
+    a 1-ulp agreement, and so 2 steps everywhere, cannot be had."""
+    if CASES["generate"][case]["kwargs"].get("postprocess_output", True) is False:
+        np.testing.assert_allclose(audio, expected, rtol=0, atol=1e-4)
+        return
+    gain = audio_gain(case, i, tokens, model)
+    error = np.abs(audio - expected)
+    assert (error <= 2 * INT16_STEP * gain * (1 + 1e-3)).mean() >= 0.999
+    assert error.max() <= (1e-4 + INT16_STEP) * gain
+
+
+# ----------------------------------------------------------------------------- the LM forward
+@pytest.mark.parametrize("case", ["clone", "design", "batch"])
+def test_first_forward_gives_upstreams_logits(model, case):
+    ids, audio_mask = golden(f"gen_{case}_fwd0_input_ids.npy"), golden(f"gen_{case}_fwd0_audio_mask.npy")
+    logits = model(ids, audio_mask, golden(f"gen_{case}_fwd0_attention_mask.npy"))  # (2B, C, L, V)
+    expected, fwd0 = golden(f"gen_{case}_fwd0_logits_target.npy"), CASES["generate"][case]["fwd0"]
+    n, B = expected.shape[2], len(fwd0["c_lens"])
+    for i, (c_len, T) in enumerate(zip(fwd0["c_lens"], fwd0["target_lens"])):
+        cond = logits[i, :, c_len - T:c_len - T + n]  # the first n target positions
+        torch.testing.assert_close(cond, expected[2 * i], atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(logits[B + i, :, :n], expected[2 * i + 1], atol=1e-4, rtol=1e-4)
+
+
+def test_embeddings_and_last_hidden_state_match_upstream(model):
+    ids, audio_mask = golden("gen_clone_fwd0_input_ids.npy"), golden("gen_clone_fwd0_audio_mask.npy")
+    torch.testing.assert_close(model.embed(ids, audio_mask), golden("gen_clone_fwd0_inputs_embeds.npy"),
+                               atol=1e-4, rtol=1e-4)
+    hidden = model.hidden(ids, audio_mask, golden("gen_clone_fwd0_attention_mask.npy"))
+    torch.testing.assert_close(hidden, golden("gen_clone_fwd0_llm_last_hidden.npy"), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", ["clone", "design", "batch"])
+def test_the_batch_rows_are_upstreams(model, case):
+    """ids, audio mask and the 4-D mask built from generate()'s arguments, as upstream built them."""
+    gen = omnivoice.generation_config({})
+    kwargs = api_kwargs(case)
+    texts = kwargs.pop("text")
+    texts = texts if isinstance(texts, list) else [texts]
+    names = ("language", "ref_audio", "ref_text", "voice", "instruct", "speed", "duration")
+    args = [kwargs.get(k) for k in names]
+    items = omnivoice.plan(model, texts, *args, gen)
+    ids, audio_mask, attn, c_lens = omnivoice.batch_rows(model, items, gen["denoise"])
+    assert torch.equal(ids, golden(f"gen_{case}_fwd0_input_ids.npy"))
+    assert torch.equal(audio_mask, golden(f"gen_{case}_fwd0_audio_mask.npy"))
+    assert torch.equal(attn, golden(f"gen_{case}_fwd0_attention_mask.npy"))
+    assert c_lens == CASES["generate"][case]["fwd0"]["c_lens"]
+
+
+@pytest.mark.parametrize("case", ["clone", "design", "batch"])
+def test_step_zero_predictions_and_confidence(model, case):
+    """The tokens and confidence of the first step, before the layer penalty and the position noise."""
+    ids, audio_mask = golden(f"gen_{case}_fwd0_input_ids.npy"), golden(f"gen_{case}_fwd0_audio_mask.npy")
+    logits = model(ids, audio_mask, golden(f"gen_{case}_fwd0_attention_mask.npy"))
+    c_len, T = CASES["generate"][case]["fwd0"]["c_lens"][0], CASES["generate"][case]["fwd0"]["target_lens"][0]
+    B = ids.shape[0] // 2
+    pred, conf = omnivoice.predict(logits[:1, :, c_len - T:c_len], logits[B:B + 1, :, :T],
+                                   omnivoice.GENERATION, model.cfg["audio_mask_id"], None)
+    assert torch.equal(pred, golden(f"gen_{case}_step0_pred_tokens.npy"))
+    torch.testing.assert_close(conf, golden(f"gen_{case}_step0_confidence.npy"), atol=1e-4, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- generate()
+GENERATE_CASES = list(CASES["generate"])
+
+
+def test_fourteen_cases_are_covered():
+    assert len(GENERATE_CASES) == 14
+
+
+@pytest.mark.parametrize("case", GENERATE_CASES)
+def test_generate_gives_upstreams_tokens_and_audio(model, case):
+    spec = CASES["generate"][case]
+    audios, tokens = omnivoice.generate(model, **api_kwargs(case), seed=spec["seed"], return_tokens=True)
+    files = spec["token_files"]
+    flat = [t for item in tokens for t in (item if isinstance(item, list) else [item])]
+    assert len(flat) == len(files)
+    for got, name in zip(order_tokens(tokens, files), files):
+        assert torch.equal(got, golden(name)), name
+    assert len(audios) == len(spec["audio_files"])
+    for i, name in enumerate(spec["audio_files"].values()):
+        expected = np.load(GOLDEN / name)
+        assert audios[i].dtype == np.float32 and audios[i].shape == expected.shape
+        assert_audio_close(audios[i], expected, case, i, tokens[i], model)
+
+
+def order_tokens(tokens, files):
+    """Our tokens in the golden files' order: gen_<k>_tokens_call<c>_item<i>.npy, or one file per item."""
+    out = []
+    for name in files:
+        if "_call" in name:
+            call, item = (int(x) for x in name.removesuffix(".npy").split("_call")[1].split("_item"))
+            t = tokens[item]
+            out.append(t[call] if isinstance(t, list) else t)
+        else:
+            out.append(tokens[len(out)])
+    return out
+
+
+def test_tokens_after_every_step_are_upstreams(model, monkeypatch):
+    seen = []
+    reveal = omnivoice.reveal
+
+    def spy(tokens, *args):
+        reveal(tokens, *args)
+        seen.append(tokens.clone())
+    monkeypatch.setattr(omnivoice, "reveal", spy)
+    omnivoice.generate(model, **api_kwargs("clone"), seed=CASES["generate"]["clone"]["seed"])
+    assert torch.equal(torch.stack(seen), golden("gen_clone_tokens_per_step.npy"))
+
+
+def test_seed_leaves_the_global_generator_alone_and_none_uses_it(model):
+    torch.manual_seed(5)
+    state = torch.get_rng_state()
+    a = omnivoice.generate(model, "Good morning.", seed=1001, num_step=4)[0]
+    assert torch.equal(torch.get_rng_state(), state)
+    torch.manual_seed(1001)
+    b = omnivoice.generate(model, "Good morning.", num_step=4)[0]  # upstream's way: the global generator
+    np.testing.assert_array_equal(a, b)
+    assert not torch.equal(torch.get_rng_state(), state)
+
+
+def test_a_batch_item_without_a_list_gets_the_same_value(model):
+    voice = omnivoice.load_voice(GOLDEN / "prompt_ref24.pt")
+    a = omnivoice.generate(model, ["Hi there.", "Hi again."], voice=voice, language="en", seed=3, num_step=4)
+    b = omnivoice.generate(model, ["Hi there.", "Hi again."], voice=[voice, voice],
+                           language=["en", "English"], seed=3, num_step=4)
+    for x, y in zip(a, b):
+        np.testing.assert_array_equal(x, y)
+
+
+# ----------------------------------------------------------------------------- voices
+PROMPTS = [k for k in CASES["voice_clone_prompt"]]
+
+
+def prompt_call(name):
+    kwargs = dict(CASES["voice_clone_prompt"][name]["kwargs"])
+    audio = kwargs.pop("ref_audio")
+    if isinstance(audio, str):
+        audio = TINY / audio
+    else:
+        spec, rate = audio
+        shape = spec["tensor"]["shape"]
+        if len(shape) == 2:  # the stereo case: the clip and minus half of it reversed
+            clip = np.load(GOLDEN / "clip_ref_alt.npy")
+            wave = np.stack([clip, -0.5 * clip[::-1]]).astype(np.float32)
+            assert hashlib.sha256(wave.tobytes()).hexdigest() == spec["tensor"]["sha256"]
+        else:
+            wave = clip_by_sha(spec["tensor"]["sha256"])
+        audio = (wave, rate)
+    return audio, kwargs
+
+
+@pytest.mark.parametrize("name", PROMPTS)
+def test_voice_prompt_is_upstreams(model, name):
+    audio, kwargs = prompt_call(name)
+    voice = omnivoice.voice_prompt(model, audio, kwargs["ref_text"], kwargs.get("preprocess_prompt", True))
+    spec = CASES["voice_clone_prompt"][name]
+    saved = torch.load(GOLDEN / spec["saved"], weights_only=True)
+    assert torch.equal(voice["codes"], golden(spec["tokens"])) and torch.equal(voice["codes"],
+                                                                               saved["ref_audio_tokens"])
+    assert voice["text"] == spec["ref_text"] == saved["ref_text"]
+    assert voice["rms"] == pytest.approx(saved["ref_rms"], rel=1e-6)
+
+
+def test_a_saved_voice_reads_back_and_generates_the_same(model, tmp_path):
+    voice = omnivoice.load_voice(GOLDEN / "prompt_ref24.pt")
+    omnivoice.save_voice(tmp_path / "v.omnivoice.safetensors", voice)
+    back = omnivoice.load_voice(tmp_path / "v.omnivoice.safetensors", model)
+    assert torch.equal(back["codes"], voice["codes"]) and back["text"] == voice["text"]
+    assert back["rms"] == voice["rms"]
+
+
+# ----------------------------------------------------------------------------- bad input
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(text=""), "text is empty"),
+    (dict(text="   "), "text is empty"),
+    (dict(text="Hi.", speed=0), "speed must be a number > 0"),
+    (dict(text="Hi.", speed=-1.0), "speed must be a number > 0"),
+    (dict(text="Hi.", duration=0), "duration must be a number > 0"),
+    (dict(text="Hi.", duration=1e6), "too long for the model"),
+    (dict(text="Hi.", language="xx-unknown"), "unknown language"),
+    (dict(text="Hi.", instruct="a dragon"), "female"),
+    (dict(text="Hi.", ref_audio=(np.zeros(24000, np.float32), 24000)), "ref_text is missing"),
+    (dict(text="Hi.", ref_text="hello"), "without ref_audio"),
+    (dict(text="Hi.", num_step=0), "num_step must be an integer >= 1"),
+    (dict(text="Hi.", top_p=0.5), "unknown generation option 'top_p'"),
+    (dict(text=["a", "b", "c"], speed=[1.0, 2.0]), "speed: 2 values for 3 texts"),
+])
+def test_bad_input_is_one_clear_error(model, kwargs, message):
+    with pytest.raises(common.UserError, match=message):
+        omnivoice.generate(model, **kwargs)
+
+
+def test_a_clip_that_is_not_audio_is_refused(model, tmp_path):
+    (tmp_path / "x.wav").write_text("not audio")
+    with pytest.raises(common.UserError, match="not a readable audio file"):
+        omnivoice.voice_prompt(model, tmp_path / "x.wav", "hello")
+
+
+def test_checkpoints_of_the_other_model_say_so():
+    with pytest.raises(common.UserError, match="S2-Pro checkpoint .* dualAR.py"):
+        omnivoice.load(ROOT / "tests/fixtures/s2-tiny/checkpoint")
+    with pytest.raises(common.UserError, match="OmniVoice checkpoint: run it with omnivoice.py"):
+        dualAR.load(CKPT)
+    with pytest.raises(common.UserError, match="does not exist"):
+        omnivoice.load(ROOT / "no-such-folder")
+
+
+# ----------------------------------------------------------------------------- CLI
+def test_cli_clones_a_voice_and_writes_upstreams_audio_and_codes(tmp_path):
+    spec = CASES["generate"]["clone_from_ref_audio"]
+    clip = tmp_path / "ref.npy"
+    np.save(clip, clip_by_sha(spec["kwargs"]["ref_audio"][0]["tensor"]["sha256"]))
+    import soundfile as sf
+    sf.write(tmp_path / "ref.wav", np.load(clip), 16000, subtype="FLOAT")
+    text, seed = spec["kwargs"]["text"], spec["seed"]
+    args = ["--checkpoint", CKPT, "--text", text, "--language", "en", "--seed", seed]
+    r = run_main(omnivoice.main, args + ["--ref-audio", tmp_path / "ref.wav", "--ref-text",
+                                         spec["kwargs"]["ref_text"], "--out", tmp_path / "out.wav",
+                                         "--save-voice", "fox", "--voices", tmp_path], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert np.array_equal(np.load(tmp_path / "out.npy"), np.load(GOLDEN / "gen_clone_refaudio_tokens.npy"))
+    wave, rate = sf.read(tmp_path / "out.wav", dtype="float32")
+    assert rate == 24000
+    expected = np.clip(np.load(GOLDEN / "gen_clone_refaudio_audio0.npy"), -1, 1)
+    gain = reference_rms("clone_from_ref_audio", 0) / 0.1  # the API's bound, plus the wav's own PCM-16 step
+    np.testing.assert_allclose(wave, expected, rtol=0, atol=(1e-4 + INT16_STEP) * gain + INT16_STEP)
+    assert "RTF" in r.stdout.splitlines()[-1] and "peak memory" in r.stdout.splitlines()[-1]
+    again = ["--voice", "fox", "--voices", tmp_path, "--out", tmp_path / "again.wav"]
+    r = run_main(omnivoice.main, args + again, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert np.array_equal(np.load(tmp_path / "again.npy"), np.load(tmp_path / "out.npy"))
+
+
+def test_cli_bad_input_is_one_line_and_writes_nothing(tmp_path):
+    r = run_main(omnivoice.main, ["--checkpoint", CKPT, "--text", "Hi.", "--language", "klingon", "--out",
+                                  tmp_path / "o.wav"], tmp_path)
+    assert r.returncode == 2 and r.stderr.startswith("error: unknown language")
+    assert len(r.stderr.splitlines()) == 1
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_demo_without_a_checkpoint_says_it_makes_noise(tmp_path):
+    r = run_main(omnivoice.main, ["--text", "Hello there.", "--num-step", "2", "--out", tmp_path / "d.wav"],
+                 tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "DEMO" in r.stdout and "NOISE" in r.stdout
+    assert (tmp_path / "d.wav").is_file() and np.load(tmp_path / "d.npy").shape[0] == 8

@@ -155,6 +155,20 @@ def test_step_zero_predictions_and_confidence(model, case):
     torch.testing.assert_close(conf, golden(f"gen_{case}_step0_confidence.npy"), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("class_temperature", [0.0, 0.8])
+def test_the_mask_token_is_never_predicted_and_set_after_the_guidance(class_temperature):
+    """Even where the mask id has the largest logit; its -inf comes after CFG's log_softmax, so the other
+    tokens keep the probabilities that included it (not renormalised again)."""
+    c = torch.zeros(1, 1, 2, 4)
+    c[..., 3] = 5.0  # the mask id, 3, is the likeliest
+    u = c.clone()
+    gen = dict(omnivoice.GENERATION, class_temperature=class_temperature)
+    tokens, conf = omnivoice.predict(c, u, gen, mask_id=3, generator=torch.Generator().manual_seed(0))
+    assert (tokens != 3).all()
+    expected = torch.log_softmax(torch.tensor([0.0, 0, 0, 5]), -1)[0]  # CFG of equal rows changes nothing
+    torch.testing.assert_close(conf, torch.full((1, 1, 2), expected.item()))
+
+
 # ----------------------------------------------------------------------------- generate()
 GENERATE_CASES = list(CASES["generate"])
 
@@ -342,3 +356,31 @@ def test_cli_demo_without_a_checkpoint_says_it_makes_noise(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "DEMO" in r.stdout and "NOISE" in r.stdout
     assert (tmp_path / "d.wav").is_file() and np.load(tmp_path / "d.npy").shape[0] == 8
+
+
+# ----------------------------------------------------------------------------- the real size
+def test_the_real_dims_build_upstreams_tensors_on_meta():
+    """Qwen3-0.6B's shape: 28 layers of 11 tensors + 4, upstream's names, 612.6 M parameters (the size
+    third-party exports of the real file give)."""
+    with torch.device("meta"):
+        real = omnivoice.OmniVoice(omnivoice.CONFIG)
+    names = {omnivoice.internal_name(f"llm.layers.{i}.{part}") for i in range(28) for part in (
+        "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
+    names |= {"embed_tokens.weight", "norm.weight", "audio_embeddings.weight", "audio_heads.weight"}
+    params = dict(real.named_parameters())
+    assert set(params) == names
+    assert params["layers.0.self_attn.q_proj.weight"].shape == (16 * 128, 1024)
+    assert params["audio_heads.weight"].shape == (8 * 1025, 1024)
+    assert sum(p.numel() for p in params.values()) / 1e6 == pytest.approx(612.6, abs=0.05)
+
+
+def test_a_speed_list_with_none_means_one_for_that_item(model):
+    """upstream raises TypeError on [None, 1.2], though its docstring allows it: we read None as 1.0."""
+    gen = omnivoice.generation_config({})
+    a = omnivoice.plan(model, ["Hello there.", "Good day."], None, None, None, None, None, [None, 1.2], None, gen)
+    b = omnivoice.plan(model, ["Hello there.", "Good day."], None, None, None, None, None, [1.0, 1.2], None, gen)
+    assert [i["target_len"] for i in a] == [i["target_len"] for i in b]
+    assert a[1]["target_len"] < omnivoice.plan(model, ["Good day."], None, None, None, None, None, None, None,
+                                               gen)[0]["target_len"]

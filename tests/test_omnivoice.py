@@ -366,8 +366,8 @@ def test_the_real_dims_build_upstreams_tensors_on_meta():
         real = omnivoice.OmniVoice(omnivoice.CONFIG)
     names = {omnivoice.internal_name(f"llm.layers.{i}.{part}") for i in range(28) for part in (
         "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
-        "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight", "self_attn.q_norm.weight",
-        "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
+        "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+        "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
     names |= {"embed_tokens.weight", "norm.weight", "audio_embeddings.weight", "audio_heads.weight"}
     params = dict(real.named_parameters())
     assert set(params) == names
@@ -379,8 +379,8 @@ def test_the_real_dims_build_upstreams_tensors_on_meta():
 def test_a_speed_list_with_none_means_one_for_that_item(model):
     """upstream raises TypeError on [None, 1.2], though its docstring allows it: we read None as 1.0."""
     gen = omnivoice.generation_config({})
-    a = omnivoice.plan(model, ["Hello there.", "Good day."], None, None, None, None, None, [None, 1.2], None, gen)
-    b = omnivoice.plan(model, ["Hello there.", "Good day."], None, None, None, None, None, [1.0, 1.2], None, gen)
-    assert [i["target_len"] for i in a] == [i["target_len"] for i in b]
-    assert a[1]["target_len"] < omnivoice.plan(model, ["Good day."], None, None, None, None, None, None, None,
-                                               gen)[0]["target_len"]
+
+    def lengths(texts, speed):
+        return [i["target_len"] for i in omnivoice.plan(model, texts, *[None] * 5, speed, None, gen)]
+    assert lengths(["Hello there.", "Good day."], [None, 1.2]) == lengths(["Hello there.", "Good day."], [1.0, 1.2])
+    assert lengths(["Good day."], 1.2) < lengths(["Good day."], None)

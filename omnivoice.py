@@ -47,7 +47,8 @@ from common import UserError
 
 # The real k2-fsa/OmniVoice LM (Qwen3-0.6B shape), in our flat key names.
 CONFIG = dict(vocab_size=151676, dim=1024, n_layer=28, n_head=16, n_local_heads=8, head_dim=128,
-              intermediate_size=3072, rope_base=1e6, norm_eps=1e-6, audio_vocab_size=1025, audio_mask_id=1024,
+              intermediate_size=3072, rope_base=1e6, norm_eps=1e-6, max_seq_len=40960, audio_vocab_size=1025,
+              audio_mask_id=1024,
               num_codebooks=8)
 # upstream's OmniVoiceGenerationConfig defaults: generate(**config) takes these names
 GENERATION = dict(num_step=32, guidance_scale=2.0, t_shift=0.1, layer_penalty_factor=5.0,
@@ -68,7 +69,8 @@ def config_from_json(data: dict) -> dict:
                 head_dim=llm.get("head_dim") or llm["hidden_size"] // llm["num_attention_heads"],
                 intermediate_size=llm["intermediate_size"],
                 rope_base=float(rope.get("rope_theta", llm.get("rope_theta", 1e6))),
-                norm_eps=llm["rms_norm_eps"], audio_vocab_size=data["audio_vocab_size"],
+                norm_eps=llm["rms_norm_eps"], max_seq_len=llm.get("max_position_embeddings", 40960),
+                audio_vocab_size=data["audio_vocab_size"],
                 audio_mask_id=data["audio_mask_id"], num_codebooks=data["num_audio_codebook"])
 
 
@@ -180,11 +182,15 @@ class OmniVoice(nn.Module):
         audio = self.audio_embeddings(ids * audio_mask[:, None] + self.codebook_offsets[:, None]).sum(1)
         return torch.where(audio_mask[..., None], audio, text)
 
-    def hidden(self, ids: Tensor, audio_mask: Tensor, mask: Tensor) -> Tensor:
-        """(B, C, L) ids -> (B, L, dim) hidden states after the final norm."""
+    def hidden(self, ids: Tensor, audio_mask: Tensor, mask: Tensor, positions: Tensor = None) -> Tensor:
+        """(B, C, L) ids -> (B, L, dim) hidden states after the final norm; positions (B, L): each token's
+        RoPE position (default 0..L-1 in every row)."""
         x = self.embed(ids, audio_mask)
-        cos, sin = rope_tables(x.shape[1], self.cfg["head_dim"], self.cfg["rope_base"], x.device)
+        length = x.shape[1] if positions is None else int(positions.max()) + 1
+        cos, sin = rope_tables(length, self.cfg["head_dim"], self.cfg["rope_base"], x.device)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        if positions is not None:
+            cos, sin = cos[positions][:, None], sin[positions][:, None]  # (B, 1, L, head_dim)
         for layer in self.layers:
             x = layer(x, cos, sin, mask)
         return self.norm(x)
@@ -862,7 +868,7 @@ def plan(model: OmniVoice, texts: list, language, ref_audio, ref_text, voice, in
             item["speed"] = estimate / item["target_len"]
         else:
             item["target_len"], item["speed"] = estimate, s or 1.0
-        limit = model.cfg.get("max_seq_len", 40960)
+        limit = model.cfg["max_seq_len"]
         if item["target_len"] > limit:
             seconds = item["target_len"] / model.frame_rate
             raise UserError(f"{item['target_len']} frames ({seconds:.0f} s) is too long for the model"
@@ -885,25 +891,54 @@ def item_ids(model: OmniVoice, item: dict, denoise: bool) -> Tensor:
     return torch.cat(parts, 1)
 
 
-def batch_rows(model: OmniVoice, items: list, denoise: bool) -> tuple:
+def batch_rows(model: OmniVoice, items: list, denoise: bool) -> dict:
     """B requests -> 2B rows (upstream's _generate_iterative): row i is request i's whole sequence, row B+i
-    only its target (the unconditional input), each right-padded with the mask id -> (ids (2B, C, L),
-    audio_mask (2B, L), attention mask (2B, 1, L, L), conditional lengths)."""
+    only its target (the unconditional input), each right-padded with the mask id -> dict(ids (2B, C, L),
+    audio_mask (2B, L), mask (2B, 1, L, L), positions None (0..L-1), cond / uncond: each request's (row,
+    first target position))."""
     seqs = [item_ids(model, item, denoise) for item in items]
     B, C, mask_id = len(items), model.cfg["num_codebooks"], model.cfg["audio_mask_id"]
-    c_lens, L = [s.shape[1] for s in seqs], max(s.shape[1] for s in seqs)
-    ids = torch.full((2 * B, C, L), mask_id)
-    audio_mask = torch.zeros(2 * B, L, dtype=torch.bool)
-    attn = torch.zeros(2 * B, 1, L, L, dtype=torch.bool)
+    L = max(s.shape[1] for s in seqs)
+    rows = dict(ids=torch.full((2 * B, C, L), mask_id), audio_mask=torch.zeros(2 * B, L, dtype=torch.bool),
+                mask=torch.zeros(2 * B, 1, L, L, dtype=torch.bool), positions=None, cond=[], uncond=[])
     for i, (seq, item) in enumerate(zip(seqs, items)):
-        c_len, T = c_lens[i], item["target_len"]
-        audio_start = c_len - T - (0 if item["ref_codes"] is None else item["ref_codes"].shape[1])
-        ids[i, :, :c_len], ids[B + i, :, :T] = seq, seq[:, -T:]
-        audio_mask[i, audio_start:c_len], audio_mask[B + i, :T] = True, True
-        attn[i, :, :c_len, :c_len] = attn[B + i, :, :T, :T] = True
+        c_len, T = seq.shape[1], item["target_len"]
+        rows["ids"][i, :, :c_len], rows["ids"][B + i, :, :T] = seq, seq[:, -T:]
+        rows["audio_mask"][i, audio_start(item, c_len):c_len], rows["audio_mask"][B + i, :T] = True, True
+        rows["mask"][i, :, :c_len, :c_len] = rows["mask"][B + i, :, :T, :T] = True
         pad = torch.arange(T, L)
-        attn[B + i, :, pad, pad] = True  # an unconditional pad position sees itself (not a fully masked row)
-    return ids, audio_mask, attn, c_lens
+        rows["mask"][B + i, :, pad, pad] = True  # an unconditional pad position sees itself
+        rows["cond"].append((i, c_len - T))
+        rows["uncond"].append((B + i, 0))
+    return rows
+
+
+def packed_rows(model: OmniVoice, items: list, denoise: bool) -> dict:
+    """B requests -> B rows, each [its whole sequence | its target again], the two blocks attending only
+    within themselves and each with positions from 0: the same values as batch_rows (the unconditional part
+    no longer pays for the prompt's length, nor the rows for the longest request's)."""
+    seqs = [item_ids(model, item, denoise) for item in items]
+    B, C, mask_id = len(items), model.cfg["num_codebooks"], model.cfg["audio_mask_id"]
+    L = max(s.shape[1] + item["target_len"] for s, item in zip(seqs, items))
+    rows = dict(ids=torch.full((B, C, L), mask_id), audio_mask=torch.zeros(B, L, dtype=torch.bool),
+                mask=torch.zeros(B, 1, L, L, dtype=torch.bool), positions=torch.zeros(B, L, dtype=torch.long),
+                cond=[], uncond=[])
+    for i, (seq, item) in enumerate(zip(seqs, items)):
+        c_len, T = seq.shape[1], item["target_len"]
+        rows["ids"][i, :, :c_len], rows["ids"][i, :, c_len:c_len + T] = seq, seq[:, -T:]
+        rows["audio_mask"][i, audio_start(item, c_len):c_len + T] = True
+        rows["mask"][i, :, :c_len, :c_len] = rows["mask"][i, :, c_len:c_len + T, c_len:c_len + T] = True
+        pad = torch.arange(c_len + T, L)
+        rows["mask"][i, :, pad, pad] = True
+        rows["positions"][i, :c_len + T] = torch.cat([torch.arange(c_len), torch.arange(T)])
+        rows["cond"].append((i, c_len - T))
+        rows["uncond"].append((i, c_len))
+    return rows
+
+
+def audio_start(item: dict, c_len: int) -> int:
+    """The first audio position of a conditional sequence: the reference's, else the target's."""
+    return c_len - item["target_len"] - (0 if item["ref_codes"] is None else item["ref_codes"].shape[1])
 
 
 def gumbel(logits: Tensor, temperature: float, generator) -> Tensor:
@@ -944,27 +979,30 @@ def reveal(tokens: Tensor, pred: Tensor, conf: Tensor, k: int, gen: dict, mask_i
     flat[chosen] = pred.flatten()[chosen]
 
 
-def unmask(model: OmniVoice, items: list, gen: dict, generator, progress=False) -> list:
+def unmask(model: OmniVoice, items: list, gen: dict, generator, progress=False, packed=False) -> list:
     """num_step passes over the batch, each revealing its scheduled count of codes per request -> (C, T_i)
-    codes per item. Random numbers are drawn per request in batch order: the class draw, then the position."""
+    codes per item. Random numbers are drawn per request in batch order: the class draw, then the position.
+    packed: one row per request (packed_rows) instead of upstream's two (batch_rows)."""
     dev, mask_id, C = model.audio_heads.weight.device, model.cfg["audio_mask_id"], model.cfg["num_codebooks"]
-    ids, audio_mask, attn, c_lens = (t.to(dev) if isinstance(t, Tensor) else t
-                                     for t in batch_rows(model, items, gen["denoise"]))
-    B, ts = len(items), time_steps(0.0, 1.0, gen["num_step"], gen["t_shift"]).tolist()
+    rows = (packed_rows if packed else batch_rows)(model, items, gen["denoise"])
+    ids, audio_mask, mask = rows["ids"].to(dev), rows["audio_mask"].to(dev), rows["mask"].to(dev)
+    positions = None if rows["positions"] is None else rows["positions"].to(dev)
+    ts = time_steps(0.0, 1.0, gen["num_step"], gen["t_shift"]).tolist()
     schedules = [count_schedule(item["target_len"] * C, ts) for item in items]
     tokens = [torch.full((C, item["target_len"]), mask_id, device=dev) for item in items]
-    for step in tqdm(range(gen["num_step"]), desc=f"unmasking {B} x {max(c_lens)}", disable=not progress,
-                     leave=False):
-        hidden = model.hidden(ids, audio_mask, attn)
+    for step in tqdm(range(gen["num_step"]), desc=f"unmasking {ids.shape[0]} x {ids.shape[2]}",
+                     disable=not progress, leave=False):
+        hidden = model.hidden(ids, audio_mask, mask, positions)
         for i, item in enumerate(items):
             k, T = schedules[i][step], item["target_len"]
             if k <= 0:
                 continue
-            cond = model.heads(hidden[i, c_lens[i] - T:c_lens[i]]).transpose(0, 1)[None]  # (1, C, T, V)
-            uncond = model.heads(hidden[B + i, :T]).transpose(0, 1)[None]
+            (c_row, c_at), (u_row, u_at) = rows["cond"][i], rows["uncond"][i]
+            cond = model.heads(hidden[c_row, c_at:c_at + T]).transpose(0, 1)[None]  # (1, C, T, V)
+            uncond = model.heads(hidden[u_row, u_at:u_at + T]).transpose(0, 1)[None]
             pred, conf = predict(cond, uncond, gen, mask_id, generator)
             reveal(tokens[i], pred, conf, k, gen, mask_id, generator)
-            ids[i, :, c_lens[i] - T:c_lens[i]] = ids[B + i, :, :T] = tokens[i]
+            ids[c_row, :, c_at:c_at + T] = ids[u_row, :, u_at:u_at + T] = tokens[i]
     return [t.cpu() for t in tokens]
 
 
@@ -993,7 +1031,7 @@ def decode(model: OmniVoice, codes) -> np.ndarray:
         return tok.decode(codes.long().to(next(tok.parameters()).device)[None])[0, 0].float().cpu().numpy()
 
 
-def chunked(model: OmniVoice, items: list, gen: dict, generator, progress=False) -> list:
+def chunked(model: OmniVoice, items: list, gen: dict, generator, progress=False, packed=False) -> list:
     """Long texts, split at punctuation into chunks of audio_chunk_duration, each chunk generated with the
     request's reference (or, with none, with chunk 0's own codes and text) -> a list of chunk codes per item.
     Chunk i of every request runs in one batch (upstream's _generate_chunked)."""
@@ -1012,7 +1050,7 @@ def chunked(model: OmniVoice, items: list, gen: dict, generator, progress=False)
                       target_len=estimate_target_tokens(text, ref_text, None if ref is None else ref.shape[1],
                                                         items[i]["speed"]))
                  for i, text, ref, ref_text in zip(indices, texts, refs, ref_texts)]
-        for i, codes in zip(indices, unmask(model, batch, gen, generator, progress)):
+        for i, codes in zip(indices, unmask(model, batch, gen, generator, progress, packed)):
             results[i].append(codes)
 
     for n in range(max(len(p) for p in pieces)):
@@ -1062,13 +1100,15 @@ def generation_config(config: dict) -> dict:
 
 
 def generate(model: OmniVoice, text, language=None, ref_audio=None, ref_text=None, voice=None, instruct=None,
-             speed=None, duration=None, seed=None, return_tokens=False, progress=False, **config):
+             speed=None, duration=None, seed=None, return_tokens=False, progress=False, packed=False,
+             **config):
     """Text (or a list: a batch) -> a list of 1-D float32 waves at model.sample_rate (and the codes of each:
     (C, T), or a long text's list of chunk codes, with return_tokens=True).
 
     Clone with voice= (voice_prompt's dict) or ref_audio= + ref_text=; design with instruct=; neither: auto.
     seed=S gives what upstream gives right after torch.manual_seed(S), from a generator of its own; with no
-    seed the draws come from torch's global generator, as upstream's do. **config: GENERATION's names."""
+    seed the draws come from torch's global generator, as upstream's do. packed: each request's conditional
+    and unconditional sequences in one row (packed_rows), faster. **config: GENERATION's names."""
     gen = generation_config(config)
     texts = [text] if isinstance(text, str) else list(text) if isinstance(text, (list, tuple)) else None
     if not texts:
@@ -1080,12 +1120,11 @@ def generate(model: OmniVoice, text, language=None, ref_audio=None, ref_text=Non
         short = [i for i, item in enumerate(items) if item["target_len"] <= threshold]
         long = [i for i, item in enumerate(items) if item["target_len"] > threshold]
         tokens = [None] * len(items)
-        if short:
-            for i, codes in zip(short, unmask(model, [items[i] for i in short], gen, generator, progress)):
-                tokens[i] = codes
-        if long:
-            for i, chunks in zip(long, chunked(model, [items[i] for i in long], gen, generator, progress)):
-                tokens[i] = chunks
+        for indices, run in ((short, unmask), (long, chunked)):  # each list in one batch, short first
+            if indices:
+                for i, codes in zip(indices, run(model, [items[i] for i in indices], gen, generator, progress,
+                                                 packed)):
+                    tokens[i] = codes
         audios = [finish(model, t, item["ref_rms"], gen) for t, item in zip(tokens, items)]
     return (audios, tokens) if return_tokens else audios
 

@@ -135,11 +135,12 @@ def test_the_batch_rows_are_upstreams(model, case):
     names = ("language", "ref_audio", "ref_text", "voice", "instruct", "speed", "duration")
     args = [kwargs.get(k) for k in names]
     items = omnivoice.plan(model, texts, *args, gen)
-    ids, audio_mask, attn, c_lens = omnivoice.batch_rows(model, items, gen["denoise"])
-    assert torch.equal(ids, golden(f"gen_{case}_fwd0_input_ids.npy"))
-    assert torch.equal(audio_mask, golden(f"gen_{case}_fwd0_audio_mask.npy"))
-    assert torch.equal(attn, golden(f"gen_{case}_fwd0_attention_mask.npy"))
-    assert c_lens == CASES["generate"][case]["fwd0"]["c_lens"]
+    rows = omnivoice.batch_rows(model, items, gen["denoise"])
+    assert torch.equal(rows["ids"], golden(f"gen_{case}_fwd0_input_ids.npy"))
+    assert torch.equal(rows["audio_mask"], golden(f"gen_{case}_fwd0_audio_mask.npy"))
+    assert torch.equal(rows["mask"], golden(f"gen_{case}_fwd0_attention_mask.npy"))
+    fwd0 = CASES["generate"][case]["fwd0"]
+    assert rows["cond"] == [(i, c - T) for i, (c, T) in enumerate(zip(fwd0["c_lens"], fwd0["target_lens"]))]
 
 
 @pytest.mark.parametrize("case", ["clone", "design", "batch"])
@@ -191,6 +192,36 @@ def test_generate_gives_upstreams_tokens_and_audio(model, case):
         expected = np.load(GOLDEN / name)
         assert audios[i].dtype == np.float32 and audios[i].shape == expected.shape
         assert_audio_close(audios[i], expected, case, i, tokens[i], model)
+
+
+@pytest.mark.parametrize("case", GENERATE_CASES)
+def test_packed_rows_give_upstreams_tokens(model, case):
+    """One row per request (its sequence, then its target again, positions from 0 in each block) instead of
+    upstream's two: the hidden states agree to ~1e-6 (not bit for bit: attention sums its keys in other
+    blocks), and every golden's codes are the same."""
+    spec = CASES["generate"][case]
+    _, tokens = omnivoice.generate(model, **api_kwargs(case), seed=spec["seed"], return_tokens=True,
+                                   packed=True)
+    for got, name in zip(order_tokens(tokens, spec["token_files"]), spec["token_files"]):
+        assert torch.equal(got, golden(name)), name
+
+
+def test_packed_rows_hold_each_request_once_with_two_blocks(model):
+    voice = omnivoice.load_voice(GOLDEN / "prompt_ref24.pt")
+    gen = omnivoice.generation_config({})
+    texts = ["Hello there.", "A longer second text, for the padding."]
+    items = omnivoice.plan(model, texts, "en", None, None, voice, None, None, None, gen)
+    plain, packed = omnivoice.batch_rows(model, items, True), omnivoice.packed_rows(model, items, True)
+    assert packed["ids"].shape[0] == 2 and plain["ids"].shape[0] == 4
+    for i, item in enumerate(items):
+        (row, at), (urow, uat) = packed["cond"][i], packed["uncond"][i]
+        T, c_len = item["target_len"], packed["uncond"][i][1]
+        assert row == urow == i and uat == at + T
+        assert torch.equal(packed["ids"][i, :, :c_len], plain["ids"][i, :, :c_len])
+        assert packed["positions"][i, c_len:c_len + T].tolist() == list(range(T))
+        block = packed["mask"][i, 0]
+        assert block[:c_len, :c_len].all() and block[c_len:c_len + T, c_len:c_len + T].all()
+        assert not block[:c_len, c_len:].any() and not block[c_len:c_len + T, :c_len].any()
 
 
 def order_tokens(tokens, files):
@@ -367,7 +398,8 @@ def test_the_real_dims_build_upstreams_tensors_on_meta():
     names = {omnivoice.internal_name(f"llm.layers.{i}.{part}") for i in range(28) for part in (
         "input_layernorm.weight", "post_attention_layernorm.weight", "self_attn.q_proj.weight",
         "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-        "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")}
+        "self_attn.q_norm.weight", "self_attn.k_norm.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+        "mlp.down_proj.weight")}
     names |= {"embed_tokens.weight", "norm.weight", "audio_embeddings.weight", "audio_heads.weight"}
     params = dict(real.named_parameters())
     assert set(params) == names
@@ -382,5 +414,6 @@ def test_a_speed_list_with_none_means_one_for_that_item(model):
 
     def lengths(texts, speed):
         return [i["target_len"] for i in omnivoice.plan(model, texts, *[None] * 5, speed, None, gen)]
-    assert lengths(["Hello there.", "Good day."], [None, 1.2]) == lengths(["Hello there.", "Good day."], [1.0, 1.2])
+    texts = ["Hello there.", "Good day."]
+    assert lengths(texts, [None, 1.2]) == lengths(texts, [1.0, 1.2])
     assert lengths(["Good day."], 1.2) < lengths(["Good day."], None)

@@ -215,7 +215,7 @@ def test_fast_codebook_logits_match_upstream(model):
 
 
 def test_rope_table_is_rounded_to_bf16():
-    table = dualAR.rope_table(64, 16, 1e6)
+    table = codec.rope_table(64, 16, 1e6)
     assert torch.equal(table, table.to(torch.bfloat16).float())
     assert not torch.equal(table[5, 0, 0], torch.cos(torch.tensor(5.0)))  # cos(5) is not a bf16 value
 

@@ -20,7 +20,7 @@ How the file reads (sections, top to bottom):
     engine          Scheduler (rows, admit -> one batched frame -> hand out), Engine (its thread, a queue)
     generation      generate, generate_many, stream
     demo            a tiny random model and codec, built in memory
-    CLI             shared helpers (devices, atomic writes, memory), references, `python dualAR.py`
+    CLI             flags, references, `python dualAR.py` (devices, errors, atomic writes: common.py)
 """
 import argparse
 import collections
@@ -44,10 +44,9 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from tqdm import tqdm
 
-import codec  # the CLI's audio, and the blocks both models share (upstream's RMSNorm, FeedForward, RoPE)
+import codec  # the CLI's audio, and the RMSNorm, FeedForward and RoPE of both transformers here
 from codec import FeedForward, RMSNorm, apply_rope, rope_table
-from common import (DTYPES, UserError, cli, device_name, peak_memory_gb, pick_device,  # noqa: F401
-                    pick_dtype, reset_peak_memory, unreadable, usual_permissions, write_atomic)
+from common import DTYPES, UserError, cli, device_name, peak_memory_gb, pick_device, pick_dtype, unreadable
 
 # The real fishaudio/s2-pro dimensions, with upstream's flat `dual_ar` key names.
 CONFIG = dict(
@@ -1622,4 +1621,4 @@ def main(argv=None):
 
 if __name__ == "__main__":
     import dualAR  # this file as the module bench.py imports: one copy of its classes, not two
-    dualAR.cli(dualAR.main)
+    cli(dualAR.main)

@@ -30,7 +30,6 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
-import bench
 import codec
 import common
 import dualAR
@@ -633,6 +632,7 @@ def bench_training(args):
     """`bench`: training steps/s and peak memory at the real S2-Pro size (or --config), random weights."""
     device = common.pick_device(args.device)
     dtype = common.pick_dtype(None, device)
+    import bench  # the timing helpers and random models live there; bench.py does not import this file
     cfg = dict(dualAR.read_config(Path(args.config)) if args.config else dualAR.CONFIG)
     cfg["n_layer"] = args.n_layer or cfg["n_layer"]
     model = bench.random_model(cfg, device, dtype).train()

@@ -25,6 +25,7 @@ How the file reads (sections, top to bottom):
 import argparse
 import collections
 import functools
+import importlib
 import json
 import math
 import os
@@ -580,7 +581,7 @@ def check_quant(scheme, device: torch.device, dtype):
     if device.type == "cpu" and scheme in CPU_BITS:
         return
     try:
-        import torchao.quantization  # noqa: F401
+        importlib.import_module("torchao.quantization")  # only whether it imports
     except Exception as e:  # missing, or built for another torch
         raise UserError(f"--quant {scheme} needs torchao, which does not import here: {type(e).__name__}:"
                         f" {(str(e).splitlines() or [''])[0]} (pip install torchao==0.18.0)") from None

@@ -39,6 +39,7 @@ import soxr
 import torch
 
 import codec
+import common
 import dualAR
 
 # ----------------------------------------------------------------------------- limits and validation
@@ -80,7 +81,7 @@ class HTTPError(Exception):
 
 
 # what a request may meet that is no bug of ours -> (status, message prefix, headers)
-ERROR_STATUS = {dualAR.UserError: (400, "", {}),
+ERROR_STATUS = {common.UserError: (400, "", {}),
                 dualAR.QueueFull: (503, "the server is busy: ", {"Retry-After": "2"}),
                 dualAR.EngineClosed: (503, "the server is shutting down: ", {})}
 
@@ -103,18 +104,18 @@ def is_voice_name(name) -> bool:
 def check_voice_name(name) -> str:
     """The one gate before any path is built from a voice name: no separators, dots or odd characters."""
     if not is_voice_name(name):
-        raise dualAR.UserError(f"voice name {str(name)[:80]!r} is not allowed: use 1-64 letters, digits, '_',"
+        raise common.UserError(f"voice name {str(name)[:80]!r} is not allowed: use 1-64 letters, digits, '_',"
                                " '-' or inner spaces")
     return name
 
 
 def check_text(text, what="input", limit=MAX_TEXT) -> str:
     if not isinstance(text, str) or not text.strip():
-        raise dualAR.UserError(f"{what} is empty: give the text as a non-empty string")
+        raise common.UserError(f"{what} is empty: give the text as a non-empty string")
     if len(text) > limit:
-        raise dualAR.UserError(f"{what} has {len(text)} characters, at most {limit} are allowed")
+        raise common.UserError(f"{what} has {len(text)} characters, at most {limit} are allowed")
     if any("\ud800" <= c <= "\udfff" for c in text):  # JSON may carry a lone surrogate ("\\ud800")
-        raise dualAR.UserError(f"{what} is not valid Unicode text")
+        raise common.UserError(f"{what} is not valid Unicode text")
     return text
 
 
@@ -130,9 +131,9 @@ def parse_body(kind: str, body: bytes) -> dict:
         data = MSGPACK.unpackb(body) if what == "msgpack" else \
             json.loads(body, parse_constant=refuse_constant)
     except (ValueError, TypeError, RecursionError) as e:  # both libraries' errors, the depth limits too
-        raise dualAR.UserError(f"malformed {what} body: {str(e)[:100] or type(e).__name__}") from None
+        raise common.UserError(f"malformed {what} body: {str(e)[:100] or type(e).__name__}") from None
     if not isinstance(data, dict):
-        raise dualAR.UserError(f"the {what} body must be an object (a map)")
+        raise common.UserError(f"the {what} body must be an object (a map)")
     return data
 
 
@@ -141,7 +142,7 @@ def parse_form(content_type: str, body: bytes) -> dict:
     message = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
         b"Content-Type: " + content_type.encode("latin-1") + b"\r\n\r\n" + body)
     if not message.is_multipart():
-        raise dualAR.UserError("malformed multipart/form-data body")
+        raise common.UserError("malformed multipart/form-data body")
     fields = {part.get_param("name", header="content-disposition"): part.get_payload(decode=True) or b""
               for part in message.iter_parts()}
     return {name: value if name == "audio" else value.decode("utf-8", "replace")
@@ -153,13 +154,13 @@ def decode_base64(value, what: str) -> bytes:
     if isinstance(value, bytes) and value:
         return value
     if not isinstance(value, str) or not value:
-        raise dualAR.UserError(f"{what} must be a base64 string of an audio file")
+        raise common.UserError(f"{what} must be a base64 string of an audio file")
     if value.startswith("data:") and ";base64," in value:  # a data URL, as browsers make them
         value = value.split(",", 1)[1]
     try:
         return base64.b64decode(value, validate=True)
     except ValueError:  # binascii.Error is one
-        raise dualAR.UserError(f"{what} is not valid base64") from None
+        raise common.UserError(f"{what} is not valid base64") from None
 
 
 def number_field(body: dict, key: str, default, integer=False, low=None):
@@ -172,11 +173,11 @@ def number_field(body: dict, key: str, default, integer=False, low=None):
         finite = False
     if not finite:  # the value shown, never deep: a nested list is named, not printed
         shown = repr(value)[:40] if isinstance(value, (str, int, float)) else type(value).__name__
-        raise dualAR.UserError(f"{key} must be a finite number, got {shown}")
+        raise common.UserError(f"{key} must be a finite number, got {shown}")
     if integer and value != int(value):
-        raise dualAR.UserError(f"{key} must be an integer, got {value}")
+        raise common.UserError(f"{key} must be an integer, got {value}")
     if low is not None and value < low:
-        raise dualAR.UserError(f"{key} must be >= {low}, got {value}")
+        raise common.UserError(f"{key} must be >= {low}, got {value}")
     return int(value) if integer else float(value)
 
 
@@ -184,7 +185,7 @@ def sampling_fields(body: dict, defaults: dict) -> dict:
     """The types are checked here, the ranges by dualAR when the request is submitted."""
     seed = number_field(body, "seed", None, integer=True, low=0)
     if seed is not None and seed >= 2**63:
-        raise dualAR.UserError("seed must be < 2**63")
+        raise common.UserError("seed must be < 2**63")
     return dict(seed=seed, **{key: number_field(body, key, default, integer=isinstance(default, int))
                               for key, default in defaults.items()})  # top_k, max_new_tokens, chunk_length
 
@@ -192,12 +193,12 @@ def sampling_fields(body: dict, defaults: dict) -> dict:
 def reference_clips(items, what="references") -> list:
     """[{audio: base64, text}] -> [(audio bytes, transcript)]."""
     if not isinstance(items, list):
-        raise dualAR.UserError(f"{what} must be a list of {{audio, text}} objects")
+        raise common.UserError(f"{what} must be a list of {{audio, text}} objects")
     dualAR.check_reference_count(len(items))
     out = []
     for i, item in enumerate(items, 1):
         if not isinstance(item, dict):
-            raise dualAR.UserError(f"{what}[{i}] must be an object {{audio, text}}")
+            raise common.UserError(f"{what}[{i}] must be an object {{audio, text}}")
         text = check_text(item.get("text"), f"reference {i} transcript (text)", MAX_TRANSCRIPT)
         out.append((decode_base64(item.get("audio"), f"reference {i} audio"), text))
     return out
@@ -205,7 +206,7 @@ def reference_clips(items, what="references") -> list:
 
 def check_format(fmt) -> str:
     if fmt not in FORMATS:
-        raise dualAR.UserError(f"response format {str(fmt)[:20]!r} is not supported here: use one of"
+        raise common.UserError(f"response format {str(fmt)[:20]!r} is not supported here: use one of"
                                f" {', '.join(FORMATS)}")
     return fmt
 
@@ -214,12 +215,12 @@ def openai_job(body: dict) -> dict:
     """POST /v1/audio/speech (OpenAI's fields and our extras) -> a job: what to say, how, how to send it."""
     speed = body.get("speed", 1.0)
     if isinstance(speed, bool) or speed != 1:
-        raise dualAR.UserError("speed: only 1.0 is supported")
+        raise common.UserError("speed: only 1.0 is supported")
     stream = body.get("stream_format", "audio")
     if stream not in ("audio", "sse"):
-        raise dualAR.UserError("stream_format must be 'audio' or 'sse'")
+        raise common.UserError("stream_format must be 'audio' or 'sse'")
     if body.get("instructions"):
-        raise dualAR.UserError("instructions are not supported: S2-Pro takes style as inline tags in the"
+        raise common.UserError("instructions are not supported: S2-Pro takes style as inline tags in the"
                                " input text itself, e.g. '[whispering] Hello' (see README)")
     voice = body.get("voice")
     voice = voice.get("id") if isinstance(voice, dict) else voice  # OpenAI's custom voice object {id}
@@ -261,10 +262,10 @@ def fish_job(body: dict) -> dict:
         raise HTTPError(422, "; ".join(f"{e['loc'][0]}: {e['msg']}" for e in errors), body=errors)
     streaming = body.get("streaming", False)
     if not isinstance(streaming, bool):
-        raise dualAR.UserError("streaming must be true or false")
+        raise common.UserError("streaming must be true or false")
     fmt = check_format(body.get("format", "wav"))
     if streaming and fmt != "wav":
-        raise dualAR.UserError(f"streaming: only format 'wav' can be streamed, not {fmt!r} (as upstream)")
+        raise common.UserError(f"streaming: only format 'wav' can be streamed, not {fmt!r} (as upstream)")
     voice = body.get("reference_id")
     return dict(text=check_text(body.get("text"), "text"), voice=check_voice_name(voice) if voice else None,
                 clips=reference_clips(body.get("references") or []), format=fmt,
@@ -358,29 +359,29 @@ class App:
             kind, path = self.voice_files().get(check_voice_name(name), (None, None))
             if path is None:
                 known = ", ".join(sorted(self.voice_files())) or "none yet"
-                raise dualAR.UserError(f"unknown voice {name!r} (saved voices: {known}). Save one with"
+                raise common.UserError(f"unknown voice {name!r} (saved voices: {known}). Save one with"
                                        " POST /v1/audio/voices, or send no voice for plain text-to-speech")
             try:
                 codes = dualAR.reference_codes(kind, path, self.model.config, lambda: self.dac)
                 return codes, dualAR.read_transcript(path.with_suffix(".txt"))
-            except dualAR.UserError as e:  # the server's file, not the client's input
+            except common.UserError as e:  # the server's file, not the client's input
                 if not again:
                     raise HTTPError(500, f"voice {name!r} cannot be read: {e}") from None
 
     def clip_codes(self, data: bytes, what: str) -> torch.Tensor:
         """Uploaded audio bytes (any format soundfile reads) -> codes (10, T)."""
         if not data:
-            raise dualAR.UserError(f"{what} is empty")
+            raise common.UserError(f"{what} is empty")
         with tempfile.NamedTemporaryFile(suffix=".clip") as f:  # soundfile tells the format from the bytes
             f.write(data)
             f.flush()
             try:
                 wave = codec.load_audio(f.name)
             except ValueError:
-                raise dualAR.UserError(f"{what} is not an audio file soundfile can read"
+                raise common.UserError(f"{what} is not an audio file soundfile can read"
                                        " (wav, flac, ogg, mp3)") from None
         if len(wave) > MAX_CLIP_SECONDS * SAMPLE_RATE:
-            raise dualAR.UserError(f"{what} is {len(wave) / SAMPLE_RATE:.1f} s long, at most"
+            raise common.UserError(f"{what} is {len(wave) / SAMPLE_RATE:.1f} s long, at most"
                                    f" {MAX_CLIP_SECONDS} s are allowed")
         return codec.encode(self.dac, wave)[0].cpu()
 
@@ -391,7 +392,7 @@ class App:
             codes = torch.tensor(codes, dtype=torch.long)
         if not isinstance(codes, torch.Tensor) or codes.dim() != 2 or codes.size(0) != rows \
                 or not 0 < codes.size(1) <= frames or codes.min() < 0:
-            raise dualAR.UserError(f"{what} must be {rows} equal lists of 1 to {frames} integers >= 0")
+            raise common.UserError(f"{what} must be {rows} equal lists of 1 to {frames} integers >= 0")
         return codes.to(self.device)
 
     def references(self, job: dict) -> list:
@@ -433,8 +434,8 @@ class App:
             try:
                 codec.save_codes(npy, codes)
                 # the voice appears (listed and usable) only once the transcript exists, written whole
-                dualAR.write_atomic(txt, lambda tmp: tmp.write_text(text.strip() + "\n", encoding="utf-8"))
-            except dualAR.UserError as e:  # a full disk, a folder gone
+                common.write_atomic(txt, lambda tmp: tmp.write_text(text.strip() + "\n", encoding="utf-8"))
+            except common.UserError as e:  # a full disk, a folder gone
                 npy.unlink(missing_ok=True)
                 raise HTTPError(500, f"cannot save voice {name!r}: {e}") from None
         return dict(name=name, frames=codes.size(1), seconds=round(codes.size(1) * HOP / SAMPLE_RATE, 2))
@@ -652,7 +653,7 @@ class Handler(BaseHTTPRequestHandler):
         data = self.data()
         old, new = (self.echo(key, data.get(key)) for key in ("old_reference_id", "new_reference_id"))
         if old == new:
-            raise dualAR.UserError("new_reference_id must differ from old_reference_id")
+            raise common.UserError("new_reference_id must differ from old_reference_id")
         self.app.rename_voice(old, new)
         self.voice_done(None, f"reference {old!r} renamed to {new!r}")
 
@@ -686,7 +687,7 @@ class Handler(BaseHTTPRequestHandler):
         self.packed = self.wants_msgpack()
         items = self.data().get(key)
         if not isinstance(items, list) or not 1 <= len(items) <= MAX_CODES:
-            raise dualAR.UserError(f"{key} must be a list of 1 to {MAX_CODES} items")
+            raise common.UserError(f"{key} must be a list of 1 to {MAX_CODES} items")
         return [(item, f"{key}[{i}]") for i, item in enumerate(items)]
 
     def vqgan_encode(self):
@@ -1070,7 +1071,7 @@ def make_server(args) -> Server:
         server = Server((args.host, args.port), Handler)
     except OSError as e:
         app.close()
-        raise dualAR.UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
+        raise common.UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     server.app = app
     return server
 
@@ -1095,4 +1096,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    dualAR.cli(main)
+    common.cli(main)

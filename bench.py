@@ -19,8 +19,9 @@ import torch.nn as nn
 from torch import Tensor
 
 import codec
+import common
 import dualAR
-from dualAR import (CONFIG, CPU_BITS, DEMO_DIMS, DTYPES, RAS_WINDOW, DualAR, QuantLinear, Scheduler,
+from dualAR import (CONFIG, CPU_BITS, DEMO_DIMS, RAS_WINDOW, DualAR, QuantLinear, Scheduler,
                     batch_bucket, block_scheme, cache_bucket, decode_step, demo_tokenizer,
                     draw_noise, sample_frame, sampling_params, special_ids, swap_linears)
 
@@ -251,9 +252,9 @@ def bench(args):
         dualAR.compile_model(model, args.compile_cache)
     n_params = sum(m.in_features * m.out_features if isinstance(m, QuantLinear) else
                    sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()) / 1e9
-    built, per_frame, bandwidth = dualAR.peak_memory_gb(device), frame_bytes(model), copy_bandwidth(device)
+    built, per_frame, bandwidth = common.peak_memory_gb(device), frame_bytes(model), copy_bandwidth(device)
     release_freed_memory()
-    dualAR.reset_peak_memory(device)  # peak_mem_gb: the model as it runs, not as it was built (or the copy)
+    common.reset_peak_memory(device)  # peak_mem_gb: the model as it runs, not as it was built (or the copy)
     prefill = prefill_speed(model)
     print(f"{name}: {n_params:.2f} G params, {per_frame / 1e9:.2f} GB read per frame step, {dtype}, {device}"
           f" ({torch.get_num_threads()} threads), quant {quant or 'none'}, compile {int(compiled)},"
@@ -261,7 +262,7 @@ def bench(args):
           f" {built:.2f} GB until here")
     print(f"{'batch':>5} {'frames/s':>9} {'GB/s':>7} {'% bw':>5} {'RTF':>6} {'compile s':>9}")
     seconds_per_frame = codec.hop_length() / codec.CONFIG["sample_rate"]
-    short = next(k for k, v in DTYPES.items() if v == dtype)
+    short = next(k for k, v in common.DTYPES.items() if v == dtype)
     for batch in args.batch:
         steps, first = time_steps(model, batch, args.frames)
         gbs, fps = per_frame * steps / 1e9, batch * steps
@@ -270,7 +271,7 @@ def bench(args):
         print(f"bench config={name} quant={quant or 'none'} compile={int(compiled)} batch={batch}"
               f" device={device.type} dtype={short} frames_per_s={fps:.2f} gb_per_s={gbs:.1f}"
               f" bandwidth_pct={100 * gbs / bandwidth:.0f} prefill_tokens_per_s={prefill:.0f}"
-              f" peak_mem_gb={dualAR.peak_memory_gb(device):.2f} compile_s={first if compiled else 0:.1f}")
+              f" peak_mem_gb={common.peak_memory_gb(device):.2f} compile_s={first if compiled else 0:.1f}")
     if args.ttfa:
         ttfa = time_to_first_audio(model, bench_codec(args, device), args.frames)
         prompt = dualAR.build_prompt(model, [], [], BENCH_TEXT).size(1)
@@ -326,19 +327,19 @@ def counted_flops(model: nn.Module, fn) -> int:
 def timed_codec_call(dac, fast: bool, fn, device) -> tuple:
     """fn() once, on the codec's fast path or not -> (seconds, minor page faults, peak memory GB)."""
     codec.fast_path(dac, fast)
-    dualAR.reset_peak_memory(device)
+    common.reset_peak_memory(device)
     faults, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
     fn().cpu()
     wall, faults = time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-    return wall, faults, dualAR.peak_memory_gb(device)
+    return wall, faults, common.peak_memory_gb(device)
 
 
 def codec_speed(args):
     """`python codec.py bench`: encode / decode / streaming speed, page faults and peak memory at the real
     size, random weights; with --compile, the fast path and the eager one side by side (interleaved,
     min/median/max)."""
-    device = dualAR.pick_device(args.device)
-    dtype = dualAR.pick_dtype(args.dtype, device, cuda="fp16")
+    device = common.pick_device(args.device)
+    dtype = common.pick_dtype(args.dtype, device, cuda="fp16")
     codec.keep_freed_memory()
     cfg = codec.read_config(args.config) if args.config else codec.CONFIG
     dac = random_codec(cfg, device, dtype)
@@ -404,4 +405,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    dualAR.cli(main)
+    common.cli(main)

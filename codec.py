@@ -6,6 +6,7 @@
 
 CLI: `python codec.py encode|decode|bench --help`. Matches upstream fish-speech (3dd1f85) `modded_dac.DAC`
 with `rvq.DownsampleResidualVectorQuantize` as it runs at inference: codes exactly, waveforms to fp32 noise.
+Needs common.py alone; dualAR.py takes its RMSNorm, FeedForward and RoPE from here.
 """
 import argparse
 import ctypes
@@ -17,7 +18,6 @@ import time
 from pathlib import Path
 
 import numpy as np
-import soundfile as sf
 import soxr
 import torch
 import torch.nn as nn
@@ -26,7 +26,7 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 from tqdm import tqdm
 
-import dualAR  # the LM's blocks (RMSNorm, FeedForward, RoPE: upstream's arithmetic) and shared helpers
+import common  # the error users see, devices, atomic writes, audio files: no model
 
 CONFIG = dict(  # the real S2-Pro codec (upstream fish_speech/configs/modded_dac_vq.yaml)
     sample_rate=44100, latent_dim=1024, head_dim=64, rope_base=10000, norm_eps=1e-5,
@@ -102,7 +102,7 @@ class CausalConvT(nn.Module):
     def __init__(self, cin, cout, kernel, stride, wn=True):
         super().__init__()
         if kernel not in (stride, 2 * stride):  # forward adds the overlap of one block only
-            raise dualAR.UserError(f"codec config: an upsampling kernel of {kernel} for stride {stride}"
+            raise common.UserError(f"codec config: an upsampling kernel of {kernel} for stride {stride}"
                                    " is not supported (kernel = stride or 2 * stride)")
         conv = nn.ConvTranspose1d(cin, cout, kernel, stride=stride)
         self.conv = weight_norm(conv) if wn else conv
@@ -171,6 +171,46 @@ class LayerScale(nn.Module):
         return x * self.gamma
 
 
+# The transformer blocks (upstream's arithmetic), dualAR.py's as well: one home, and codec.py needs no LM
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()  # upstream normalises in fp32
+        xf = xf * torch.rsqrt(torch.mean(xf * xf, dim=-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def rope_table(length, head_dim, base, start=0):
+    """Positions start.. -> (length, head_dim / 2, 2): cos, sin."""
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+    angles = torch.outer(torch.arange(start, start + length), freqs)
+    rot = torch.polar(torch.ones_like(angles), angles)
+    return torch.stack([rot.real, rot.imag], -1).to(torch.bfloat16).float()  # upstream rounds it to bf16
+
+
+def apply_rope(x, rope):
+    """x (B, T, H, hd), rope (T or B, T, ...): rotates the interleaved pairs (x[2j], x[2j+1])."""
+    xs = x.float().reshape(*x.shape[:-1], -1, 2)
+    cos, sin = rope[..., None, :, 0], rope[..., None, :, 1]  # broadcast over heads
+    out = torch.stack([xs[..., 0] * cos - xs[..., 1] * sin, xs[..., 1] * cos + xs[..., 0] * sin], -1)
+    return out.flatten(3).type_as(x)
+
+
 def windowed_attention(q, k, v, window):  # q (B, H, T, hd), k/v (B, H, P + T, hd): P past keys first
     out = torch.empty_like(q)
     length, past = q.shape[2], k.shape[2] - q.shape[2]
@@ -195,7 +235,7 @@ class Attention(nn.Module):
     def forward(self, x, rope, window, cache=None):  # (B, T, D)
         B, T, _ = x.shape
         q, k, v = self.wqkv(x).view(B, T, 3, self.n_head, self.head_dim).unbind(2)
-        q, k = dualAR.apply_rope(q, rope), dualAR.apply_rope(k, rope)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H, T, hd)
         if cache is not None:  # a stream: its last window - 1 keys and values are all a new query can see
             if self in cache:
@@ -210,9 +250,9 @@ class Block(nn.Module):
     def __init__(self, dim, n_head, ffn, cfg):
         super().__init__()
         self.attention = Attention(dim, n_head, cfg["head_dim"])
-        self.feed_forward = dualAR.FeedForward(dim, ffn)
-        self.ffn_norm = dualAR.RMSNorm(dim, cfg["norm_eps"])
-        self.attention_norm = dualAR.RMSNorm(dim, cfg["norm_eps"])
+        self.feed_forward = FeedForward(dim, ffn)
+        self.ffn_norm = RMSNorm(dim, cfg["norm_eps"])
+        self.attention_norm = RMSNorm(dim, cfg["norm_eps"])
         self.attention_layer_scale = LayerScale(dim)
         self.ffn_layer_scale = LayerScale(dim)
 
@@ -227,7 +267,7 @@ class Transformer(nn.Module):
     def __init__(self, dim, n_layer, n_head, ffn, window, cfg):
         super().__init__()
         self.layers = nn.ModuleList(Block(dim, n_head, ffn, cfg) for _ in range(n_layer))
-        self.norm = dualAR.RMSNorm(dim, cfg["norm_eps"])
+        self.norm = RMSNorm(dim, cfg["norm_eps"])
         self.window, self.head_dim, self.rope_base = window, cfg["head_dim"], cfg["rope_base"]
 
     def forward(self, x, cache=None):
@@ -235,7 +275,7 @@ class Transformer(nn.Module):
         start = 0 if cache is None else cache.get(self, 0)  # positions count from a stream's first frame
         if cache is not None:
             cache[self] = start + x.shape[1]
-        rope = dualAR.rope_table(x.shape[1], self.head_dim, self.rope_base, start).to(x.device)
+        rope = rope_table(x.shape[1], self.head_dim, self.rope_base, start).to(x.device)
         for layer in self.layers:
             x = layer(x, rope, self.window, cache)
         return self.norm(x).transpose(1, 2)
@@ -376,7 +416,7 @@ def read_config(path):
                     quantizer_window=q["post_module"]["window_size"], quantizer_layers=t["n_layer"],
                     quantizer_heads=t["n_head"], quantizer_ffn=t["intermediate_size"])
     except (KeyError, TypeError, ValueError) as e:  # ValueError: not json
-        raise dualAR.unreadable(path, e) from None
+        raise common.unreadable(path, e) from None
 
 
 def weight_norm_key(key, wanted):
@@ -394,15 +434,15 @@ def load(path="s2-pro", device="cpu", dtype=torch.float32):
     path = Path(path)
     pth = path / "codec.pth" if path.is_dir() else path
     if not path.exists():
-        raise dualAR.UserError(f"checkpoint {path} not found — download fishaudio/s2-pro (see README)")
+        raise common.UserError(f"checkpoint {path} not found — download fishaudio/s2-pro (see README)")
     if not pth.is_file():
-        raise dualAR.UserError(f"checkpoint dir {path} has no codec.pth — download fishaudio/s2-pro")
+        raise common.UserError(f"checkpoint dir {path} has no codec.pth — download fishaudio/s2-pro")
     with torch.device("meta"):
         model = DAC(read_config(pth.parent / "codec_config.json"))
     try:
         state = torch.load(pth, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise dualAR.UserError(f"cannot read {pth} as a state_dict ({type(e).__name__})") from None
+        raise common.UserError(f"cannot read {pth} as a state_dict ({type(e).__name__})") from None
     state = state.get("state_dict", state)  # upstream's loader also takes its training checkpoints:
     if any(k.startswith("generator.") for k in state):  # the generator's weights, its prefix dropped
         state = {k.removeprefix("generator."): v for k, v in state.items() if k.startswith("generator.")}
@@ -414,11 +454,11 @@ def load(path="s2-pro", device="cpu", dtype=torch.float32):
              for k, v in tensors.items() if k in wanted and v.shape != wanted[k].shape]
     hint = "codec_config.json does not match it, or it is not an S2-Pro codec"
     if missing:
-        raise dualAR.UserError(f"{pth} lacks {len(missing)} tensors (first: {missing[0]}) — {hint}")
+        raise common.UserError(f"{pth} lacks {len(missing)} tensors (first: {missing[0]}) — {hint}")
     if extra:
-        raise dualAR.UserError(f"{pth} has {len(extra)} unexpected tensors (first: {extra[0]}) — {hint}")
+        raise common.UserError(f"{pth} has {len(extra)} unexpected tensors (first: {extra[0]}) — {hint}")
     if wrong:
-        raise dualAR.UserError(f"{pth}: {wrong[0]} — {hint}")
+        raise common.UserError(f"{pth}: {wrong[0]} — {hint}")
     model.load_state_dict({k: v for k, v in tensors.items() if k in wanted}, assign=True)
     keep_freed_memory()
     return fold_weight_norm(model).requires_grad_(False).eval().to(device=device, dtype=dtype)
@@ -512,7 +552,7 @@ def encode(model, wave, chunk_frames=CHUNK_FRAMES):
     p = next(model.parameters())
     wave = torch.as_tensor(wave)
     if wave.shape[-1] == 0:
-        raise dualAR.UserError("empty audio: nothing to encode")
+        raise common.UserError("empty audio: nothing to encode")
     x = wave.to(p.device, p.dtype).reshape(-1, 1, wave.shape[-1])
     x = F.pad(x, (0, -x.shape[-1] % model.hop))  # upstream pads right with zeros to whole frames
     cache = {}
@@ -544,9 +584,9 @@ def clamped_codes(model, codes):
     codes = torch.as_tensor(codes)
     codes = codes[None] if codes.dim() == 2 else codes
     if codes.dim() != 3 or codes.shape[1] != rows or codes.shape[2] == 0:
-        raise dualAR.UserError(f"codes must have shape [{rows}, T] or [B, {rows}, T]: {list(codes.shape)}")
+        raise common.UserError(f"codes must have shape [{rows}, T] or [B, {rows}, T]: {list(codes.shape)}")
     if codes.min() < 0:
-        raise dualAR.UserError(f"codes must be >= 0, found {codes.min().item()}")
+        raise common.UserError(f"codes must be >= 0, found {codes.min().item()}")
     codes = codes.to(next(model.parameters()).device, torch.long, copy=True)
     codes[:, 0].clamp_(max=cfg["semantic_codebook_size"] - 1)
     codes[:, 1:].clamp_(max=cfg["codebook_size"] - 1)
@@ -555,15 +595,7 @@ def clamped_codes(model, codes):
 
 def load_audio(path, sample_rate=44100):
     """Any file soundfile reads -> float32 mono tensor (N,) at sample_rate (channels averaged, soxr)."""
-    if not Path(path).is_file():
-        raise dualAR.UserError(f"audio file {path} not found")
-    try:
-        data, rate = sf.read(str(path), dtype="float32", always_2d=True)
-    except Exception as e:
-        detail = str(e).strip().splitlines()[-1]
-        raise dualAR.UserError(f"{path} is not a readable audio file ({detail})") from None
-    if data.shape[0] == 0:
-        raise dualAR.UserError(f"{path} contains no audio samples")
+    data, rate = common.read_audio(path)
     mono = data.mean(1)
     if rate != sample_rate:
         mono = soxr.resample(mono, rate, sample_rate)
@@ -574,7 +606,7 @@ def read_codes(path, rows=10, vocab=4096):  # the LM samples every codebook from
     """Codes (rows, T) int64 from a .npy, or a raw little-endian int16 .code file laid out as [rows, T]."""
     path = Path(path)
     if not path.is_file():
-        raise dualAR.UserError(f"codes file {path} not found")
+        raise common.UserError(f"codes file {path} not found")
     if path.suffix == ".code":
         codes = np.fromfile(path, dtype="<i2")
         codes = codes.reshape(rows, -1) if codes.size % rows == 0 else codes
@@ -582,28 +614,25 @@ def read_codes(path, rows=10, vocab=4096):  # the LM samples every codebook from
         try:
             codes = np.load(path, allow_pickle=False)
         except Exception as e:
-            raise dualAR.UserError(f"{path} is not a .npy array ({type(e).__name__})") from None
+            raise common.UserError(f"{path} is not a .npy array ({type(e).__name__})") from None
     codes = codes[0] if codes.ndim == 3 and codes.shape[0] == 1 else codes
     if codes.ndim != 2 or codes.shape[0] != rows or codes.shape[1] == 0:
-        raise dualAR.UserError(f"{path}: codes have shape {list(codes.shape)}, expected [{rows}, T], T > 0")
+        raise common.UserError(f"{path}: codes have shape {list(codes.shape)}, expected [{rows}, T], T > 0")
     if not np.issubdtype(codes.dtype, np.integer):
-        raise dualAR.UserError(f"{path}: codes must be integers, got {codes.dtype}")
+        raise common.UserError(f"{path}: codes must be integers, got {codes.dtype}")
     if codes.min() < 0 or codes.max() >= vocab:
-        raise dualAR.UserError(f"{path}: codes must lie in 0..{vocab - 1}: {codes.min()}..{codes.max()}")
+        raise common.UserError(f"{path}: codes must lie in 0..{vocab - 1}: {codes.min()}..{codes.max()}")
     return torch.from_numpy(codes.astype(np.int64))
 
 
 def save_wav(path, wave, sample_rate=44100):
-    """Mono float waveform -> PCM-16 .wav."""
-    data = torch.as_tensor(wave).detach().float().cpu().reshape(-1).clamp(-1, 1).numpy()
-    dualAR.write_atomic(path, lambda tmp: sf.write(tmp, data, sample_rate, format="WAV", subtype="PCM_16"))
+    """Mono float waveform -> PCM-16 .wav, atomically."""
+    common.save_wav(path, wave, sample_rate)
 
 
 def save_codes(path, codes):
-    def write(tmp):  # a file object: np.save would add .npy to the temp file's name
-        with open(tmp, "wb") as f:
-            np.save(f, codes.cpu().numpy().astype(np.int64))
-    dualAR.write_atomic(path, write)
+    """Codes -> int64 .npy, atomically."""
+    common.save_npy(path, codes)
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -615,11 +644,11 @@ def output_files(inputs, out, suffix):
     else:
         outputs = [p.with_suffix(suffix) if out is None else Path(out) for p in inputs]
     if len(set(outputs)) < len(outputs):
-        raise dualAR.UserError(f"two inputs would write the same {suffix} file: rename one")
+        raise common.UserError(f"two inputs would write the same {suffix} file: rename one")
     for path in outputs:  # fail before any work is done
         parent = path.parent.parent if folder and not path.parent.exists() else path.parent  # made later
         if not (parent.is_dir() and os.access(parent, os.W_OK)) or path.is_dir():
-            raise dualAR.UserError(f"cannot write {path}: not a writable file location")
+            raise common.UserError(f"cannot write {path}: not a writable file location")
     return outputs
 
 
@@ -629,11 +658,11 @@ def run_files(args):
     inputs = [Path(p) for p in args.paths]
     inputs = inputs or sorted(p for p in Path(folder).glob("*") if p.suffix.lower() in kinds)
     if not inputs:
-        raise dualAR.UserError(f"no input files: pass paths, or put them in {folder}/")
+        raise common.UserError(f"no input files: pass paths, or put them in {folder}/")
     data = [load_audio(p) if encoding else read_codes(p) for p in inputs]  # check every input before writing
     outputs = output_files(inputs, args.out, ".npy" if encoding else ".wav")
-    device = dualAR.pick_device(args.device)
-    model = load(args.checkpoint, device, dualAR.pick_dtype(args.dtype, device, cuda="fp16"))
+    device = common.pick_device(args.device)
+    model = load(args.checkpoint, device, common.pick_dtype(args.dtype, device, cuda="fp16"))
     if not encoding and args.fast:
         fast_path(model)
     start, rate, chunk = time.perf_counter(), model.config["sample_rate"], args.chunk_frames or None
@@ -657,14 +686,14 @@ class ArgumentParser(argparse.ArgumentParser):
 def main(argv=None):
     parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--device", type=dualAR.device_name, help="cpu, mps, cuda or cuda:N (default: cuda >"
+    shared = argparse.ArgumentParser(add_help=False)
+    shared.add_argument("--device", type=common.device_name, help="cpu, mps, cuda or cuda:N (default: cuda >"
                         " mps > cpu)")
-    common.add_argument("--dtype", choices=["fp32", "fp16", "bf16"],
+    shared.add_argument("--dtype", choices=["fp32", "fp16", "bf16"],
                         help="default: fp16 on CUDA, else fp32 (bf16 is audibly noisier in the decoder)")
-    common.add_argument("--chunk-frames", type=int, default=CHUNK_FRAMES,
+    shared.add_argument("--chunk-frames", type=int, default=CHUNK_FRAMES,
                         help="frames per encode/decode pass: flat memory (default %(default)s; 0: one pass)")
-    files = argparse.ArgumentParser(add_help=False, parents=[common])
+    files = argparse.ArgumentParser(add_help=False, parents=[shared])
     files.add_argument("--checkpoint", default="./s2-pro", help="folder with codec.pth (+ optional "
                        "codec_config.json), or a codec.pth file (default: %(default)s)")
     files.add_argument("--out", help="output file for one input, or a folder for several "
@@ -677,7 +706,7 @@ def main(argv=None):
                                               "Default: every generate/*.npy")
     dec.add_argument("--fast", action="store_true", help="decode on fast_path(): compiled Snakes, oneDNN on"
                      " prepacked weights (CPU: ~1.3-1.5x, ~1.5 GB more memory, within 1e-5 of eager; README)")
-    bn = sub.add_parser("bench", parents=[common], help="encode/decode RTF at the real size, random weights")
+    bn = sub.add_parser("bench", parents=[shared], help="encode/decode RTF at the real size, random weights")
     bn.add_argument("--config", help="a codec_config.json to time instead of the real size (e.g. tiny's)")
     bn.add_argument("--seconds", type=float, default=5.0, help="seconds of audio (default %(default)s)")
     bn.add_argument("--stream-frames", type=int, nargs="+", default=[1, 4, 16],
@@ -688,15 +717,15 @@ def main(argv=None):
                     help="also time fast_path(): compiled Snakes, oneDNN on prepacked weights")
     args = parser.parse_args(argv)
     if args.chunk_frames < 0:
-        raise dualAR.UserError("--chunk-frames must be >= 0")
+        raise common.UserError("--chunk-frames must be >= 0")
     try:
         if args.command == "bench":  # the benchmark's code lives with the others, in bench.py
             import bench
             return bench.codec_speed(args)
         run_files(args)
     except OSError as e:
-        raise dualAR.UserError(str(e)) from None
+        raise common.UserError(str(e)) from None
 
 
 if __name__ == "__main__":
-    dualAR.cli(main)
+    common.cli(main)

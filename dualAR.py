@@ -8,7 +8,8 @@ Everything is written to give upstream fish-speech's codes for upstream's seed o
 
 How the file reads (sections, top to bottom):
     config          CONFIG (the real S2-Pro), config.json of either layout -> one flat dict
-    building blocks RMSNorm, FeedForward, RoPE, KVCache, Attention and Block (3 ways each), flex-decoding
+    building blocks KVCache, Attention and Block (3 ways each), flex-decoding (RMSNorm, FeedForward, RoPE:
+                    codec.py's, whose transformers use the same arithmetic)
     model           DualAR: embeddings, slow and fast transformers, the head; prefill, forward_slow/fast
     loading         sharded safetensors (HF names) -> the model, ids from the tokenizer
     quantization    int8/int4 on CPU (QuantLinear, torch's kernels), torchao on GPU; compile_model
@@ -19,11 +20,12 @@ How the file reads (sections, top to bottom):
     engine          Scheduler (rows, admit -> one batched frame -> hand out), Engine (its thread, a queue)
     generation      generate, generate_many, stream
     demo            a tiny random model and codec, built in memory
-    CLI             shared helpers (devices, atomic writes, memory), references, `python dualAR.py`
+    CLI             flags, references, `python dualAR.py` (devices, errors, atomic writes: common.py)
 """
 import argparse
 import collections
 import functools
+import importlib
 import json
 import math
 import os
@@ -43,9 +45,9 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from tqdm import tqdm
 
-from common import (DTYPES, UserError, cli, device_name, peak_memory_gb, pick_device,  # noqa: F401
-                    pick_dtype, reset_peak_memory, unreadable, usual_permissions, write_atomic)
-import codec  # the CLI's audio; codec.py takes its blocks (RMSNorm, FeedForward, RoPE) from this file
+import codec  # the CLI's audio, and the RMSNorm, FeedForward and RoPE of both transformers here
+from codec import FeedForward, RMSNorm, apply_rope, rope_table
+from common import DTYPES, UserError, cli, device_name, peak_memory_gb, pick_device, pick_dtype, unreadable
 
 # The real fishaudio/s2-pro dimensions, with upstream's flat `dual_ar` key names.
 CONFIG = dict(
@@ -136,45 +138,6 @@ def is_semantic(ids: Tensor, cfg: dict) -> Tensor:
 
 
 # ----------------------------------------------------------------------------- building blocks
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()  # upstream normalises in fp32
-        xf = xf * torch.rsqrt(torch.mean(xf * xf, dim=-1, keepdim=True) + self.eps)
-        return xf.type_as(x) * self.weight
-
-
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-def rope_table(length: int, head_dim: int, base: float, start: int = 0) -> Tensor:
-    """Positions start.. -> (length, head_dim / 2, 2): cos, sin."""
-    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
-    angles = torch.outer(torch.arange(start, start + length), freqs)
-    rot = torch.polar(torch.ones_like(angles), angles)
-    return torch.stack([rot.real, rot.imag], -1).to(torch.bfloat16).float()  # upstream rounds it to bf16
-
-
-def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
-    """x (B, T, H, hd), rope (T or B, T, ...): rotates the interleaved pairs (x[2j], x[2j+1])."""
-    xs = x.float().reshape(*x.shape[:-1], -1, 2)
-    cos, sin = rope[..., None, :, 0], rope[..., None, :, 1]  # broadcast over heads
-    out = torch.stack([xs[..., 0] * cos - xs[..., 1] * sin, xs[..., 1] * cos + xs[..., 0] * sin], -1)
-    return out.flatten(3).type_as(x)
-
-
 class KVCache(nn.Module):
     """Static K/V buffers (rows, kv heads, positions, head_dim). Row b of the batch belongs to one request."""
 
@@ -618,7 +581,7 @@ def check_quant(scheme, device: torch.device, dtype):
     if device.type == "cpu" and scheme in CPU_BITS:
         return
     try:
-        import torchao.quantization  # noqa: F401
+        importlib.import_module("torchao.quantization")  # only whether it imports
     except Exception as e:  # missing, or built for another torch
         raise UserError(f"--quant {scheme} needs torchao, which does not import here: {type(e).__name__}:"
                         f" {(str(e).splitlines() or [''])[0]} (pip install torchao==0.18.0)") from None
@@ -1658,5 +1621,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    import dualAR  # this file as the module codec.py imports: one UserError class
-    dualAR.cli(dualAR.main)
+    import dualAR  # this file as the module bench.py imports: one copy of its classes, not two
+    cli(dualAR.main)

@@ -30,10 +30,10 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 from tqdm import tqdm
 
-import bench
 import codec
+import common
 import dualAR
-from dualAR import UserError, write_atomic
+from common import UserError, write_atomic
 
 SYSTEM_PROMPT = "Speak out the provided text."  # upstream's training system turn
 IGNORE = -100  # label of positions without loss (cross_entropy's ignore_index)
@@ -127,7 +127,7 @@ def load_lora(model: dualAR.DualAR, path, alpha=None, dropout=0.0) -> list:
             tensors, meta = torch.load(path, map_location="cpu", weights_only=True), {}
             tensors = tensors.get("state_dict", tensors)
     except Exception as e:
-        raise dualAR.unreadable(path, e) from None
+        raise common.unreadable(path, e) from None
     lora = {k.removeprefix("model."): v for k, v in tensors.items()
             if k.endswith((".lora_A", ".lora_B")) and isinstance(v, Tensor)}
     if not lora:
@@ -287,7 +287,7 @@ def sum_over_processes(values: list, device) -> list:
 
 def prepare_dataset(args):
     """`prepare`: each transcribed audio file -> <stem>.npy codes next to it, once (each process: a share)."""
-    rank, world, device = join_processes(dualAR.pick_device(args.device))
+    rank, world, device = join_processes(common.pick_device(args.device))
     n_found, clips = find_clips(Path(args.data_dir), args.strict, audio_only=True)
     for clip in clips.values():  # check everything before writing anything
         dualAR.read_transcript(clip["text"])
@@ -397,7 +397,7 @@ def load_checkpoint(out: Path, model, optimizer, seed: int, rank=0, world=1) -> 
     try:
         state = torch.load(out / STATE_FILE, map_location="cpu", weights_only=True)
     except Exception as e:
-        raise dualAR.unreadable(out / STATE_FILE, e) from None
+        raise common.unreadable(out / STATE_FILE, e) from None
     try:
         with torch.no_grad():
             for key, param in lora_params(model).items():
@@ -433,7 +433,7 @@ def run_settings(args) -> dict:
         try:
             run = json.loads((out / RUN_FILE).read_text())
         except ValueError as e:
-            raise dualAR.unreadable(out / RUN_FILE, e) from None
+            raise common.unreadable(out / RUN_FILE, e) from None
         if not isinstance(run, dict) or not {*RUN_SETTINGS, "samples"} <= run.keys():
             raise UserError(f"{out / RUN_FILE} is not the settings of a train_lora.py run")
         return run
@@ -475,7 +475,7 @@ def start_run(args, rank: int, world: int, device) -> tuple:
         raise UserError(f"--resume: {out} has {run['grad_accum']} micro-batch(es) per step, which {world}"
                         " processes cannot share: resume on a number of processes that divides it")
     run["grad_accum"] *= 1 if args.resume else world  # run.json: micro-batches per step, all processes
-    model = dualAR.load(run["checkpoint"], device, dualAR.pick_dtype(None, device)).train()
+    model = dualAR.load(run["checkpoint"], device, common.pick_dtype(None, device)).train()
     samples = load_samples(Path(args.data_dir), model, args.strict, run["max_length"])
     names = [name for name, _, _ in samples]
     if args.resume and names != run["samples"]:
@@ -533,7 +533,7 @@ def optimizer_step(model, params, optimizer, run: dict, train_set: list, step: i
 
 def train(args):
     """`train`: the training loop, with validation, metrics and checkpoints."""
-    rank, world, device = join_processes(dualAR.pick_device(args.device))
+    rank, world, device = join_processes(common.pick_device(args.device))
     run, model, params, optimizer, train_set, val_set, step = start_run(args, rank, world, device)
     out, first_step, vals, losses, tokens = Path(args.out), step, [], [], 0
 
@@ -591,7 +591,7 @@ def save_hf_weights(state: dict, folder: Path):
     for i, shard in enumerate(shards, 1):
         file = f"model-{i:05d}-of-{n:05d}.safetensors" if n > 1 else "model.safetensors"
         save_file(shard, str(folder / file))
-        dualAR.usual_permissions(folder / file)
+        common.usual_permissions(folder / file)
         weight_map.update(dict.fromkeys(shard, file))
     if n > 1:
         index = dict(metadata=dict(total_size=sum(t.nbytes for t in state.values())), weight_map=weight_map)
@@ -630,8 +630,9 @@ def merge_checkpoint(args):
 # ----------------------------------------------------------------------------- benchmark
 def bench_training(args):
     """`bench`: training steps/s and peak memory at the real S2-Pro size (or --config), random weights."""
-    device = dualAR.pick_device(args.device)
-    dtype = dualAR.pick_dtype(None, device)
+    device = common.pick_device(args.device)
+    dtype = common.pick_dtype(None, device)
+    import bench  # the timing helpers and random models live there; bench.py does not import this file
     cfg = dict(dualAR.read_config(Path(args.config)) if args.config else dualAR.CONFIG)
     cfg["n_layer"] = args.n_layer or cfg["n_layer"]
     model = bench.random_model(cfg, device, dtype).train()
@@ -649,7 +650,7 @@ def bench_training(args):
           f" LoRA rank {RANK} ({n_lora:.1f} M), batch {args.batch_size} x {args.seq_len} tokens")
     for checkpointing in (True, False):
         run["checkpointing"] = checkpointing
-        dualAR.reset_peak_memory(device)
+        common.reset_peak_memory(device)
         try:
             for step in range(args.steps + 1):  # the first step warms up
                 if step == 1:
@@ -659,10 +660,10 @@ def bench_training(args):
             bench.synchronize(device)
             rate = args.steps / (time.perf_counter() - start)
             figures = (f"{rate:.3f} steps/s, {rate * args.batch_size * args.seq_len:.0f} tokens/s,"
-                       f" peak memory {dualAR.peak_memory_gb(device):.2f} GB")
+                       f" peak memory {common.peak_memory_gb(device):.2f} GB")
         except torch.OutOfMemoryError:
             optimizer.zero_grad(set_to_none=True)
-            figures = f"out of memory (peak memory {dualAR.peak_memory_gb(device):.2f} GB)"
+            figures = f"out of memory (peak memory {common.peak_memory_gb(device):.2f} GB)"
         print(f"gradient checkpointing {'on ' if checkpointing else 'off'}: {figures}")
 
 
@@ -747,4 +748,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    dualAR.cli(main)
+    common.cli(main)

@@ -25,6 +25,7 @@ import torch._dynamo
 import torch._inductor.config
 
 import codec
+import common
 import dualAR
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -42,12 +43,12 @@ def golden(name):
 
 def run_main(main, args, cwd):
     """A CLI's main(argv) run as `python <script> args` would run it, in the folder cwd but in this process
-    (no second start of Python and torch) -> its exit status, stdout and stderr. dualAR.cli turns bad input
+    (no second start of Python and torch) -> its exit status, stdout and stderr. common.cli turns bad input
     into status 2 and one `error:` line, as the scripts' entry points do."""
     out, err = io.StringIO(), io.StringIO()
     with contextlib.chdir(cwd), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            dualAR.cli(main, [str(arg) for arg in args])
+            common.cli(main, [str(arg) for arg in args])
             status = 0
         except SystemExit as e:
             status = e.code

@@ -29,6 +29,7 @@ import torch
 
 import app
 import codec
+import common
 import dualAR
 from conftest import CKPT, CLIP, free_port
 
@@ -921,10 +922,10 @@ def test_device_takes_a_gpu_index():
     with pytest.raises(SystemExit):
         app.parse_args(["--device", "gpu1"])
     if torch.cuda.device_count() < 2:
-        with pytest.raises(dualAR.UserError, match="--device cuda"):
-            dualAR.pick_device("cuda:1")
+        with pytest.raises(common.UserError, match="--device cuda"):
+            common.pick_device("cuda:1")
     else:
-        assert dualAR.pick_device("cuda:1") == torch.device("cuda", 1)
+        assert common.pick_device("cuda:1") == torch.device("cuda", 1)
 
 
 # ----------------------------------------------------------------------------- a real browser

@@ -12,7 +12,7 @@ from torch.nn.utils import parametrize
 
 import bench
 import codec
-import dualAR
+import common
 from conftest import CKPT, GOLDEN, REAL, ROOT, run_main
 
 WAVE_ATOL = 1e-4  # fixture README: codec waveforms in fp32
@@ -253,27 +253,27 @@ def test_checkpoint_with_wrong_tensors_fails_with_one_line_error(tmp_path, edit,
     edit(state)
     torch.save(state, tmp_path / "codec.pth")
     (tmp_path / "codec_config.json").write_text((CKPT / "codec_config.json").read_text())
-    with pytest.raises(dualAR.UserError) as err:
+    with pytest.raises(common.UserError) as err:
         codec.load(tmp_path)
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
 def test_missing_checkpoint_and_bad_codes_raise_clear_errors(model, tmp_path):
-    with pytest.raises(dualAR.UserError, match="not found"):
+    with pytest.raises(common.UserError, match="not found"):
         codec.load(tmp_path / "nope")
-    with pytest.raises(dualAR.UserError, match="has no codec.pth"):
+    with pytest.raises(common.UserError, match="has no codec.pth"):
         codec.load(tmp_path)
     (tmp_path / "codec.pth").write_text("not a torch file")
-    with pytest.raises(dualAR.UserError, match="cannot read"):
+    with pytest.raises(common.UserError, match="cannot read"):
         codec.load(tmp_path)
     (tmp_path / "codec_config.json").write_text('{"_target_": "modded_dac.DAC"}')
-    with pytest.raises(dualAR.UserError, match="codec_config.json: no key 'quantizer'"):
+    with pytest.raises(common.UserError, match="codec_config.json: no key 'quantizer'"):
         codec.load(tmp_path)
-    with pytest.raises(dualAR.UserError, match=r"shape \[10, T\]"):
+    with pytest.raises(common.UserError, match=r"shape \[10, T\]"):
         codec.decode(model, torch.zeros(9, 4, dtype=torch.long))
-    with pytest.raises(dualAR.UserError, match=">= 0"):
+    with pytest.raises(common.UserError, match=">= 0"):
         codec.decode(model, -torch.ones(10, 4, dtype=torch.long))
-    with pytest.raises(dualAR.UserError, match="empty audio"):
+    with pytest.raises(common.UserError, match="empty audio"):
         codec.encode(model, torch.zeros(0))
 
 
@@ -412,7 +412,7 @@ def test_cli_bad_input_gives_one_line_error_and_no_output(tmp_path, capsys, case
         args += ["--checkpoint", CKPT]
     before = set(tmp_path.rglob("*"))
     with pytest.raises(SystemExit) as exit:  # in-process: a subprocess per case would cost ~2 s of imports
-        dualAR.cli(codec.main, [str(a) for a in args])
+        common.cli(codec.main, [str(a) for a in args])
     stderr = capsys.readouterr().err
     assert exit.value.code == 2
     assert stderr.count("\n") == 1 and stderr.startswith("error: ") and message in stderr

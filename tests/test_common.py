@@ -1,11 +1,31 @@
 """common.py: the helpers every model shares."""
 import os
 import stat
+import subprocess
+import sys
 
 import torch
 from safetensors.torch import save_file
 
 from common import write_atomic
+from conftest import ROOT
+
+FILES = ("common", "codec", "dualAR", "bench", "omnivoice", "app", "train_lora")  # the repository's modules
+
+
+def imported_with(module: str) -> set:
+    """The other repository modules that `import module` brings in, in a fresh process."""
+    script = f"import sys, {module}; print(*(m for m in {FILES!r} if m in sys.modules and m != {module!r}))"
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return set(run.stdout.split())
+
+
+def test_imports_point_one_way_common_below_the_models_and_no_model_below_its_benchmark():
+    assert imported_with("common") == set()  # no model: a model file is copied with common.py alone
+    assert imported_with("codec") == {"common"}  # not dualAR.py: the codec stands alone
+    assert imported_with("dualAR") == {"common", "codec"}  # bench.py is imported only to run a benchmark
 
 
 def test_a_file_written_atomically_gets_the_usual_permissions_not_safetensors_owner_only(tmp_path):

@@ -17,6 +17,7 @@ import torch
 
 import bench
 import codec
+import common
 import dualAR
 from conftest import CASES, CKPT, GOLDEN, REAL, golden, run_main, run_script
 
@@ -103,15 +104,15 @@ def test_unexpected_or_misshapen_tensors_are_named(model, tmp_path):
     state = {dualAR.hf_name(k): v for k, v in model.state_dict().items()}
     extra = {"text_model.model.extra.weight": torch.zeros(2)}
     save_file(dict(state, **extra), str(folder / "model.safetensors"))
-    with pytest.raises(dualAR.UserError, match="unexpected tensor 'text_model.model.extra.weight'"):
+    with pytest.raises(common.UserError, match="unexpected tensor 'text_model.model.extra.weight'"):
         dualAR.load(folder)
     state["audio_decoder.output.weight"] = torch.zeros(3, 3)
     save_file(state, str(folder / "model.safetensors"))
-    with pytest.raises(dualAR.UserError, match="'audio_decoder.output.weight' has shape \\[3, 3\\]"):
+    with pytest.raises(common.UserError, match="'audio_decoder.output.weight' has shape \\[3, 3\\]"):
         dualAR.load(folder)
     del state["audio_decoder.output.weight"]
     save_file(state, str(folder / "model.safetensors"))
-    with pytest.raises(dualAR.UserError, match="missing tensor 'audio_decoder.output.weight'"):
+    with pytest.raises(common.UserError, match="missing tensor 'audio_decoder.output.weight'"):
         dualAR.load(folder)
 
 
@@ -128,7 +129,7 @@ def test_a_tensor_stored_in_two_shards_is_refused(tmp_path, quant):
     save_file({key: first}, str(folder / "model-00003-of-00003.safetensors"))
     index["weight_map"][key] = "model-00003-of-00003.safetensors"
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(dualAR.UserError, match=f"tensor '{key}' is stored twice"):
+    with pytest.raises(common.UserError, match=f"tensor '{key}' is stored twice"):
         dualAR.load(folder, quant=quant)
 
 
@@ -215,7 +216,7 @@ def test_fast_codebook_logits_match_upstream(model):
 
 
 def test_rope_table_is_rounded_to_bf16():
-    table = dualAR.rope_table(64, 16, 1e6)
+    table = codec.rope_table(64, 16, 1e6)
     assert torch.equal(table, table.to(torch.bfloat16).float())
     assert not torch.equal(table[5, 0, 0], torch.cos(torch.tensor(5.0)))  # cos(5) is not a bf16 value
 
@@ -577,13 +578,13 @@ def test_engine_thread_fails_the_requests_in_flight_when_a_step_breaks_and_keeps
 
 def test_engine_rejects_bad_requests_and_a_full_queue(model):
     engine = dualAR.Engine(model, slots=1, max_queue=1)
-    with pytest.raises(dualAR.UserError, match="text to speak is empty"):
+    with pytest.raises(common.UserError, match="text to speak is empty"):
         engine.submit(dict(text=" "))
-    with pytest.raises(dualAR.UserError, match="0 < top_p <= 1"):
+    with pytest.raises(common.UserError, match="0 < top_p <= 1"):
         engine.submit(dict(text="Hi.", top_p=1.5))
-    with pytest.raises(dualAR.UserError, match="top_k < 2\\*\\*31"):  # would not fit the step's tensor
+    with pytest.raises(common.UserError, match="top_k < 2\\*\\*31"):  # would not fit the step's tensor
         engine.submit(dict(text="Hi.", top_k=1e30))
-    with pytest.raises(dualAR.UserError, match="seed must be an integer"):
+    with pytest.raises(common.UserError, match="seed must be an integer"):
         engine.submit(dict(text="Hi.", seed=2**64))
     first, second = (engine.add(dualAR.Request(model, "Hi.")) for _ in range(2))  # the free row, the queue
     with pytest.raises(dualAR.QueueFull):
@@ -629,7 +630,7 @@ def test_fixed_context_engine_refuses_what_does_not_fit(model):
     request = engine.add(dualAR.Request(model, "Hi.", max_new_tokens=300))
     with torch.inference_mode():
         engine.run()
-    with pytest.raises(dualAR.UserError, match="engine's context is 256"):
+    with pytest.raises(common.UserError, match="engine's context is 256"):
         request.codes()
 
 
@@ -734,7 +735,7 @@ def test_a_closed_engine_is_a_server_error_not_bad_input(model, solo):
     engine.close()
     with pytest.raises(dualAR.EngineClosed):
         waiting.codes()
-    assert not issubclass(dualAR.EngineClosed, dualAR.UserError)  # the app answers 503, not 400
+    assert not issubclass(dualAR.EngineClosed, common.UserError)  # the app answers 503, not 400
 
 
 class CountingBackend:
@@ -916,20 +917,20 @@ def test_cpu_quantization_while_loading_equals_quantizing_the_loaded_model(monke
 
 def test_quantization_schemes_the_device_cannot_run_are_named(monkeypatch):
     for scheme, need in [("fp8", "capability >= 8.9"), ("nvfp4", ">= 10.0")]:
-        with pytest.raises(dualAR.UserError, match=need):
+        with pytest.raises(common.UserError, match=need):
             dualAR.check_quant(scheme, torch.device("cpu"), torch.bfloat16)
     for scheme, dtype in [("int8wo", torch.float32), ("int4wo", torch.float32), ("int4wo", torch.bfloat16)]:
         dualAR.check_quant(scheme, torch.device("cpu"), dtype)  # CPU: torch's own kernels, any model dtype
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))  # a T4
-    with pytest.raises(dualAR.UserError, match="int4wo needs an NVIDIA GPU of compute capability >= 8.0"):
+    with pytest.raises(common.UserError, match="int4wo needs an NVIDIA GPU of compute capability >= 8.0"):
         dualAR.check_quant("int4wo", torch.device("cuda"), torch.bfloat16)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H100
     for scheme in ("fp8", "int4wo"):  # torchao asserts bf16 for these: said before any weight is read
-        with pytest.raises(dualAR.UserError, match=f"--quant {scheme} needs bf16 weights"):
+        with pytest.raises(common.UserError, match=f"--quant {scheme} needs bf16 weights"):
             dualAR.check_quant(scheme, torch.device("cuda"), torch.float32)
     dualAR.check_quant("fp8", torch.device("cuda"), torch.bfloat16)
     monkeypatch.setitem(sys.modules, "torchao.quantization", None)  # a torchao that does not import
-    with pytest.raises(dualAR.UserError, match="torchao, which does not import here: ModuleNotFoundError"):
+    with pytest.raises(common.UserError, match="torchao, which does not import here: ModuleNotFoundError"):
         dualAR.check_quant("int8wo", torch.device("cuda"), torch.bfloat16)
     dualAR.check_quant("int8wo", torch.device("cpu"), torch.float32)  # CPU needs no torchao
 
@@ -958,7 +959,7 @@ def test_bench_prints_a_table_and_one_machine_readable_line_per_batch(capsys):
         rounding = 0.5 + 100 * 0.05 / bandwidth * (1 + gb / bandwidth)  # of the %, GB/s and bandwidth shown
         assert abs(float(row["bandwidth_pct"]) - 100 * gb / bandwidth) <= rounding
         assert float(row["prefill_tokens_per_s"]) == prefill > 0
-        peak_so_far = dualAR.peak_memory_gb(torch.device("cpu"))  # the high-water mark only grows
+        peak_so_far = common.peak_memory_gb(torch.device("cpu"))  # the high-water mark only grows
         assert 0.1 < float(row["peak_mem_gb"]) <= min(peak_so_far + 0.005, ram)  # torch alone is > 0.1 GB
         assert float(row["compile_s"]) == 0  # not compiled
         assert cells[1:4] == [row["frames_per_s"], row["gb_per_s"], row["bandwidth_pct"]]
@@ -1167,9 +1168,9 @@ def test_bad_input_gives_one_line_error_and_writes_nothing(tmp_path, case):
 
 
 def test_api_rejects_a_reference_without_transcript(model):
-    with pytest.raises(dualAR.UserError, match="reference 1 has no transcript"):
+    with pytest.raises(common.UserError, match="reference 1 has no transcript"):
         dualAR.generate(model, "Hi", [(golden("codec_codes.npy"), None)], max_new_tokens=2)
-    with pytest.raises(dualAR.UserError, match="expected \\[10, frames\\]"):
+    with pytest.raises(common.UserError, match="expected \\[10, frames\\]"):
         dualAR.generate(model, "Hi", [(golden("codec_codes.npy")[:9], "x")], max_new_tokens=2)
 
 

@@ -21,10 +21,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import codec
+import common
 import dualAR
 import train_lora
 from conftest import CASES, CKPT, GOLDEN, ROOT, free_port, golden
-from dualAR import UserError
+from common import UserError
 
 LORA = CASES["lora"]
 LOSSES = json.loads((GOLDEN / "lora_loss.json").read_text())
@@ -666,7 +667,7 @@ def test_bad_input_gives_one_line_error_and_writes_nothing(tmp_path, case):
 def test_cli_prints_one_error_line_and_exits_2(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     with pytest.raises(SystemExit) as exit:
-        dualAR.cli(train_lora.main, ["prepare", str(tmp_path / "empty")])
+        common.cli(train_lora.main, ["prepare", str(tmp_path / "empty")])
     out, err = capsys.readouterr()
     assert exit.value.code == 2
     assert err.startswith("error: no audio files under") and err.count("\n") == 1
@@ -686,4 +687,4 @@ def test_bench_reports_steps_per_second_with_and_without_checkpointing(capsys):
         assert abs(int(tokens) - float(steps) * 4 * 160) <= 0.5 + 4 * 160 * 0.0005  # the rounding of steps/s
         assert float(steps) > 0 and 0.1 < float(peak) < ram  # this process's memory: torch alone is > 0.1 GB
     # the high-water mark restarts before each setting, then only grows: the last one's peak is the mark now
-    assert float(figures[-1][3]) <= dualAR.peak_memory_gb(torch.device("cpu")) + 0.005
+    assert float(figures[-1][3]) <= common.peak_memory_gb(torch.device("cpu")) + 0.005

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench  # noqa: E402  (the repository root, where this tool's models come from)
-import dualAR  # noqa: E402
+import common  # noqa: E402
 from bench import synchronize  # noqa: E402
 from dualAR import DualAR, QuantLinear, decode_attention  # noqa: E402
 
@@ -77,10 +77,10 @@ def main():
     ap.add_argument("--config", choices=list(bench.BENCH_CONFIGS), default="s2-mid")
     ap.add_argument("--batch", type=bench.batch_sizes, default=[1])
     ap.add_argument("--device", choices=["cpu", "cuda", "mps"])
-    ap.add_argument("--dtype", choices=list(dualAR.DTYPES))
+    ap.add_argument("--dtype", choices=list(common.DTYPES))
     args = ap.parse_args()
-    device = dualAR.pick_device(args.device)
-    model = bench.random_model(args.config, device, dualAR.pick_dtype(args.dtype, device))
+    device = common.pick_device(args.device)
+    model = bench.random_model(args.config, device, common.pick_dtype(args.dtype, device))
     for batch in args.batch:
         ceiling = batch * matmul_ceiling(model, batch)
         print(f"{args.config} batch {batch}: matmul ceiling {ceiling:.2f} frames/s")

@@ -20,6 +20,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # dualAR.py and codec.py, from anywhere
 import bench  # noqa: E402
 import codec  # noqa: E402
+import common  # noqa: E402
 import dualAR  # noqa: E402
 
 TEXT = bench.BENCH_TEXT
@@ -107,4 +108,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    dualAR.cli(main)
+    common.cli(main)

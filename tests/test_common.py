@@ -10,7 +10,7 @@ from safetensors.torch import save_file
 from common import write_atomic
 from conftest import ROOT
 
-FILES = ("common", "codec", "dualAR", "bench", "omnivoice", "app", "train_lora")  # the repository's modules
+FILES = ("common", "codec", "dualAR", "bench", "omnivoice", "omnivoice_codec", "app", "train_lora")  # the repository's modules
 
 
 def imported_with(module: str) -> set:
@@ -26,6 +26,8 @@ def test_imports_point_one_way_common_below_the_models_and_no_model_below_its_be
     assert imported_with("common") == set()  # no model: a model file is copied with common.py alone
     assert imported_with("codec") == {"common"}  # not dualAR.py: the codec stands alone
     assert imported_with("dualAR") == {"common", "codec"}  # bench.py is imported only to run a benchmark
+    assert imported_with("omnivoice_codec") == {"common"}
+    assert imported_with("omnivoice") == {"common", "omnivoice_codec"}  # copying OmniVoice drags in no S2
 
 
 def test_a_file_written_atomically_gets_the_usual_permissions_not_safetensors_owner_only(tmp_path):

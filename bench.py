@@ -21,9 +21,10 @@ from torch import Tensor
 import codec
 import common
 import dualAR
-from dualAR import (CONFIG, CPU_BITS, DEMO_DIMS, RAS_WINDOW, DualAR, QuantLinear, Scheduler,
-                    batch_bucket, block_scheme, cache_bucket, decode_step, demo_tokenizer,
-                    draw_noise, sample_frame, sampling_params, special_ids, swap_linears)
+from common import QuantLinear, swap_linears
+from dualAR import (CONFIG, CPU_BITS, DEMO_DIMS, RAS_WINDOW, DualAR, Scheduler, batch_bucket, block_scheme,
+                    cache_bucket, decode_step, demo_tokenizer, draw_noise, sample_frame, sampling_params,
+                    special_ids)
 
 MID = dict(dim=1024, n_head=16, n_local_heads=4, head_dim=64, intermediate_size=3072)
 MID_B = dict(MID, n_head=8, n_local_heads=2, head_dim=128)  # the real head_dim

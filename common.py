@@ -2,9 +2,11 @@
 dtype choice, atomic writes, audio files, peak memory. It imports no model file, so a model file can be
 copied with this one alone.
 
-Sections: errors and the CLI wrapper, devices and dtypes, files (atomic writes, audio), memory.
+Sections: errors and the CLI wrapper, devices and dtypes, files (atomic writes, audio), CPU weight-only
+quantization (QuantLinear), memory.
 """
 import argparse
+import math
 import os
 import re
 import resource
@@ -15,6 +17,9 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -115,6 +120,60 @@ def save_npy(path, array):
         with open(tmp, "wb") as f:
             np.save(f, torch.as_tensor(array).cpu().numpy().astype(np.int64))
     write_atomic(path, write)
+
+
+# ----------------------------------------------------------------------------- CPU weight-only quantization
+INT4_GROUP = 128  # int4 inputs sharing one scale and zero
+
+
+class QuantLinear(nn.Module):
+    """nn.Linear with int8 weights (a scale per output row) or int4 ones (a scale and zero per INT4_GROUP
+    inputs, w = (q - 8) * scale + zero), gpt-fast style, read by torch's own CPU kernels (aten
+    _weight_int8pack_mm, _weight_int4pack_mm_for_cpu; inductor calls the same ones). They are fast with
+    bf16 activations only (fp32 takes a scalar path, 10-30x slower): x goes in as bf16, y out in x's dtype.
+    matmul_rows: from this many rows on (compute-bound work, such as OmniVoice's whole sequences) an int8
+    weight is dequantized to bf16 once per call and run through a bf16 matmul, which those kernels, written
+    for a few rows, are many times slower than."""
+
+    def __init__(self, linear: nn.Linear, bits: int, matmul_rows: int = None):
+        super().__init__()
+        self.matmul_rows = matmul_rows
+        w = linear.weight.detach().float()
+        self.out_features, self.in_features = w.shape
+        self.group = math.gcd(INT4_GROUP, self.in_features)
+        self.bits = 8 if self.group < 32 else bits  # the int4 kernel takes groups of 32 to 256 inputs
+        if self.bits == 8:
+            scale = w.abs().amax(1).clamp(min=1e-12) / 127
+            weight = torch.round(w / scale[:, None]).to(torch.int8)  # (out, in)
+        else:
+            groups = w.view(self.out_features, -1, self.group)
+            low, scale = groups.amin(-1), (groups.amax(-1) - groups.amin(-1)).clamp(min=1e-12) / 15
+            q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
+            weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(w.shape), 1)  # (out, in / 2)
+            scale = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1)  # (in / group, out, 2)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.scales = nn.Parameter(scale.to(torch.bfloat16).contiguous(), requires_grad=False)
+        self.bias = linear.bias
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        if self.bits == 8 and self.matmul_rows is not None and x2.shape[0] >= self.matmul_rows:
+            y = F.linear(x2, self.weight.to(torch.bfloat16) * self.scales[:, None])
+        elif self.bits == 8:
+            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
+        else:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight, self.group, self.scales)
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
+
+
+def swap_linears(module: nn.Module, bits: int, matmul_rows: int = None):
+    """Every nn.Linear inside module -> a QuantLinear of `bits`."""
+    for name, child in module.named_children():
+        if isinstance(child, nn.Linear):
+            setattr(module, name, QuantLinear(child, bits, matmul_rows))
+        else:
+            swap_linears(child, bits, matmul_rows)
 
 
 # ----------------------------------------------------------------------------- memory

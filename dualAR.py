@@ -47,7 +47,8 @@ from tqdm import tqdm
 
 import codec  # the CLI's audio, and the RMSNorm, FeedForward and RoPE of both transformers here
 from codec import FeedForward, RMSNorm, apply_rope, rope_table
-from common import DTYPES, UserError, cli, device_name, peak_memory_gb, pick_device, pick_dtype, unreadable
+from common import (DTYPES, QuantLinear, UserError, cli, device_name, peak_memory_gb, pick_device, pick_dtype,
+                    swap_linears, unreadable)
 
 # The real fishaudio/s2-pro dimensions, with upstream's flat `dual_ar` key names.
 CONFIG = dict(
@@ -569,7 +570,6 @@ QUANT_SCHEMES = ("none", "int8wo", "int4wo", "fp8", "nvfp4")
 # int4 tile-packed (tinygemm) needs Ampere, fp8 dynamic per-row and nvfp4 their tensor-core kernels
 CUDA_CAPABILITY = {"int4wo": (8, 0), "fp8": (8, 9), "nvfp4": (10, 0)}
 CPU_BITS = {"int8wo": 8, "int4wo": 4}  # on CPU: torch's own kernels (QuantLinear), any model dtype
-INT4_GROUP = 128  # int4 inputs sharing one scale and zero
 
 
 def check_quant(scheme, device: torch.device, dtype):
@@ -605,49 +605,6 @@ def quant_config(scheme: str):
         return tq.Float8DynamicActivationFloat8WeightConfig(granularity=tq.PerRow())
     from torchao.prototype.mx_formats import NVFP4DynamicActivationNVFP4WeightConfig
     return NVFP4DynamicActivationNVFP4WeightConfig()
-
-
-class QuantLinear(nn.Module):
-    """nn.Linear with int8 weights (a scale per output row) or int4 ones (a scale and zero per INT4_GROUP
-    inputs, w = (q - 8) * scale + zero), gpt-fast style, read by torch's own CPU kernels (aten
-    _weight_int8pack_mm, _weight_int4pack_mm_for_cpu; inductor calls the same ones). They are fast with
-    bf16 activations only (fp32 takes a scalar path, 10-30x slower): x goes in as bf16, y out in x's dtype."""
-
-    def __init__(self, linear: nn.Linear, bits: int):
-        super().__init__()
-        w = linear.weight.detach().float()
-        self.out_features, self.in_features = w.shape
-        self.group = math.gcd(INT4_GROUP, self.in_features)
-        self.bits = 8 if self.group < 32 else bits  # the int4 kernel takes groups of 32 to 256 inputs
-        if self.bits == 8:
-            scale = w.abs().amax(1).clamp(min=1e-12) / 127
-            weight = torch.round(w / scale[:, None]).to(torch.int8)  # (out, in)
-        else:
-            groups = w.view(self.out_features, -1, self.group)
-            low, scale = groups.amin(-1), (groups.amax(-1) - groups.amin(-1)).clamp(min=1e-12) / 15
-            q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
-            weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(w.shape), 1)  # (out, in / 2)
-            scale = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1)  # (in / group, out, 2)
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.scales = nn.Parameter(scale.to(torch.bfloat16).contiguous(), requires_grad=False)
-        self.bias = linear.bias
-
-    def forward(self, x: Tensor) -> Tensor:
-        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        if self.bits == 8:
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight, self.group, self.scales)
-        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
-
-
-def swap_linears(module: nn.Module, bits: int):
-    for name, child in module.named_children():
-        if isinstance(child, nn.Linear):
-            setattr(module, name, QuantLinear(child, bits))
-        else:
-            swap_linears(child, bits)
 
 
 def block_scheme(scheme: str, fast: bool, cpu: bool) -> str:

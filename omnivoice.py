@@ -14,6 +14,7 @@ How the file reads (sections, top to bottom):
     building blocks  RMSNorm, RoPE, Attention (GQA, q/k norm), Block
     model            OmniVoice: text + summed audio embeddings, the Qwen3 stack, one head per codebook
     loading          the checkpoint folder -> model, tokenizer and audio tokenizer
+    quantization     int8 weights on CPU (common.QuantLinear), dequantized for bf16 matmuls
     text             tokenization with non-verbal tags, language, voice design attributes, chunks, length
     audio utilities  pydub's silence trimming, fades, cross-fades, levels, the unmasking schedule
     voices           a clone prompt from a clip (voice_prompt), saved and read back
@@ -265,10 +266,12 @@ def load_tokenizer(path: Path):
         raise common.unreadable(path, e) from None
 
 
-def load(checkpoint=DEFAULT_CHECKPOINT, device="cpu", dtype=torch.float32) -> OmniVoice:
+def load(checkpoint=DEFAULT_CHECKPOINT, device="cpu", dtype=torch.float32, quant=None) -> OmniVoice:
     """The k2-fsa/OmniVoice folder (config.json, model.safetensors, tokenizer.json, audio_tokenizer/) -> the
-    model with .tokenizer and .audio_tokenizer (which always runs in fp32, as upstream's)."""
+    model with .tokenizer and .audio_tokenizer (which always runs in fp32, as upstream's); quant: one of
+    QUANT_SCHEMES."""
     ckpt, device = Path(checkpoint), torch.device(device)
+    check_quant(quant, device)
     if not ckpt.is_dir():
         raise UserError(f"checkpoint dir {ckpt} does not exist — download k2-fsa/OmniVoice (see README)")
     for name in ("config.json", "tokenizer.json"):
@@ -283,7 +286,29 @@ def load(checkpoint=DEFAULT_CHECKPOINT, device="cpu", dtype=torch.float32) -> Om
     load_weights(model, ckpt, device, dtype)
     model.tokenizer = tokenizer
     model.audio_tokenizer = omnivoice_codec.load(ckpt / "audio_tokenizer", device)
-    return model.requires_grad_(False).eval()
+    return quantize(model.requires_grad_(False).eval(), quant)
+
+
+# ----------------------------------------------------------------------------- quantization
+QUANT_SCHEMES = ("none", "int8wo")
+
+
+def check_quant(scheme, device: torch.device):
+    if scheme not in (None, *QUANT_SCHEMES):
+        raise UserError(f"quant {scheme!r}: use one of {', '.join(QUANT_SCHEMES)}")
+    if scheme == "int8wo" and torch.device(device).type != "cpu":
+        raise UserError("int8wo is built for CPU (torch's kernels); on a GPU use dtype bf16")
+
+
+def quantize(model: OmniVoice, scheme) -> OmniVoice:
+    """int8wo: the transformer's linear layers hold int8 weights (a scale per output row), dequantized to
+    bf16 for each whole-sequence matmul (compute-bound: bf16 matmuls are the fast ones; the kernels for a
+    few rows are not). Embeddings and heads stay in the model's dtype."""
+    check_quant(scheme, model.audio_heads.weight.device)
+    if scheme == "int8wo":
+        for layer in model.layers:
+            common.swap_linears(layer, 8, matmul_rows=1)
+    return model
 
 
 # ----------------------------------------------------------------------------- text
@@ -1198,7 +1223,9 @@ def parse_args(argv=None):
     ap.add_argument("--seed", type=int, default=42, help="random seed (42)")
     ap.add_argument("--out", default="generate/omnivoice.wav", help="output wav; its codes beside it (.npy)")
     ap.add_argument("--device", type=common.device_name, help="cpu, mps, cuda or cuda:N (default: best)")
-    ap.add_argument("--dtype", choices=list(common.DTYPES), help="LM dtype (default bf16 on CUDA, else fp32)")
+    ap.add_argument("--dtype", choices=list(common.DTYPES), help="LM dtype (default bf16 on CUDA, else fp32;"
+                    " bf16 on a CPU with AVX-512-BF16 or AMX is several times faster, see docs/omnivoice.md)")
+    ap.add_argument("--quant", choices=QUANT_SCHEMES, help="int8wo: int8 weights (CPU), half bf16's memory")
     return ap.parse_args(argv)
 
 
@@ -1213,11 +1240,11 @@ def main(argv=None):
         raise UserError("--save-voice needs --ref-audio and --ref-text")
     checkpoint = args.checkpoint or (DEFAULT_CHECKPOINT if Path(DEFAULT_CHECKPOINT).is_dir() else None)
     if checkpoint:
-        model = load(checkpoint, device, dtype)
+        model = load(checkpoint, device, dtype, args.quant)
     else:
         print("!" * 100 + f"\nNo checkpoint ({DEFAULT_CHECKPOINT} not found): DEMO on a tiny RANDOM model"
               " built in memory. The pipeline is real, the AUDIO IS NOISE.\n" + "!" * 100)
-        model = demo_model(device, dtype)
+        model = quantize(demo_model(device, dtype), args.quant)
     voice = load_voice(voice_path(args.voice, Path(args.voices)), model) if args.voice else None
     gen = dict(num_step=args.num_step, guidance_scale=args.guidance_scale, denoise=not args.no_denoise,
                class_temperature=args.class_temperature, preprocess_prompt=not args.no_preprocess,

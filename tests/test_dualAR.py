@@ -876,7 +876,7 @@ def test_quantized_weights_stay_small(model):
     once per codebook, is int8 in both."""
     def linear_bytes(layers):
         return sum(bench.tensor_bytes(p) for m in layers.modules()
-                   if isinstance(m, (torch.nn.Linear, dualAR.QuantLinear)) for p in m.parameters())
+                   if isinstance(m, (torch.nn.Linear, common.QuantLinear)) for p in m.parameters())
 
     for scheme, slow, fast in (("int8wo", 3.7, 3.7), ("int4wo", 6.2, 5.2)):
         quantized = dualAR.load(CKPT, quant=scheme)

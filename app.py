@@ -16,6 +16,7 @@ import fcntl
 import hmac
 import importlib.util
 import io
+import ipaddress
 import json
 import math
 import os
@@ -61,6 +62,8 @@ FISH_DEFAULTS = dict(temperature=0.8, top_p=0.8, top_k=30, max_new_tokens=1024, 
 # upstream's ServeTTSRequest (fish_speech/utils/schema.py): what its pydantic model answers with a 422
 UPSTREAM_RANGES = dict(top_p=(0.1, 1.0), temperature=(0.1, 1.0), repetition_penalty=(0.9, 2.0))
 UPSTREAM_CHOICES = dict(format=tuple(FORMATS), latency=("normal", "balanced"), use_memory_cache=("on", "off"))
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")  # names any server answers to, whatever --host
+AUTHORITY = re.compile(r"(?:\[([0-9a-f:.]+)\]|([a-z0-9._-]+))(?::([0-9]{1,5}))?")  # name[:port], [v6][:port]
 OPENAI_VOICES = set("alloy ash ballad coral echo fable nova onyx sage shimmer verse".split())
 MAX_CODES = 8  # audios or token arrays in one /v1/vqgan request
 DEMO_FRAMES = 200  # the page's default length with the demo model: seconds of noise, not half a minute
@@ -94,6 +97,49 @@ def error_answer(e: Exception) -> tuple:
             return status, prefix + str(e), headers, None
     traceback.print_exception(e)
     return 500, f"internal error: {str(e)[:200]} (see the server's log)", {}, None
+
+
+def authority(text):
+    """A Host header or an origin's netloc (name[:port], [v6]:port) -> (lower-case name, port or None),
+    None when malformed."""
+    match = AUTHORITY.fullmatch(text.lower()) if isinstance(text, str) else None
+    if match is None or (match[3] and int(match[3]) > 65535):
+        return None
+    return match[1] or match[2], int(match[3]) if match[3] else None
+
+
+def is_ip_address(name: str) -> bool:
+    with contextlib.suppress(ValueError):
+        return bool(ipaddress.ip_address(name))
+    return False
+
+
+def served_names(host: str, allowed) -> set:
+    """The names the server answers to: the --host it binds, localhost, its loopback addresses, and each
+    --allow-host (`*`: any)."""
+    return {host.strip("[]").lower(), *LOOPBACK_NAMES, *(name.lower() for name in allowed or ())}
+
+
+def check_host(host, names: set):
+    """DNS rebinding: a page of evil.example, once that name resolves to this machine, is of the same
+    origin as the server to the browser, so no Origin check can tell it apart: only its Host can. An IP
+    address needs no check (a rebinding page needs a name of its own); a name must be one we serve."""
+    found = authority(host) if host is not None else (None, None)
+    if found is None:
+        raise HTTPError(400, "malformed Host header: send host[:port]")
+    name = found[0]
+    if name is None or "*" in names or name in names or is_ip_address(name):
+        return
+    raise HTTPError(421, f"this server does not answer to the name {name[:100]!r}: start it with"
+                         " --allow-host NAME to serve that name (a proxy's, a LAN name)")
+
+
+def same_origin(origin: str, host, names: set) -> bool:
+    """Whether a page's Origin is this server: a name we serve (see check_host) and the Host it asked."""
+    scheme, _, netloc = origin.partition("://")
+    found = authority(netloc) if scheme in ("http", "https") else None
+    return found is not None and found == authority(host or "") and (found[0] in names or is_ip_address(
+        found[0]))
 
 
 def is_voice_name(name) -> bool:
@@ -325,6 +371,7 @@ class App:
         self.engine.start()
         self.voices, self.api_key = Path(args.voices), args.api_key
         self.default_voice, self.allow_origins = args.default_voice, set(args.allow_origin or ())
+        self.hosts = served_names(args.host, args.allow_host)
         self.name = "fishfast-demo" if self.demo else "s2-pro"
         self.info = dict(model=self.name, checkpoint=str(self.checkpoint), device=str(self.device),
                          dtype=str(dtype).replace("torch.", ""), quant=args.quant or "none", compile=compiled,
@@ -489,6 +536,7 @@ class Handler(BaseHTTPRequestHandler):
         if path.startswith("/v1/audio/voices/"):
             route, self.name = "/v1/audio/voices/{name}", unquote(path[len("/v1/audio/voices/"):])
         try:
+            check_host(self.headers.get("Host"), self.app.hosts)  # before anything else
             self.check_origin()
             methods = self.routes.get(route)
             if methods is None:
@@ -513,7 +561,7 @@ class Handler(BaseHTTPRequestHandler):
         """A page of another site may read nothing and change nothing here unless --allow-origin names it.
         Refusing only the answer is not enough: a form POST reaches the server without a CORS preflight."""
         origin, site = self.headers.get("Origin"), self.headers.get("Sec-Fetch-Site")
-        own = origin is None or urlsplit(origin).netloc == self.headers.get("Host")
+        own = origin is None or same_origin(origin, self.headers.get("Host"), self.app.hosts)
         if own and site not in ("cross-site", "same-site"):
             return  # our own page, or not a browser (curl, SDKs send no Origin)
         if origin and ({"*", origin} & self.app.allow_origins):
@@ -1053,6 +1101,9 @@ def parse_args(argv=None):
     ap.add_argument("--allow-origin", action="append", metavar="ORIGIN", help="let pages of this origin"
                     " (e.g. https://app.example.com, or *) use the API from a browser, with CORS; repeatable."
                     " Default: pages of other sites can neither write nor generate here")
+    ap.add_argument("--allow-host", action="append", metavar="NAME", help="a name the server answers to"
+                    " besides --host, localhost and IP addresses: the public name a proxy serves it under, a"
+                    " LAN name (repeatable; * for any). Other names in Host get a 421 (DNS rebinding)")
     ap.add_argument("--default-voice", metavar="NAME", help="the saved voice OpenAI's built-in voice names"
                     " (alloy, ash, ...) speak with, unless a voice has that name (default: none, plain TTS)")
     args = ap.parse_args(argv)

@@ -37,6 +37,7 @@ TEXT = "Hello from the server test."
 SPEECH = "/v1/audio/speech"
 MSGPACK = "application/msgpack"
 FOREIGN = "http://localhost:9"  # a page of another site than the server's 127.0.0.1
+PUBLIC = "tts.example"  # the name a proxy serves the locked server under (--allow-host)
 CLIP_B64 = base64.b64encode(CLIP.read_bytes()).decode()
 
 
@@ -72,9 +73,9 @@ def server(root):
 
 @pytest.fixture(scope="module")
 def locked(tmp_path_factory):
-    """One slot, a queue of one, an API key, pages of one other origin allowed."""
+    """One slot, a queue of one, an API key, pages of one other origin allowed, a public name (a proxy's)."""
     server = start_server(tmp_path_factory.mktemp("locked"), "--slots", "1", "--queue", "1",
-                          "--api-key", "secret", "--allow-origin", FOREIGN)
+                          "--api-key", "secret", "--allow-origin", FOREIGN, "--allow-host", PUBLIC)
     yield server
     stop_server(server)
 
@@ -492,6 +493,34 @@ def test_an_allowed_origin_gets_cors_headers_and_its_preflight(locked, monkeypat
     assert status == 200 and headers["Access-Control-Allow-Origin"] == "http://evil.example"
 
 
+def test_a_name_rebound_to_this_machine_is_refused_everywhere_and_changes_nothing(server, locked, root):
+    """DNS rebinding: a page of evil.example whose name now resolves to 127.0.0.1 is, to the browser, of
+    the same origin as the server (Origin = Host, or no Origin at all on a same-origin GET). Only the Host
+    tells it apart: a name the server does not answer to is a 421, before anything else."""
+    port = server.server_address[1]
+    evil = {"Host": f"evil.example:{port}", "Origin": f"http://evil.example:{port}"}
+    content_type, form = multipart(dict(name="rebound", text="x", audio=CLIP.read_bytes()))
+    before = tree(root.parent)
+    for method, path, body, kind in [
+            ("POST", "/v1/audio/voices", form, content_type), ("GET", "/v1/audio/voices", None, None),
+            ("POST", SPEECH, json.dumps(dict(input=TEXT, voice="keep", max_new_tokens=4)).encode(), None),
+            ("DELETE", "/v1/audio/voices/keep", None, None), ("GET", "/health", None, None),
+            ("POST", "/v1/references/update", json.dumps(dict(old_reference_id="keep",
+                                                              new_reference_id="evil")).encode(), None)]:
+        for headers in (evil, {"Host": evil["Host"]}, {"Host": "evil.example"}):
+            status, _, data = call(server, method, path, body, headers, kind or "application/json")
+            assert status == 421 and "--allow-host" in json.loads(data)["error"]["message"], (path, headers)
+    assert tree(root.parent) == before
+    for name in ("127.0.0.1", "localhost", "[::1]", "LOCALHOST"):  # the names of a loopback server
+        own = {"Host": f"{name}:{port}", "Origin": f"http://{name}:{port}"}
+        assert call(server, "GET", "/v1/audio/voices", headers=own)[0] == 200, name
+    public = {"Host": PUBLIC, "Origin": f"http://{PUBLIC}", "Authorization": "Bearer secret"}
+    assert call(locked, "POST", "/v1/tts", dict(text=TEXT, max_new_tokens=4), public)[0] == 200
+    assert call(locked, "GET", "/health", headers={"Host": "other.example"})[0] == 421
+    forged = {"Host": PUBLIC, "Origin": f"http://evil.example:{port}", "Authorization": "Bearer secret"}
+    assert call(locked, "POST", "/v1/tts", dict(text=TEXT, max_new_tokens=4), forged)[0] == 403
+
+
 # ----------------------------------------------------------------------------- upstream's clients
 def upstream_request(**fields) -> dict:
     """ServeTTSRequest with every field, as upstream's tools/api_client.py packs it (its defaults)."""
@@ -707,7 +736,7 @@ def raw_exchange(server, request: bytes, close="half") -> bytes:
 
 def post_bytes(path: str, body: dict, length=None) -> bytes:
     data = json.dumps(body).encode()
-    return (f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {length or len(data)}\r\n\r\n").encode() + data
 
 

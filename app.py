@@ -26,7 +26,6 @@ import signal
 import socket
 import struct
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -46,6 +45,9 @@ import dualAR
 MAX_TEXT = 4096  # characters of text to speak (OpenAI's limit)
 MAX_TRANSCRIPT = 2000  # characters of a reference transcript
 MAX_CLIP_SECONDS = 30
+CLIP_RATES, MAX_CLIP_CHANNELS = (8000, 192000), 2  # Hz, and mono or stereo: a voice clip, nothing odder
+# bytes a sample takes in the uncompressed subtypes, whose frames are bounded by the file's own size
+SAMPLE_BYTES = dict(PCM_S8=1, PCM_U8=1, ULAW=1, ALAW=1, PCM_16=2, PCM_24=3, PCM_32=4, FLOAT=4, DOUBLE=8)
 MAX_BODY = 48 << 20  # bytes: four 30 s 16-bit clips, base64 in JSON, fit with room
 VOICE_NAME = re.compile(r"[A-Za-z0-9_ -]{1,64}")  # upstream's rule for reference ids, at most 64 characters
 SAMPLE_RATE, HOP = codec.CONFIG["sample_rate"], codec.hop_length()  # HOP: samples per frame
@@ -208,6 +210,21 @@ def decode_base64(value, what: str) -> bytes:
         raise dualAR.UserError(f"{what} is not valid base64") from None
 
 
+def check_clip_header(what: str, rate: int, channels: int, frames: int, subtype: str, size: int):
+    """An uploaded clip's header (soundfile.info), checked before a sample is decoded: a 2 KB file can
+    declare 1000 s at 1 Hz (44 M samples once resampled), 46 KB of FLAC 30 s of 8 channels at 192 kHz."""
+    if not CLIP_RATES[0] <= rate <= CLIP_RATES[1]:
+        raise dualAR.UserError(f"{what} has a sample rate of {rate} Hz: {CLIP_RATES[0]} to {CLIP_RATES[1]}"
+                               " Hz are allowed")
+    if not 1 <= channels <= MAX_CLIP_CHANNELS:
+        raise dualAR.UserError(f"{what} has {channels} channels: send a mono or stereo clip")
+    if frames > MAX_CLIP_SECONDS * rate:
+        raise dualAR.UserError(f"{what} is {frames / rate:.1f} s long, at most {MAX_CLIP_SECONDS} s are"
+                               " allowed")
+    if subtype in SAMPLE_BYTES and frames * channels * SAMPLE_BYTES[subtype] > size:
+        raise dualAR.UserError(f"{what} declares {frames} frames, more than its {size} bytes hold")
+
+
 def number_field(body: dict, key: str, default, integer=False, low=None):
     value = body.get(key, default)
     if value is None:
@@ -346,6 +363,36 @@ def audio_file_bytes(wave: torch.Tensor, fmt: str) -> bytes:
     return out.getvalue()
 
 
+def clip_wave(data: bytes, what: str) -> torch.Tensor:
+    """Uploaded audio bytes -> float32 mono at SAMPLE_RATE, as codec.load_audio reads a file (channels
+    averaged, soxr), decoded from memory (no temp file holds the upload) once its header is checked, a
+    second at a time and never past MAX_CLIP_SECONDS (a header may lie about its length)."""
+    if not data:
+        raise dualAR.UserError(f"{what} is empty")
+    blocks, frames = [], 0
+    try:
+        with sf.SoundFile(io.BytesIO(data)) as f:  # soundfile tells the format from the bytes
+            check_clip_header(what, f.samplerate, f.channels, f.frames, f.subtype, len(data))
+            most, rate = MAX_CLIP_SECONDS * f.samplerate, f.samplerate
+            for block in f.blocks(blocksize=rate, dtype="float32", always_2d=True):
+                blocks.append(block.mean(1))
+                frames += len(block)
+                if frames > most:
+                    raise dualAR.UserError(f"{what} is longer than its header says and than the"
+                                           f" {MAX_CLIP_SECONDS} s allowed")
+    except dualAR.UserError:
+        raise
+    except Exception:  # soundfile's errors for what it cannot parse (as codec.load_audio)
+        raise dualAR.UserError(f"{what} is not an audio file soundfile can read (wav, flac, ogg, mp3)") \
+            from None
+    if not frames:
+        raise dualAR.UserError(f"{what} contains no audio samples")
+    mono = np.concatenate(blocks)
+    if rate != SAMPLE_RATE:
+        mono = soxr.resample(mono, rate, SAMPLE_RATE)
+    return torch.from_numpy(np.ascontiguousarray(mono, dtype=np.float32))
+
+
 # ----------------------------------------------------------------------------- the model side
 class App:
     """The models, the engine and the voices folder, shared by every request thread."""
@@ -416,20 +463,7 @@ class App:
 
     def clip_codes(self, data: bytes, what: str) -> torch.Tensor:
         """Uploaded audio bytes (any format soundfile reads) -> codes (10, T)."""
-        if not data:
-            raise dualAR.UserError(f"{what} is empty")
-        with tempfile.NamedTemporaryFile(suffix=".clip") as f:  # soundfile tells the format from the bytes
-            f.write(data)
-            f.flush()
-            try:
-                wave = codec.load_audio(f.name)
-            except ValueError:
-                raise dualAR.UserError(f"{what} is not an audio file soundfile can read"
-                                       " (wav, flac, ogg, mp3)") from None
-        if len(wave) > MAX_CLIP_SECONDS * SAMPLE_RATE:
-            raise dualAR.UserError(f"{what} is {len(wave) / SAMPLE_RATE:.1f} s long, at most"
-                                   f" {MAX_CLIP_SECONDS} s are allowed")
-        return codec.encode(self.dac, wave)[0].cpu()
+        return codec.encode(self.dac, clip_wave(data, what))[0].cpu()
 
     def check_codes(self, codes, what: str) -> torch.Tensor:
         """A client's codes (nested lists) -> (10, T) on the device; the codec clamps big ones (upstream)."""

@@ -8,6 +8,7 @@ import http.client
 import http.server
 import io
 import json
+import os
 import shutil
 import signal
 import socket
@@ -17,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -425,6 +427,76 @@ def test_bad_input_gets_its_4xx_and_json_error_and_changes_no_file(server, root,
     if status == 405:
         assert headers["Allow"]
     assert "Traceback" not in capfd.readouterr().err
+
+
+@contextlib.contextmanager
+def server_process(folder: Path, *flags):
+    """app.py in a process of its own, for what only a process shows (its memory, signals, exit status),
+    its temp folder folder/tmp -> (the process, an address for `call`)."""
+    (folder / "tmp").mkdir(exist_ok=True)
+    command = [sys.executable, str(Path(app.__file__).resolve()), "--checkpoint", str(CKPT), "--device",
+               "cpu", "--port", "0", "--voices", str(folder / "prompt"), *flags]
+    process = subprocess.Popen(command, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=dict(os.environ, TMPDIR=str(folder / "tmp")))
+    try:
+        host, port = process.stdout.readline().split("-> http://")[1].strip().rsplit(":", 1)
+        yield process, types.SimpleNamespace(server_address=(host, int(port)))
+    finally:
+        process.kill()
+        process.wait()
+
+
+def peak_mb(process) -> float:
+    """The process's peak resident memory since `reset_peak(process)`."""
+    status = Path(f"/proc/{process.pid}/status").read_text()
+    return int(status.split("VmHWM:")[1].split()[0]) / 1024
+
+
+def reset_peak(process):
+    Path(f"/proc/{process.pid}/clear_refs").write_text("5")  # the peak restarts from the memory in use
+
+
+def test_an_upload_that_would_decode_to_gigabytes_is_refused_from_its_header(tmp_path):
+    """A 2 KB WAV declared at 1 Hz is 1000 s (44 M samples once resampled); 30 s of 8-channel 192 kHz
+    silence is 46 KB of FLAC and 184 MB decoded. Both are refused from their header, before any decoding:
+    the server's peak memory barely moves, on every route that takes audio, and nothing is saved."""
+    one_hz, flac = io.BytesIO(), io.BytesIO()
+    sf.write(one_hz, np.zeros(1000, np.int16), 1, format="WAV", subtype="PCM_16")
+    sf.write(flac, np.zeros((192000 * 30, 8), np.int16), 192000, format="FLAC", subtype="PCM_16")
+    json_answer = {"Accept": "application/json"}
+
+    def clip(audio):
+        return dict(audio=b64(audio), text="x")
+
+    with server_process(tmp_path) as (process, address):
+        for audio, why in ((one_hz.getvalue(), "rate of 1 Hz"), (flac.getvalue(), "8 channels")):
+            reset_peak(process)
+            before = peak_mb(process)
+            for path, body in [("/v1/audio/voices", dict(name="big", audio=b64(audio), text="x")),
+                               ("/v1/references/add", multipart(dict(id="big", audio=audio, text="x"))),
+                               ("/v1/vqgan/encode", dict(audios=[b64(audio)] * 8)),
+                               ("/v1/tts", dict(text="hi", references=[clip(audio)] * 4)),
+                               (SPEECH, dict(input="hi", ref_audio=b64(audio), ref_text="x"))]:
+                kind, body = body if isinstance(body, tuple) else ("application/json", body)
+                status, _, data = call(address, "POST", path, body, json_answer, kind)
+                answer = json.loads(data)
+                message = answer["message"] if "success" in answer else answer["error"]["message"]
+                assert status == 400 and why in message, (path, status, message)
+            grew = peak_mb(process) - before
+            assert grew < 40, f"{why}: the server's peak memory grew by {grew:.0f} MB"
+    assert not (tmp_path / "prompt").exists() or list((tmp_path / "prompt").glob("big*")) == []
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_a_clip_header_is_checked_before_decoding():
+    app.check_clip_header("a", 44100, 2, 30 * 44100, "PCM_16", 4 * 30 * 44100)  # 30 s of stereo: fine
+    app.check_clip_header("a", 8000, 1, 8000, "VORBIS", 10)  # compressed: no bound from the size
+    for header, why in [((7999, 1, 10, "PCM_16", 100), "7999 Hz"), ((192001, 1, 10, "FLOAT", 100), "Hz"),
+                        ((44100, 3, 10, "PCM_16", 100), "3 channels"), ((44100, 0, 10, "FLAC", 100), "0 ch"),
+                        ((8000, 1, 8000 * 30 + 1, "FLAC", 100), "30.0 s long"),
+                        ((44100, 2, 1000, "PCM_24", 5999), "more than its 5999 bytes hold")]:
+        with pytest.raises(dualAR.UserError, match=why):
+            app.check_clip_header("a", *header)
 
 
 def raw_request(server, path: str, headers: dict, body: bytes):

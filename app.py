@@ -394,6 +394,31 @@ def clip_wave(data: bytes, what: str) -> torch.Tensor:
 
 
 # ----------------------------------------------------------------------------- the model side
+class Gate:
+    """At most `size` holders at once and `waiting` more waiting their turn; beyond that a 503 with
+    Retry-After (what --slots and --queue are to generation, for the codec work requests bring)."""
+
+    def __init__(self, size: int, waiting: int, what: str):
+        self.size, self.waiting, self.what = size, waiting, what
+        self.running, self.queued, self.turn = 0, 0, threading.Condition()
+
+    @contextlib.contextmanager
+    def hold(self):
+        with self.turn:
+            if self.running >= self.size and self.queued >= self.waiting:
+                raise HTTPError(503, f"the server is busy: {self.running} {self.what} running and"
+                                     f" {self.queued} waiting, try again later", {"Retry-After": "2"})
+            self.queued += 1
+            self.turn.wait_for(lambda: self.running < self.size)
+            self.queued, self.running = self.queued - 1, self.running + 1
+        try:
+            yield
+        finally:
+            with self.turn:
+                self.running -= 1
+                self.turn.notify()
+
+
 class App:
     """The models, the engine and the voices folder, shared by every request thread."""
 
@@ -419,6 +444,8 @@ class App:
         self.voices, self.api_key = Path(args.voices), args.api_key
         self.default_voice, self.allow_origins = args.default_voice, set(args.allow_origin or ())
         self.hosts = served_names(args.host, args.allow_host)
+        # decoding and encoding uploaded clips, /v1/vqgan: seconds of CPU each, outside --slots
+        self.codec_work = Gate(args.codec_workers, args.queue, "codec jobs (uploads, /v1/vqgan)").hold
         self.name = "fishfast-demo" if self.demo else "s2-pro"
         self.info = dict(model=self.name, checkpoint=str(self.checkpoint), device=str(self.device),
                          dtype=str(dtype).replace("torch.", ""), quant=args.quant or "none", compile=compiled,
@@ -463,7 +490,8 @@ class App:
 
     def clip_codes(self, data: bytes, what: str) -> torch.Tensor:
         """Uploaded audio bytes (any format soundfile reads) -> codes (10, T)."""
-        return codec.encode(self.dac, clip_wave(data, what))[0].cpu()
+        with self.codec_work():
+            return codec.encode(self.dac, clip_wave(data, what))[0].cpu()
 
     def check_codes(self, codes, what: str) -> torch.Tensor:
         """A client's codes (nested lists) -> (10, T) on the device; the codec clamps big ones (upstream)."""
@@ -779,8 +807,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def vqgan_decode(self):
         """{tokens: [codes (10, T)]} -> {audios: [float16 samples, as bytes]}, as upstream."""
-        waves = [codec.decode(self.app.dac, self.app.check_codes(codes, what))[0]
-                 for codes, what in self.batch("tokens")]
+        waves = []
+        for codes, what in self.batch("tokens"):
+            codes = self.app.check_codes(codes, what)
+            with self.app.codec_work():
+                waves.append(codec.decode(self.app.dac, codes)[0])
         self.send_json(dict(audios=[wave.cpu().numpy().astype("<f2").tobytes() for wave in waves]))
 
     def answer(self, job: dict):
@@ -1129,6 +1160,8 @@ def parse_args(argv=None):
                     f" frames) a request may use, as the CLI's (default {dualAR.DEFAULT_CONTEXT})")
     ap.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot, beyond that"
                     " a 503 (default 16; 0: served only while a slot is free)")
+    ap.add_argument("--codec-workers", type=int, default=2, help="uploaded clips (and /v1/vqgan items)"
+                    " decoded and encoded at once, --queue more may wait, beyond that a 503 (default 2)")
     ap.add_argument("--voices", default="prompt", help="saved voices, <name>.npy + .txt (default prompt/)")
     ap.add_argument("--api-key", default=os.environ.get("FISHFAST_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on /v1/ (default $FISHFAST_API_KEY, else none)")
@@ -1141,8 +1174,8 @@ def parse_args(argv=None):
     ap.add_argument("--default-voice", metavar="NAME", help="the saved voice OpenAI's built-in voice names"
                     " (alloy, ash, ...) speak with, unless a voice has that name (default: none, plain TTS)")
     args = ap.parse_args(argv)
-    if args.slots < 1 or args.queue < 0 or args.max_context < 2:
-        ap.error("--slots must be >= 1, --queue >= 0 and --max-context >= 2")
+    if args.slots < 1 or args.codec_workers < 1 or args.queue < 0 or args.max_context < 2:
+        ap.error("--slots and --codec-workers must be >= 1, --queue >= 0 and --max-context >= 2")
     if args.default_voice and not is_voice_name(args.default_voice):
         ap.error(f"--default-voice {args.default_voice!r}: use 1-64 letters, digits, '_', '-', inner spaces")
     return args

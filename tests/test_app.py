@@ -728,6 +728,41 @@ def test_full_queue_gives_503_with_retry_after_and_hangups_free_everything(locke
              "the slot and queue to empty")
 
 
+def test_codec_work_from_requests_has_its_own_bound_and_a_503_beyond(tmp_path, monkeypatch):
+    """Clip encodes and /v1/vqgan run outside --slots: --codec-workers of them at once, --queue more may
+    wait, beyond that a 503 with Retry-After, as generation."""
+    server = start_server(tmp_path, "--codec-workers", "1", "--queue", "0")
+    entered, release, encode = threading.Event(), threading.Event(), codec.encode
+
+    def slow_encode(*args):
+        if not entered.is_set():  # the first encode holds the one worker until released
+            entered.set()
+            release.wait(60)
+        return encode(*args)
+
+    monkeypatch.setattr(codec, "encode", slow_encode)
+    first = []
+    save = dict(name="first", audio=CLIP_B64, text="words")
+    thread = threading.Thread(target=lambda: first.append(call(server, "POST", "/v1/audio/voices", save)))
+    try:
+        thread.start()
+        assert entered.wait(30)
+        codes = dict(tokens=[[[1, 2]] * 10])
+        json_answer = {"Accept": "application/json"}
+        for path, body in [("/v1/audio/voices", dict(save, name="second")), ("/v1/vqgan/decode", codes),
+                           ("/v1/vqgan/encode", dict(audios=[CLIP_B64])),
+                           (SPEECH, dict(input=TEXT, ref_audio=CLIP_B64, ref_text="words"))]:
+            status, headers, data = call(server, "POST", path, body, json_answer)
+            assert status == 503 and int(headers["Retry-After"]) > 0, (path, status, data[:200])
+            assert "codec" in json.loads(data)["error"]["message"]
+    finally:
+        release.set()
+        thread.join(60)
+        stop_server(server)
+    assert first[0][0] == 201 and sorted(p.name for p in (tmp_path / "prompt").iterdir()) == [
+        ".fishfast-lock", "first.npy", "first.txt"]
+
+
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
 def test_a_failed_frame_step_is_a_500_and_the_server_keeps_serving(tmp_path):
     server = start_server(tmp_path, "--slots", "1")

@@ -266,6 +266,12 @@ def reference_clips(items, what="references") -> list:
     return out
 
 
+def is_code_lists(codes) -> bool:
+    """Codes as a client sends them: lists of integers (no floats, no booleans: bool is an int)."""
+    return isinstance(codes, list) and all(isinstance(row, list) and all(type(code) is int for code in row)
+                                           for row in codes)
+
+
 def check_format(fmt) -> str:
     if fmt not in FORMATS:
         raise dualAR.UserError(f"response format {str(fmt)[:20]!r} is not supported here: use one of"
@@ -496,8 +502,9 @@ class App:
     def check_codes(self, codes, what: str) -> torch.Tensor:
         """A client's codes (nested lists) -> (10, T) on the device; the codec clamps big ones (upstream)."""
         rows, frames = self.model.config["num_codebooks"], self.max_context
-        with contextlib.suppress(TypeError, ValueError, RuntimeError, OverflowError):  # ragged, not numbers
-            codes = torch.tensor(codes, dtype=torch.long)
+        if is_code_lists(codes):  # integers only: torch would take 1.5 and true as 1
+            with contextlib.suppress(ValueError, RuntimeError, OverflowError):  # ragged, too large
+                codes = torch.tensor(codes, dtype=torch.long)
         if not isinstance(codes, torch.Tensor) or codes.dim() != 2 or codes.size(0) != rows \
                 or not 0 < codes.size(1) <= frames or codes.min() < 0:
             raise dualAR.UserError(f"{what} must be {rows} equal lists of 1 to {frames} integers >= 0")

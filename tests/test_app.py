@@ -395,6 +395,8 @@ BAD = [
     ("DELETE", "/v1/audio/voices/a%5Cb", None, 400),
     ("DELETE", "/v1/audio/voices/", None, 400),
     ("DELETE", "/v1/audio/voices/nobody", None, 404),
+    *[("POST", "/v1/vqgan/decode?format=json", dict(tokens=[codes]), 400) for codes in [
+        [[1.5, 2]] * 10, [[True, 2]] * 10, [[1.0, 2]] * 10, [["1", 2]] * 10, [[1, 2]] * 9, [[1, -1]] * 10]],
     ("GET", "/nope", None, 404),
     ("OPTIONS", "/nope", None, 404),
     ("GET", "/v1/audio/speech/x", None, 404),

@@ -406,7 +406,7 @@ class Gate:
 
     def __init__(self, size: int, waiting: int, what: str):
         self.size, self.waiting, self.what = size, waiting, what
-        self.running, self.queued, self.turn = 0, 0, threading.Condition()
+        self.running, self.queued, self.turn, self.closed = 0, 0, threading.Condition(), False
 
     @contextlib.contextmanager
     def hold(self):
@@ -415,14 +415,23 @@ class Gate:
                 raise HTTPError(503, f"the server is busy: {self.running} {self.what} running and"
                                      f" {self.queued} waiting, try again later", {"Retry-After": "2"})
             self.queued += 1
-            self.turn.wait_for(lambda: self.running < self.size)
-            self.queued, self.running = self.queued - 1, self.running + 1
+            self.turn.wait_for(lambda: self.running < self.size or self.closed)
+            self.queued -= 1
+            if self.closed:
+                raise dualAR.EngineClosed("no more work is taken")
+            self.running += 1
         try:
             yield
         finally:
             with self.turn:
                 self.running -= 1
                 self.turn.notify()
+
+    def close(self):
+        """Those waiting are told the server is shutting down; those running finish."""
+        with self.turn:
+            self.closed = True
+            self.turn.notify_all()
 
 
 class App:
@@ -451,13 +460,15 @@ class App:
         self.default_voice, self.allow_origins = args.default_voice, set(args.allow_origin or ())
         self.hosts = served_names(args.host, args.allow_host)
         # decoding and encoding uploaded clips, /v1/vqgan: seconds of CPU each, outside --slots
-        self.codec_work = Gate(args.codec_workers, args.queue, "codec jobs (uploads, /v1/vqgan)").hold
+        self.codec_gate = Gate(args.codec_workers, args.queue, "codec jobs (uploads, /v1/vqgan)")
+        self.codec_work = self.codec_gate.hold
         self.name = "fishfast-demo" if self.demo else "s2-pro"
         self.info = dict(model=self.name, checkpoint=str(self.checkpoint), device=str(self.device),
                          dtype=str(dtype).replace("torch.", ""), quant=args.quant or "none", compile=compiled,
                          max_context=self.max_context, demo=self.demo)
 
     def close(self):
+        self.codec_gate.close()
         self.engine.close()
 
     @property
@@ -868,10 +879,11 @@ class Handler(BaseHTTPRequestHandler):
                                                             total_tokens=prompt_tokens + frames))
         except (ConnectionError, TimeoutError):
             raise
-        except Exception as e:  # failed after the 200 went out: an error event (SSE), else a cut-off body
-            self.close_connection = True
+        except Exception as e:  # failed after the 200 went out: an error event (SSE), else a cut-off body,
+            self.close_connection = True  # but a shutdown ends the audio where it got to, cleanly
             status, message, _, _ = error_answer(e)  # a bug's traceback is logged
-            end = dict(type="error", **self.error_body(status, message)) if sse else None
+            end = dict(type="error", **self.error_body(status, message)) if sse else \
+                {} if isinstance(e, dualAR.EngineClosed) else None
         if end is not None and not request.cancelled:  # else a body cut off, or a client that hung up
             if sse:
                 self.write_chunk(sse_event(**end))
@@ -909,7 +921,43 @@ class Handler(BaseHTTPRequestHandler):
 
 
 class Server(ThreadingHTTPServer):  # its `app` is set by make_server
+    """A thread per connection, each known (`connections`), so that `close` can end them all."""
     request_queue_size = 128  # connections the kernel holds before accept: 5 made every 6th of 100 wait 1 s
+    block_on_close = False  # server_close does not wait for the request threads: `close` does, bounded
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.connections, self.lock = {}, threading.Lock()  # socket -> its thread
+
+    def process_request(self, request, client_address):
+        thread = threading.Thread(target=self.process_request_thread, args=(request, client_address),
+                                  daemon=True)
+        with self.lock:
+            self.connections[request] = thread
+        thread.start()
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self.lock:
+                self.connections.pop(request, None)
+
+    def close(self, wait: float) -> int:
+        """After serve_forever: stop listening, end every request (streams end with their last chunk,
+        whole answers are a 503, idle and half-read connections read an EOF), wait up to `wait` seconds
+        for their threads -> how many are still running."""
+        self.server_close()
+        self.app.close()
+        with self.lock:
+            connections = dict(self.connections)
+        for sock in connections:
+            with contextlib.suppress(OSError):  # closed meanwhile
+                sock.shutdown(socket.SHUT_RD)
+        deadline = time.monotonic() + wait
+        for thread in connections.values():
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return sum(thread.is_alive() for thread in connections.values())
 
 
 # ----------------------------------------------------------------------------- the page
@@ -1169,6 +1217,8 @@ def parse_args(argv=None):
                     " a 503 (default 16; 0: served only while a slot is free)")
     ap.add_argument("--codec-workers", type=int, default=2, help="uploaded clips (and /v1/vqgan items)"
                     " decoded and encoded at once, --queue more may wait, beyond that a 503 (default 2)")
+    ap.add_argument("--shutdown-wait", type=float, default=8, metavar="SECONDS", help="on SIGTERM or"
+                    " Ctrl-C, how long running requests may take to end (default 8: docker stop waits 10)")
     ap.add_argument("--voices", default="prompt", help="saved voices, <name>.npy + .txt (default prompt/)")
     ap.add_argument("--api-key", default=os.environ.get("FISHFAST_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on /v1/ (default $FISHFAST_API_KEY, else none)")
@@ -1181,8 +1231,10 @@ def parse_args(argv=None):
     ap.add_argument("--default-voice", metavar="NAME", help="the saved voice OpenAI's built-in voice names"
                     " (alloy, ash, ...) speak with, unless a voice has that name (default: none, plain TTS)")
     args = ap.parse_args(argv)
-    if args.slots < 1 or args.codec_workers < 1 or args.queue < 0 or args.max_context < 2:
-        ap.error("--slots and --codec-workers must be >= 1, --queue >= 0 and --max-context >= 2")
+    if args.slots < 1 or args.codec_workers < 1 or args.queue < 0 or args.max_context < 2 \
+            or not args.shutdown_wait >= 0:
+        ap.error("--slots and --codec-workers must be >= 1, --queue and --shutdown-wait >= 0 and"
+                 " --max-context >= 2")
     if args.default_voice and not is_voice_name(args.default_voice):
         ap.error(f"--default-voice {args.default_voice!r}: use 1-64 letters, digits, '_', '-', inner spaces")
     return args
@@ -1215,8 +1267,14 @@ def main(argv=None):
     except KeyboardInterrupt:
         pass
     finally:
-        server.server_close()
-        app.close()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # the wait below is bounded: no second interrupt in it
+            signal.signal(sig, signal.SIG_IGN)
+        left = server.close(args.shutdown_wait)
+    if left:  # a thread still in torch when Python exits aborts the process ("terminate called ...")
+        print(f"fishfast: {left} request(s) still running after {args.shutdown_wait:g} s: exiting",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

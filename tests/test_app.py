@@ -924,6 +924,45 @@ def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
     assert "Traceback" not in server.stderr.read()
 
 
+def test_sigterm_under_load_ends_every_request_cleanly_and_exits_0(tmp_path):
+    """SIGTERM with two streams and uploads running: the streams end with their terminal chunk (SSE: an
+    error event first), the process exits 0 (no C++ abort from threads still in torch), no upload is left
+    in the temp folder."""
+    with server_process(tmp_path, "--slots", "2") as (process, address):
+        body = dict(input=TEXT, max_new_tokens=0)
+        streams = [open_stream(address, dict(body, response_format="pcm")),
+                   open_stream(address, dict(body, response_format="wav", stream_format="sse"))]
+        for _, response in streams:
+            assert response.status == 200 and len(response.read(2)) == 2  # generating
+        answers = []
+
+        def upload(i):
+            save = dict(name=f"voice {i}", audio=CLIP_B64, text="words")
+            try:
+                answers.append(call(address, "POST", "/v1/audio/voices", save)[0])
+            except (ConnectionError, http.client.HTTPException) as e:  # not yet accepted when it stopped
+                answers.append(type(e).__name__)
+
+        uploads = [threading.Thread(target=upload, args=(i,)) for i in range(4)]
+        for thread in uploads:
+            thread.start()
+        time.sleep(0.3)  # the uploads under way
+        process.send_signal(signal.SIGTERM)
+        pcm_rest = streams[0][1].read()  # http.client raises IncompleteRead on a stream cut off
+        events = streams[1][1].read().decode().strip().split("\n\n")
+        assert len(pcm_rest) % 2 == 0 and events[-1].startswith("data: ")
+        last = json.loads(events[-1][len("data: "):])
+        assert last["type"] == "error" and "shutting down" in last["error"]["message"], last
+        for thread in uploads:
+            thread.join(60)
+        assert process.wait(60) == 0
+        errors = process.stderr.read()
+        assert "Traceback" not in errors and "terminate called" not in errors, errors[-2000:]
+        gone = ("ConnectionResetError", "RemoteDisconnected")  # sent once the server stopped listening
+        assert all(answer in (201, 503, *gone) for answer in answers), answers
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
 # ----------------------------------------------------------------------------- OpenAI's client
 def test_openai_client_builtin_voices_instructions_and_every_format(server, ref, root, monkeypatch):
     url = "http://%s:%d/v1" % server.server_address[:2]

@@ -545,6 +545,17 @@ def test_a_cross_site_form_post_is_refused_and_writes_nothing(server, root):
     assert call(server, "POST", "/v1/tts", dict(text=TEXT, max_new_tokens=4), own)[0] == 200  # our own page
 
 
+@pytest.mark.parametrize("origin", ["http://[", "http://a]b:x", "http://[::1", "http://a:99999", "http://a b"])
+def test_a_malformed_origin_is_another_sites_page_never_a_500(server, root, origin, capfd):
+    status, headers, _ = call(server, "GET", "/health", headers={"Origin": origin})
+    assert status == 200 and "Access-Control-Allow-Origin" not in headers
+    before = tree(root.parent)
+    save = dict(name="odd", audio=CLIP_B64, text="x")
+    status, _, data = call(server, "POST", "/v1/audio/voices", save, {"Origin": origin})
+    assert status == 403 and "--allow-origin" in json.loads(data)["error"]["message"]
+    assert tree(root.parent) == before and "Traceback" not in capfd.readouterr().err
+
+
 def test_an_allowed_origin_gets_cors_headers_and_its_preflight(locked, monkeypatch):
     ask = {"Origin": FOREIGN, "Access-Control-Request-Method": "POST",
            "Access-Control-Request-Headers": "authorization,content-type"}

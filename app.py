@@ -31,7 +31,7 @@ import time
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, unquote
 
 import numpy as np
 import soundfile as sf
@@ -134,6 +134,20 @@ def check_host(host, names: set):
         return
     raise HTTPError(421, f"this server does not answer to the name {name[:100]!r}: start it with"
                          " --allow-host NAME to serve that name (a proxy's, a LAN name)")
+
+
+def request_target(target: str) -> tuple:
+    """The request line's target -> (its authority or None, path, query): /path?query, or the absolute
+    form proxies may send, http://host/path?query. Anything else is a 400."""
+    if target.startswith("/"):
+        path, _, query = target.partition("?")
+        return None, path, query
+    scheme, sep, rest = target.partition("://")
+    host = re.match(r"[^/?]*", rest)[0]
+    if sep and scheme.lower() in ("http", "https") and authority(host) is not None:
+        path, _, query = ("/" + rest[len(host):].lstrip("/")).partition("?")
+        return host, path, query
+    raise HTTPError(400, f"bad request target {target[:100]!r}: send /path or http://host/path")
 
 
 def same_origin(origin: str, host, names: set) -> bool:
@@ -611,12 +625,13 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
 
     def dispatch(self):
-        path = urlsplit(self.path).path
-        route, self.name = path, None
-        if path.startswith("/v1/audio/voices/"):
-            route, self.name = "/v1/audio/voices/{name}", unquote(path[len("/v1/audio/voices/"):])
         try:
-            check_host(self.headers.get("Host"), self.app.hosts)  # before anything else
+            host, path, self.query = request_target(self.path)
+            self.host = self.headers.get("Host") if host is None else host  # absolute-form: its own wins
+            check_host(self.host, self.app.hosts)  # before anything else
+            route, self.name, self.route_path = path, None, path
+            if path.startswith("/v1/audio/voices/"):
+                route, self.name = "/v1/audio/voices/{name}", unquote(path[len("/v1/audio/voices/"):])
             self.check_origin()
             methods = self.routes.get(route)
             if methods is None:
@@ -641,7 +656,7 @@ class Handler(BaseHTTPRequestHandler):
         """A page of another site may read nothing and change nothing here unless --allow-origin names it.
         Refusing only the answer is not enough: a form POST reaches the server without a CORS preflight."""
         origin, site = self.headers.get("Origin"), self.headers.get("Sec-Fetch-Site")
-        own = origin is None or same_origin(origin, self.headers.get("Host"), self.app.hosts)
+        own = origin is None or same_origin(origin, self.host, self.app.hosts)
         if own and site not in ("cross-site", "same-site"):
             return  # our own page, or not a browser (curl, SDKs send no Origin)
         if origin and ({"*", origin} & self.app.allow_origins):
@@ -692,7 +707,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def wants_msgpack(self) -> bool:
         """Upstream's rule: msgpack unless ?format=json or an Accept that names JSON and not msgpack."""
-        asked = parse_qs(urlsplit(self.path).query).get("format", [""])[0].lower()
+        asked = parse_qs(self.query).get("format", [""])[0].lower()
         accept = self.headers.get("Accept", "").lower()
         if asked in ("json", "application/json", "msgpack", "application/msgpack"):
             return MSGPACK is not None and "msgpack" in asked
@@ -786,7 +801,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def upstream(self, **ids) -> bool:
         """Whether this is upstream's route: then its answers and errors, JSON or msgpack (wants_msgpack)."""
-        if self.path.startswith("/v1/references/"):
+        if self.route_path.startswith("/v1/references/"):
             self.packed, self.error_fields = self.wants_msgpack(), dict(success=False, **ids)
         return self.error_fields is not None
 

@@ -882,6 +882,18 @@ def test_a_half_closed_client_gets_its_whole_answer(server, ref, fmt):
                      expected_pcm(ref, seed=14, max_new_tokens=12))
 
 
+def test_a_bad_request_target_is_a_400_and_an_absolute_one_is_served(server, capfd):
+    port = server.server_address[1]
+    for target, status in [("http://[/health", 400), ("http://a]b:x/health", 400), ("*", 400),
+                           ("health", 400), ("//[x", 404), (f"http://127.0.0.1:{port}/health", 200),
+                           (f"http://localhost:{port}/health?x=1", 200), ("http://evil.example/health", 421)]:
+        answer = raw_exchange(server, f"GET {target} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 %d" % status), (target, answer[:300])
+        assert "error" in json.loads(body) if status != 200 else json.loads(body)["status"] == "ok"
+    assert "Traceback" not in capfd.readouterr().err
+
+
 def request_threads() -> list:
     """The servers' threads still handling a connection (ThreadingHTTPServer names them so)."""
     return [t for t in threading.enumerate() if "process_request_thread" in t.name]

@@ -150,6 +150,21 @@ def request_target(target: str) -> tuple:
     raise HTTPError(400, f"bad request target {target[:100]!r}: send /path or http://host/path")
 
 
+def body_length(lengths: list, codings: list) -> int:
+    """A request's framing headers (every Content-Length, every Transfer-Encoding) -> its body's length.
+    Two of either, or a coding other than one chunked, is a 400 (RFC 9112: request smuggling behind a
+    proxy that reads the other one)."""
+    if codings:
+        if len(codings) == 1 and codings[0].strip().lower() == "chunked":
+            raise HTTPError(411, "chunked request bodies are not supported: send Content-Length")
+        raise HTTPError(400, "Transfer-Encoding is not supported in requests: send one Content-Length")
+    if len(lengths) > 1:
+        raise HTTPError(400, "more than one Content-Length header")
+    if lengths and not re.fullmatch(r"[0-9]+", lengths[0].strip()):  # no sign either: "-5" is no length
+        raise HTTPError(400, "Content-Length must be a number of bytes")
+    return int(lengths[0]) if lengths else 0
+
+
 def same_origin(origin: str, host, names: set) -> bool:
     """Whether a page's Origin is this server: a name we serve (see check_host) and the Host it asked."""
     scheme, _, netloc = origin.partition("://")
@@ -619,6 +634,7 @@ class Handler(BaseHTTPRequestHandler):
     def handle_one_request(self):
         self.started = False  # whether this response's headers went out: then no other status can
         self.app, self.cors, self.packed, self.error_fields = self.server.app, None, False, None
+        self.length, self.body_read = 0, False
         try:
             super().handle_one_request()
         except (ConnectionError, TimeoutError):  # gone while we wrote, even an error: nobody to tell
@@ -627,6 +643,8 @@ class Handler(BaseHTTPRequestHandler):
     def dispatch(self):
         try:
             host, path, self.query = request_target(self.path)
+            self.length = body_length(self.headers.get_all("Content-Length", []),
+                                      self.headers.get_all("Transfer-Encoding", []))
             self.host = self.headers.get("Host") if host is None else host  # absolute-form: its own wins
             check_host(self.host, self.app.hosts)  # before anything else
             route, self.name, self.route_path = path, None, path
@@ -645,6 +663,8 @@ class Handler(BaseHTTPRequestHandler):
             if path.startswith("/v1/"):
                 self.authorize()
             getattr(self, methods["GET" if self.command == "HEAD" else self.command])()
+            if self.length and not self.body_read:  # a body no route reads (a GET's) is no next request
+                self.close_connection = True
         except (ConnectionError, TimeoutError):  # the client went away
             self.close_connection = True
         except Exception as e:
@@ -682,12 +702,7 @@ class Handler(BaseHTTPRequestHandler):
 
     # --- reading
     def body(self) -> bytes:
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            raise HTTPError(411, "chunked request bodies are not supported: send Content-Length")
-        length = self.headers.get("Content-Length", "0").strip()
-        if not length.isdecimal():  # no sign either: "-5" is no length
-            raise HTTPError(400, "Content-Length must be a number of bytes")
-        length = int(length)
+        length, self.body_read = self.length, True
         if length > MAX_BODY:
             raise HTTPError(413, f"the request body must be 0 to {MAX_BODY >> 20} MiB")
         data = self.rfile.read(length)

@@ -545,7 +545,8 @@ def test_a_cross_site_form_post_is_refused_and_writes_nothing(server, root):
     assert call(server, "POST", "/v1/tts", dict(text=TEXT, max_new_tokens=4), own)[0] == 200  # our own page
 
 
-@pytest.mark.parametrize("origin", ["http://[", "http://a]b:x", "http://[::1", "http://a:99999", "http://a b"])
+@pytest.mark.parametrize("origin", ["http://[", "http://a]b:x", "http://[::1", "http://a:99999",
+                                    "http://a b"])
 def test_a_malformed_origin_is_another_sites_page_never_a_500(server, root, origin, capfd):
     status, headers, _ = call(server, "GET", "/health", headers={"Origin": origin})
     assert status == 200 and "Access-Control-Allow-Origin" not in headers
@@ -892,6 +893,28 @@ def test_a_bad_request_target_is_a_400_and_an_absolute_one_is_served(server, cap
         assert head.startswith(b"HTTP/1.1 %d" % status), (target, answer[:300])
         assert "error" in json.loads(body) if status != 200 else json.loads(body)["status"] == "ok"
     assert "Traceback" not in capfd.readouterr().err
+
+
+def test_ambiguous_framing_is_refused_and_an_unread_body_is_never_a_next_request(server, root):
+    """Request smuggling behind a proxy that does not normalise framing headers (RFC 9112 6.3): two
+    Content-Length or Transfer-Encoding headers, a coding other than chunked, are a 400, answered once."""
+    data = json.dumps(dict(name="smuggled", audio=CLIP_B64, text="x")).encode()
+    smuggled = b"POST /v1/audio/voices HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n" \
+        b"Content-Length: %d\r\n\r\n%s" % (len(data), data)
+    before = tree(root.parent)
+    for framing, status in [(b"Content-Length: 2\r\nContent-Length: %d" % len(smuggled), 400),
+                            (b"Content-Length: 2\r\nContent-Length: 2", 400),
+                            (b"Transfer-Encoding: identity\r\nTransfer-Encoding: chunked", 400),
+                            (b"Transfer-Encoding: gzip\r\nContent-Length: 2", 400),
+                            (b"Transfer-Encoding: chunked", 411)]:
+        head = b"POST /v1/tts HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        answer = raw_exchange(server, head + framing + b"\r\n\r\n{}" + smuggled)
+        assert answer.startswith(b"HTTP/1.1 %d" % status), (framing, answer[:300])
+        assert answer.count(b"HTTP/1.1 ") == 1, (framing, answer)
+    answer = raw_exchange(server, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n%s"
+                          % (len(smuggled), smuggled))  # a GET's body, unread: not a request of its own
+    assert answer.startswith(b"HTTP/1.1 200") and answer.count(b"HTTP/1.1 ") == 1
+    assert tree(root.parent) == before
 
 
 def request_threads() -> list:

@@ -226,15 +226,15 @@ def parse_form(content_type: str, body: bytes) -> dict:
 
 
 def decode_base64(value, what: str) -> bytes:
-    """base64 text (JSON) -> bytes; bytes (msgpack, multipart) are the audio itself."""
+    """base64 text (JSON), wrapped or not -> bytes; bytes (msgpack, multipart) are the audio itself."""
     if isinstance(value, bytes) and value:
         return value
     if not isinstance(value, str) or not value:
         raise dualAR.UserError(f"{what} must be a base64 string of an audio file")
     if value.startswith("data:") and ";base64," in value:  # a data URL, as browsers make them
         value = value.split(",", 1)[1]
-    try:
-        return base64.b64decode(value, validate=True)
+    try:  # the line breaks (and spaces) of wrapped base64 are no data: `base64` prints 76-column lines
+        return base64.b64decode("".join(value.split()), validate=True)
     except ValueError:  # binascii.Error is one
         raise dualAR.UserError(f"{what} is not valid base64") from None
 

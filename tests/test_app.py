@@ -917,6 +917,22 @@ def test_ambiguous_framing_is_refused_and_an_unread_body_is_never_a_next_request
     assert tree(root.parent) == before
 
 
+def test_line_wrapped_base64_is_the_same_audio(server):
+    """`base64` prints 76-column lines (upstream accepts them); spaces, CRLF and a data URL's too."""
+    def encode(audio):
+        status, _, data = call(server, "POST", "/v1/vqgan/encode?format=json", dict(audios=[audio]))
+        assert status == 200, data[:300]
+        return json.loads(data)["tokens"]
+
+    want = encode(CLIP_B64)
+    wrapped = base64.encodebytes(CLIP.read_bytes()).decode()
+    assert "\n" in wrapped and encode(wrapped) == want
+    assert encode(wrapped.replace("\n", "\r\n")) == want
+    assert encode("data:audio/wav;base64,\n" + wrapped) == want
+    status, _, data = call(server, "POST", "/v1/vqgan/encode?format=json", dict(audios=["UklG\n%%%"]))
+    assert status == 400 and "base64" in json.loads(data)["error"]["message"]
+
+
 def request_threads() -> list:
     """The servers' threads still handling a connection (ThreadingHTTPServer names them so)."""
     return [t for t in threading.enumerate() if "process_request_thread" in t.name]

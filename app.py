@@ -331,23 +331,41 @@ def openai_job(body: dict) -> dict:
                 send="sse" if stream == "sse" else "chunked" if fmt in STREAMABLE else "whole")
 
 
+def json_input(value):
+    """A client's value echoed in a 422, as pydantic's JSON echoes it: NaN and infinities as null (JSON has
+    no literal for them), lists and maps element by element."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (list, dict)):
+        try:
+            json.dumps(value, allow_nan=False, default=str)  # bytes: send_json writes them as base64
+            return value
+        except ValueError:  # a NaN inside
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            shown = {key: json_input(item) for key, item in items}
+            return shown if isinstance(value, dict) else list(shown.values())
+        except RecursionError:  # too deep to show
+            return type(value).__name__
+    return value
+
+
 def upstream_errors(body: dict) -> list:
     """The fields upstream's pydantic model refuses with a 422 -> its error list, in pydantic's shape."""
     errors = []
     for key, (low, high) in UPSTREAM_RANGES.items():
         value = body.get(key, low)
         if isinstance(value, bool) or not isinstance(value, (int, float)):  # strict: no "0.5", no true
-            errors.append(dict(type="float_type", loc=[key], input=value,
+            errors.append(dict(type="float_type", loc=[key], input=json_input(value),
                                msg="Input should be a valid number"))
         elif not low <= value <= high:
             words, op, bound = ("greater", "ge", low) if not value >= low else ("less", "le", high)
-            errors.append(dict(type=f"{words}_than_equal", loc=[key], input=value, ctx={op: bound},
-                               msg=f"Input should be {words} than or equal to {bound:g}"))
+            errors.append(dict(type=f"{words}_than_equal", loc=[key], input=json_input(value),
+                               ctx={op: bound}, msg=f"Input should be {words} than or equal to {bound:g}"))
     for key, allowed in UPSTREAM_CHOICES.items():
         if key in body and not any(body[key] == choice for choice in allowed):
             expected = ", ".join(map(repr, allowed[:-1])) + f" or {allowed[-1]!r}"
             errors.append(dict(type="literal_error", loc=[key], msg=f"Input should be {expected}",
-                               input=body[key], ctx=dict(expected=expected)))
+                               input=json_input(body[key]), ctx=dict(expected=expected)))
     return [dict(error, **{"in": "body"}) for error in errors]
 
 

@@ -647,6 +647,20 @@ def test_upstream_schema_ranges_are_a_422_in_pydantics_shape(server, field, valu
     assert error["input"] == value and error["msg"].startswith("Input should be")
 
 
+def test_a_422_for_an_infinite_or_nan_number_is_still_json(server):
+    """JSON reads 1e400 as infinity and msgpack carries NaN: their 422 echoes the input as null, as
+    pydantic's JSON does, never as a NaN or Infinity literal that no JSON parser takes."""
+    def strict(name):
+        raise ValueError(f"{name} is not JSON")
+
+    for kind, body in [("application/json", b'{"text": "hi", "temperature": 1e400}'),
+                       (MSGPACK, msgpack.packb(dict(text="hi", top_p=float("nan")))),
+                       (MSGPACK, msgpack.packb(dict(text="hi", top_p=[float("-inf")])))]:
+        status, _, data = call(server, "POST", "/v1/tts", body, content_type=kind)
+        [error] = json.loads(data, parse_constant=strict)
+        assert status == 422 and error["input"] in (None, [None]), error
+
+
 def test_upstream_references_and_vqgan_routes(server, root, ref):
     as_json = {"Accept": "application/json"}
     content_type, form = multipart(dict(id="up voice", text="What the clip says.", audio=CLIP.read_bytes()))

@@ -713,8 +713,10 @@ class Handler(BaseHTTPRequestHandler):
         self.send_bytes(b"", None, 204, headers)
 
     def authorize(self):
-        given, key = self.headers.get("Authorization", "").encode(), self.app.api_key
-        if key is not None and not hmac.compare_digest(given, f"Bearer {key}".encode()):
+        scheme, _, given = self.headers.get("Authorization", "").strip().partition(" ")
+        key = self.app.api_key  # the scheme is case-insensitive (RFC 9110), the key is not
+        if key is not None and not (scheme.lower() == "bearer"
+                                    and hmac.compare_digest(given.strip().encode(), key.encode())):
             raise HTTPError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                             {"WWW-Authenticate": "Bearer"})
 

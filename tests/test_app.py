@@ -734,7 +734,10 @@ def test_api_key_is_required_on_the_api_when_set(locked):
         assert status == 401 and json.loads(body)["error"]["type"] == "authentication_error"
         assert response_headers["WWW-Authenticate"] == "Bearer"
     assert call(locked, "POST", SPEECH, dict(input="hi"))[0] == 401
-    assert call(locked, "GET", "/v1/models", headers={"Authorization": "Bearer secret"})[0] == 200
+    for scheme in ("Bearer", "bearer", "BEARER"):  # the scheme is case-insensitive (RFC 9110 11.1)
+        assert call(locked, "GET", "/v1/models", headers={"Authorization": f"{scheme} secret"})[0] == 200
+    assert call(locked, "GET", "/v1/models", headers={"Authorization": "Bearer  secret"})[0] == 200
+    assert call(locked, "GET", "/v1/models", headers={"Authorization": "Bearer SECRET"})[0] == 401
     assert call(locked, "GET", "/health")[0] == 200 and call(locked, "GET", "/")[0] == 200
 
 

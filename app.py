@@ -734,6 +734,8 @@ class Handler(BaseHTTPRequestHandler):
         """The body as a dict: JSON, msgpack or, where `form`, multipart/form-data (text, audio as bytes)."""
         kinds = ("application/json", "application/msgpack", *(["multipart/form-data"] if form else []))
         kind = self.headers.get_content_type()
+        if not self.length:  # without a Content-Type, email's rule makes it text/plain: say what is missing
+            raise dualAR.UserError(f"the request has no body: send its fields as {' or '.join(kinds)}")
         if kind not in kinds:
             raise HTTPError(415, f"Content-Type {kind} is not supported here: send {' or '.join(kinds)}")
         if kind == "multipart/form-data":

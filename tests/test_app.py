@@ -661,6 +661,15 @@ def test_a_422_for_an_infinite_or_nan_number_is_still_json(server):
         assert status == 422 and error["input"] in (None, [None]), error
 
 
+def test_a_request_without_the_body_its_route_reads_is_told_so(server):
+    for method, path in [("DELETE", "/v1/references/delete?format=json"), ("POST", "/v1/tts"),
+                         ("POST", "/v1/references/update?format=json")]:
+        status, _, data = call(server, method, path, None, content_type=None)
+        answer = json.loads(data)
+        message = answer["message"] if "success" in answer else answer["error"]["message"]
+        assert status == 400 and "no body" in message and "text/plain" not in message, (path, message)
+
+
 def test_upstream_references_and_vqgan_routes(server, root, ref):
     as_json = {"Accept": "application/json"}
     content_type, form = multipart(dict(id="up voice", text="What the clip says.", audio=CLIP.read_bytes()))

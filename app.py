@@ -972,7 +972,18 @@ class Handler(BaseHTTPRequestHandler):
                          frames, seconds, wall, frames / max(wall, 1e-9), wall / max(seconds, 1e-9))
 
 
-class Server(ThreadingHTTPServer):  # its `app` is set by make_server
+class Refusal(Handler):
+    """A connection beyond --max-connections: its 503, at once (no request is read)."""
+    timeout = 1  # seconds the accepting thread may spend writing it
+
+    def handle(self):
+        self.started, self.app, self.cors, self.packed, self.error_fields = False, None, None, False, None
+        self.command, self.request_version, self.requestline = "", "HTTP/1.1", "(a connection refused)"
+        self.send_json_error(503, f"the server is busy: {self.server.max_connections} connections are open"
+                                  " (--max-connections), try again later", {"Retry-After": "2"})
+
+
+class Server(ThreadingHTTPServer):  # its `app` and `max_connections` are set by make_server
     """A thread per connection, each known (`connections`), so that `close` can end them all."""
     request_queue_size = 128  # connections the kernel holds before accept: 5 made every 6th of 100 wait 1 s
     block_on_close = False  # server_close does not wait for the request threads: `close` does, bounded
@@ -985,8 +996,17 @@ class Server(ThreadingHTTPServer):  # its `app` is set by make_server
         thread = threading.Thread(target=self.process_request_thread, args=(request, client_address),
                                   daemon=True)
         with self.lock:
-            self.connections[request] = thread
-        thread.start()
+            full = len(self.connections) >= self.max_connections
+            if not full:
+                self.connections[request] = thread
+        if not full:
+            return thread.start()
+        with contextlib.suppress(OSError):  # beyond --max-connections: a 503, written here, nothing read
+            Refusal(request, client_address, self)
+            request.shutdown(socket.SHUT_WR)
+            while request.recv(65536, socket.MSG_DONTWAIT):  # what came already: closed unread, it
+                pass  # would be a reset, which may reach the client before our answer
+        self.shutdown_request(request)
 
     def process_request_thread(self, request, client_address):
         try:
@@ -1269,6 +1289,8 @@ def parse_args(argv=None):
                     " a 503 (default 16; 0: served only while a slot is free)")
     ap.add_argument("--codec-workers", type=int, default=2, help="uploaded clips (and /v1/vqgan items)"
                     " decoded and encoded at once, --queue more may wait, beyond that a 503 (default 2)")
+    ap.add_argument("--max-connections", type=int, default=256, help="connections served at once (a"
+                    " thread each, idle ones too), beyond that a 503 at once (default 256)")
     ap.add_argument("--shutdown-wait", type=float, default=8, metavar="SECONDS", help="on SIGTERM or"
                     " Ctrl-C, how long running requests may take to end (default 8: docker stop waits 10)")
     ap.add_argument("--voices", default="prompt", help="saved voices, <name>.npy + .txt (default prompt/)")
@@ -1283,10 +1305,10 @@ def parse_args(argv=None):
     ap.add_argument("--default-voice", metavar="NAME", help="the saved voice OpenAI's built-in voice names"
                     " (alloy, ash, ...) speak with, unless a voice has that name (default: none, plain TTS)")
     args = ap.parse_args(argv)
-    if args.slots < 1 or args.codec_workers < 1 or args.queue < 0 or args.max_context < 2 \
-            or not args.shutdown_wait >= 0:
-        ap.error("--slots and --codec-workers must be >= 1, --queue and --shutdown-wait >= 0 and"
-                 " --max-context >= 2")
+    if min(args.slots, args.codec_workers, args.max_connections) < 1 or args.queue < 0 \
+            or args.max_context < 2 or not args.shutdown_wait >= 0:
+        ap.error("--slots, --codec-workers and --max-connections must be >= 1, --queue and --shutdown-wait"
+                 " >= 0 and --max-context >= 2")
     if args.default_voice and not is_voice_name(args.default_voice):
         ap.error(f"--default-voice {args.default_voice!r}: use 1-64 letters, digits, '_', '-', inner spaces")
     return args
@@ -1300,7 +1322,7 @@ def make_server(args) -> Server:
     except OSError as e:
         app.close()
         raise dualAR.UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
-    server.app = app
+    server.app, server.max_connections = app, args.max_connections
     return server
 
 

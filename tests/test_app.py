@@ -995,6 +995,25 @@ def test_a_hundred_clients_connecting_at_once_are_all_served(server):
           f" {times[-1] * 1000:.0f} ms, {sum(t >= 1 for t in times)} took 1 s or more")
 
 
+def test_connections_beyond_the_cap_get_a_503_at_once(tmp_path):
+    """A thread per connection, so a cap on them (--max-connections): a thousand slow sockets would
+    otherwise exhaust the process's open files (systemd's default is 1,024)."""
+    server = start_server(tmp_path, "--max-connections", "2")
+    idle = [socket.create_connection(server.server_address[:2], timeout=30) for _ in range(2)]
+    try:
+        wait_for(lambda: len(server.connections) == 2, 10, "the server to hold both idle connections")
+        status, headers, data = call(server, "GET", "/health")
+        assert status == 503 and int(headers["Retry-After"]) > 0
+        assert "--max-connections" in json.loads(data)["error"]["message"]
+        idle.pop().close()
+        wait_for(lambda: len(server.connections) == 1, 10, "the closed connection's thread to end")
+        assert call(server, "GET", "/health")[0] == 200
+    finally:
+        for sock in idle:
+            sock.close()
+        stop_server(server)
+
+
 def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
     """docker stop and systemd send SIGTERM: the server closes its engine and exits, as with Ctrl-C."""
     command = [sys.executable, str(Path(app.__file__).resolve()), "--device", "cpu", "--port", "0"]

@@ -195,6 +195,41 @@ def check_text(text, what="input", limit=MAX_TEXT) -> str:
     return text
 
 
+# msgpack's type bytes -> (bytes of the length that follows, bytes fixed after it, objects inside per length
+# unit); fix* types carry their length in the type byte itself (see msgpack_end)
+MSGPACK_TYPES = {0xc0: (0, 0, 0), 0xc2: (0, 0, 0), 0xc3: (0, 0, 0), 0xca: (0, 4, 0), 0xcb: (0, 8, 0),
+                 0xdc: (2, 0, 1), 0xdd: (4, 0, 1), 0xde: (2, 0, 2), 0xdf: (4, 0, 2),
+                 **{0xc4 + i: (1 << i, 0, 0) for i in range(3)},  # bin 8/16/32
+                 **{0xc7 + i: (1 << i, 1, 0) for i in range(3)},  # ext 8/16/32: a type byte after the length
+                 **{0xcc + i: (0, 1 << i, 0) for i in range(4)},  # uint 8-64
+                 **{0xd0 + i: (0, 1 << i, 0) for i in range(4)},  # int 8-64
+                 **{0xd4 + i: (0, 1 + (1 << i), 0) for i in range(5)},  # fixext 1-16
+                 **{0xd9 + i: (1 << i, 0, 0) for i in range(3)}}  # str 8/16/32
+
+
+def msgpack_end(data: bytes) -> int:
+    """Where the first msgpack object of `data` ends (no decoding): ormsgpack reads it and ignores what
+    follows, msgpack refuses that; both are then refused the same."""
+    pos, pending = 0, 1
+    while pending and pos < len(data):
+        pending, kind = pending - 1, data[pos]
+        pos += 1
+        if kind <= 0x7f or kind >= 0xe0:  # fixint
+            continue
+        if kind <= 0x9f:  # fixmap, fixarray
+            pending += (kind & 0x0f) * (2 if kind <= 0x8f else 1)
+        elif kind <= 0xbf:  # fixstr
+            pos += kind & 0x1f
+        elif kind in MSGPACK_TYPES:
+            size, fixed, inside = MSGPACK_TYPES[kind]
+            length = int.from_bytes(data[pos:pos + size], "big")
+            pos += size + fixed
+            pending, pos = (pending + length * inside, pos) if inside else (pending, pos + length)
+        else:  # 0xc1: never used
+            return -1
+    return pos if not pending else -1
+
+
 def parse_body(kind: str, body: bytes) -> dict:
     """A JSON or msgpack body (upstream's tools/api_client.py: bytes stay bytes, raw audio) -> its object."""
     def refuse_constant(name):  # NaN, Infinity, -Infinity
@@ -204,6 +239,8 @@ def parse_body(kind: str, body: bytes) -> dict:
         raise HTTPError(415, "application/msgpack needs a msgpack library on the server: pip install"
                              " ormsgpack (or msgpack), or send JSON")
     try:
+        if what == "msgpack" and msgpack_end(body) != len(body):
+            raise ValueError("trailing bytes after the object, or an object cut short")
         data = MSGPACK.unpackb(body) if what == "msgpack" else \
             json.loads(body, parse_constant=refuse_constant)
     except (ValueError, TypeError, RecursionError) as e:  # both libraries' errors, the depth limits too

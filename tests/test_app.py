@@ -670,6 +670,24 @@ def test_a_request_without_the_body_its_route_reads_is_told_so(server):
         assert status == 400 and "no body" in message and "text/plain" not in message, (path, message)
 
 
+def test_msgpack_with_trailing_bytes_is_refused_by_either_library(monkeypatch):
+    """msgpack raises ExtraData; ormsgpack (upstream's, preferred when installed) reads the first object
+    and ignores the rest: stood in for here by msgpack's streaming Unpacker, which does the same."""
+    def first_object(data):
+        unpacker = msgpack.Unpacker(raw=False)
+        unpacker.feed(data)
+        return next(unpacker)
+
+    body = msgpack.packb(dict(text="hi", references=[dict(audio=b"\0" * 300, text="x")], top_k=70000,
+                              seed=2**40, top_p=0.5, streaming=False, none=None, n=-3, m=-200))
+    for library in (msgpack, types.SimpleNamespace(unpackb=first_object, packb=msgpack.packb)):
+        monkeypatch.setattr(app, "MSGPACK", library)
+        assert app.parse_body(MSGPACK, body) == msgpack.unpackb(body)
+        for tail in (b"\x01", b"\xc0", b"\x80" * 3):
+            with pytest.raises(dualAR.UserError, match="malformed msgpack"):
+                app.parse_body(MSGPACK, body + tail)
+
+
 def test_upstream_references_and_vqgan_routes(server, root, ref):
     as_json = {"Accept": "application/json"}
     content_type, form = multipart(dict(id="up voice", text="What the clip says.", audio=CLIP.read_bytes()))

@@ -68,7 +68,7 @@ LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")  # names any server answers t
 AUTHORITY = re.compile(r"(?:\[([0-9a-f:.]+)\]|([a-z0-9._-]+))(?::([0-9]{1,5}))?")  # name[:port], [v6][:port]
 OPENAI_VOICES = set("alloy ash ballad coral echo fable nova onyx sage shimmer verse".split())
 MAX_CODES = 8  # audios or token arrays in one /v1/vqgan request
-DEMO_FRAMES = 200  # the page's default length with the demo model: seconds of noise, not half a minute
+DEMO_FRAMES = 200  # the demo model's length (the page's default, the API's for no limit): seconds of noise
 DEMO_NOTICE = ("DEMO: no checkpoint found, so a tiny RANDOM model is serving and the audio is NOISE. For"
                f" speech, download fishaudio/s2-pro into {dualAR.DEFAULT_CHECKPOINT} (see README).")
 
@@ -926,8 +926,11 @@ class Handler(BaseHTTPRequestHandler):
         if not self.app.alive:
             raise HTTPError(503, "the engine stopped (see the server's log): restart the server")
         self.app.engine.check_room()  # before the clips are encoded for nothing
+        sampling = dict(job["sampling"])
+        if self.app.demo and not sampling["max_new_tokens"]:  # random weights rarely stop: the page's length
+            sampling["max_new_tokens"] = DEMO_FRAMES
         request = self.app.engine.submit(dict(text=job["text"], references=self.app.references(job),
-                                              max_context=self.app.max_context, **job["sampling"]))
+                                              max_context=self.app.max_context, **sampling))
         start, prompt_tokens = time.perf_counter(), request.prompt.size(1)
         try:
             self.watch(request)

@@ -885,6 +885,23 @@ def test_demo_model_says_it_is_noise(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_demo_models_api_stops_where_its_page_does(tmp_path, monkeypatch):
+    """Random weights rarely say 'stop': without a frame limit the README's pcm curl ran 76 s of noise.
+    On the demo model, no limit (max_new_tokens 0, OpenAI's) is DEMO_FRAMES, as the page's default."""
+    monkeypatch.chdir(tmp_path)  # no ./s2-pro here
+    server = app.make_server(app.parse_args(["--device", "cpu", "--port", "0"]))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    conn, response = open_stream(server, dict(input=TEXT, response_format="pcm", seed=3))
+    try:
+        most, data = 2 * app.HOP * app.DEMO_FRAMES, b""
+        while len(data) <= most and (piece := response.read1(65536)):
+            data += piece
+        assert response.status == 200 and 0 < len(data) <= most, len(data) / (2 * app.HOP)
+    finally:
+        conn.close()
+        stop_server(server)
+
+
 def raw_exchange(server, request: bytes, close="half") -> bytes:
     """Send `request` on a socket, then half-close it (shutdown SHUT_WR, as some clients and proxies do) and
     read the whole answer, or close it at once (close="full") -> the bytes read."""

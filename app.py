@@ -122,6 +122,10 @@ def served_names(host: str, allowed) -> set:
     return {host.strip("[]").lower(), *LOOPBACK_NAMES, *(name.lower() for name in allowed or ())}
 
 
+def is_served(name: str, names: set) -> bool:
+    return "*" in names or name in names or is_ip_address(name)
+
+
 def check_host(host, names: set):
     """DNS rebinding: a page of evil.example, once that name resolves to this machine, is of the same
     origin as the server to the browser, so no Origin check can tell it apart: only its Host can. An IP
@@ -129,9 +133,9 @@ def check_host(host, names: set):
     found = authority(host) if host is not None else (None, None)
     if found is None:
         raise HTTPError(400, "malformed Host header: send host[:port]")
-    name = found[0]
-    if name is None or "*" in names or name in names or is_ip_address(name):
+    if found[0] is None or is_served(found[0], names):
         return
+    name = found[0]
     raise HTTPError(421, f"this server does not answer to the name {name[:100]!r}: start it with"
                          " --allow-host NAME to serve that name (a proxy's, a LAN name)")
 
@@ -169,8 +173,7 @@ def same_origin(origin: str, host, names: set) -> bool:
     """Whether a page's Origin is this server: a name we serve (see check_host) and the Host it asked."""
     scheme, _, netloc = origin.partition("://")
     found = authority(netloc) if scheme in ("http", "https") else None
-    return found is not None and found == authority(host or "") and (found[0] in names or is_ip_address(
-        found[0]))
+    return found is not None and found == authority(host or "") and is_served(found[0], names)
 
 
 def is_voice_name(name) -> bool:

@@ -607,6 +607,24 @@ def test_a_name_rebound_to_this_machine_is_refused_everywhere_and_changes_nothin
     assert call(locked, "POST", "/v1/tts", dict(text=TEXT, max_new_tokens=4), forged)[0] == 403
 
 
+def test_the_names_a_server_answers_to_and_its_own_pages_origin():
+    names = app.served_names("0.0.0.0", ["TTS.example.com"])
+    for host in ("localhost", "127.0.0.1:7560", "[::1]:80", "tts.example.com", "10.1.2.3:7560", "[fe80::1]",
+                 None):  # an IP address cannot be a rebound name; HTTP/1.0 may send no Host
+        app.check_host(host, names)
+    for host, status in [("evil.example:7560", 421), ("localhost.evil.example", 421), ("a@b", 400),
+                         ("[::1", 400), ("x:99999", 400), ("", 400)]:
+        with pytest.raises(app.HTTPError) as refused:
+            app.check_host(host, names)
+        assert refused.value.status == status, host
+    app.check_host("anything.example", {"*"})  # --allow-host '*'
+    assert app.same_origin("http://tts.example.com", "tts.example.com", names)
+    assert app.same_origin("https://anything.example:8443", "anything.example:8443", {"*"})
+    assert not app.same_origin("http://evil.example:7560", "evil.example:7560", names)
+    assert not app.same_origin("http://localhost:9", "localhost:7560", names)  # another port: another site
+    assert not app.same_origin("null", "localhost", names)
+
+
 # ----------------------------------------------------------------------------- upstream's clients
 def upstream_request(**fields) -> dict:
     """ServeTTSRequest with every field, as upstream's tools/api_client.py packs it (its defaults)."""

@@ -133,11 +133,9 @@ def check_host(host, names: set):
     found = authority(host) if host is not None else (None, None)
     if found is None:
         raise HTTPError(400, "malformed Host header: send host[:port]")
-    if found[0] is None or is_served(found[0], names):
-        return
-    name = found[0]
-    raise HTTPError(421, f"this server does not answer to the name {name[:100]!r}: start it with"
-                         " --allow-host NAME to serve that name (a proxy's, a LAN name)")
+    if found[0] is not None and not is_served(found[0], names):
+        raise HTTPError(421, f"this server does not answer to the name {found[0][:100]!r}: start it with"
+                             " --allow-host NAME to serve that name (a proxy's, a LAN name)")
 
 
 def request_target(target: str) -> tuple:

@@ -46,8 +46,10 @@ MAX_TEXT = 4096  # characters of text to speak (OpenAI's limit)
 MAX_TRANSCRIPT = 2000  # characters of a reference transcript
 MAX_CLIP_SECONDS = 30
 CLIP_RATES, MAX_CLIP_CHANNELS = (8000, 192000), 2  # Hz, and mono or stereo: a voice clip, nothing odder
-# bytes a sample takes in the uncompressed subtypes, whose frames are bounded by the file's own size
+# bytes a sample takes in the uncompressed subtypes of the uncompressed formats (FLAC's are PCM_16 too),
+# whose frames are bounded by the file's own size
 SAMPLE_BYTES = dict(PCM_S8=1, PCM_U8=1, ULAW=1, ALAW=1, PCM_16=2, PCM_24=3, PCM_32=4, FLOAT=4, DOUBLE=8)
+UNCOMPRESSED = {"WAV", "WAVEX", "W64", "RF64", "AIFF", "AU", "CAF"}
 MAX_BODY = 48 << 20  # bytes: four 30 s 16-bit clips, base64 in JSON, fit with room
 VOICE_NAME = re.compile(r"[A-Za-z0-9_ -]{1,64}")  # upstream's rule for reference ids, at most 64 characters
 SAMPLE_RATE, HOP = codec.CONFIG["sample_rate"], codec.hop_length()  # HOP: samples per frame
@@ -277,7 +279,7 @@ def decode_base64(value, what: str) -> bytes:
         raise dualAR.UserError(f"{what} is not valid base64") from None
 
 
-def check_clip_header(what: str, rate: int, channels: int, frames: int, subtype: str, size: int):
+def check_clip_header(what: str, rate: int, channels: int, frames: int, kind: str, subtype: str, size: int):
     """An uploaded clip's header (soundfile.info), checked before a sample is decoded: a 2 KB file can
     declare 1000 s at 1 Hz (44 M samples once resampled), 46 KB of FLAC 30 s of 8 channels at 192 kHz."""
     if not CLIP_RATES[0] <= rate <= CLIP_RATES[1]:
@@ -288,7 +290,7 @@ def check_clip_header(what: str, rate: int, channels: int, frames: int, subtype:
     if frames > MAX_CLIP_SECONDS * rate:
         raise dualAR.UserError(f"{what} is {frames / rate:.1f} s long, at most {MAX_CLIP_SECONDS} s are"
                                " allowed")
-    if subtype in SAMPLE_BYTES and frames * channels * SAMPLE_BYTES[subtype] > size:
+    if kind in UNCOMPRESSED and subtype in SAMPLE_BYTES and frames * channels * SAMPLE_BYTES[subtype] > size:
         raise dualAR.UserError(f"{what} declares {frames} frames, more than its {size} bytes hold")
 
 
@@ -463,7 +465,7 @@ def clip_wave(data: bytes, what: str) -> torch.Tensor:
     blocks, frames = [], 0
     try:
         with sf.SoundFile(io.BytesIO(data)) as f:  # soundfile tells the format from the bytes
-            check_clip_header(what, f.samplerate, f.channels, f.frames, f.subtype, len(data))
+            check_clip_header(what, f.samplerate, f.channels, f.frames, f.format, f.subtype, len(data))
             most, rate = MAX_CLIP_SECONDS * f.samplerate, f.samplerate
             for block in f.blocks(blocksize=rate, dtype="float32", always_2d=True):
                 blocks.append(block.mean(1))

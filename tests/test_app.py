@@ -491,14 +491,35 @@ def test_an_upload_that_would_decode_to_gigabytes_is_refused_from_its_header(tmp
 
 
 def test_a_clip_header_is_checked_before_decoding():
-    app.check_clip_header("a", 44100, 2, 30 * 44100, "PCM_16", 4 * 30 * 44100)  # 30 s of stereo: fine
-    app.check_clip_header("a", 8000, 1, 8000, "VORBIS", 10)  # compressed: no bound from the size
-    for header, why in [((7999, 1, 10, "PCM_16", 100), "7999 Hz"), ((192001, 1, 10, "FLOAT", 100), "Hz"),
-                        ((44100, 3, 10, "PCM_16", 100), "3 channels"), ((44100, 0, 10, "FLAC", 100), "0 ch"),
-                        ((8000, 1, 8000 * 30 + 1, "FLAC", 100), "30.0 s long"),
-                        ((44100, 2, 1000, "PCM_24", 5999), "more than its 5999 bytes hold")]:
+    app.check_clip_header("a", 44100, 2, 30 * 44100, "WAV", "PCM_16", 4 * 30 * 44100)  # 30 s of stereo
+    app.check_clip_header("a", 8000, 1, 8000, "OGG", "VORBIS", 10)  # compressed: no bound from the size
+    app.check_clip_header("a", 8000, 1, 8000, "FLAC", "PCM_16", 10)  # FLAC's subtype is PCM_16 too
+    for header, why in [((7999, 1, 10, "WAV", "PCM_16", 100), "7999 Hz"),
+                        ((192001, 1, 10, "WAV", "FLOAT", 100), "Hz"),
+                        ((44100, 3, 10, "WAV", "PCM_16", 100), "3 channels"),
+                        ((44100, 0, 10, "FLAC", "PCM_16", 100), "0 ch"),
+                        ((8000, 1, 8000 * 30 + 1, "FLAC", "PCM_16", 100), "30.0 s long"),
+                        ((44100, 2, 1000, "AIFF", "PCM_24", 5999), "more than its 5999 bytes hold")]:
         with pytest.raises(dualAR.UserError, match=why):
             app.check_clip_header("a", *header)
+
+
+@pytest.mark.parametrize("kind, subtype, rate", [("WAV", "PCM_16", 44100), ("WAV", "FLOAT", 16000),
+                                                  ("FLAC", "PCM_16", 44100), ("FLAC", "PCM_24", 96000),
+                                                  ("OGG", "VORBIS", 44100), ("MP3", "MPEG_LAYER_III", 44100),
+                                                  ("OGG", "OPUS", 48000), ("AIFF", "PCM_16", 22050)])
+def test_an_upload_decodes_from_memory_as_its_file_would(tmp_path, kind, subtype, rate):
+    """Compressed formats carry a PCM subtype too (FLAC's PCM_16): no bound from their size."""
+    if not sf.check_format(kind, subtype):
+        pytest.skip(f"this soundfile cannot write {kind} {subtype}")
+    data, clip_rate = sf.read(CLIP, dtype="float32")
+    stereo = np.stack([data, data / 2], 1)
+    out = tmp_path / f"clip.{kind.lower()}"
+    sf.write(out, stereo if rate == clip_rate else np.stack([np.interp(
+        np.arange(len(data) * rate // clip_rate) * clip_rate / rate, np.arange(len(data)), c)
+        for c in stereo.T], 1), rate, format=kind, subtype=subtype)
+    want = codec.load_audio(out)
+    assert torch.equal(app.clip_wave(out.read_bytes(), "clip"), want)
 
 
 def raw_request(server, path: str, headers: dict, body: bytes):

@@ -128,16 +128,21 @@ def is_served(name: str, names: set) -> bool:
     return "*" in names or name in names or is_ip_address(name)
 
 
-def check_host(host, names: set):
-    """DNS rebinding: a page of evil.example, once that name resolves to this machine, is of the same
-    origin as the server to the browser, so no Origin check can tell it apart: only its Host can. An IP
-    address needs no check (a rebinding page needs a name of its own); a name must be one we serve."""
+def check_host(hosts: list, names: set) -> str:
+    """The Host header(s) -> the one Host. DNS rebinding: a page of evil.example, once that name resolves
+    to this machine, is of the same origin as the server to the browser, so no Origin check can tell it
+    apart: only its Host can. An IP address needs no check (a rebinding page needs a name of its own); a
+    name must be one we serve. HTTP/1.0 may send no Host; two are a 400 (RFC 9112)."""
+    if len(hosts) > 1:
+        raise HTTPError(400, "more than one Host header")
+    host = hosts[0] if hosts else None
     found = authority(host) if host is not None else (None, None)
     if found is None:
         raise HTTPError(400, "malformed Host header: send host[:port]")
     if found[0] is not None and not is_served(found[0], names):
         raise HTTPError(421, f"this server does not answer to the name {found[0][:100]!r}: start it with"
                              " --allow-host NAME to serve that name (a proxy's, a LAN name)")
+    return host
 
 
 def request_target(target: str) -> tuple:
@@ -703,8 +708,8 @@ class Handler(BaseHTTPRequestHandler):
             host, path, self.query = request_target(self.path)
             self.length = body_length(self.headers.get_all("Content-Length", []),
                                       self.headers.get_all("Transfer-Encoding", []))
-            self.host = self.headers.get("Host") if host is None else host  # absolute-form: its own wins
-            check_host(self.host, self.app.hosts)  # before anything else
+            given = check_host(self.headers.get_all("Host", []), self.app.hosts)  # before anything else
+            self.host = given if host is None else check_host([host], self.app.hosts)  # absolute-form's wins
             route, self.name, self.route_path = path, None, path
             if path.startswith("/v1/audio/voices/"):
                 route, self.name = "/v1/audio/voices/{name}", unquote(path[len("/v1/audio/voices/"):])

@@ -626,19 +626,24 @@ def test_a_name_rebound_to_this_machine_is_refused_everywhere_and_changes_nothin
     assert call(locked, "GET", "/health", headers={"Host": "other.example"})[0] == 421
     forged = {"Host": PUBLIC, "Origin": f"http://evil.example:{port}", "Authorization": "Bearer secret"}
     assert call(locked, "POST", "/v1/tts", dict(text=TEXT, max_new_tokens=4), forged)[0] == 403
+    two = raw_exchange(server, b"GET /v1/audio/voices HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                               b"Host: evil.example\r\n\r\n")
+    assert two.startswith(b"HTTP/1.1 400") and b"Host" in two  # RFC 9112: one Host, else a 400
 
 
 def test_the_names_a_server_answers_to_and_its_own_pages_origin():
     names = app.served_names("0.0.0.0", ["TTS.example.com"])
-    for host in ("localhost", "127.0.0.1:7560", "[::1]:80", "tts.example.com", "10.1.2.3:7560", "[fe80::1]",
-                 None):  # an IP address cannot be a rebound name; HTTP/1.0 may send no Host
-        app.check_host(host, names)
-    for host, status in [("evil.example:7560", 421), ("localhost.evil.example", 421), ("a@b", 400),
-                         ("[::1", 400), ("x:99999", 400), ("", 400)]:
+    for host in ("localhost", "127.0.0.1:7560", "[::1]:80", "tts.example.com", "10.1.2.3:7560",
+                 "[fe80::1]"):
+        assert app.check_host([host], names) == host  # an IP address cannot be a rebound name
+    assert app.check_host([], names) is None  # HTTP/1.0 may send no Host
+    for hosts, status in [(["evil.example:7560"], 421), (["localhost.evil.example"], 421), (["a@b"], 400),
+                          (["[::1"], 400), (["x:99999"], 400), ([""], 400),
+                          (["localhost", "localhost"], 400)]:  # two Host headers
         with pytest.raises(app.HTTPError) as refused:
-            app.check_host(host, names)
-        assert refused.value.status == status, host
-    app.check_host("anything.example", {"*"})  # --allow-host '*'
+            app.check_host(hosts, names)
+        assert refused.value.status == status, hosts
+    app.check_host(["anything.example"], {"*"})  # --allow-host '*'
     assert app.same_origin("http://tts.example.com", "tts.example.com", names)
     assert app.same_origin("https://anything.example:8443", "anything.example:8443", {"*"})
     assert not app.same_origin("http://evil.example:7560", "evil.example:7560", names)

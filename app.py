@@ -1333,8 +1333,9 @@ def parse_args(argv=None):
     ap.add_argument("--slots", type=int, default=4, help="requests generated together (default 4)")
     ap.add_argument("--max-context", type=int, default=dualAR.DEFAULT_CONTEXT, help="positions (prompt +"
                     f" frames) a request may use, as the CLI's (default {dualAR.DEFAULT_CONTEXT})")
-    ap.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot, beyond that"
-                    " a 503 (default 16; 0: served only while a slot is free)")
+    ap.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot (and codec jobs"
+                    " for a --codec-workers turn), beyond that a 503 (default 16; 0: served only while one is"
+                    " free)")
     ap.add_argument("--codec-workers", type=int, default=2, help="uploaded clips (and /v1/vqgan items)"
                     " decoded and encoded at once, --queue more may wait, beyond that a 503 (default 2)")
     ap.add_argument("--max-connections", type=int, default=256, help="connections served at once (a"

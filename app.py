@@ -771,6 +771,8 @@ class Handler(BaseHTTPRequestHandler):
         if length > MAX_BODY:
             raise HTTPError(413, f"the request body must be 0 to {MAX_BODY >> 20} MiB")
         data = self.rfile.read(length)
+        if len(data) < length and self.server.closing:  # Server.close ended the reading
+            raise dualAR.EngineClosed(f"the body was cut after {len(data)} of its {length} bytes")
         if len(data) < length:
             raise HTTPError(400, f"the body ended after {len(data)} of its {length} bytes (Content-Length)")
         return data
@@ -1035,6 +1037,7 @@ class Server(ThreadingHTTPServer):  # its `app` and `max_connections` are set by
     """A thread per connection, each known (`connections`), so that `close` can end them all."""
     request_queue_size = 128  # connections the kernel holds before accept: 5 made every 6th of 100 wait 1 s
     block_on_close = False  # server_close does not wait for the request threads: `close` does, bounded
+    closing = False
 
     def __init__(self, *args):
         super().__init__(*args)
@@ -1068,6 +1071,7 @@ class Server(ThreadingHTTPServer):  # its `app` and `max_connections` are set by
         whole answers are a 503, idle and half-read connections read an EOF), wait up to `wait` seconds
         for their threads -> how many are still running."""
         self.server_close()
+        self.closing = True
         self.app.close()
         with self.lock:
             connections = dict(self.connections)

@@ -1279,7 +1279,7 @@ def test_device_takes_a_gpu_index():
 class Browser:
     """Headless Chromium over the W3C WebDriver protocol: chromedriver speaks plain HTTP + JSON."""
 
-    def __init__(self, profile: Path):
+    def __init__(self, profile: Path, *flags):
         chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
         assert chromium and driver, "this test needs Chromium: apt-get install -y chromium chromium-driver"
         port = free_port()
@@ -1290,7 +1290,7 @@ class Browser:
         flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
                  "--autoplay-policy=no-user-gesture-required", "--window-size=1000,900",
-                 f"--user-data-dir={profile}"]
+                 f"--user-data-dir={profile}", *flags]
         options = {"binary": chromium, "args": flags}
         capabilities = {"alwaysMatch": {"goog:chromeOptions": options}}
         session = self.call("POST", "/session", {"capabilities": capabilities})
@@ -1442,3 +1442,38 @@ def test_browser_stop_keeps_what_was_made_and_other_sites_cannot_save_a_voice(se
     finally:
         browser.close()
         other.shutdown()
+
+
+def test_browser_a_page_whose_name_is_rebound_to_the_server_reaches_nothing(tmp_path):
+    """DNS rebinding in a real browser: evil.example serves its page, then its name resolves to the
+    server (here: the page's server goes, ours takes its port; Chromium maps the name to 127.0.0.1). To
+    the browser the page's fetches are now same-origin ones; the server refuses the name."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "index.html").write_text("<!doctype html><title>evil.example</title>")
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path / "site"))
+    evil = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    port = evil.server_address[1]
+    threading.Thread(target=evil.serve_forever, daemon=True).start()
+    rebind = "--host-resolver-rules=MAP evil.example 127.0.0.1"
+    browser = Browser(Path(tempfile.mkdtemp(dir=tmp_path)), rebind)
+    server = None
+    try:
+        browser.call("POST", "/url", {"url": f"http://evil.example:{port}/"})
+        assert browser.js("return document.title") == "evil.example"
+        evil.shutdown()
+        evil.server_close()
+        server = start_server(tmp_path, "--port", str(port))  # the name now leads to the server
+        script = """const done = arguments[1], form = new FormData();
+            form.append('name', 'rebound');
+            form.append('text', 'What the clip says.');
+            const clip = Uint8Array.from(atob(arguments[0]), c => c.charCodeAt(0));
+            form.append('audio', new Blob([clip]), 'a.wav');
+            const save = fetch('/v1/audio/voices', {method: 'POST', body: form});
+            Promise.all([save, fetch('/v1/audio/voices')])
+              .then(answers => done(answers.map(a => a.status)), e => done(String(e)));"""
+        assert browser.call("POST", "/execute/async", {"script": script, "args": [CLIP_B64]}) == [421, 421]
+        assert not (tmp_path / "prompt").exists() or list((tmp_path / "prompt").glob("rebound*")) == []
+    finally:
+        browser.close()
+        if server is not None:
+            stop_server(server)

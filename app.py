@@ -590,8 +590,9 @@ class App:
                 known = ", ".join(sorted(self.voice_files())) or "none yet"
                 raise dualAR.UserError(f"unknown voice {name!r} (saved voices: {known}). Save one with"
                                        " POST /v1/audio/voices, or send no voice for plain text-to-speech")
-            try:
-                codes = dualAR.reference_codes(kind, path, self.model.config, lambda: self.dac)
+            try:  # a voice kept as audio is encoded each time it is used: codec work as an upload's
+                with self.codec_work() if kind != "codes" else contextlib.nullcontext():
+                    codes = dualAR.reference_codes(kind, path, self.model.config, lambda: self.dac)
                 return codes, dualAR.read_transcript(path.with_suffix(".txt"))
             except dualAR.UserError as e:  # the server's file, not the client's input
                 if not again:

@@ -834,6 +834,9 @@ def test_codec_work_from_requests_has_its_own_bound_and_a_503_beyond(tmp_path, m
     """Clip encodes and /v1/vqgan run outside --slots: --codec-workers of them at once, --queue more may
     wait, beyond that a 503 with Retry-After, as generation."""
     server = start_server(tmp_path, "--codec-workers", "1", "--queue", "0")
+    (tmp_path / "prompt").mkdir()
+    shutil.copy(CLIP, tmp_path / "prompt" / "as audio.wav")  # a voice kept as audio: encoded when used
+    (tmp_path / "prompt" / "as audio.txt").write_text("words\n")
     entered, release, encode = threading.Event(), threading.Event(), codec.encode
 
     def slow_encode(*args):
@@ -853,7 +856,8 @@ def test_codec_work_from_requests_has_its_own_bound_and_a_503_beyond(tmp_path, m
         json_answer = {"Accept": "application/json"}
         for path, body in [("/v1/audio/voices", dict(save, name="second")), ("/v1/vqgan/decode", codes),
                            ("/v1/vqgan/encode", dict(audios=[CLIP_B64])),
-                           (SPEECH, dict(input=TEXT, ref_audio=CLIP_B64, ref_text="words"))]:
+                           (SPEECH, dict(input=TEXT, ref_audio=CLIP_B64, ref_text="words")),
+                           (SPEECH, dict(input=TEXT, voice="as audio", max_new_tokens=4))]:
             status, headers, data = call(server, "POST", path, body, json_answer)
             assert status == 503 and int(headers["Retry-After"]) > 0, (path, status, data[:200])
             assert "codec" in json.loads(data)["error"]["message"]
@@ -862,7 +866,7 @@ def test_codec_work_from_requests_has_its_own_bound_and_a_503_beyond(tmp_path, m
         thread.join(60)
         stop_server(server)
     assert first[0][0] == 201 and sorted(p.name for p in (tmp_path / "prompt").iterdir()) == [
-        ".fishfast-lock", "first.npy", "first.txt"]
+        ".fishfast-lock", "as audio.txt", "as audio.wav", "first.npy", "first.txt"]
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")

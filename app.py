@@ -551,7 +551,7 @@ class App:
         self.voices, self.api_key = Path(args.voices), args.api_key
         self.default_voice, self.allow_origins = args.default_voice, set(args.allow_origin or ())
         self.hosts = served_names(args.host, args.allow_host)
-        # decoding and encoding uploaded clips, /v1/vqgan: seconds of CPU each, outside --slots
+        # decoding and encoding clips (uploads, voices kept as audio), /v1/vqgan: seconds each, not in --slots
         self.codec_gate = Gate(args.codec_workers, args.queue, "codec jobs (uploads, /v1/vqgan)")
         self.codec_work = self.codec_gate.hold
         self.name = "fishfast-demo" if self.demo else "s2-pro"
@@ -1341,8 +1341,9 @@ def parse_args(argv=None):
     ap.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot (and codec jobs"
                     " for a --codec-workers turn), beyond that a 503 (default 16; 0: served only while one is"
                     " free)")
-    ap.add_argument("--codec-workers", type=int, default=2, help="uploaded clips (and /v1/vqgan items)"
-                    " decoded and encoded at once, --queue more may wait, beyond that a 503 (default 2)")
+    ap.add_argument("--codec-workers", type=int, default=2, help="uploaded clips, voices kept as audio and"
+                    " /v1/vqgan items decoded or encoded at once, --queue more may wait, beyond that a 503"
+                    " (default 2)")
     ap.add_argument("--max-connections", type=int, default=256, help="connections served at once (a"
                     " thread each, idle ones too), beyond that a 503 at once (default 256)")
     ap.add_argument("--shutdown-wait", type=float, default=8, metavar="SECONDS", help="on SIGTERM or"

@@ -1454,8 +1454,13 @@ def test_browser_a_page_whose_name_is_rebound_to_the_server_reaches_nothing(tmp_
     the browser the page's fetches are now same-origin ones; the server refuses the name."""
     (tmp_path / "site").mkdir()
     (tmp_path / "site" / "index.html").write_text("<!doctype html><title>evil.example</title>")
-    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(tmp_path / "site"))
-    evil = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+
+    class Site(http.server.SimpleHTTPRequestHandler):
+        timeout = 0.5  # a connection Chromium opened ahead and keeps idle ends, not answers the next fetch
+
+    site = functools.partial(Site, directory=str(tmp_path / "site"))
+    evil = http.server.ThreadingHTTPServer(("127.0.0.1", 0), site)
+    evil.daemon_threads = False  # server_close waits for its connections' threads
     port = evil.server_address[1]
     threading.Thread(target=evil.serve_forever, daemon=True).start()
     rebind = "--host-resolver-rules=MAP evil.example 127.0.0.1"

@@ -16,6 +16,7 @@ import fcntl
 import hmac
 import importlib.util
 import io
+import ipaddress
 import json
 import math
 import os
@@ -25,13 +26,12 @@ import signal
 import socket
 import struct
 import sys
-import tempfile
 import threading
 import time
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from urllib.parse import parse_qs, unquote, urlsplit
+from urllib.parse import parse_qs, unquote
 
 import numpy as np
 import soundfile as sf
@@ -46,6 +46,11 @@ import dualAR
 MAX_TEXT = 4096  # characters of text to speak (OpenAI's limit)
 MAX_TRANSCRIPT = 2000  # characters of a reference transcript
 MAX_CLIP_SECONDS = 30
+CLIP_RATES, MAX_CLIP_CHANNELS = (8000, 192000), 2  # Hz, and mono or stereo: a voice clip, nothing odder
+# bytes a sample takes in the uncompressed subtypes of the uncompressed formats (FLAC's are PCM_16 too),
+# whose frames are bounded by the file's own size
+SAMPLE_BYTES = dict(PCM_S8=1, PCM_U8=1, ULAW=1, ALAW=1, PCM_16=2, PCM_24=3, PCM_32=4, FLOAT=4, DOUBLE=8)
+UNCOMPRESSED = {"WAV", "WAVEX", "W64", "RF64", "AIFF", "AU", "CAF"}
 MAX_BODY = 48 << 20  # bytes: four 30 s 16-bit clips, base64 in JSON, fit with room
 VOICE_NAME = re.compile(r"[A-Za-z0-9_ -]{1,64}")  # upstream's rule for reference ids, at most 64 characters
 SAMPLE_RATE, HOP = codec.CONFIG["sample_rate"], codec.hop_length()  # HOP: samples per frame
@@ -62,9 +67,11 @@ FISH_DEFAULTS = dict(temperature=0.8, top_p=0.8, top_k=30, max_new_tokens=1024, 
 # upstream's ServeTTSRequest (fish_speech/utils/schema.py): what its pydantic model answers with a 422
 UPSTREAM_RANGES = dict(top_p=(0.1, 1.0), temperature=(0.1, 1.0), repetition_penalty=(0.9, 2.0))
 UPSTREAM_CHOICES = dict(format=tuple(FORMATS), latency=("normal", "balanced"), use_memory_cache=("on", "off"))
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")  # names any server answers to, whatever --host
+AUTHORITY = re.compile(r"(?:\[([0-9a-f:.]+)\]|([a-z0-9._-]+))(?::([0-9]{1,5}))?")  # name[:port], [v6][:port]
 OPENAI_VOICES = set("alloy ash ballad coral echo fable nova onyx sage shimmer verse".split())
 MAX_CODES = 8  # audios or token arrays in one /v1/vqgan request
-DEMO_FRAMES = 200  # the page's default length with the demo model: seconds of noise, not half a minute
+DEMO_FRAMES = 200  # the demo model's length (the page's default, the API's for no limit): seconds of noise
 DEMO_NOTICE = ("DEMO: no checkpoint found, so a tiny RANDOM model is serving and the audio is NOISE. For"
                f" speech, download fishaudio/s2-pro into {dualAR.DEFAULT_CHECKPOINT} (see README).")
 
@@ -97,6 +104,84 @@ def error_answer(e: Exception) -> tuple:
     return 500, f"internal error: {str(e)[:200]} (see the server's log)", {}, None
 
 
+def authority(text):
+    """A Host header or an origin's netloc (name[:port], [v6]:port) -> (lower-case name, port or None),
+    None when malformed."""
+    match = AUTHORITY.fullmatch(text.lower()) if isinstance(text, str) else None
+    if match is None or (match[3] and int(match[3]) > 65535):
+        return None
+    return match[1] or match[2], int(match[3]) if match[3] else None
+
+
+def is_ip_address(name: str) -> bool:
+    with contextlib.suppress(ValueError):
+        return bool(ipaddress.ip_address(name))
+    return False
+
+
+def served_names(host: str, allowed) -> set:
+    """The names the server answers to: the --host it binds, localhost, its loopback addresses, and each
+    --allow-host (`*`: any)."""
+    return {host.strip("[]").lower(), *LOOPBACK_NAMES, *(name.lower() for name in allowed or ())}
+
+
+def is_served(name: str, names: set) -> bool:
+    return "*" in names or name in names or is_ip_address(name)
+
+
+def check_host(hosts: list, names: set) -> str:
+    """The Host header(s) -> the one Host. DNS rebinding: a page of evil.example, once that name resolves
+    to this machine, is of the same origin as the server to the browser, so no Origin check can tell it
+    apart: only its Host can. An IP address needs no check (a rebinding page needs a name of its own); a
+    name must be one we serve. HTTP/1.0 may send no Host; two are a 400 (RFC 9112)."""
+    if len(hosts) > 1:
+        raise HTTPError(400, "more than one Host header")
+    host = hosts[0] if hosts else None
+    found = authority(host) if host is not None else (None, None)
+    if found is None:
+        raise HTTPError(400, "malformed Host header: send host[:port]")
+    if found[0] is not None and not is_served(found[0], names):
+        raise HTTPError(421, f"this server does not answer to the name {found[0][:100]!r}: start it with"
+                             " --allow-host NAME to serve that name (a proxy's, a LAN name)")
+    return host
+
+
+def request_target(target: str) -> tuple:
+    """The request line's target -> (its authority or None, path, query): /path?query, or the absolute
+    form proxies may send, http://host/path?query. Anything else is a 400."""
+    if target.startswith("/"):
+        path, _, query = target.partition("?")
+        return None, path, query
+    scheme, sep, rest = target.partition("://")
+    host = re.match(r"[^/?]*", rest)[0]
+    if sep and scheme.lower() in ("http", "https") and authority(host) is not None:
+        path, _, query = ("/" + rest[len(host):].lstrip("/")).partition("?")
+        return host, path, query
+    raise HTTPError(400, f"bad request target {target[:100]!r}: send /path or http://host/path")
+
+
+def body_length(lengths: list, codings: list) -> int:
+    """A request's framing headers (every Content-Length, every Transfer-Encoding) -> its body's length.
+    Two of either, or a coding other than one chunked, is a 400 (RFC 9112: request smuggling behind a
+    proxy that reads the other one)."""
+    if codings:
+        if len(codings) == 1 and codings[0].strip().lower() == "chunked":
+            raise HTTPError(411, "chunked request bodies are not supported: send Content-Length")
+        raise HTTPError(400, "Transfer-Encoding is not supported in requests: send one Content-Length")
+    if len(lengths) > 1:
+        raise HTTPError(400, "more than one Content-Length header")
+    if lengths and not re.fullmatch(r"[0-9]+", lengths[0].strip()):  # no sign either: "-5" is no length
+        raise HTTPError(400, "Content-Length must be a number of bytes")
+    return int(lengths[0]) if lengths else 0
+
+
+def same_origin(origin: str, host, names: set) -> bool:
+    """Whether a page's Origin is this server: a name we serve (see check_host) and the Host it asked."""
+    scheme, _, netloc = origin.partition("://")
+    found = authority(netloc) if scheme in ("http", "https") else None
+    return found is not None and found == authority(host or "") and is_served(found[0], names)
+
+
 def is_voice_name(name) -> bool:
     return isinstance(name, str) and bool(VOICE_NAME.fullmatch(name)) and name.strip() == name
 
@@ -119,6 +204,41 @@ def check_text(text, what="input", limit=MAX_TEXT) -> str:
     return text
 
 
+# msgpack's type bytes -> (bytes of the length that follows, bytes fixed after it, objects inside per length
+# unit); fix* types carry their length in the type byte itself (see msgpack_end)
+MSGPACK_TYPES = {0xc0: (0, 0, 0), 0xc2: (0, 0, 0), 0xc3: (0, 0, 0), 0xca: (0, 4, 0), 0xcb: (0, 8, 0),
+                 0xdc: (2, 0, 1), 0xdd: (4, 0, 1), 0xde: (2, 0, 2), 0xdf: (4, 0, 2),
+                 **{0xc4 + i: (1 << i, 0, 0) for i in range(3)},  # bin 8/16/32
+                 **{0xc7 + i: (1 << i, 1, 0) for i in range(3)},  # ext 8/16/32: a type byte after the length
+                 **{0xcc + i: (0, 1 << i, 0) for i in range(4)},  # uint 8-64
+                 **{0xd0 + i: (0, 1 << i, 0) for i in range(4)},  # int 8-64
+                 **{0xd4 + i: (0, 1 + (1 << i), 0) for i in range(5)},  # fixext 1-16
+                 **{0xd9 + i: (1 << i, 0, 0) for i in range(3)}}  # str 8/16/32
+
+
+def msgpack_end(data: bytes) -> int:
+    """Where the first msgpack object of `data` ends (no decoding): ormsgpack reads it and ignores what
+    follows, msgpack refuses that; both are then refused the same."""
+    pos, pending = 0, 1
+    while pending and pos < len(data):
+        pending, kind = pending - 1, data[pos]
+        pos += 1
+        if kind <= 0x7f or kind >= 0xe0:  # fixint
+            continue
+        if kind <= 0x9f:  # fixmap, fixarray
+            pending += (kind & 0x0f) * (2 if kind <= 0x8f else 1)
+        elif kind <= 0xbf:  # fixstr
+            pos += kind & 0x1f
+        elif kind in MSGPACK_TYPES:
+            size, fixed, inside = MSGPACK_TYPES[kind]
+            length = int.from_bytes(data[pos:pos + size], "big")
+            pos += size + fixed
+            pending, pos = (pending + length * inside, pos) if inside else (pending, pos + length)
+        else:  # 0xc1: never used
+            return -1
+    return pos if not pending else -1
+
+
 def parse_body(kind: str, body: bytes) -> dict:
     """A JSON or msgpack body (upstream's tools/api_client.py: bytes stay bytes, raw audio) -> its object."""
     def refuse_constant(name):  # NaN, Infinity, -Infinity
@@ -128,6 +248,8 @@ def parse_body(kind: str, body: bytes) -> dict:
         raise HTTPError(415, "application/msgpack needs a msgpack library on the server: pip install"
                              " ormsgpack (or msgpack), or send JSON")
     try:
+        if what == "msgpack" and msgpack_end(body) != len(body):
+            raise ValueError("trailing bytes after the object, or an object cut short")
         data = MSGPACK.unpackb(body) if what == "msgpack" else \
             json.loads(body, parse_constant=refuse_constant)
     except (ValueError, TypeError, RecursionError) as e:  # both libraries' errors, the depth limits too
@@ -150,17 +272,32 @@ def parse_form(content_type: str, body: bytes) -> dict:
 
 
 def decode_base64(value, what: str) -> bytes:
-    """base64 text (JSON) -> bytes; bytes (msgpack, multipart) are the audio itself."""
+    """base64 text (JSON), wrapped or not -> bytes; bytes (msgpack, multipart) are the audio itself."""
     if isinstance(value, bytes) and value:
         return value
     if not isinstance(value, str) or not value:
         raise common.UserError(f"{what} must be a base64 string of an audio file")
     if value.startswith("data:") and ";base64," in value:  # a data URL, as browsers make them
         value = value.split(",", 1)[1]
-    try:
-        return base64.b64decode(value, validate=True)
+    try:  # the line breaks (and spaces) of wrapped base64 are no data: `base64` prints 76-column lines
+        return base64.b64decode("".join(value.split()), validate=True)
     except ValueError:  # binascii.Error is one
         raise common.UserError(f"{what} is not valid base64") from None
+
+
+def check_clip_header(what: str, rate: int, channels: int, frames: int, kind: str, subtype: str, size: int):
+    """An uploaded clip's header (soundfile.info), checked before a sample is decoded: a 2 KB file can
+    declare 1000 s at 1 Hz (44 M samples once resampled), 46 KB of FLAC 30 s of 8 channels at 192 kHz."""
+    if not CLIP_RATES[0] <= rate <= CLIP_RATES[1]:
+        raise common.UserError(f"{what} has a sample rate of {rate} Hz: {CLIP_RATES[0]} to {CLIP_RATES[1]}"
+                               " Hz are allowed")
+    if not 1 <= channels <= MAX_CLIP_CHANNELS:
+        raise common.UserError(f"{what} has {channels} channels: send a mono or stereo clip")
+    if frames > MAX_CLIP_SECONDS * rate:
+        raise common.UserError(f"{what} is {frames / rate:.1f} s long, at most {MAX_CLIP_SECONDS} s are"
+                               " allowed")
+    if kind in UNCOMPRESSED and subtype in SAMPLE_BYTES and frames * channels * SAMPLE_BYTES[subtype] > size:
+        raise common.UserError(f"{what} declares {frames} frames, more than its {size} bytes hold")
 
 
 def number_field(body: dict, key: str, default, integer=False, low=None):
@@ -204,6 +341,12 @@ def reference_clips(items, what="references") -> list:
     return out
 
 
+def is_code_lists(codes) -> bool:
+    """Codes as a client sends them: lists of integers (no floats, no booleans: bool is an int)."""
+    return isinstance(codes, list) and all(isinstance(row, list) and all(type(code) is int for code in row)
+                                           for row in codes)
+
+
 def check_format(fmt) -> str:
     if fmt not in FORMATS:
         raise common.UserError(f"response format {str(fmt)[:20]!r} is not supported here: use one of"
@@ -234,23 +377,41 @@ def openai_job(body: dict) -> dict:
                 send="sse" if stream == "sse" else "chunked" if fmt in STREAMABLE else "whole")
 
 
+def json_input(value):
+    """A client's value echoed in a 422, as pydantic's JSON echoes it: NaN and infinities as null (JSON has
+    no literal for them), lists and maps element by element."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (list, dict)):
+        try:
+            json.dumps(value, allow_nan=False, default=str)  # bytes: send_json writes them as base64
+            return value
+        except ValueError:  # a NaN inside
+            items = value.items() if isinstance(value, dict) else enumerate(value)
+            shown = {key: json_input(item) for key, item in items}
+            return shown if isinstance(value, dict) else list(shown.values())
+        except RecursionError:  # too deep to show
+            return type(value).__name__
+    return value
+
+
 def upstream_errors(body: dict) -> list:
     """The fields upstream's pydantic model refuses with a 422 -> its error list, in pydantic's shape."""
     errors = []
     for key, (low, high) in UPSTREAM_RANGES.items():
         value = body.get(key, low)
         if isinstance(value, bool) or not isinstance(value, (int, float)):  # strict: no "0.5", no true
-            errors.append(dict(type="float_type", loc=[key], input=value,
+            errors.append(dict(type="float_type", loc=[key], input=json_input(value),
                                msg="Input should be a valid number"))
         elif not low <= value <= high:
             words, op, bound = ("greater", "ge", low) if not value >= low else ("less", "le", high)
-            errors.append(dict(type=f"{words}_than_equal", loc=[key], input=value, ctx={op: bound},
-                               msg=f"Input should be {words} than or equal to {bound:g}"))
+            errors.append(dict(type=f"{words}_than_equal", loc=[key], input=json_input(value),
+                               ctx={op: bound}, msg=f"Input should be {words} than or equal to {bound:g}"))
     for key, allowed in UPSTREAM_CHOICES.items():
         if key in body and not any(body[key] == choice for choice in allowed):
             expected = ", ".join(map(repr, allowed[:-1])) + f" or {allowed[-1]!r}"
             errors.append(dict(type="literal_error", loc=[key], msg=f"Input should be {expected}",
-                               input=body[key], ctx=dict(expected=expected)))
+                               input=json_input(body[key]), ctx=dict(expected=expected)))
     return [dict(error, **{"in": "body"}) for error in errors]
 
 
@@ -301,7 +462,71 @@ def audio_file_bytes(wave: torch.Tensor, fmt: str) -> bytes:
     return out.getvalue()
 
 
+def clip_wave(data: bytes, what: str) -> torch.Tensor:
+    """Uploaded audio bytes -> float32 mono at SAMPLE_RATE, as codec.load_audio reads a file (channels
+    averaged, soxr), decoded from memory (no temp file holds the upload) once its header is checked, a
+    second at a time and never past MAX_CLIP_SECONDS (a header may lie about its length)."""
+    if not data:
+        raise common.UserError(f"{what} is empty")
+    blocks, frames = [], 0
+    try:
+        with sf.SoundFile(io.BytesIO(data)) as f:  # soundfile tells the format from the bytes
+            check_clip_header(what, f.samplerate, f.channels, f.frames, f.format, f.subtype, len(data))
+            most, rate = MAX_CLIP_SECONDS * f.samplerate, f.samplerate
+            for block in f.blocks(blocksize=rate, dtype="float32", always_2d=True):
+                blocks.append(block.mean(1))
+                frames += len(block)
+                if frames > most:
+                    raise common.UserError(f"{what} is longer than its header says and than the"
+                                           f" {MAX_CLIP_SECONDS} s allowed")
+    except common.UserError:
+        raise
+    except Exception:  # soundfile's errors for what it cannot parse (as codec.load_audio)
+        raise common.UserError(f"{what} is not an audio file soundfile can read (wav, flac, ogg, mp3)") \
+            from None
+    if not frames:
+        raise common.UserError(f"{what} contains no audio samples")
+    mono = np.concatenate(blocks)
+    if rate != SAMPLE_RATE:
+        mono = soxr.resample(mono, rate, SAMPLE_RATE)
+    return torch.from_numpy(np.ascontiguousarray(mono, dtype=np.float32))
+
+
 # ----------------------------------------------------------------------------- the model side
+class Gate:
+    """At most `size` holders at once and `waiting` more waiting their turn; beyond that a 503 with
+    Retry-After (what --slots and --queue are to generation, for the codec work requests bring)."""
+
+    def __init__(self, size: int, waiting: int, what: str):
+        self.size, self.waiting, self.what = size, waiting, what
+        self.running, self.queued, self.turn, self.closed = 0, 0, threading.Condition(), False
+
+    @contextlib.contextmanager
+    def hold(self):
+        with self.turn:
+            if self.running >= self.size and self.queued >= self.waiting:
+                raise HTTPError(503, f"the server is busy: {self.running} {self.what} running and"
+                                     f" {self.queued} waiting, try again later", {"Retry-After": "2"})
+            self.queued += 1
+            self.turn.wait_for(lambda: self.running < self.size or self.closed)
+            self.queued -= 1
+            if self.closed:
+                raise dualAR.EngineClosed("no more work is taken")
+            self.running += 1
+        try:
+            yield
+        finally:
+            with self.turn:
+                self.running -= 1
+                self.turn.notify()
+
+    def close(self):
+        """Those waiting are told the server is shutting down; those running finish."""
+        with self.turn:
+            self.closed = True
+            self.turn.notify_all()
+
+
 class App:
     """The models, the engine and the voices folder, shared by every request thread."""
 
@@ -326,12 +551,17 @@ class App:
         self.engine.start()
         self.voices, self.api_key = Path(args.voices), args.api_key
         self.default_voice, self.allow_origins = args.default_voice, set(args.allow_origin or ())
+        self.hosts = served_names(args.host, args.allow_host)
+        # decoding and encoding clips (uploads, voices kept as audio), /v1/vqgan: seconds each, not in --slots
+        self.codec_gate = Gate(args.codec_workers, args.queue, "codec jobs (uploads, /v1/vqgan)")
+        self.codec_work = self.codec_gate.hold
         self.name = "fishfast-demo" if self.demo else "s2-pro"
         self.info = dict(model=self.name, checkpoint=str(self.checkpoint), device=str(self.device),
                          dtype=str(dtype).replace("torch.", ""), quant=args.quant or "none", compile=compiled,
                          max_context=self.max_context, demo=self.demo)
 
     def close(self):
+        self.codec_gate.close()
         self.engine.close()
 
     @property
@@ -361,8 +591,9 @@ class App:
                 known = ", ".join(sorted(self.voice_files())) or "none yet"
                 raise common.UserError(f"unknown voice {name!r} (saved voices: {known}). Save one with"
                                        " POST /v1/audio/voices, or send no voice for plain text-to-speech")
-            try:
-                codes = dualAR.reference_codes(kind, path, self.model.config, lambda: self.dac)
+            try:  # a voice kept as audio is encoded each time it is used: codec work as an upload's
+                with self.codec_work() if kind != "codes" else contextlib.nullcontext():
+                    codes = dualAR.reference_codes(kind, path, self.model.config, lambda: self.dac)
                 return codes, dualAR.read_transcript(path.with_suffix(".txt"))
             except common.UserError as e:  # the server's file, not the client's input
                 if not again:
@@ -370,26 +601,15 @@ class App:
 
     def clip_codes(self, data: bytes, what: str) -> torch.Tensor:
         """Uploaded audio bytes (any format soundfile reads) -> codes (10, T)."""
-        if not data:
-            raise common.UserError(f"{what} is empty")
-        with tempfile.NamedTemporaryFile(suffix=".clip") as f:  # soundfile tells the format from the bytes
-            f.write(data)
-            f.flush()
-            try:
-                wave = codec.load_audio(f.name)
-            except ValueError:
-                raise common.UserError(f"{what} is not an audio file soundfile can read"
-                                       " (wav, flac, ogg, mp3)") from None
-        if len(wave) > MAX_CLIP_SECONDS * SAMPLE_RATE:
-            raise common.UserError(f"{what} is {len(wave) / SAMPLE_RATE:.1f} s long, at most"
-                                   f" {MAX_CLIP_SECONDS} s are allowed")
-        return codec.encode(self.dac, wave)[0].cpu()
+        with self.codec_work():
+            return codec.encode(self.dac, clip_wave(data, what))[0].cpu()
 
     def check_codes(self, codes, what: str) -> torch.Tensor:
         """A client's codes (nested lists) -> (10, T) on the device; the codec clamps big ones (upstream)."""
         rows, frames = self.model.config["num_codebooks"], self.max_context
-        with contextlib.suppress(TypeError, ValueError, RuntimeError, OverflowError):  # ragged, not numbers
-            codes = torch.tensor(codes, dtype=torch.long)
+        if is_code_lists(codes):  # integers only: torch would take 1.5 and true as 1
+            with contextlib.suppress(ValueError, RuntimeError, OverflowError):  # ragged, too large
+                codes = torch.tensor(codes, dtype=torch.long)
         if not isinstance(codes, torch.Tensor) or codes.dim() != 2 or codes.size(0) != rows \
                 or not 0 < codes.size(1) <= frames or codes.min() < 0:
             raise common.UserError(f"{what} must be {rows} equal lists of 1 to {frames} integers >= 0")
@@ -479,17 +699,22 @@ class Handler(BaseHTTPRequestHandler):
     def handle_one_request(self):
         self.started = False  # whether this response's headers went out: then no other status can
         self.app, self.cors, self.packed, self.error_fields = self.server.app, None, False, None
+        self.length, self.body_read = 0, False
         try:
             super().handle_one_request()
         except (ConnectionError, TimeoutError):  # gone while we wrote, even an error: nobody to tell
             self.close_connection = True
 
     def dispatch(self):
-        path = urlsplit(self.path).path
-        route, self.name = path, None
-        if path.startswith("/v1/audio/voices/"):
-            route, self.name = "/v1/audio/voices/{name}", unquote(path[len("/v1/audio/voices/"):])
         try:
+            host, path, self.query = request_target(self.path)
+            self.length = body_length(self.headers.get_all("Content-Length", []),
+                                      self.headers.get_all("Transfer-Encoding", []))
+            given = check_host(self.headers.get_all("Host", []), self.app.hosts)  # before anything else
+            self.host = given if host is None else check_host([host], self.app.hosts)  # absolute-form's wins
+            route, self.name, self.route_path = path, None, path
+            if path.startswith("/v1/audio/voices/"):
+                route, self.name = "/v1/audio/voices/{name}", unquote(path[len("/v1/audio/voices/"):])
             self.check_origin()
             methods = self.routes.get(route)
             if methods is None:
@@ -503,6 +728,8 @@ class Handler(BaseHTTPRequestHandler):
             if path.startswith("/v1/"):
                 self.authorize()
             getattr(self, methods["GET" if self.command == "HEAD" else self.command])()
+            if self.length and not self.body_read:  # a body no route reads (a GET's) is no next request
+                self.close_connection = True
         except (ConnectionError, TimeoutError):  # the client went away
             self.close_connection = True
         except Exception as e:
@@ -514,7 +741,7 @@ class Handler(BaseHTTPRequestHandler):
         """A page of another site may read nothing and change nothing here unless --allow-origin names it.
         Refusing only the answer is not enough: a form POST reaches the server without a CORS preflight."""
         origin, site = self.headers.get("Origin"), self.headers.get("Sec-Fetch-Site")
-        own = origin is None or urlsplit(origin).netloc == self.headers.get("Host")
+        own = origin is None or same_origin(origin, self.host, self.app.hosts)
         if own and site not in ("cross-site", "same-site"):
             return  # our own page, or not a browser (curl, SDKs send no Origin)
         if origin and ({"*", origin} & self.app.allow_origins):
@@ -533,22 +760,21 @@ class Handler(BaseHTTPRequestHandler):
         self.send_bytes(b"", None, 204, headers)
 
     def authorize(self):
-        given, key = self.headers.get("Authorization", "").encode(), self.app.api_key
-        if key is not None and not hmac.compare_digest(given, f"Bearer {key}".encode()):
+        scheme, _, given = self.headers.get("Authorization", "").strip().partition(" ")
+        key = self.app.api_key  # the scheme is case-insensitive (RFC 9110), the key is not
+        if key is not None and not (scheme.lower() == "bearer"
+                                    and hmac.compare_digest(given.strip().encode(), key.encode())):
             raise HTTPError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                             {"WWW-Authenticate": "Bearer"})
 
     # --- reading
     def body(self) -> bytes:
-        if "chunked" in self.headers.get("Transfer-Encoding", "").lower():
-            raise HTTPError(411, "chunked request bodies are not supported: send Content-Length")
-        length = self.headers.get("Content-Length", "0").strip()
-        if not length.isdecimal():  # no sign either: "-5" is no length
-            raise HTTPError(400, "Content-Length must be a number of bytes")
-        length = int(length)
+        length, self.body_read = self.length, True
         if length > MAX_BODY:
             raise HTTPError(413, f"the request body must be 0 to {MAX_BODY >> 20} MiB")
         data = self.rfile.read(length)
+        if len(data) < length and self.server.closing:  # Server.close ended the reading
+            raise dualAR.EngineClosed(f"the body was cut after {len(data)} of its {length} bytes")
         if len(data) < length:
             raise HTTPError(400, f"the body ended after {len(data)} of its {length} bytes (Content-Length)")
         return data
@@ -557,6 +783,8 @@ class Handler(BaseHTTPRequestHandler):
         """The body as a dict: JSON, msgpack or, where `form`, multipart/form-data (text, audio as bytes)."""
         kinds = ("application/json", "application/msgpack", *(["multipart/form-data"] if form else []))
         kind = self.headers.get_content_type()
+        if not self.length:  # without a Content-Type, email's rule makes it text/plain: say what is missing
+            raise common.UserError(f"the request has no body: send its fields as {' or '.join(kinds)}")
         if kind not in kinds:
             raise HTTPError(415, f"Content-Type {kind} is not supported here: send {' or '.join(kinds)}")
         if kind == "multipart/form-data":
@@ -565,7 +793,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def wants_msgpack(self) -> bool:
         """Upstream's rule: msgpack unless ?format=json or an Accept that names JSON and not msgpack."""
-        asked = parse_qs(urlsplit(self.path).query).get("format", [""])[0].lower()
+        asked = parse_qs(self.query).get("format", [""])[0].lower()
         accept = self.headers.get("Accept", "").lower()
         if asked in ("json", "application/json", "msgpack", "application/msgpack"):
             return MSGPACK is not None and "msgpack" in asked
@@ -659,7 +887,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def upstream(self, **ids) -> bool:
         """Whether this is upstream's route: then its answers and errors, JSON or msgpack (wants_msgpack)."""
-        if self.path.startswith("/v1/references/"):
+        if self.route_path.startswith("/v1/references/"):
             self.packed, self.error_fields = self.wants_msgpack(), dict(success=False, **ids)
         return self.error_fields is not None
 
@@ -698,8 +926,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def vqgan_decode(self):
         """{tokens: [codes (10, T)]} -> {audios: [float16 samples, as bytes]}, as upstream."""
-        waves = [codec.decode(self.app.dac, self.app.check_codes(codes, what))[0]
-                 for codes, what in self.batch("tokens")]
+        waves = []
+        for codes, what in self.batch("tokens"):
+            codes = self.app.check_codes(codes, what)
+            with self.app.codec_work():
+                waves.append(codec.decode(self.app.dac, codes)[0])
         self.send_json(dict(audios=[wave.cpu().numpy().astype("<f2").tobytes() for wave in waves]))
 
     def answer(self, job: dict):
@@ -707,8 +938,11 @@ class Handler(BaseHTTPRequestHandler):
         if not self.app.alive:
             raise HTTPError(503, "the engine stopped (see the server's log): restart the server")
         self.app.engine.check_room()  # before the clips are encoded for nothing
+        sampling = dict(job["sampling"])
+        if self.app.demo and not sampling["max_new_tokens"]:  # random weights rarely stop: the page's length
+            sampling["max_new_tokens"] = DEMO_FRAMES
         request = self.app.engine.submit(dict(text=job["text"], references=self.app.references(job),
-                                              max_context=self.app.max_context, **job["sampling"]))
+                                              max_context=self.app.max_context, **sampling))
         start, prompt_tokens = time.perf_counter(), request.prompt.size(1)
         try:
             self.watch(request)
@@ -749,10 +983,11 @@ class Handler(BaseHTTPRequestHandler):
                                                             total_tokens=prompt_tokens + frames))
         except (ConnectionError, TimeoutError):
             raise
-        except Exception as e:  # failed after the 200 went out: an error event (SSE), else a cut-off body
-            self.close_connection = True
+        except Exception as e:  # failed after the 200 went out: an error event (SSE), else a cut-off body,
+            self.close_connection = True  # but a shutdown ends the audio where it got to, cleanly
             status, message, _, _ = error_answer(e)  # a bug's traceback is logged
-            end = dict(type="error", **self.error_body(status, message)) if sse else None
+            end = dict(type="error", **self.error_body(status, message)) if sse else \
+                {} if isinstance(e, dualAR.EngineClosed) else None
         if end is not None and not request.cancelled:  # else a body cut off, or a client that hung up
             if sse:
                 self.write_chunk(sse_event(**end))
@@ -789,8 +1024,66 @@ class Handler(BaseHTTPRequestHandler):
                          frames, seconds, wall, frames / max(wall, 1e-9), wall / max(seconds, 1e-9))
 
 
-class Server(ThreadingHTTPServer):  # its `app` is set by make_server
+class Refusal(Handler):
+    """A connection beyond --max-connections: its 503, at once (no request is read)."""
+    timeout = 1  # seconds the accepting thread may spend writing it
+
+    def handle(self):
+        self.started, self.app, self.cors, self.packed, self.error_fields = False, None, None, False, None
+        self.command, self.request_version, self.requestline = "", "HTTP/1.1", "(a connection refused)"
+        self.send_json_error(503, f"the server is busy: {self.server.max_connections} connections are open"
+                                  " (--max-connections), try again later", {"Retry-After": "2"})
+
+
+class Server(ThreadingHTTPServer):  # its `app` and `max_connections` are set by make_server
+    """A thread per connection, each known (`connections`), so that `close` can end them all."""
     request_queue_size = 128  # connections the kernel holds before accept: 5 made every 6th of 100 wait 1 s
+    block_on_close = False  # server_close does not wait for the request threads: `close` does, bounded
+    closing = False
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.connections, self.lock = {}, threading.Lock()  # socket -> its thread
+
+    def process_request(self, request, client_address):
+        thread = threading.Thread(target=self.process_request_thread, args=(request, client_address),
+                                  daemon=True)
+        with self.lock:
+            full = len(self.connections) >= self.max_connections
+            if not full:
+                self.connections[request] = thread
+        if not full:
+            return thread.start()
+        with contextlib.suppress(OSError):  # beyond --max-connections: a 503, written here, nothing read
+            Refusal(request, client_address, self)
+            request.shutdown(socket.SHUT_WR)
+            while request.recv(65536, socket.MSG_DONTWAIT):  # what came already: closed unread, it
+                pass  # would be a reset, which may reach the client before our answer
+        self.shutdown_request(request)
+
+    def process_request_thread(self, request, client_address):
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            with self.lock:
+                self.connections.pop(request, None)
+
+    def close(self, wait: float) -> int:
+        """After serve_forever: stop listening, end every request (streams end with their last chunk,
+        whole answers are a 503, idle and half-read connections read an EOF), wait up to `wait` seconds
+        for their threads -> how many are still running."""
+        self.server_close()
+        self.closing = True
+        self.app.close()
+        with self.lock:
+            connections = dict(self.connections)
+        for sock in connections:
+            with contextlib.suppress(OSError):  # closed meanwhile
+                sock.shutdown(socket.SHUT_RD)
+        deadline = time.monotonic() + wait
+        for thread in connections.values():
+            thread.join(max(0.0, deadline - time.monotonic()))
+        return sum(thread.is_alive() for thread in connections.values())
 
 
 # ----------------------------------------------------------------------------- the page
@@ -1046,19 +1339,32 @@ def parse_args(argv=None):
     ap.add_argument("--slots", type=int, default=4, help="requests generated together (default 4)")
     ap.add_argument("--max-context", type=int, default=dualAR.DEFAULT_CONTEXT, help="positions (prompt +"
                     f" frames) a request may use, as the CLI's (default {dualAR.DEFAULT_CONTEXT})")
-    ap.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot, beyond that"
-                    " a 503 (default 16; 0: served only while a slot is free)")
+    ap.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot (and codec jobs"
+                    " for a --codec-workers turn), beyond that a 503 (default 16; 0: served only while one is"
+                    " free)")
+    ap.add_argument("--codec-workers", type=int, default=2, help="uploaded clips, voices kept as audio and"
+                    " /v1/vqgan items decoded or encoded at once, --queue more may wait, beyond that a 503"
+                    " (default 2)")
+    ap.add_argument("--max-connections", type=int, default=256, help="connections served at once (a"
+                    " thread each, idle ones too), beyond that a 503 at once (default 256)")
+    ap.add_argument("--shutdown-wait", type=float, default=8, metavar="SECONDS", help="on SIGTERM or"
+                    " Ctrl-C, how long running requests may take to end (default 8: docker stop waits 10)")
     ap.add_argument("--voices", default="prompt", help="saved voices, <name>.npy + .txt (default prompt/)")
     ap.add_argument("--api-key", default=os.environ.get("FISHFAST_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on /v1/ (default $FISHFAST_API_KEY, else none)")
     ap.add_argument("--allow-origin", action="append", metavar="ORIGIN", help="let pages of this origin"
                     " (e.g. https://app.example.com, or *) use the API from a browser, with CORS; repeatable."
                     " Default: pages of other sites can neither write nor generate here")
+    ap.add_argument("--allow-host", action="append", metavar="NAME", help="a name the server answers to"
+                    " besides --host, localhost and IP addresses: the public name a proxy serves it under, a"
+                    " LAN name (repeatable; * for any). Other names in Host get a 421 (DNS rebinding)")
     ap.add_argument("--default-voice", metavar="NAME", help="the saved voice OpenAI's built-in voice names"
                     " (alloy, ash, ...) speak with, unless a voice has that name (default: none, plain TTS)")
     args = ap.parse_args(argv)
-    if args.slots < 1 or args.queue < 0 or args.max_context < 2:
-        ap.error("--slots must be >= 1, --queue >= 0 and --max-context >= 2")
+    if min(args.slots, args.codec_workers, args.max_connections) < 1 or args.queue < 0 \
+            or args.max_context < 2 or not args.shutdown_wait >= 0:
+        ap.error("--slots, --codec-workers and --max-connections must be >= 1, --queue and --shutdown-wait"
+                 " >= 0 and --max-context >= 2")
     if args.default_voice and not is_voice_name(args.default_voice):
         ap.error(f"--default-voice {args.default_voice!r}: use 1-64 letters, digits, '_', '-', inner spaces")
     return args
@@ -1072,7 +1378,7 @@ def make_server(args) -> Server:
     except OSError as e:
         app.close()
         raise common.UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
-    server.app = app
+    server.app, server.max_connections = app, args.max_connections
     return server
 
 
@@ -1091,8 +1397,14 @@ def main(argv=None):
     except KeyboardInterrupt:
         pass
     finally:
-        server.server_close()
-        app.close()
+        for sig in (signal.SIGINT, signal.SIGTERM):  # the wait below is bounded: no second interrupt in it
+            signal.signal(sig, signal.SIG_IGN)
+        left = server.close(args.shutdown_wait)
+    if left:  # a thread still in torch when Python exits aborts the process ("terminate called ...")
+        print(f"fishfast: {left} request(s) still running after {args.shutdown_wait:g} s: exiting",
+              file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(0)
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ import http.client
 import http.server
 import io
 import json
+import os
 import shutil
 import signal
 import socket
@@ -17,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -37,6 +39,7 @@ TEXT = "Hello from the server test."
 SPEECH = "/v1/audio/speech"
 MSGPACK = "application/msgpack"
 FOREIGN = "http://localhost:9"  # a page of another site than the server's 127.0.0.1
+PUBLIC = "tts.example"  # the name a proxy serves the locked server under (--allow-host)
 CLIP_B64 = base64.b64encode(CLIP.read_bytes()).decode()
 
 
@@ -72,9 +75,9 @@ def server(root):
 
 @pytest.fixture(scope="module")
 def locked(tmp_path_factory):
-    """One slot, a queue of one, an API key, pages of one other origin allowed."""
+    """One slot, a queue of one, an API key, pages of one other origin allowed, a public name (a proxy's)."""
     server = start_server(tmp_path_factory.mktemp("locked"), "--slots", "1", "--queue", "1",
-                          "--api-key", "secret", "--allow-origin", FOREIGN)
+                          "--api-key", "secret", "--allow-origin", FOREIGN, "--allow-host", PUBLIC)
     yield server
     stop_server(server)
 
@@ -396,6 +399,8 @@ BAD = [
     ("DELETE", "/v1/audio/voices/a%5Cb", None, 400),
     ("DELETE", "/v1/audio/voices/", None, 400),
     ("DELETE", "/v1/audio/voices/nobody", None, 404),
+    *[("POST", "/v1/vqgan/decode?format=json", dict(tokens=[codes]), 400) for codes in [
+        [[1.5, 2]] * 10, [[True, 2]] * 10, [[1.0, 2]] * 10, [["1", 2]] * 10, [[1, 2]] * 9, [[1, -1]] * 10]],
     ("GET", "/nope", None, 404),
     ("OPTIONS", "/nope", None, 404),
     ("GET", "/v1/audio/speech/x", None, 404),
@@ -428,6 +433,97 @@ def test_bad_input_gets_its_4xx_and_json_error_and_changes_no_file(server, root,
     if status == 405:
         assert headers["Allow"]
     assert "Traceback" not in capfd.readouterr().err
+
+
+@contextlib.contextmanager
+def server_process(folder: Path, *flags):
+    """app.py in a process of its own, for what only a process shows (its memory, signals, exit status),
+    its temp folder folder/tmp -> (the process, an address for `call`)."""
+    (folder / "tmp").mkdir(exist_ok=True)
+    command = [sys.executable, str(Path(app.__file__).resolve()), "--checkpoint", str(CKPT), "--device",
+               "cpu", "--port", "0", "--voices", str(folder / "prompt"), *flags]
+    process = subprocess.Popen(command, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, env=dict(os.environ, TMPDIR=str(folder / "tmp")))
+    try:
+        host, port = process.stdout.readline().split("-> http://")[1].strip().rsplit(":", 1)
+        yield process, types.SimpleNamespace(server_address=(host, int(port)))
+    finally:
+        process.kill()
+        process.wait()
+
+
+def peak_mb(process) -> float:
+    """The process's peak resident memory since `reset_peak(process)`."""
+    status = Path(f"/proc/{process.pid}/status").read_text()
+    return int(status.split("VmHWM:")[1].split()[0]) / 1024
+
+
+def reset_peak(process):
+    Path(f"/proc/{process.pid}/clear_refs").write_text("5")  # the peak restarts from the memory in use
+
+
+def test_an_upload_that_would_decode_to_gigabytes_is_refused_from_its_header(tmp_path):
+    """A 2 KB WAV declared at 1 Hz is 1000 s (44 M samples once resampled); 30 s of 8-channel 192 kHz
+    silence is 46 KB of FLAC and 184 MB decoded. Both are refused from their header, before any decoding:
+    the server's peak memory barely moves, on every route that takes audio, and nothing is saved."""
+    one_hz, flac = io.BytesIO(), io.BytesIO()
+    sf.write(one_hz, np.zeros(1000, np.int16), 1, format="WAV", subtype="PCM_16")
+    sf.write(flac, np.zeros((192000 * 30, 8), np.int16), 192000, format="FLAC", subtype="PCM_16")
+    json_answer = {"Accept": "application/json"}
+
+    def clip(audio):
+        return dict(audio=b64(audio), text="x")
+
+    with server_process(tmp_path) as (process, address):
+        for audio, why in ((one_hz.getvalue(), "rate of 1 Hz"), (flac.getvalue(), "8 channels")):
+            reset_peak(process)
+            before = peak_mb(process)
+            for path, body in [("/v1/audio/voices", dict(name="big", audio=b64(audio), text="x")),
+                               ("/v1/references/add", multipart(dict(id="big", audio=audio, text="x"))),
+                               ("/v1/vqgan/encode", dict(audios=[b64(audio)] * 8)),
+                               ("/v1/tts", dict(text="hi", references=[clip(audio)] * 4)),
+                               (SPEECH, dict(input="hi", ref_audio=b64(audio), ref_text="x"))]:
+                kind, body = body if isinstance(body, tuple) else ("application/json", body)
+                status, _, data = call(address, "POST", path, body, json_answer, kind)
+                answer = json.loads(data)
+                message = answer["message"] if "success" in answer else answer["error"]["message"]
+                assert status == 400 and why in message, (path, status, message)
+            grew = peak_mb(process) - before
+            assert grew < 40, f"{why}: the server's peak memory grew by {grew:.0f} MB"
+    assert not (tmp_path / "prompt").exists() or list((tmp_path / "prompt").glob("big*")) == []
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_a_clip_header_is_checked_before_decoding():
+    app.check_clip_header("a", 44100, 2, 30 * 44100, "WAV", "PCM_16", 4 * 30 * 44100)  # 30 s of stereo
+    app.check_clip_header("a", 8000, 1, 8000, "OGG", "VORBIS", 10)  # compressed: no bound from the size
+    app.check_clip_header("a", 8000, 1, 8000, "FLAC", "PCM_16", 10)  # FLAC's subtype is PCM_16 too
+    for header, why in [((7999, 1, 10, "WAV", "PCM_16", 100), "7999 Hz"),
+                        ((192001, 1, 10, "WAV", "FLOAT", 100), "Hz"),
+                        ((44100, 3, 10, "WAV", "PCM_16", 100), "3 channels"),
+                        ((44100, 0, 10, "FLAC", "PCM_16", 100), "0 ch"),
+                        ((8000, 1, 8000 * 30 + 1, "FLAC", "PCM_16", 100), "30.0 s long"),
+                        ((44100, 2, 1000, "AIFF", "PCM_24", 5999), "more than its 5999 bytes hold")]:
+        with pytest.raises(common.UserError, match=why):
+            app.check_clip_header("a", *header)
+
+
+@pytest.mark.parametrize("kind, subtype, rate", [("WAV", "PCM_16", 44100), ("WAV", "FLOAT", 16000),
+                                                  ("FLAC", "PCM_16", 44100), ("FLAC", "PCM_24", 96000),
+                                                  ("OGG", "VORBIS", 44100), ("MP3", "MPEG_LAYER_III", 44100),
+                                                  ("OGG", "OPUS", 48000), ("AIFF", "PCM_16", 22050)])
+def test_an_upload_decodes_from_memory_as_its_file_would(tmp_path, kind, subtype, rate):
+    """Compressed formats carry a PCM subtype too (FLAC's PCM_16): no bound from their size."""
+    if not sf.check_format(kind, subtype):
+        pytest.skip(f"this soundfile cannot write {kind} {subtype}")
+    data, clip_rate = sf.read(CLIP, dtype="float32")
+    stereo = np.stack([data, data / 2], 1)
+    out = tmp_path / f"clip.{kind.lower()}"
+    sf.write(out, stereo if rate == clip_rate else np.stack([np.interp(
+        np.arange(len(data) * rate // clip_rate) * clip_rate / rate, np.arange(len(data)), c)
+        for c in stereo.T], 1), rate, format=kind, subtype=subtype)
+    want = codec.load_audio(out)
+    assert torch.equal(app.clip_wave(out.read_bytes(), "clip"), want)
 
 
 def raw_request(server, path: str, headers: dict, body: bytes):
@@ -483,6 +579,18 @@ def test_a_same_site_page_is_refused_even_without_a_foreign_origin(server):
         assert status == 403 and "--allow-origin" in json.loads(body)["error"]["message"], headers
 
 
+@pytest.mark.parametrize("origin", ["http://[", "http://a]b:x", "http://[::1", "http://a:99999",
+                                    "http://a b"])
+def test_a_malformed_origin_is_another_sites_page_never_a_500(server, root, origin, capfd):
+    status, headers, _ = call(server, "GET", "/health", headers={"Origin": origin})
+    assert status == 200 and "Access-Control-Allow-Origin" not in headers
+    before = tree(root.parent)
+    save = dict(name="odd", audio=CLIP_B64, text="x")
+    status, _, data = call(server, "POST", "/v1/audio/voices", save, {"Origin": origin})
+    assert status == 403 and "--allow-origin" in json.loads(data)["error"]["message"]
+    assert tree(root.parent) == before and "Traceback" not in capfd.readouterr().err
+
+
 def test_an_allowed_origin_gets_cors_headers_and_its_preflight(locked, monkeypatch):
     ask = {"Origin": FOREIGN, "Access-Control-Request-Method": "POST",
            "Access-Control-Request-Headers": "authorization,content-type"}
@@ -503,6 +611,57 @@ def test_an_allowed_origin_gets_cors_headers_and_its_preflight(locked, monkeypat
     monkeypatch.setattr(locked.app, "allow_origins", {"*"})  # --allow-origin '*'
     status, headers, _ = call(locked, "GET", "/v1/models", headers=other)
     assert status == 200 and headers["Access-Control-Allow-Origin"] == "http://evil.example"
+
+
+def test_a_name_rebound_to_this_machine_is_refused_everywhere_and_changes_nothing(server, locked, root):
+    """DNS rebinding: a page of evil.example whose name now resolves to 127.0.0.1 is, to the browser, of
+    the same origin as the server (Origin = Host, or no Origin at all on a same-origin GET). Only the Host
+    tells it apart: a name the server does not answer to is a 421, before anything else."""
+    port = server.server_address[1]
+    evil = {"Host": f"evil.example:{port}", "Origin": f"http://evil.example:{port}"}
+    content_type, form = multipart(dict(name="rebound", text="x", audio=CLIP.read_bytes()))
+    before = tree(root.parent)
+    for method, path, body, kind in [
+            ("POST", "/v1/audio/voices", form, content_type), ("GET", "/v1/audio/voices", None, None),
+            ("POST", SPEECH, json.dumps(dict(input=TEXT, voice="keep", max_new_tokens=4)).encode(), None),
+            ("DELETE", "/v1/audio/voices/keep", None, None), ("GET", "/health", None, None),
+            ("POST", "/v1/references/update", json.dumps(dict(old_reference_id="keep",
+                                                              new_reference_id="evil")).encode(), None)]:
+        for headers in (evil, {"Host": evil["Host"]}, {"Host": "evil.example"}):
+            status, _, data = call(server, method, path, body, headers, kind or "application/json")
+            assert status == 421 and "--allow-host" in json.loads(data)["error"]["message"], (path, headers)
+    assert tree(root.parent) == before
+    for name in ("127.0.0.1", "localhost", "[::1]", "LOCALHOST"):  # the names of a loopback server
+        own = {"Host": f"{name}:{port}", "Origin": f"http://{name}:{port}"}
+        assert call(server, "GET", "/v1/audio/voices", headers=own)[0] == 200, name
+    public = {"Host": PUBLIC, "Origin": f"http://{PUBLIC}", "Authorization": "Bearer secret"}
+    assert call(locked, "POST", "/v1/tts", dict(text=TEXT, max_new_tokens=4), public)[0] == 200
+    assert call(locked, "GET", "/health", headers={"Host": "other.example"})[0] == 421
+    forged = {"Host": PUBLIC, "Origin": f"http://evil.example:{port}", "Authorization": "Bearer secret"}
+    assert call(locked, "POST", "/v1/tts", dict(text=TEXT, max_new_tokens=4), forged)[0] == 403
+    two = raw_exchange(server, b"GET /v1/audio/voices HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                               b"Host: evil.example\r\n\r\n")
+    assert two.startswith(b"HTTP/1.1 400") and b"Host" in two  # RFC 9112: one Host, else a 400
+
+
+def test_the_names_a_server_answers_to_and_its_own_pages_origin():
+    names = app.served_names("0.0.0.0", ["TTS.example.com"])
+    for host in ("localhost", "127.0.0.1:7560", "[::1]:80", "tts.example.com", "10.1.2.3:7560",
+                 "[fe80::1]"):
+        assert app.check_host([host], names) == host  # an IP address cannot be a rebound name
+    assert app.check_host([], names) is None  # HTTP/1.0 may send no Host
+    for hosts, status in [(["evil.example:7560"], 421), (["localhost.evil.example"], 421), (["a@b"], 400),
+                          (["[::1"], 400), (["x:99999"], 400), ([""], 400),
+                          (["localhost", "localhost"], 400)]:  # two Host headers
+        with pytest.raises(app.HTTPError) as refused:
+            app.check_host(hosts, names)
+        assert refused.value.status == status, hosts
+    app.check_host(["anything.example"], {"*"})  # --allow-host '*'
+    assert app.same_origin("http://tts.example.com", "tts.example.com", names)
+    assert app.same_origin("https://anything.example:8443", "anything.example:8443", {"*"})
+    assert not app.same_origin("http://evil.example:7560", "evil.example:7560", names)
+    assert not app.same_origin("http://localhost:9", "localhost:7560", names)  # another port: another site
+    assert not app.same_origin("null", "localhost", names)
 
 
 # ----------------------------------------------------------------------------- upstream's clients
@@ -543,6 +702,47 @@ def test_upstream_schema_ranges_are_a_422_in_pydantics_shape(server, field, valu
     [error] = json.loads(body)
     assert status == 422 and error["type"] == kind and error["loc"] == [field] and error["in"] == "body"
     assert error["input"] == value and error["msg"].startswith("Input should be")
+
+
+def test_a_422_for_an_infinite_or_nan_number_is_still_json(server):
+    """JSON reads 1e400 as infinity and msgpack carries NaN: their 422 echoes the input as null, as
+    pydantic's JSON does, never as a NaN or Infinity literal that no JSON parser takes."""
+    def strict(name):
+        raise ValueError(f"{name} is not JSON")
+
+    for kind, body in [("application/json", b'{"text": "hi", "temperature": 1e400}'),
+                       (MSGPACK, msgpack.packb(dict(text="hi", top_p=float("nan")))),
+                       (MSGPACK, msgpack.packb(dict(text="hi", top_p=[float("-inf")])))]:
+        status, _, data = call(server, "POST", "/v1/tts", body, content_type=kind)
+        [error] = json.loads(data, parse_constant=strict)
+        assert status == 422 and error["input"] in (None, [None]), error
+
+
+def test_a_request_without_the_body_its_route_reads_is_told_so(server):
+    for method, path in [("DELETE", "/v1/references/delete?format=json"), ("POST", "/v1/tts"),
+                         ("POST", "/v1/references/update?format=json")]:
+        status, _, data = call(server, method, path, None, content_type=None)
+        answer = json.loads(data)
+        message = answer["message"] if "success" in answer else answer["error"]["message"]
+        assert status == 400 and "no body" in message and "text/plain" not in message, (path, message)
+
+
+def test_msgpack_with_trailing_bytes_is_refused_by_either_library(monkeypatch):
+    """msgpack raises ExtraData; ormsgpack (upstream's, preferred when installed) reads the first object
+    and ignores the rest: stood in for here by msgpack's streaming Unpacker, which does the same."""
+    def first_object(data):
+        unpacker = msgpack.Unpacker(raw=False)
+        unpacker.feed(data)
+        return next(unpacker)
+
+    body = msgpack.packb(dict(text="hi", references=[dict(audio=b"\0" * 300, text="x")], top_k=70000,
+                              seed=2**40, top_p=0.5, streaming=False, none=None, n=-3, m=-200))
+    for library in (msgpack, types.SimpleNamespace(unpackb=first_object, packb=msgpack.packb)):
+        monkeypatch.setattr(app, "MSGPACK", library)
+        assert app.parse_body(MSGPACK, body) == msgpack.unpackb(body)
+        for tail in (b"\x01", b"\xc0", b"\x80" * 3):
+            with pytest.raises(common.UserError, match="malformed msgpack"):
+                app.parse_body(MSGPACK, body + tail)
 
 
 def test_upstream_references_and_vqgan_routes(server, root, ref):
@@ -618,7 +818,10 @@ def test_api_key_is_required_on_the_api_when_set(locked):
         assert status == 401 and json.loads(body)["error"]["type"] == "authentication_error"
         assert response_headers["WWW-Authenticate"] == "Bearer"
     assert call(locked, "POST", SPEECH, dict(input="hi"))[0] == 401
-    assert call(locked, "GET", "/v1/models", headers={"Authorization": "Bearer secret"})[0] == 200
+    for scheme in ("Bearer", "bearer", "BEARER"):  # the scheme is case-insensitive (RFC 9110 11.1)
+        assert call(locked, "GET", "/v1/models", headers={"Authorization": f"{scheme} secret"})[0] == 200
+    assert call(locked, "GET", "/v1/models", headers={"Authorization": "Bearer  secret"})[0] == 200
+    assert call(locked, "GET", "/v1/models", headers={"Authorization": "Bearer SECRET"})[0] == 401
     assert call(locked, "GET", "/health")[0] == 200 and call(locked, "GET", "/")[0] == 200
 
 
@@ -638,6 +841,45 @@ def test_full_queue_gives_503_with_retry_after_and_hangups_free_everything(locke
     first[0].close()
     wait_for(lambda: health(locked)["busy"] + health(locked)["queued"] == 0, 10,
              "the slot and queue to empty")
+
+
+def test_codec_work_from_requests_has_its_own_bound_and_a_503_beyond(tmp_path, monkeypatch):
+    """Clip encodes and /v1/vqgan run outside --slots: --codec-workers of them at once, --queue more may
+    wait, beyond that a 503 with Retry-After, as generation."""
+    server = start_server(tmp_path, "--codec-workers", "1", "--queue", "0")
+    (tmp_path / "prompt").mkdir()
+    shutil.copy(CLIP, tmp_path / "prompt" / "as audio.wav")  # a voice kept as audio: encoded when used
+    (tmp_path / "prompt" / "as audio.txt").write_text("words\n")
+    entered, release, encode = threading.Event(), threading.Event(), codec.encode
+
+    def slow_encode(*args):
+        if not entered.is_set():  # the first encode holds the one worker until released
+            entered.set()
+            release.wait(60)
+        return encode(*args)
+
+    monkeypatch.setattr(codec, "encode", slow_encode)
+    first = []
+    save = dict(name="first", audio=CLIP_B64, text="words")
+    thread = threading.Thread(target=lambda: first.append(call(server, "POST", "/v1/audio/voices", save)))
+    try:
+        thread.start()
+        assert entered.wait(30)
+        codes = dict(tokens=[[[1, 2]] * 10])
+        json_answer = {"Accept": "application/json"}
+        for path, body in [("/v1/audio/voices", dict(save, name="second")), ("/v1/vqgan/decode", codes),
+                           ("/v1/vqgan/encode", dict(audios=[CLIP_B64])),
+                           (SPEECH, dict(input=TEXT, ref_audio=CLIP_B64, ref_text="words")),
+                           (SPEECH, dict(input=TEXT, voice="as audio", max_new_tokens=4))]:
+            status, headers, data = call(server, "POST", path, body, json_answer)
+            assert status == 503 and int(headers["Retry-After"]) > 0, (path, status, data[:200])
+            assert "codec" in json.loads(data)["error"]["message"]
+    finally:
+        release.set()
+        thread.join(60)
+        stop_server(server)
+    assert first[0][0] == 201 and sorted(p.name for p in (tmp_path / "prompt").iterdir()) == [
+        ".fishfast-lock", "as audio.txt", "as audio.wav", "first.npy", "first.txt"]
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
@@ -712,6 +954,23 @@ def test_demo_model_says_it_is_noise(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_demo_models_api_stops_where_its_page_does(tmp_path, monkeypatch):
+    """Random weights rarely say 'stop': without a frame limit the README's pcm curl ran 76 s of noise.
+    On the demo model, no limit (max_new_tokens 0, OpenAI's) is DEMO_FRAMES, as the page's default."""
+    monkeypatch.chdir(tmp_path)  # no ./s2-pro here
+    server = app.make_server(app.parse_args(["--device", "cpu", "--port", "0"]))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    conn, response = open_stream(server, dict(input=TEXT, response_format="pcm", seed=3))
+    try:
+        most, data = 2 * app.HOP * app.DEMO_FRAMES, b""
+        while len(data) <= most and (piece := response.read1(65536)):
+            data += piece
+        assert response.status == 200 and 0 < len(data) <= most, len(data) / (2 * app.HOP)
+    finally:
+        conn.close()
+        stop_server(server)
+
+
 def raw_exchange(server, request: bytes, close="half") -> bytes:
     """Send `request` on a socket, then half-close it (shutdown SHUT_WR, as some clients and proxies do) and
     read the whole answer, or close it at once (close="full") -> the bytes read."""
@@ -728,7 +987,7 @@ def raw_exchange(server, request: bytes, close="half") -> bytes:
 
 def post_bytes(path: str, body: dict, length=None) -> bytes:
     data = json.dumps(body).encode()
-    return (f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
             f"Content-Length: {length or len(data)}\r\n\r\n").encode() + data
 
 
@@ -752,6 +1011,56 @@ def test_a_half_closed_client_gets_its_whole_answer(server, ref, fmt):
     assert_close_pcm(wav_samples(response.read()) if fmt == "wav" else
                      sf.read(io.BytesIO(response.read()), dtype="int16")[0],
                      expected_pcm(ref, seed=14, max_new_tokens=12))
+
+
+def test_a_bad_request_target_is_a_400_and_an_absolute_one_is_served(server, capfd):
+    port = server.server_address[1]
+    for target, status in [("http://[/health", 400), ("http://a]b:x/health", 400), ("*", 400),
+                           ("health", 400), ("//[x", 404), (f"http://127.0.0.1:{port}/health", 200),
+                           (f"http://localhost:{port}/health?x=1", 200), ("http://evil.example/health", 421)]:
+        answer = raw_exchange(server, f"GET {target} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode())
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 %d" % status), (target, answer[:300])
+        assert "error" in json.loads(body) if status != 200 else json.loads(body)["status"] == "ok"
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_ambiguous_framing_is_refused_and_an_unread_body_is_never_a_next_request(server, root):
+    """Request smuggling behind a proxy that does not normalise framing headers (RFC 9112 6.3): two
+    Content-Length or Transfer-Encoding headers, a coding other than chunked, are a 400, answered once."""
+    data = json.dumps(dict(name="smuggled", audio=CLIP_B64, text="x")).encode()
+    smuggled = b"POST /v1/audio/voices HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n" \
+        b"Content-Length: %d\r\n\r\n%s" % (len(data), data)
+    before = tree(root.parent)
+    for framing, status in [(b"Content-Length: 2\r\nContent-Length: %d" % len(smuggled), 400),
+                            (b"Content-Length: 2\r\nContent-Length: 2", 400),
+                            (b"Transfer-Encoding: identity\r\nTransfer-Encoding: chunked", 400),
+                            (b"Transfer-Encoding: gzip\r\nContent-Length: 2", 400),
+                            (b"Transfer-Encoding: chunked", 411)]:
+        head = b"POST /v1/tts HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+        answer = raw_exchange(server, head + framing + b"\r\n\r\n{}" + smuggled)
+        assert answer.startswith(b"HTTP/1.1 %d" % status), (framing, answer[:300])
+        assert answer.count(b"HTTP/1.1 ") == 1, (framing, answer)
+    answer = raw_exchange(server, b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Length: %d\r\n\r\n%s"
+                          % (len(smuggled), smuggled))  # a GET's body, unread: not a request of its own
+    assert answer.startswith(b"HTTP/1.1 200") and answer.count(b"HTTP/1.1 ") == 1
+    assert tree(root.parent) == before
+
+
+def test_line_wrapped_base64_is_the_same_audio(server):
+    """`base64` prints 76-column lines (upstream accepts them); spaces, CRLF and a data URL's too."""
+    def encode(audio):
+        status, _, data = call(server, "POST", "/v1/vqgan/encode?format=json", dict(audios=[audio]))
+        assert status == 200, data[:300]
+        return json.loads(data)["tokens"]
+
+    want = encode(CLIP_B64)
+    wrapped = base64.encodebytes(CLIP.read_bytes()).decode()
+    assert "\n" in wrapped and encode(wrapped) == want
+    assert encode(wrapped.replace("\n", "\r\n")) == want
+    assert encode("data:audio/wav;base64,\n" + wrapped) == want
+    status, _, data = call(server, "POST", "/v1/vqgan/encode?format=json", dict(audios=["UklG\n%%%"]))
+    assert status == 400 and "base64" in json.loads(data)["error"]["message"]
 
 
 def request_threads() -> list:
@@ -790,6 +1099,25 @@ def test_a_hundred_clients_connecting_at_once_are_all_served(server):
           f" {times[-1] * 1000:.0f} ms, {sum(t >= 1 for t in times)} took 1 s or more")
 
 
+def test_connections_beyond_the_cap_get_a_503_at_once(tmp_path):
+    """A thread per connection, so a cap on them (--max-connections): a thousand slow sockets would
+    otherwise exhaust the process's open files (systemd's default is 1,024)."""
+    server = start_server(tmp_path, "--max-connections", "2")
+    idle = [socket.create_connection(server.server_address[:2], timeout=30) for _ in range(2)]
+    try:
+        wait_for(lambda: len(server.connections) == 2, 10, "the server to hold both idle connections")
+        status, headers, data = call(server, "GET", "/health")
+        assert status == 503 and int(headers["Retry-After"]) > 0
+        assert "--max-connections" in json.loads(data)["error"]["message"]
+        idle.pop().close()
+        wait_for(lambda: len(server.connections) == 1, 10, "the closed connection's thread to end")
+        assert call(server, "GET", "/health")[0] == 200
+    finally:
+        for sock in idle:
+            sock.close()
+        stop_server(server)
+
+
 def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
     """docker stop and systemd send SIGTERM: the server closes its engine and exits, as with Ctrl-C."""
     command = [sys.executable, str(Path(app.__file__).resolve()), "--device", "cpu", "--port", "0"]
@@ -805,6 +1133,51 @@ def test_sigterm_cleans_up_like_ctrl_c(tmp_path):
     finally:
         server.kill()
     assert "Traceback" not in server.stderr.read()
+
+
+def test_sigterm_under_load_ends_every_request_cleanly_and_exits_0(tmp_path):
+    """SIGTERM with two streams and uploads running: the streams end with their terminal chunk (SSE: an
+    error event first), the process exits 0 (no C++ abort from threads still in torch), no upload is left
+    in the temp folder."""
+    with server_process(tmp_path, "--slots", "2") as (process, address):
+        body = dict(input=TEXT, max_new_tokens=0)
+        streams = [open_stream(address, dict(body, response_format="pcm")),
+                   open_stream(address, dict(body, response_format="wav", stream_format="sse"))]
+        for _, response in streams:
+            assert response.status == 200 and len(response.read(2)) == 2  # generating
+        answers = []
+
+        def upload(i):
+            save = dict(name=f"voice {i}", audio=CLIP_B64, text="words")
+            try:
+                answers.append(call(address, "POST", "/v1/audio/voices", save)[0])
+            except (ConnectionError, http.client.HTTPException) as e:  # not yet accepted when it stopped
+                answers.append(type(e).__name__)
+
+        uploads = [threading.Thread(target=upload, args=(i,)) for i in range(4)]
+        for thread in uploads:
+            thread.start()
+        half = socket.create_connection(address.server_address, timeout=60)  # an upload still arriving
+        data = json.dumps(dict(name="half", audio=CLIP_B64, text="words")).encode()
+        half.sendall(b"POST /v1/audio/voices HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                     b"\r\nContent-Length: %d\r\n\r\n%s" % (len(data), data[:len(data) // 2]))
+        time.sleep(0.3)  # the uploads under way
+        process.send_signal(signal.SIGTERM)
+        assert half.recv(65536).startswith(b"HTTP/1.1 503")  # "shutting down", not a 400 of its own
+        half.close()
+        pcm_rest = streams[0][1].read()  # http.client raises IncompleteRead on a stream cut off
+        events = streams[1][1].read().decode().strip().split("\n\n")
+        assert len(pcm_rest) % 2 == 0 and events[-1].startswith("data: ")
+        last = json.loads(events[-1][len("data: "):])
+        assert last["type"] == "error" and "shutting down" in last["error"]["message"], last
+        for thread in uploads:
+            thread.join(60)
+        assert process.wait(60) == 0
+        errors = process.stderr.read()
+        assert "Traceback" not in errors and "terminate called" not in errors, errors[-2000:]
+        gone = ("ConnectionResetError", "RemoteDisconnected", "BrokenPipeError")  # after it stopped listening
+        assert all(answer in (201, 503, *gone) for answer in answers), answers
+    assert list((tmp_path / "tmp").iterdir()) == []
 
 
 # ----------------------------------------------------------------------------- OpenAI's client
@@ -932,7 +1305,7 @@ def test_device_takes_a_gpu_index():
 class Browser:
     """Headless Chromium over the W3C WebDriver protocol: chromedriver speaks plain HTTP + JSON."""
 
-    def __init__(self, profile: Path):
+    def __init__(self, profile: Path, *flags):
         chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
         assert chromium and driver, "this test needs Chromium: apt-get install -y chromium chromium-driver"
         port = free_port()
@@ -943,7 +1316,7 @@ class Browser:
         flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
                  "--autoplay-policy=no-user-gesture-required", "--window-size=1000,900",
-                 f"--user-data-dir={profile}"]
+                 f"--user-data-dir={profile}", *flags]
         options = {"binary": chromium, "args": flags}
         capabilities = {"alwaysMatch": {"goog:chromeOptions": options}}
         session = self.call("POST", "/session", {"capabilities": capabilities})
@@ -1095,3 +1468,43 @@ def test_browser_stop_keeps_what_was_made_and_other_sites_cannot_save_a_voice(se
     finally:
         browser.close()
         other.shutdown()
+
+
+def test_browser_a_page_whose_name_is_rebound_to_the_server_reaches_nothing(tmp_path):
+    """DNS rebinding in a real browser: evil.example serves its page, then its name resolves to the
+    server (here: the page's server goes, ours takes its port; Chromium maps the name to 127.0.0.1). To
+    the browser the page's fetches are now same-origin ones; the server refuses the name."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "index.html").write_text("<!doctype html><title>evil.example</title>")
+
+    class Site(http.server.SimpleHTTPRequestHandler):
+        timeout = 0.5  # a connection Chromium opened ahead and keeps idle ends, not answers the next fetch
+
+    site = functools.partial(Site, directory=str(tmp_path / "site"))
+    evil = http.server.ThreadingHTTPServer(("127.0.0.1", 0), site)
+    evil.daemon_threads = False  # server_close waits for its connections' threads
+    port = evil.server_address[1]
+    threading.Thread(target=evil.serve_forever, daemon=True).start()
+    rebind = "--host-resolver-rules=MAP evil.example 127.0.0.1"
+    browser = Browser(Path(tempfile.mkdtemp(dir=tmp_path)), rebind)
+    server = None
+    try:
+        browser.call("POST", "/url", {"url": f"http://evil.example:{port}/"})
+        assert browser.js("return document.title") == "evil.example"
+        evil.shutdown()
+        evil.server_close()
+        server = start_server(tmp_path, "--port", str(port))  # the name now leads to the server
+        script = """const done = arguments[1], form = new FormData();
+            form.append('name', 'rebound');
+            form.append('text', 'What the clip says.');
+            const clip = Uint8Array.from(atob(arguments[0]), c => c.charCodeAt(0));
+            form.append('audio', new Blob([clip]), 'a.wav');
+            const save = fetch('/v1/audio/voices', {method: 'POST', body: form});
+            Promise.all([save, fetch('/v1/audio/voices')])
+              .then(answers => done(answers.map(a => a.status)), e => done(String(e)));"""
+        assert browser.call("POST", "/execute/async", {"script": script, "args": [CLIP_B64]}) == [421, 421]
+        assert not (tmp_path / "prompt").exists() or list((tmp_path / "prompt").glob("rebound*")) == []
+    finally:
+        browser.close()
+        if server is not None:
+            stop_server(server)

@@ -2,15 +2,19 @@
 (GB/s, % of the measured copy bandwidth), prefill tokens/s, time to first audio, peak memory; for a
 quantized model also its logit error and code agreement against the unquantized one. Random weights
 (torch.rand: randn differs between CPUs) at the real size or smaller, or a checkpoint. Also the codec's
-encode / decode / streaming speed, eager and fast path (`python codec.py bench`).
+encode / decode / streaming speed, eager and fast path (`python codec.py bench`), and OmniVoice's unmasking
+steps/s, RTF and GFLOP/s (% of the matmul peak) and its audio tokenizer's RTF (`python omnivoice.py --bench`).
 
     python bench.py --config s2-mid --batch 1,4 --frames 64 --compile --quant int8wo
     python dualAR.py --bench ...                     # the same, from the main CLI
+    python omnivoice.py --bench --config omnivoice --layers 4 --seconds 10 --threads 2
 """
 import argparse
 import ctypes
+import math
 import os
 import resource
+import statistics
 import time
 from pathlib import Path
 
@@ -21,6 +25,8 @@ from torch import Tensor
 import codec
 import common
 import dualAR
+import omnivoice
+import omnivoice_codec
 from common import QuantLinear, swap_linears
 from dualAR import (CONFIG, CPU_BITS, DEMO_DIMS, RAS_WINDOW, DualAR, Scheduler, batch_bucket, block_scheme,
                     cache_bucket, decode_step, demo_tokenizer, draw_noise, sample_frame, sampling_params,
@@ -385,6 +391,171 @@ def codec_speed(args):
     codec.fast_path(dac, False)
 
 
+# --------------------------------------------------------------------------- OmniVoice (omnivoice.py --bench)
+OV_TINY = Path(__file__).resolve().parent / "tests/fixtures/omnivoice-tiny/checkpoint"
+OV_TEXT = "The quick brown fox jumps over the lazy dog, then it runs far away into the woods. "
+OV_CHARS_PER_SECOND = 14  # about what the length estimate gives English speech
+OV_REF_SECONDS = 3  # every request clones a reference of this length (random codes)
+
+
+def ov_random_model(cfg: dict, device, dtype, seed=0) -> omnivoice.OmniVoice:
+    """The LM with weights from torch.rand (own generator), U(-1, 1) scaled to unit variance / sqrt(fan in),
+    norms near 1, so activations stay O(1) through any depth; the fixture's tokenizer (its ids fit any
+    vocab) and a random audio tokenizer at the real size."""
+    with torch.device("meta"):  # no default init: it would be slow and draw from the global RNG
+        model = omnivoice.OmniVoice(cfg)
+    model = model.to_empty(device="cpu")
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            u = (torch.rand(p.shape, generator=generator) * 2 - 1) * math.sqrt(3)  # unit variance
+            p.copy_(1 + 0.1 * u if name.endswith("norm.weight") else 0.5 * u if "embed" in name
+                    else u / math.sqrt(p.shape[1]))
+    # a non-persistent buffer: to_empty left it uninitialised
+    model.codebook_offsets = torch.arange(cfg["num_codebooks"]) * cfg["audio_vocab_size"]
+    model = model.to(device, dtype).requires_grad_(False).eval()
+    model.tokenizer = omnivoice.load_tokenizer(OV_TINY / "tokenizer.json")
+    model.audio_tokenizer = omnivoice_codec.random_tokenizer(omnivoice_codec.CONFIG).to(device)  # fp32
+    return model
+
+
+def ov_requests(model, args, gen: dict) -> list:
+    """`--batch` clone requests of `--seconds` each (a fixed duration, so the length is exact)."""
+    generator = torch.Generator().manual_seed(args.seed)
+    C, frames = model.cfg["num_codebooks"], OV_REF_SECONDS * model.frame_rate
+    codes = torch.randint(0, model.audio_tokenizer.codebook_size, (C, frames), generator=generator)
+    voice = dict(codes=codes, text=(OV_TEXT * 2)[:OV_CHARS_PER_SECOND * OV_REF_SECONDS], rms=0.05)
+    text = (OV_TEXT * math.ceil(args.seconds))[:round(OV_CHARS_PER_SECOND * args.seconds)]
+    return omnivoice.plan(model, [text] * args.batch, language="en", ref_audio=None, ref_text=None,
+                          voice=voice, instruct=None, speed=None, duration=args.seconds, gen=gen)
+
+
+def ov_step_flops(cfg: dict, n_layer: int, rows: int, length: int, targets: list) -> int:
+    """FLOPs of one unmasking step: every layer over all rows x length positions (padding included, as the
+    forward computes it): projections, MLP, attention scores and values; the heads at the target positions
+    of the cond and uncond rows. Norms, RoPE, softmax and sampling are left out."""
+    d, h, kv, hd = cfg["dim"], cfg["n_head"], cfg["n_local_heads"], cfg["head_dim"]
+    linear = 2 * d * h * hd + 2 * d * kv * hd + 3 * d * cfg["intermediate_size"]  # q, o; k, v; gate, up, down
+    attention = 2 * length * h * hd  # q.k over `length` keys, p.v over as many values
+    heads = 2 * sum(targets) * d * cfg["num_codebooks"] * cfg["audio_vocab_size"]
+    return 2 * (n_layer * rows * length * (linear + attention) + heads)  # a multiply and an add
+
+
+def ov_timed(fn, device, rounds: int) -> tuple:
+    """fn() once to warm up, then `rounds` times -> (sorted walls, peak memory GB of the last call)."""
+    fn()
+    walls = []
+    for _ in range(rounds):
+        common.reset_peak_memory(device)
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        walls.append(time.perf_counter() - start)
+    return sorted(walls), common.peak_memory_gb(device)
+
+
+def ov_spread(values, fmt: str) -> str:
+    values = sorted(values)
+    return " / ".join(format(v, fmt) for v in (values[0], statistics.median(values), values[-1]))
+
+
+def ov_build(args, device, dtype) -> tuple:
+    """--checkpoint, --config and --layers -> (model, what it is, in words)."""
+    if args.checkpoint or args.config == "tiny":
+        folder = args.checkpoint or OV_TINY
+        model, what = omnivoice.load(folder, device, dtype), str(folder)
+    else:
+        cfg = dict(omnivoice.CONFIG, n_layer=args.layers or omnivoice.CONFIG["n_layer"])
+        model, what = ov_random_model(cfg, device, dtype, args.seed), "random weights, real dims"
+    full = omnivoice.CONFIG["n_layer"] if what.startswith("random") else len(model.layers)
+    model.layers = model.layers[:args.layers or full]
+    if len(model.layers) < full:
+        what += f", CUT TO {len(model.layers)} OF {full} LAYERS (a partial model: scale the times)"
+    return model, what
+
+
+def ov_bench_unmask(model, args, device, peak: float):
+    """One batched unmasking run (what generate() spends its LM time in), timed `--rounds` times."""
+    gen = dict(omnivoice.GENERATION, num_step=args.num_step)
+    items, generator = ov_requests(model, args, gen), torch.Generator().manual_seed(args.seed)
+    targets, shapes = [item["target_len"] for item in items], []
+    hook = model.layers[0].register_forward_hook(lambda layer, inputs, out: shapes.append(out.shape))
+    run = lambda: omnivoice.unmask(model, items, gen, generator, packed=args.packed)  # noqa: E731
+    walls, memory = ov_timed(run, device, args.rounds)
+    hook.remove()
+    rows, length = shapes[0][:2]  # what the LM ran on: (rows, positions, dim)
+    flops = args.num_step * ov_step_flops(model.cfg, len(model.layers), rows, length, targets)
+    audio, codes = sum(targets) / model.frame_rate, sum(targets) * model.cfg["num_codebooks"]
+    gflops = [flops / w / 1e9 for w in walls]
+    layout = "packed: one row per request" if args.packed else "cond + uncond rows"
+    print(f"unmask: batch {args.batch}, {targets[0]} frames ({args.seconds:g} s) each, {rows} rows x {length}"
+          f" positions ({layout}), {args.num_step} steps, {flops / args.num_step / 1e9:.1f} GFLOP per step"
+          f" (min / median / max of {args.rounds})")
+    print(f"  steps/s {ov_spread([args.num_step / w for w in walls], '.3g')},"
+          f" RTF {ov_spread([w / audio for w in walls], '.3g')},"
+          f" tokens/s {ov_spread([codes / w for w in walls], '.4g')} ({codes // sum(targets)} codes a frame)")
+    print(f"  LM {ov_spread(gflops, '.0f')} GFLOP/s = {ov_spread([100 * g / peak for g in gflops], '.0f')} %"
+          f" of the matmul peak, peak memory {memory:.2f} GB")
+
+
+def ov_bench_tokenizer(model, args, device):
+    """The audio tokenizer's encode and decode of `--seconds` of noise."""
+    sr, generator = model.sample_rate, torch.Generator().manual_seed(args.seed)
+    wave = torch.rand(int(args.seconds * sr), generator=generator) * 0.2 - 0.1
+    codes = omnivoice.encode(model, wave, sr)
+    for what, fn in (("encode", lambda: omnivoice.encode(model, wave, sr)),
+                     ("decode", lambda: omnivoice.decode(model, codes))):
+        walls, memory = ov_timed(fn, device, args.rounds)
+        rtf = ov_spread([w / args.seconds for w in walls], ".3g")
+        print(f"audio tokenizer {what} {args.seconds:g} s: RTF {rtf} (min / median / max of {args.rounds}),"
+              f" peak memory {memory:.2f} GB")
+
+
+def omnivoice_main(argv=None):
+    """`python omnivoice.py --bench`: OmniVoice's unmasking and audio tokenizer speed."""
+    ap = argparse.ArgumentParser(prog="omnivoice.py --bench", description=omnivoice_main.__doc__)
+    ap.add_argument("--config", choices=["omnivoice", "tiny"], default="omnivoice",
+                    help="omnivoice: random weights at the real dims; tiny: the fixture checkpoint")
+    ap.add_argument("--checkpoint", help="time this OmniVoice folder instead (overrides --config)")
+    ap.add_argument("--layers", type=int, help="run only the first N LM layers (a quicker, partial model)")
+    ap.add_argument("--seconds", type=float, default=10.0, help="target audio length per request (10)")
+    ap.add_argument("--batch", type=int, default=1, help="requests unmasked together (1)")
+    ap.add_argument("--num-step", type=int, default=32, help="unmasking steps (32)")
+    ap.add_argument("--packed", action="store_true", help="one row per request (its prompt and its target"
+                    " again), not upstream's two (cond, uncond)")
+    ap.add_argument("--rounds", type=int, default=3, help="timed runs of each measurement (3)")
+    ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the weights, requests and sampling (0)")
+    ap.add_argument("--device", type=common.device_name, help="cpu, mps, cuda or cuda:N (default: best)")
+    ap.add_argument("--dtype", choices=list(common.DTYPES), help="LM dtype (default bf16 on CUDA, else fp32)")
+    ap.add_argument("--quant", choices=omnivoice.QUANT_SCHEMES, help="int8wo: int8 weights (CPU)")
+    args = ap.parse_args(argv)
+    optional = [n for n in (args.layers, args.threads) if n is not None]
+    if min(args.seconds, args.batch, args.num_step, args.rounds, *optional) <= 0:
+        raise common.UserError("--seconds, --batch, --num-step, --rounds, --layers and --threads must be > 0")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = common.pick_device(args.device)
+    dtype = common.pick_dtype(args.dtype, device)
+    name = f"cuda ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
+    peak = matmul_peak(device, dtype)
+    print(f"machine: cpu capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores,"
+          f" torch {torch.__version__}, device {name}, {torch.get_num_threads()} threads, matmul peak"
+          f" {peak:.0f} GFLOP/s (2048 x 2048, {str(dtype).removeprefix('torch.')})")
+    model, what = ov_build(args, device, dtype)
+    model = omnivoice.quantize(model, args.quant)
+    what += f", {args.quant}" if args.quant else ""
+    tokenizer_params = sum(p.numel() for p in model.audio_tokenizer.parameters())
+    params = sum(p.numel() for p in model.parameters()) - tokenizer_params  # it is a submodule
+    print(f"model: {what}: LM {params / 1e6:.1f} M parameters ({str(dtype).removeprefix('torch.')}),"
+          f" audio tokenizer {tokenizer_params / 1e6:.1f} M (fp32)")
+    ov_bench_unmask(model, args, device, peak)
+    ov_bench_tokenizer(model, args, device)
+
+
+
+# ----------------------------------------------------------------------------- CLI
 def batch_sizes(text: str) -> list:
     sizes = [int(b) for b in text.split(",")]
     if not sizes or min(sizes) < 1:

@@ -3,6 +3,7 @@ forward, the unmasking loop step by step, voice prompts and all 14 generate() ca
 and the CLI.
 The fixture's README (tests/fixtures/omnivoice-tiny/README.md) says what each golden is."""
 import hashlib
+import re
 import json
 
 import numpy as np
@@ -446,3 +447,25 @@ def test_int8_generates_and_a_scheme_it_lacks_is_refused(model):
     assert audio.dtype == np.float32 and np.isfinite(audio).all() and audio.size > 0
     with pytest.raises(common.UserError, match="quant 'int4wo': use one of none, int8wo"):
         omnivoice.load(CKPT, quant="int4wo")
+
+
+# ----------------------------------------------------------------------------- the benchmark
+def test_the_benchmark_counts_an_unmasking_steps_flops_by_hand():
+    import bench
+    cfg = dict(dim=4, n_head=2, n_local_heads=1, head_dim=3, intermediate_size=5, num_codebooks=2,
+               audio_vocab_size=7)
+    # per position and layer: q, o 2*4*6; k, v 2*4*3; gate, up, down 3*4*5; attention 2*10 positions*6
+    per_position = 2 * 4 * 6 + 2 * 4 * 3 + 3 * 4 * 5 + 2 * 10 * 6
+    heads = 2 * (3 + 4) * 4 * 2 * 7  # the cond and uncond logits of 3 + 4 target positions
+    assert bench.ov_step_flops(cfg, 2, rows=3, length=10, targets=[3, 4]) == 2 * (2 * 3 * 10 * per_position
+                                                                                   + heads)
+
+
+def test_the_benchmark_runs_on_the_tiny_checkpoint(capsys):
+    omnivoice.main(["--bench", "--config", "tiny", "--rounds", "1", "--seconds", "1", "--num-step", "2",
+                    "--packed"])
+    out = capsys.readouterr().out
+    assert out.startswith("machine: cpu capability ") and "matmul peak" in out.splitlines()[0]
+    assert "1 rows x" in out and "2 steps" in out  # packed: one row for the one request
+    assert re.search(r"steps/s [\d.]+ / [\d.]+ / [\d.]+, RTF", out) and "% of the matmul peak" in out
+    assert re.search(r"audio tokenizer encode 1 s: RTF [\d.]+", out) and "audio tokenizer decode 1 s" in out

@@ -464,3 +464,41 @@ def test_the_benchmark_runs_on_the_tiny_checkpoint(capsys):
     assert "1 rows x" in out and "2 steps" in out  # packed: one row for the one request
     assert re.search(r"steps/s [\d.]+ / [\d.]+ / [\d.]+, RTF", out) and "% of the matmul peak" in out
     assert re.search(r"audio tokenizer encode 1 s: RTF [\d.]+", out) and "audio tokenizer decode 1 s" in out
+
+
+# ----------------------------------------------------------------------------- other dims
+def test_other_dims_codebooks_and_frame_rate_run_every_mode(tmp_path):
+    """A model unlike the fixture (4 codebooks of 512 at 50 frames/s, 6 query heads on 2, 3 layers, another
+    width) built from its config alone: every mode gives (4, T) codes, fully unmasked, and repeats per seed."""
+    import omnivoice_codec
+    data = json.loads((CKPT / "audio_tokenizer/config.json").read_text())
+    data["acoustic_model_config"].update(downsampling_ratios=[8, 5, 4, 3], upsampling_ratios=[8, 5, 4, 3])
+    data.update(codebook_size=512, codebook_dim=8, target_bandwidths=[0.9, 1.8])
+    cfg = dict(omnivoice.DEMO_DIMS, dim=48, n_layer=3, n_head=6, n_local_heads=2, head_dim=16,
+               intermediate_size=80, audio_vocab_size=513, audio_mask_id=512, num_codebooks=4)
+    model = omnivoice.OmniVoice(cfg)
+    generator = torch.Generator().manual_seed(0)
+    for p in model.parameters():
+        p.data = (torch.rand(p.shape, generator=generator) - 0.5) / 4 + (1 if p.ndim == 1 else 0)
+    model.tokenizer = omnivoice.load_tokenizer(CKPT / "tokenizer.json")
+    model.audio_tokenizer = omnivoice_codec.random_tokenizer(omnivoice_codec.config_from_json(data), seed=1)
+    model.requires_grad_(False).eval()
+    assert model.frame_rate == 50
+    clip = (np.sin(np.arange(32000) / 7) * np.linspace(0, 0.3, 32000)).astype(np.float32)  # 2 s at 16 kHz
+    voice = omnivoice.voice_prompt(model, (clip, 16000), "A short test.", preprocess_prompt=False)
+    assert voice["codes"].shape == (4, 100) and voice["text"] == "A short test."
+    runs = [dict(voice=voice), dict(instruct="male, low pitch"), dict(), dict(voice=voice, speed=1.5),
+            dict(duration=0.5), dict(voice=voice, audio_chunk_threshold=0.5, audio_chunk_duration=0.4)]
+    for kwargs in runs:
+        audios, tokens = omnivoice.generate(model, "Hello there, how are you?", seed=7, num_step=4,
+                                            return_tokens=True, **kwargs)
+        for codes in tokens[0] if isinstance(tokens[0], list) else tokens:
+            assert codes.shape[0] == 4 and 0 <= codes.min() and codes.max() < 512, kwargs
+        assert audios[0].dtype == np.float32 and np.isfinite(audios[0]).all() and audios[0].size > 0
+        again = omnivoice.generate(model, "Hello there, how are you?", seed=7, num_step=4, **kwargs)
+        np.testing.assert_array_equal(again[0], audios[0])
+    _, [codes] = omnivoice.generate(model, "Hi.", duration=0.5, seed=1, num_step=2, return_tokens=True)
+    assert codes.shape == (4, 25)  # 0.5 s at 50 frames/s
+    _, chunks = omnivoice.generate(model, "One. Two. Three.", voice=voice, seed=1, num_step=2,
+                                   audio_chunk_threshold=0.1, audio_chunk_duration=0.1, return_tokens=True)
+    assert isinstance(chunks[0], list) and len(chunks[0]) > 1

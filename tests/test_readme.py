@@ -33,3 +33,18 @@ def test_the_readme_api_example_runs(tmp_path, monkeypatch):
     assert names["codes"].shape[0] == 10 and len(names["many"]) == 2
     assert isinstance(names["model"], dualAR.DualAR) and names["engine"].closed
     assert torch.is_tensor(names["ref"])
+
+
+def test_the_readme_omnivoice_example_runs(tmp_path, monkeypatch):
+    import numpy as np
+    import omnivoice
+    (example,) = [b for b in readme_python_blocks() if "omnivoice.load(" in b]
+    shutil.copytree(ROOT / "tests/fixtures/omnivoice-tiny/checkpoint", tmp_path / "OmniVoice")
+    (tmp_path / "prompt").mkdir()
+    shutil.copy(ROOT / "tests/fixtures/omnivoice-tiny/golden/clip_ref_alt.wav", tmp_path / "me.wav")
+    monkeypatch.chdir(tmp_path)
+    names = {}
+    exec(compile(example, "README.md", "exec"), names)
+    assert names["audio"].dtype == np.float32 and len(names["audios"]) == 2
+    assert names["codes"].shape == names["tokens"][0].shape
+    assert omnivoice.load_voice("prompt/me.omnivoice.safetensors")["text"] == "what me.wav says."

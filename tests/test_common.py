@@ -10,7 +10,8 @@ from safetensors.torch import save_file
 from common import write_atomic
 from conftest import ROOT
 
-FILES = ("common", "codec", "dualAR", "bench", "omnivoice", "omnivoice_codec", "app", "train_lora")  # the repository's modules
+# the repository's modules
+FILES = ("common", "codec", "dualAR", "bench", "omnivoice", "omnivoice_codec", "app", "train_lora")
 
 
 def imported_with(module: str) -> set:

@@ -469,7 +469,8 @@ def test_the_benchmark_runs_on_the_tiny_checkpoint(capsys):
 # ----------------------------------------------------------------------------- other dims
 def test_other_dims_codebooks_and_frame_rate_run_every_mode(tmp_path):
     """A model unlike the fixture (4 codebooks of 512 at 50 frames/s, 6 query heads on 2, 3 layers, another
-    width) built from its config alone: every mode gives (4, T) codes, fully unmasked, and repeats per seed."""
+    width) built from its config alone: every mode gives (4, T) codes, fully unmasked, and repeats per
+    seed."""
     import omnivoice_codec
     data = json.loads((CKPT / "audio_tokenizer/config.json").read_text())
     data["acoustic_model_config"].update(downsampling_ratios=[8, 5, 4, 3], upsampling_ratios=[8, 5, 4, 3])

@@ -6,7 +6,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = ["a preflight", "b goldens (tiny)", "c frame step + ttfa (tiny)", "d codec bench (tiny)",
-         "e lora bench", "f batch 4, int8wo (tiny)"]
+         "e lora bench", "f batch 4, int8wo (tiny)", "f omnivoice bench (tiny)"]
 
 
 def test_gpu_script_cpu_smoke_runs_every_step_and_prints_the_summary(tmp_path):
@@ -20,4 +20,5 @@ def test_gpu_script_cpu_smoke_runs_every_step_and_prints_the_summary(tmp_path):
     assert [row[:28].strip() for row in summary[1:-1]] == STEPS
     assert all(row[28:38].strip() == "ok" for row in summary[1:-1])
     assert "ttfa_ms=" in summary[3] and "frames_per_s=" in summary[6]  # the key figure of each step
+    assert "RTF" in summary[7]
     assert summary[-1].startswith("total ") and summary[-1].endswith(" 0 step(s) failed or timed out")

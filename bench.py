@@ -499,6 +499,28 @@ def ov_bench_unmask(model, args, device, peak: float):
           f" of the matmul peak, peak memory {memory:.2f} GB")
 
 
+def ov_compare_packed(model, args, device):
+    """upstream's two rows and the packed one, in alternating rounds after a warm-up each -> their RTFs and
+    the speed-up (medians), so that both see the same machine."""
+    gen = dict(omnivoice.GENERATION, num_step=args.num_step)
+    items = ov_requests(model, args, gen)
+    audio = sum(item["target_len"] for item in items) / model.frame_rate
+    walls = {False: [], True: []}
+    for packed in (False, True):
+        omnivoice.unmask(model, items, gen, torch.Generator().manual_seed(args.seed), packed=packed)
+    for _ in range(args.rounds):
+        for packed in (False, True):
+            generator = torch.Generator().manual_seed(args.seed)
+            synchronize(device)
+            start = time.perf_counter()
+            omnivoice.unmask(model, items, gen, generator, packed=packed)
+            synchronize(device)
+            walls[packed].append(time.perf_counter() - start)
+    ratio = statistics.median(walls[False]) / statistics.median(walls[True])
+    print(f"packed vs upstream's rows, interleaved: RTF {ov_spread([w / audio for w in walls[True]], '.3g')}"
+          f" vs {ov_spread([w / audio for w in walls[False]], '.3g')}, speed-up {ratio:.2f}x (medians)")
+
+
 def ov_bench_tokenizer(model, args, device):
     """The audio tokenizer's encode and decode of `--seconds` of noise."""
     sr, generator = model.sample_rate, torch.Generator().manual_seed(args.seed)
@@ -524,6 +546,8 @@ def omnivoice_main(argv=None):
     ap.add_argument("--num-step", type=int, default=32, help="unmasking steps (32)")
     ap.add_argument("--packed", action="store_true", help="one row per request (its prompt and its target"
                     " again), not upstream's two (cond, uncond)")
+    ap.add_argument("--compare-packed", action="store_true", help="also time both row layouts in"
+                    " alternating rounds and print the packed speed-up")
     ap.add_argument("--rounds", type=int, default=3, help="timed runs of each measurement (3)")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights, requests and sampling (0)")
@@ -551,6 +575,8 @@ def omnivoice_main(argv=None):
     print(f"model: {what}: LM {params / 1e6:.1f} M parameters ({str(dtype).removeprefix('torch.')}),"
           f" audio tokenizer {tokenizer_params / 1e6:.1f} M (fp32)")
     ov_bench_unmask(model, args, device, peak)
+    if args.compare_packed:
+        ov_compare_packed(model, args, device)
     ov_bench_tokenizer(model, args, device)
 
 

@@ -458,12 +458,13 @@ def test_the_benchmark_counts_an_unmasking_steps_flops_by_hand():
 
 def test_the_benchmark_runs_on_the_tiny_checkpoint(capsys):
     omnivoice.main(["--bench", "--config", "tiny", "--rounds", "1", "--seconds", "1", "--num-step", "2",
-                    "--packed"])
+                    "--packed", "--compare-packed"])
     out = capsys.readouterr().out
     assert out.startswith("machine: cpu capability ") and "matmul peak" in out.splitlines()[0]
     assert "1 rows x" in out and "2 steps" in out  # packed: one row for the one request
     assert re.search(r"steps/s [\d.]+ / [\d.]+ / [\d.]+, RTF", out) and "% of the matmul peak" in out
     assert re.search(r"audio tokenizer encode 1 s: RTF [\d.]+", out) and "audio tokenizer decode 1 s" in out
+    assert re.search(r"packed vs upstream's rows, interleaved: RTF [\d.]+ / .* speed-up [\d.]+x", out)
 
 
 # ----------------------------------------------------------------------------- other dims

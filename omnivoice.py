@@ -844,8 +844,8 @@ def check_voice(voice, model: OmniVoice = None):
 # ----------------------------------------------------------------------------- requests
 def per_item(name: str, value, n: int) -> list:
     """A value for every text, or a list with one value per text (or one for all)."""
-    values = value if isinstance(value, (list, tuple)) and name != "ref_audio" or (
-        name == "ref_audio" and isinstance(value, list)) else [value]
+    many = isinstance(value, list) or isinstance(value, tuple) and name != "ref_audio"  # (wave, rate) is one
+    values = list(value) if many else [value]
     if len(values) not in (1, n):
         raise UserError(f"{name}: {len(values)} values for {n} texts (give one, or one per text)")
     return list(values) * n if len(values) == 1 else list(values)
@@ -862,6 +862,13 @@ def plan(model: OmniVoice, texts: list, language, ref_audio, ref_text, voice, in
     """generate()'s arguments -> one item per text: text, language, instruct, reference (codes, text, level),
     target length in frames, speed (upstream's _preprocess_all)."""
     n = len(texts)
+    if any(not isinstance(text, str) or not text.strip() for text in texts):
+        raise UserError("text is empty: give the words to speak")
+    columns = [per_item(name, value, n) for name, value in
+               (("language", language), ("instruct", instruct), ("speed", speed), ("duration", duration))]
+    for s, d in zip(columns[2], columns[3]):  # before any clip is encoded
+        check_number("speed", s)
+        check_number("duration", d)
     if voice is not None and ref_audio is not None:
         raise UserError("give voice or ref_audio, not both")
     if ref_text is not None and ref_audio is None:
@@ -875,13 +882,7 @@ def plan(model: OmniVoice, texts: list, language, ref_audio, ref_text, voice, in
         if v is not None:
             check_voice(v, model)
     items = []
-    columns = [per_item(name, value, n) for name, value in
-               (("language", language), ("instruct", instruct), ("speed", speed), ("duration", duration))]
     for text, v, lang, inst, s, d in zip(texts, voices, *columns):
-        check_number("speed", s)
-        check_number("duration", d)
-        if not isinstance(text, str) or not text.strip():
-            raise UserError("text is empty: give the words to speak")
         codes = None if v is None else torch.as_tensor(v["codes"]).long()
         item = dict(text=text, language=resolve_language(lang), ref_codes=codes,
                     ref_text=None if v is None else v["text"], ref_rms=None if v is None else float(v["rms"]),

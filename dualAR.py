@@ -12,7 +12,7 @@ How the file reads (sections, top to bottom):
                     codec.py's, whose transformers use the same arithmetic)
     model           DualAR: embeddings, slow and fast transformers, the head; prefill, forward_slow/fast
     loading         sharded safetensors (HF names) -> the model, ids from the tokenizer
-    quantization    int8/int4 on CPU (QuantLinear, torch's kernels), torchao on GPU; compile_model
+    quantization    int8/int4 on CPU (common.QuantLinear, torch's kernels), torchao on GPU; compile_model
     prompt          upstream's chat template: system + references, user/assistant turns, dialogues
     sampling        upstream's top-k/top-p filter and exponential race, its random numbers
     one frame       sample_frame (slow token with repetition-aware sampling, then the codebooks), decode_step

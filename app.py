@@ -1335,7 +1335,7 @@ def parse_args(argv=None):
                     " whose audio is noise, if that is absent)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine)")
     ap.add_argument("--port", type=int, default=7560, help="port (default 7560, 0: any free one)")
-    dualAR.add_model_args(ap)  # --device cuda:N: one server per GPU (README, Replicas)
+    dualAR.add_model_args(ap)  # --device cuda:N: one server per GPU (docs/api.md, Replicas)
     ap.add_argument("--slots", type=int, default=4, help="requests generated together (default 4)")
     ap.add_argument("--max-context", type=int, default=dualAR.DEFAULT_CONTEXT, help="positions (prompt +"
                     f" frames) a request may use, as the CLI's (default {dualAR.DEFAULT_CONTEXT})")

@@ -517,7 +517,7 @@ def fast_path(model, on=True):
     (dynamic shapes: one kernel for all layers and chunk sizes); tensors stay channels-last; convs, linear
     layers and transposed convs (as one matmul each) run on weights prepacked once for oneDNN, where torch
     and mkldnn are there: eager mkldnn reorders a conv's weight on every call, and MKL reads a linear
-    layer's weight for a stream's few rows at a third of the memory bandwidth (README, Speed)."""
+    layer's weight for a stream's few rows at a third of the memory bandwidth (docs/speed.md)."""
     p = next(model.parameters())
     pack = on and can_prepack(p)
     for module in model.modules():

@@ -610,7 +610,7 @@ def quant_config(scheme: str):
 def block_scheme(scheme: str, fast: bool, cpu: bool) -> str:
     """Group-wise int4 (tinygemm) breaks the fast transformer on GPU (reported): it gets int8 there. On CPU
     int4 there costs about the logit error and codes of int4 in the slow transformer alone, and makes the
-    frame's linear layers 1.8x faster than int8 there (README, Speed)."""
+    frame's linear layers 1.8x faster than int8 there (docs/speed.md)."""
     return "int8wo" if fast and scheme == "int4wo" and not cpu else scheme
 
 
@@ -631,7 +631,7 @@ def quantize(model: DualAR, scheme: str):
 
 def quantize_fast_head(model: DualAR):
     """CPU: the fast head in int8, one scale per row. It is read once per codebook, 9 times a frame: in fp32
-    it was a third of an int4 frame's weight bytes (README, Speed)."""
+    it was a third of an int4 frame's weight bytes (docs/speed.md)."""
     model.fast_output = QuantLinear(model.fast_output, 8)
 
 
@@ -660,7 +660,7 @@ def compile_model(model: DualAR, cache=None, backend="inductor", step=None):
     step = functools.partial(step or decode_step, model)
     cuda = model.embeddings.weight.device.type == "cuda"
     # CPU: plain inductor. Frozen weights (freezing + max-autotune) were no faster at the sizes we measured
-    # and cannot be cached (mkldnn weights do not pickle): README, Speed
+    # and cannot be cached (mkldnn weights do not pickle): docs/speed.md
     mode = "reduce-overhead" if cuda and backend == "inductor" else None
     # QuantLinear's cast to bf16 would become an epilogue of CPU flex-attention, which cannot take one
     quant = not cuda and backend == "inductor" and any(isinstance(m, QuantLinear) for m in model.modules())

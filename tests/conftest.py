@@ -34,11 +34,19 @@ CKPT, GOLDEN = TINY / "checkpoint", TINY / "golden"
 CASES = json.loads((GOLDEN / "cases.json").read_text())
 REAL = json.loads((ROOT / "tests/fixtures/s2-pro-shapes.json").read_text())
 CLIP = GOLDEN / "audio_in.wav"
+OV_TINY = ROOT / "tests/fixtures/omnivoice-tiny"  # OmniVoice's checkpoint and goldens
+OV_CKPT, OV_GOLDEN = OV_TINY / "checkpoint", OV_TINY / "golden"
+OV_CASES = json.loads((OV_GOLDEN / "cases.json").read_text(encoding="utf-8"))
 
 
 def golden(name):
     """A golden array of tests/fixtures/s2-tiny/golden as a tensor."""
     return torch.from_numpy(np.load(GOLDEN / name))
+
+
+def ov_golden(name):
+    """A golden array of tests/fixtures/omnivoice-tiny/golden as a tensor."""
+    return torch.from_numpy(np.load(OV_GOLDEN / name))
 
 
 def run_main(main, args, cwd):

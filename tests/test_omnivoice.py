@@ -13,16 +13,10 @@ import torch
 import common
 import dualAR
 import omnivoice
-from conftest import ROOT, run_main
+from conftest import CKPT as S2_CKPT, OV_CASES as CASES, OV_CKPT as CKPT, OV_GOLDEN as GOLDEN, OV_TINY as TINY
+from conftest import ROOT, ov_golden as golden, run_main
 
-TINY = ROOT / "tests/fixtures/omnivoice-tiny"
-CKPT, GOLDEN = TINY / "checkpoint", TINY / "golden"
-CASES = json.loads((GOLDEN / "cases.json").read_text())
 INT16_STEP = 1 / 32768
-
-
-def golden(name):
-    return torch.from_numpy(np.load(GOLDEN / name))
 
 
 @pytest.fixture(scope="module")
@@ -336,7 +330,7 @@ def test_a_clip_that_is_not_audio_is_refused(model, tmp_path):
 
 def test_checkpoints_of_the_other_model_say_so():
     with pytest.raises(common.UserError, match="S2-Pro checkpoint .* dualAR.py"):
-        omnivoice.load(ROOT / "tests/fixtures/s2-tiny/checkpoint")
+        omnivoice.load(S2_CKPT)
     with pytest.raises(common.UserError, match="OmniVoice checkpoint: run it with omnivoice.py"):
         dualAR.load(CKPT)
     with pytest.raises(common.UserError, match="does not exist"):

@@ -2,7 +2,6 @@
 intermediate of encode and decode, the resampler, the loader's errors, the real dims, the demo model."""
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,14 +10,10 @@ from safetensors.torch import load_file, save_file
 
 import omnivoice_codec as oc
 from common import UserError
+from conftest import CKPT as S2_CHECKPOINT
+from conftest import OV_CKPT, ov_golden as golden
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures/omnivoice-tiny"
-TOKENIZER, GOLDEN = FIXTURE / "checkpoint/audio_tokenizer", FIXTURE / "golden"
-S2_CHECKPOINT = Path(__file__).resolve().parent / "fixtures/s2-tiny/checkpoint"
-
-
-def golden(name):
-    return torch.from_numpy(np.load(GOLDEN / name))
+TOKENIZER = OV_CKPT / "audio_tokenizer"
 
 
 def close(ours, name):

@@ -1,7 +1,4 @@
 """OmniVoice's text and audio front end against the upstream goldens in tests/fixtures/omnivoice-tiny."""
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -9,10 +6,9 @@ from tokenizers import Tokenizer
 
 import omnivoice as ov
 from common import UserError
+from conftest import OV_CASES as CASES
+from conftest import OV_CKPT, ov_golden
 
-FIXTURE = Path(__file__).resolve().parent / "fixtures/omnivoice-tiny"
-GOLDEN = FIXTURE / "golden"
-CASES = json.loads((GOLDEN / "cases.json").read_text(encoding="utf-8"))
 TEXT, DURATION = CASES["text"], CASES["duration"]["rows"]
 REF_TEXT, REF_TOKENS = "Hello world, nice to meet you.", 61  # cases.json duration: the English reference
 # cases.json does not record the Chinese reference's text: only its weight matters, and 18.0 fits every row.
@@ -20,12 +16,12 @@ ZH_REF_TEXT, ZH_REF_TOKENS = "今天天气很好", 40
 
 
 def gold(name):
-    return np.load(GOLDEN / name)
+    return ov_golden(name).numpy()
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return Tokenizer.from_file(str(FIXTURE / "checkpoint/tokenizer.json"))
+    return Tokenizer.from_file(str(OV_CKPT / "tokenizer.json"))
 
 
 # ----------------------------------------------------------------------------- text

@@ -1043,7 +1043,7 @@ def encode(model: OmniVoice, wave, sample_rate: int) -> Tensor:
         wave = omnivoice_codec.resample(wave, sample_rate, model.sample_rate)
     tok = model.audio_tokenizer
     with torch.inference_mode():
-        return tok.encode(wave.to(next(tok.parameters()).device)[None, None])[0].cpu()
+        return tok.encode(wave[None, None])[0].cpu()  # the tokenizer moves it to its device
 
 
 def decode(model: OmniVoice, codes) -> np.ndarray:
@@ -1055,7 +1055,7 @@ def decode(model: OmniVoice, codes) -> np.ndarray:
     if codes.min() < 0 or codes.max() >= tok.codebook_size:
         raise UserError(f"codes must lie in 0..{tok.codebook_size - 1}: {codes.min()}..{codes.max()}")
     with torch.inference_mode():
-        return tok.decode(codes.long().to(next(tok.parameters()).device)[None])[0, 0].float().cpu().numpy()
+        return tok.decode(codes[None])[0, 0].cpu().numpy()
 
 
 def chunked(model: OmniVoice, items: list, gen: dict, generator, progress=False, packed=False) -> list:

@@ -373,6 +373,7 @@ class AudioTokenizer(nn.Module):
     @torch.no_grad()
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """codes [B, C, T] -> audio [B, 1, T * hop] float32, neither clamped nor trimmed (as upstream)."""
+        codes = codes.to(self.fc2.weight.device)
         latent = self.fc2(self.dequantize(codes)).transpose(1, 2)  # (B, acoustic_hidden, T)
         return self.acoustic_decoder(latent).float()
 

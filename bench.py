@@ -398,27 +398,6 @@ OV_CHARS_PER_SECOND = 14  # about what the length estimate gives English speech
 OV_REF_SECONDS = 3  # every request clones a reference of this length (random codes)
 
 
-def ov_random_model(cfg: dict, device, dtype, seed=0) -> omnivoice.OmniVoice:
-    """The LM with weights from torch.rand (own generator), U(-1, 1) scaled to unit variance / sqrt(fan in),
-    norms near 1, so activations stay O(1) through any depth; the fixture's tokenizer (its ids fit any
-    vocab) and a random audio tokenizer at the real size."""
-    with torch.device("meta"):  # no default init: it would be slow and draw from the global RNG
-        model = omnivoice.OmniVoice(cfg)
-    model = model.to_empty(device="cpu")
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            u = (torch.rand(p.shape, generator=generator) * 2 - 1) * math.sqrt(3)  # unit variance
-            p.copy_(1 + 0.1 * u if name.endswith("norm.weight") else 0.5 * u if "embed" in name
-                    else u / math.sqrt(p.shape[1]))
-    # a non-persistent buffer: to_empty left it uninitialised
-    model.codebook_offsets = torch.arange(cfg["num_codebooks"]) * cfg["audio_vocab_size"]
-    model = model.to(device, dtype).requires_grad_(False).eval()
-    model.tokenizer = omnivoice.load_tokenizer(OV_TINY / "tokenizer.json")
-    model.audio_tokenizer = omnivoice_codec.random_tokenizer(omnivoice_codec.CONFIG).to(device)  # fp32
-    return model
-
-
 def ov_requests(model, args, gen: dict) -> list:
     """`--batch` clone requests of `--seconds` each (a fixed duration, so the length is exact)."""
     generator = torch.Generator().manual_seed(args.seed)
@@ -467,7 +446,9 @@ def ov_build(args, device, dtype) -> tuple:
         model, what = omnivoice.load(folder, device, dtype), str(folder)
     else:
         cfg = dict(omnivoice.CONFIG, n_layer=args.layers or omnivoice.CONFIG["n_layer"])
-        model, what = ov_random_model(cfg, device, dtype, args.seed), "random weights, real dims"
+        tokenizer = omnivoice.load_tokenizer(OV_TINY / "tokenizer.json")  # its BPE ids fit any vocab
+        model = omnivoice.random_model(cfg, omnivoice_codec.CONFIG, device, dtype, args.seed, tokenizer)
+        what = "random weights, real dims"
     full = omnivoice.CONFIG["n_layer"] if what.startswith("random") else len(model.layers)
     model.layers = model.layers[:args.layers or full]
     if len(model.layers) < full:

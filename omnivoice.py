@@ -1175,20 +1175,31 @@ def demo_tokenizer():
     return tokenizer
 
 
+def random_model(cfg: dict, tokenizer_cfg: dict, device="cpu", dtype=torch.float32, seed=0,
+                 tokenizer=None) -> OmniVoice:
+    """An OmniVoice of any dims with torch.rand weights (its own generator: the global RNG is untouched),
+    unit variance / sqrt(fan in), norms near 1, so activations stay O(1) at any depth; a random audio
+    tokenizer of tokenizer_cfg (fp32) and `tokenizer` (default: demo_tokenizer's bytes)."""
+    with torch.device("meta"):  # no default init: slow at the real size, and it draws from the global RNG
+        model = OmniVoice(cfg)
+    model = model.to_empty(device="cpu")
+    model.codebook_offsets = torch.arange(cfg["num_codebooks"]) * cfg["audio_vocab_size"]  # not a parameter
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            u = (torch.rand(p.shape, generator=generator) * 2 - 1) * math.sqrt(3)  # unit variance
+            p.copy_(1 + 0.1 * u if name.endswith("norm.weight") else 0.5 * u if "embed" in name
+                    else u / math.sqrt(p.shape[1]))
+    model = model.to(device, dtype).requires_grad_(False).eval()
+    model.tokenizer = tokenizer or demo_tokenizer()
+    model.audio_tokenizer = omnivoice_codec.random_tokenizer(tokenizer_cfg).to(device)  # fp32
+    return model
+
+
 def demo_model(device="cpu", dtype=torch.float32) -> OmniVoice:
     """A tiny random OmniVoice and audio tokenizer, built in memory: its 'speech' is noise, it only runs the
     pipeline (what `python omnivoice.py` does without a checkpoint)."""
-    generator = torch.Generator().manual_seed(0)
-    model = OmniVoice(dict(DEMO_DIMS))
-    for name, p in model.named_parameters():  # uniform weights of unit variance / sqrt(fan in)
-        scale = 0.1 if name.endswith("norm.weight") else 1 / math.sqrt(p.shape[-1]) if p.ndim == 2 else 1
-        p.data = (torch.rand(p.shape, generator=generator) * 2 - 1) * math.sqrt(3) * scale
-        if name.endswith("norm.weight"):
-            p.data += 1
-    model = model.to(device, dtype).requires_grad_(False).eval()
-    model.tokenizer = demo_tokenizer()
-    model.audio_tokenizer = omnivoice_codec.random_tokenizer(omnivoice_codec.DEMO_CONFIG).to(device)  # fp32
-    return model
+    return random_model(dict(DEMO_DIMS), omnivoice_codec.DEMO_CONFIG, device, dtype)
 
 
 # ----------------------------------------------------------------------------- CLI

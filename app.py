@@ -486,10 +486,7 @@ def clip_wave(data: bytes, what: str) -> torch.Tensor:
             from None
     if not frames:
         raise common.UserError(f"{what} contains no audio samples")
-    mono = np.concatenate(blocks)
-    if rate != SAMPLE_RATE:
-        mono = soxr.resample(mono, rate, SAMPLE_RATE)
-    return torch.from_numpy(np.ascontiguousarray(mono, dtype=np.float32))
+    return codec.mono_at(np.concatenate(blocks), rate, SAMPLE_RATE)
 
 
 # ----------------------------------------------------------------------------- the model side

@@ -596,7 +596,11 @@ def clamped_codes(model, codes):
 def load_audio(path, sample_rate=44100):
     """Any file soundfile reads -> float32 mono tensor (N,) at sample_rate (channels averaged, soxr)."""
     data, rate = common.read_audio(path)
-    mono = data.mean(1)
+    return mono_at(data.mean(1), rate, sample_rate)
+
+
+def mono_at(mono, rate: int, sample_rate=44100):
+    """A mono float32 array at `rate` -> a tensor (N,) at sample_rate (soxr), as every clip is read."""
     if rate != sample_rate:
         mono = soxr.resample(mono, rate, sample_rate)
     return torch.from_numpy(np.ascontiguousarray(mono, dtype=np.float32))

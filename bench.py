@@ -477,7 +477,7 @@ def ov_bench_unmask(model, args, device, peak: float, batch: int):
     audio, codes = sum(targets) / model.frame_rate, sum(targets) * model.cfg["num_codebooks"]
     gflops = [flops / w / 1e9 for w in walls]
     print(f"unmask: batch {batch}, {targets[0]} frames ({args.seconds:g} s) each, {rows} rows x {length}"
-          f" positions ({layout.__name__}), {args.num_step} steps,"
+          f" positions ({getattr(layout, 'func', layout).__name__}), {args.num_step} steps,"
           f" {flops / args.num_step / 1e9:.1f} GFLOP per step"
           f" (min / median / max of {args.rounds})")
     print(f"  steps/s {ov_spread([args.num_step / w for w in walls], '.3g')},"

@@ -215,18 +215,17 @@ def test_the_flat_row_holds_every_sequence_once_as_a_span(model):
     items = omnivoice.plan(model, ["Hello there.", "A longer second text."], "en", None, None, [voice, None],
                            None, None, None, gen)
     plain, flat = omnivoice.batch_rows(model, items, True), omnivoice.flat_row(model, items, True)
-    B, (c0, c1) = 2, (at + item["target_len"] for (_, at), item in zip(plain["cond"], items))
+    c0, c1 = (at + item["target_len"] for (_, at), item in zip(plain["cond"], items))  # cond lengths
     T0, T1 = items[0]["target_len"], items[1]["target_len"]
-    a, b = c0 + T0, c0 + T0 + c1
-    assert flat["mask"] == [(0, c0), (c0, a), (a, b), (b, b + T1)]
-    assert flat["ids"].shape == (1, 8, c0 + T0 + c1 + T1)
-    for i, (start, end) in enumerate(flat["mask"]):  # each span is one of upstream's rows, unpadded
-        row = i // 2 + B * (i % 2)
+    s1 = c0 + T0  # where request 1 starts
+    assert flat["mask"] == [(0, c0), (c0, s1), (s1, s1 + c1), (s1 + c1, s1 + c1 + T1)]
+    assert flat["ids"].shape == (1, 8, s1 + c1 + T1)
+    for i, (start, end) in enumerate(flat["mask"]):  # span 2r + u: request r's upstream row, unpadded
+        row = i // 2 + len(items) * (i % 2)
         assert torch.equal(flat["ids"][0, :, start:end], plain["ids"][row, :, :end - start])
         assert torch.equal(flat["audio_mask"][0, start:end], plain["audio_mask"][row, :end - start])
         assert flat["positions"][0, start:end].tolist() == list(range(end - start))
-    assert flat["cond"] == [(0, c0 - T0), (0, c0 + T0 + c1 - T1)]
-    assert flat["uncond"] == [(0, c0), (0, c0 + T0 + c1)]
+    assert flat["cond"] == [(0, c0 - T0), (0, s1 + c1 - T1)] and flat["uncond"] == [(0, c0), (0, s1 + c1)]
 
 
 def test_packed_rows_hold_each_request_once_with_two_blocks(model):

@@ -398,32 +398,38 @@ OV_CHARS_PER_SECOND = 14  # about what the length estimate gives English speech
 OV_REF_SECONDS = 3  # every request clones a reference of this length (random codes)
 
 
-def ov_requests(model, args, gen: dict) -> list:
-    """`--batch` clone requests of `--seconds` each (a fixed duration, so the length is exact)."""
+def ov_requests(model, args, gen: dict, batch: int) -> list:
+    """`batch` clone requests of `--seconds` each (a fixed duration, so the length is exact)."""
     generator = torch.Generator().manual_seed(args.seed)
     C, frames = model.cfg["num_codebooks"], OV_REF_SECONDS * model.frame_rate
     codes = torch.randint(0, model.audio_tokenizer.codebook_size, (C, frames), generator=generator)
     voice = dict(codes=codes, text=(OV_TEXT * 2)[:OV_CHARS_PER_SECOND * OV_REF_SECONDS], rms=0.05)
     text = (OV_TEXT * math.ceil(args.seconds))[:round(OV_CHARS_PER_SECOND * args.seconds)]
-    return omnivoice.plan(model, [text] * args.batch, language="en", ref_audio=None, ref_text=None,
+    return omnivoice.plan(model, [text] * batch, language="en", ref_audio=None, ref_text=None,
                           voice=voice, instruct=None, speed=None, duration=args.seconds, gen=gen)
 
 
-def ov_step_flops(cfg: dict, n_layer: int, rows: int, length: int, targets: list) -> int:
+def ov_step_flops(cfg: dict, n_layer: int, rows: int, length: int, targets: list, spans=None) -> int:
     """FLOPs of one unmasking step: every layer over all rows x length positions (padding included, as the
-    forward computes it): projections, MLP, attention scores and values; the heads at the target positions
-    of the cond and uncond rows. Norms, RoPE, softmax and sampling are left out."""
+    forward computes it): projections, MLP, attention scores and values (each position over the row's
+    `length` keys, or over its own span's of a flat row's (start, end) spans); the heads at the target
+    positions of the cond and uncond rows. Norms, RoPE, softmax and sampling are left out."""
     d, h, kv, hd = cfg["dim"], cfg["n_head"], cfg["n_local_heads"], cfg["head_dim"]
     linear = 2 * d * h * hd + 2 * d * kv * hd + 3 * d * cfg["intermediate_size"]  # q, o; k, v; gate, up, down
-    attention = 2 * length * h * hd  # q.k over `length` keys, p.v over as many values
+    keys = rows * length**2 if spans is None else sum((end - start)**2 for start, end in spans)
+    attention = 2 * h * hd * keys  # q.k over the keys, p.v over as many values
     heads = 2 * sum(targets) * d * cfg["num_codebooks"] * cfg["audio_vocab_size"]
-    return 2 * (n_layer * rows * length * (linear + attention) + heads)  # a multiply and an add
+    return 2 * (n_layer * (rows * length * linear + attention) + heads)  # a multiply and an add
 
 
 def ov_timed(fn, device, rounds: int) -> tuple:
-    """fn() once to warm up, then `rounds` times -> (sorted walls, peak memory GB of the last call)."""
+    """fn() once to warm up (a compiled forward compiles then), then `rounds` times -> (sorted walls, peak
+    memory GB of the last call, the warm-up's wall)."""
+    synchronize(device)
+    start = time.perf_counter()
     fn()
-    walls = []
+    synchronize(device)
+    first, walls = time.perf_counter() - start, []
     for _ in range(rounds):
         common.reset_peak_memory(device)
         synchronize(device)
@@ -431,7 +437,7 @@ def ov_timed(fn, device, rounds: int) -> tuple:
         fn()
         synchronize(device)
         walls.append(time.perf_counter() - start)
-    return sorted(walls), common.peak_memory_gb(device)
+    return sorted(walls), common.peak_memory_gb(device), first
 
 
 def ov_spread(values, fmt: str) -> str:
@@ -456,35 +462,43 @@ def ov_build(args, device, dtype) -> tuple:
     return model, what
 
 
-def ov_bench_unmask(model, args, device, peak: float):
-    """One batched unmasking run (what generate() spends its LM time in), timed `--rounds` times."""
+def ov_bench_unmask(model, args, device, peak: float, batch: int):
+    """One unmasking run of `batch` requests (what generate() spends its LM time in), timed `--rounds`
+    times."""
     gen = dict(omnivoice.GENERATION, num_step=args.num_step)
-    items, generator = ov_requests(model, args, gen), torch.Generator().manual_seed(args.seed)
-    targets, shapes = [item["target_len"] for item in items], []
-    hook = model.layers[0].register_forward_hook(lambda layer, inputs, out: shapes.append(out.shape))
-    run = lambda: omnivoice.unmask(model, items, gen, generator, packed=args.packed)  # noqa: E731
-    walls, memory = ov_timed(run, device, args.rounds)
-    hook.remove()
-    rows, length = shapes[0][:2]  # what the LM ran on: (rows, positions, dim)
-    flops = args.num_step * ov_step_flops(model.cfg, len(model.layers), rows, length, targets)
+    items, generator = ov_requests(model, args, gen, batch), torch.Generator().manual_seed(args.seed)
+    targets, layout = [item["target_len"] for item in items], omnivoice.row_layout(ov_packed(args), model)
+    built = layout(model, items, gen["denoise"])  # what the LM runs on
+    rows, length = built["ids"].shape[0], built["ids"].shape[2]
+    spans = None if isinstance(built["mask"], Tensor) else built["mask"]
+    run = lambda: omnivoice.unmask(model, items, gen, generator, packed=ov_packed(args))  # noqa: E731
+    walls, memory, first = ov_timed(run, device, args.rounds)
+    flops = args.num_step * ov_step_flops(model.cfg, len(model.layers), rows, length, targets, spans)
     audio, codes = sum(targets) / model.frame_rate, sum(targets) * model.cfg["num_codebooks"]
     gflops = [flops / w / 1e9 for w in walls]
-    layout = "packed: one row per request" if args.packed else "cond + uncond rows"
-    print(f"unmask: batch {args.batch}, {targets[0]} frames ({args.seconds:g} s) each, {rows} rows x {length}"
-          f" positions ({layout}), {args.num_step} steps, {flops / args.num_step / 1e9:.1f} GFLOP per step"
+    print(f"unmask: batch {batch}, {targets[0]} frames ({args.seconds:g} s) each, {rows} rows x {length}"
+          f" positions ({getattr(layout, 'func', layout).__name__}), {args.num_step} steps,"
+          f" {flops / args.num_step / 1e9:.1f} GFLOP per step"
           f" (min / median / max of {args.rounds})")
     print(f"  steps/s {ov_spread([args.num_step / w for w in walls], '.3g')},"
           f" RTF {ov_spread([w / audio for w in walls], '.3g')},"
           f" tokens/s {ov_spread([codes / w for w in walls], '.4g')} ({codes // sum(targets)} codes a frame)")
     print(f"  LM {ov_spread(gflops, '.0f')} GFLOP/s = {ov_spread([100 * g / peak for g in gflops], '.0f')} %"
           f" of the matmul peak, peak memory {memory:.2f} GB")
+    if model.compiled_hidden is not None:
+        print(f"  compiled forward: the first run (tracing and compiling its graph) took {first:.1f} s")
+
+
+def ov_packed(args):
+    """--packed / --upstream-rows -> unmask's packed (None: its default)."""
+    return True if args.packed else False if args.upstream_rows else None
 
 
 def ov_compare_packed(model, args, device):
-    """upstream's two rows and the packed one, in alternating rounds after a warm-up each -> their RTFs and
+    """upstream's two rows and packed guidance, in alternating rounds after a warm-up each -> their RTFs and
     the speed-up (medians), so that both see the same machine."""
     gen = dict(omnivoice.GENERATION, num_step=args.num_step)
-    items = ov_requests(model, args, gen)
+    items = ov_requests(model, args, gen, args.batch[0])
     audio = sum(item["target_len"] for item in items) / model.frame_rate
     walls = {False: [], True: []}
     for packed in (False, True):
@@ -509,7 +523,7 @@ def ov_bench_tokenizer(model, args, device):
     codes = omnivoice.encode(model, wave, sr)
     for what, fn in (("encode", lambda: omnivoice.encode(model, wave, sr)),
                      ("decode", lambda: omnivoice.decode(model, codes))):
-        walls, memory = ov_timed(fn, device, args.rounds)
+        walls, memory, _ = ov_timed(fn, device, args.rounds)
         rtf = ov_spread([w / args.seconds for w in walls], ".3g")
         print(f"audio tokenizer {what} {args.seconds:g} s: RTF {rtf} (min / median / max of {args.rounds}),"
               f" peak memory {memory:.2f} GB")
@@ -523,22 +537,27 @@ def omnivoice_main(argv=None):
     ap.add_argument("--checkpoint", help="time this OmniVoice folder instead (overrides --config)")
     ap.add_argument("--layers", type=int, help="run only the first N LM layers (a quicker, partial model)")
     ap.add_argument("--seconds", type=float, default=10.0, help="target audio length per request (10)")
-    ap.add_argument("--batch", type=int, default=1, help="requests unmasked together (1)")
+    ap.add_argument("--batch", type=batch_sizes, default=[1], help="requests unmasked together, e.g. 1,8 (1)")
     ap.add_argument("--num-step", type=int, default=32, help="unmasking steps (32)")
-    ap.add_argument("--packed", action="store_true", help="one row per request (its prompt and its target"
-                    " again), not upstream's two (cond, uncond)")
+    ap.add_argument("--packed", action="store_true", help="packed guidance (each request's prompt and its"
+                    " target again, side by side; the default on CPU, where it is one flat row)")
+    ap.add_argument("--upstream-rows", action="store_true", help="upstream's two rows per request (cond,"
+                    " uncond), padded to the longest")
     ap.add_argument("--compare-packed", action="store_true", help="also time both row layouts in"
                     " alternating rounds and print the packed speed-up")
     ap.add_argument("--rounds", type=int, default=3, help="timed runs of each measurement (3)")
+    ap.add_argument("--compile", action="store_true", help="the LM's forward compiled (torch.compile, rows"
+                    " padded to buckets of positions, omnivoice.compile_forward)")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights, requests and sampling (0)")
     ap.add_argument("--device", type=common.device_name, help="cpu, mps, cuda or cuda:N (default: best)")
     ap.add_argument("--dtype", choices=list(common.DTYPES), help="LM dtype (default bf16 on CUDA, else fp32)")
-    ap.add_argument("--quant", choices=omnivoice.QUANT_SCHEMES, help="int8wo: int8 weights (CPU)")
+    ap.add_argument("--quant", choices=omnivoice.QUANT_SCHEMES, help="int8wo / int4wo: int8 / int4 weights"
+                    " (CPU)")
     args = ap.parse_args(argv)
     optional = [n for n in (args.layers, args.threads) if n is not None]
-    if min(args.seconds, args.batch, args.num_step, args.rounds, *optional) <= 0:
-        raise common.UserError("--seconds, --batch, --num-step, --rounds, --layers and --threads must be > 0")
+    if min(args.seconds, args.num_step, args.rounds, *optional) <= 0:
+        raise common.UserError("--seconds, --num-step, --rounds, --layers and --threads must be > 0")
     if args.threads:
         torch.set_num_threads(args.threads)
     device = common.pick_device(args.device)
@@ -551,11 +570,15 @@ def omnivoice_main(argv=None):
     model, what = ov_build(args, device, dtype)
     model = omnivoice.quantize(model, args.quant)
     what += f", {args.quant}" if args.quant else ""
+    if args.compile:
+        omnivoice.compile_forward(model)
+        what += ", compiled forward"
     tokenizer_params = sum(p.numel() for p in model.audio_tokenizer.parameters())
     params = sum(p.numel() for p in model.parameters()) - tokenizer_params  # it is a submodule
     print(f"model: {what}: LM {params / 1e6:.1f} M parameters ({str(dtype).removeprefix('torch.')}),"
           f" audio tokenizer {tokenizer_params / 1e6:.1f} M (fp32)")
-    ov_bench_unmask(model, args, device, peak)
+    for batch in args.batch:
+        ov_bench_unmask(model, args, device, peak, batch)
     if args.compare_packed:
         ov_compare_packed(model, args, device)
     ov_bench_tokenizer(model, args, device)

@@ -14,12 +14,12 @@ How the file reads (sections, top to bottom):
     building blocks  RMSNorm, RoPE, Attention (GQA, q/k norm), Block
     model            OmniVoice: text + summed audio embeddings, the Qwen3 stack, one head per codebook
     loading          the checkpoint folder -> model, tokenizer and audio tokenizer
-    quantization     int8 weights on CPU (common.QuantLinear), dequantized for bf16 matmuls
+    quantization     int8/int4 weights on CPU (common.QuantLinear); the compiled forward (static buckets)
     text             tokenization with non-verbal tags, language, voice design attributes, chunks, length
     audio utilities  pydub's silence trimming, fades, cross-fades, levels, the unmasking schedule
     voices           a clone prompt from a clip (voice_prompt), saved and read back
     requests         generate()'s arguments -> one item per text (target length, style, reference)
-    unmasking        the batch of cond/uncond rows, CFG in log-prob space, layer penalty, Gumbel reveal
+    unmasking        the batch's rows (upstream's, packed, flat), CFG in log-prob space, layer penalty, reveal
     generation       encode, decode, generate (short and chunked), post-processing
     demo             a tiny random model and tokenizer, built in memory
     CLI              `python omnivoice.py`
@@ -139,9 +139,13 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(B, L, self.n_local_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(B, L, self.n_local_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        repeat = self.n_head // self.n_local_heads  # kv head j serves query heads j*r .. j*r+r-1
-        k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # mask (B, 1, L, L) bool: bidirectional
+        if isinstance(mask, Tensor):  # (B, 1, L, L) bool: who sees whom, bidirectional
+            repeat = self.n_head // self.n_local_heads  # kv head j serves query heads j*r .. j*r+r-1
+            k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        else:  # a flat row's (start, end) spans: each sequence attends to itself alone, nothing is masked
+            attend = functools.partial(F.scaled_dot_product_attention, enable_gqa=True)
+            y = torch.cat([attend(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]) for a, b in mask], 2)
         return self.o_proj(y.transpose(1, 2).reshape(B, L, -1))
 
 
@@ -176,6 +180,7 @@ class OmniVoice(nn.Module):
         self.audio_heads = nn.Linear(cfg["dim"], C * V, bias=False)
         self.register_buffer("codebook_offsets", torch.arange(C) * V, persistent=False)
         self.tokenizer = self.audio_tokenizer = None  # set by load()
+        self.compiled_hidden = None  # set by compile_forward()
 
     def embed(self, ids: Tensor, audio_mask: Tensor) -> Tensor:
         """Text rows embed codebook 0's id; audio positions sum the codebooks' embeddings."""
@@ -185,11 +190,11 @@ class OmniVoice(nn.Module):
         return torch.where(audio_mask[..., None], audio, text)
 
     def hidden(self, ids: Tensor, audio_mask: Tensor, mask: Tensor, positions: Tensor = None) -> Tensor:
-        """(B, C, L) ids -> (B, L, dim) hidden states after the final norm; positions (B, L): each token's
-        RoPE position (default 0..L-1 in every row)."""
+        """(B, C, L) ids -> (B, L, dim) hidden states after the final norm; mask: (B, 1, L, L) bool, or the
+        (start, end) spans of a flat row's sequences; positions (B, L): each token's RoPE position (default
+        0..L-1 in every row)."""
         x = self.embed(ids, audio_mask)
-        length = x.shape[1] if positions is None else int(positions.max()) + 1
-        cos, sin = rope_tables(length, self.cfg["head_dim"], self.cfg["rope_base"], x.device)
+        cos, sin = rope_tables(x.shape[1], self.cfg["head_dim"], self.cfg["rope_base"], x.device)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         if positions is not None:
             cos, sin = cos[positions][:, None], sin[positions][:, None]  # (B, 1, L, head_dim)
@@ -291,24 +296,40 @@ def load(checkpoint=DEFAULT_CHECKPOINT, device="cpu", dtype=torch.float32, quant
 
 
 # ----------------------------------------------------------------------------- quantization
-QUANT_SCHEMES = ("none", "int8wo")
+QUANT_SCHEMES = ("none", "int8wo", "int4wo")
+CPU_BITS = {"int8wo": 8, "int4wo": 4}
 
 
 def check_quant(scheme, device: torch.device):
     if scheme not in (None, *QUANT_SCHEMES):
         raise UserError(f"quant {scheme!r}: use one of {', '.join(QUANT_SCHEMES)}")
-    if scheme == "int8wo" and torch.device(device).type != "cpu":
-        raise UserError("int8wo is built for CPU (torch's kernels); on a GPU use dtype bf16")
+    if scheme in CPU_BITS and torch.device(device).type != "cpu":
+        raise UserError(f"{scheme} is built for CPU (torch's kernels); on a GPU use dtype bf16")
 
 
 def quantize(model: OmniVoice, scheme) -> OmniVoice:
     """int8wo: the transformer's linear layers hold int8 weights (a scale per output row), dequantized to
     bf16 for each whole-sequence matmul (compute-bound: bf16 matmuls are the fast ones; the kernels for a
-    few rows are not). Embeddings and heads stay in the model's dtype."""
+    few rows are not); int4wo: int4 weights (a scale and zero per 128 inputs) through torch's int4 kernel,
+    bf16 activations. Embeddings and heads stay in the model's dtype."""
     check_quant(scheme, model.audio_heads.weight.device)
-    if scheme == "int8wo":
+    if scheme in CPU_BITS:
         for layer in model.layers:
-            common.swap_linears(layer, 8, matmul_rows=1)
+            common.swap_linears(layer, CPU_BITS[scheme], matmul_rows=1)
+    return model
+
+
+LENGTH_BUCKET = 128  # a compiled forward's rows are padded to a multiple of this: a graph per bucket
+RECOMPILE_GUARD = 64  # graphs of the forward per process (dynamo's default, 8: 8 buckets of one batch size)
+
+
+def compile_forward(model: OmniVoice, backend="inductor") -> OmniVoice:
+    """The LM's forward (hidden) as one graph per (rows, bucket) shape: unmask then lays every batch out
+    as packed_rows padded to a multiple of LENGTH_BUCKET positions, the padding attending to itself, so
+    requests of different lengths within a bucket reuse the graph. backend="eager": the same capture, no
+    codegen (tests)."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_GUARD)
+    model.compiled_hidden = torch.compile(model.hidden, fullgraph=True, dynamic=False, backend=backend)
     return model
 
 
@@ -940,13 +961,16 @@ def batch_rows(model: OmniVoice, items: list, denoise: bool) -> dict:
     return rows
 
 
-def packed_rows(model: OmniVoice, items: list, denoise: bool) -> dict:
+def packed_rows(model: OmniVoice, items: list, denoise: bool, bucket: int = 1) -> dict:
     """B requests -> B rows, each [its whole sequence | its target again], the two blocks attending only
-    within themselves and each with positions from 0: the same values as batch_rows (the unconditional part
-    no longer pays for the prompt's length, nor the rows for the longest request's)."""
+    within themselves and each with positions from 0: batch_rows' values, up to rounding (the unconditional
+    part no longer pays for the prompt's length, nor the rows for the longest request's). One masked
+    attention call a layer for the whole batch: the layout for GPUs and the compiled forward, whose rows are
+    padded to a multiple of `bucket` positions (see row_layout)."""
     seqs = [item_ids(model, item, denoise) for item in items]
     B, C, mask_id = len(items), model.cfg["num_codebooks"], model.cfg["audio_mask_id"]
     L = max(s.shape[1] + item["target_len"] for s, item in zip(seqs, items))
+    L = -(-L // bucket) * bucket
     rows = dict(ids=torch.full((B, C, L), mask_id), audio_mask=torch.zeros(B, L, dtype=torch.bool),
                 mask=torch.zeros(B, 1, L, L, dtype=torch.bool), positions=torch.zeros(B, L, dtype=torch.long),
                 cond=[], uncond=[])
@@ -961,6 +985,26 @@ def packed_rows(model: OmniVoice, items: list, denoise: bool) -> dict:
         rows["cond"].append((i, c_len - T))
         rows["uncond"].append((i, c_len))
     return rows
+
+
+def flat_row(model: OmniVoice, items: list, denoise: bool) -> dict:
+    """B requests -> ONE row: each request's whole sequence, then its target again, back to back with no
+    padding, each sequence with positions from 0 and attending only to itself: mask = their (start, end)
+    spans, attended one by one (so nothing is masked, and no pair of sequences costs a score)."""
+    seqs = [item_ids(model, item, denoise) for item in items]
+    ids, audio_mask, positions, rows = [], [], [], dict(mask=[], cond=[], uncond=[])
+    start = 0
+    for seq, item in zip(seqs, items):
+        c_len, T = seq.shape[1], item["target_len"]
+        ids += [seq, seq[:, -T:]]
+        audio_mask += [torch.arange(c_len) >= audio_start(item, c_len), torch.ones(T, dtype=torch.bool)]
+        positions += [torch.arange(c_len), torch.arange(T)]
+        rows["mask"] += [(start, start + c_len), (start + c_len, start + c_len + T)]
+        rows["cond"].append((0, start + c_len - T))
+        rows["uncond"].append((0, start + c_len))
+        start += c_len + T
+    return dict(rows, ids=torch.cat(ids, 1)[None], audio_mask=torch.cat(audio_mask)[None],
+                positions=torch.cat(positions)[None])
 
 
 def audio_start(item: dict, c_len: int) -> int:
@@ -1006,20 +1050,34 @@ def reveal(tokens: Tensor, pred: Tensor, conf: Tensor, k: int, gen: dict, mask_i
     flat[chosen] = pred.flatten()[chosen]
 
 
-def unmask(model: OmniVoice, items: list, gen: dict, generator, progress=False, packed=False) -> list:
+def row_layout(packed, model: OmniVoice):
+    """generate()'s `packed` -> the function that lays the batch out in rows. True: packed guidance, on CPU
+    the flat row (each sequence attended alone: the goldens' tokens and audio are upstream's), elsewhere a
+    row per request (packed_rows: one masked attention call a layer, rounded otherwise than upstream's rows);
+    False: upstream's rows; None: packed on CPU, upstream's rows elsewhere. A compiled forward always runs
+    packed_rows, LENGTH_BUCKET at a time (its graphs have static shapes)."""
+    device = model.audio_heads.weight.device
+    if model.compiled_hidden is not None:
+        return functools.partial(packed_rows, bucket=LENGTH_BUCKET)
+    packed = device.type == "cpu" if packed is None else packed
+    return (flat_row if device.type == "cpu" else packed_rows) if packed else batch_rows
+
+
+def unmask(model: OmniVoice, items: list, gen: dict, generator, progress=False, packed=None) -> list:
     """num_step passes over the batch, each revealing its scheduled count of codes per request -> (C, T_i)
     codes per item. Random numbers are drawn per request in batch order: the class draw, then the position.
-    packed: one row per request (packed_rows) instead of upstream's two (batch_rows)."""
+    packed: see row_layout."""
     dev, mask_id, C = model.audio_heads.weight.device, model.cfg["audio_mask_id"], model.cfg["num_codebooks"]
-    rows = (packed_rows if packed else batch_rows)(model, items, gen["denoise"])
-    ids, audio_mask, mask = rows["ids"].to(dev), rows["audio_mask"].to(dev), rows["mask"].to(dev)
+    rows = row_layout(packed, model)(model, items, gen["denoise"])
+    ids, audio_mask = rows["ids"].to(dev), rows["audio_mask"].to(dev)
+    mask = rows["mask"].to(dev) if isinstance(rows["mask"], Tensor) else rows["mask"]
     positions = None if rows["positions"] is None else rows["positions"].to(dev)
     ts = time_steps(0.0, 1.0, gen["num_step"], gen["t_shift"]).tolist()
     schedules = [count_schedule(item["target_len"] * C, ts) for item in items]
     tokens = [torch.full((C, item["target_len"]), mask_id, device=dev) for item in items]
     for step in tqdm(range(gen["num_step"]), desc=f"unmasking {ids.shape[0]} x {ids.shape[2]}",
                      disable=not progress, leave=False):
-        hidden = model.hidden(ids, audio_mask, mask, positions)
+        hidden = (model.compiled_hidden or model.hidden)(ids, audio_mask, mask, positions)
         for i, item in enumerate(items):
             k, T = schedules[i][step], item["target_len"]
             if k <= 0:
@@ -1058,7 +1116,7 @@ def decode(model: OmniVoice, codes) -> np.ndarray:
         return tok.decode(codes[None])[0, 0].cpu().numpy()
 
 
-def chunked(model: OmniVoice, items: list, gen: dict, generator, progress=False, packed=False) -> list:
+def chunked(model: OmniVoice, items: list, gen: dict, generator, progress=False, packed=None) -> list:
     """Long texts, split at punctuation into chunks of audio_chunk_duration, each chunk generated with the
     request's reference (or, with none, with chunk 0's own codes and text) -> a list of chunk codes per item.
     Chunk i of every request runs in one batch (upstream's _generate_chunked)."""
@@ -1127,7 +1185,7 @@ def generation_config(config: dict) -> dict:
 
 
 def generate(model: OmniVoice, text, language=None, ref_audio=None, ref_text=None, voice=None, instruct=None,
-             speed=None, duration=None, seed=None, return_tokens=False, progress=False, packed=False,
+             speed=None, duration=None, seed=None, return_tokens=False, progress=False, packed=None,
              **config):
     """Text (or a list: a batch) -> a list of 1-D float32 waves at model.sample_rate (and the codes of each:
     (C, T), or a long text's list of chunk codes, with return_tokens=True).
@@ -1135,7 +1193,8 @@ def generate(model: OmniVoice, text, language=None, ref_audio=None, ref_text=Non
     Clone with voice= (voice_prompt's dict) or ref_audio= + ref_text=; design with instruct=; neither: auto.
     seed=S gives what upstream gives right after torch.manual_seed(S), from a generator of its own; with no
     seed the draws come from torch's global generator, as upstream's do. packed: each request's conditional
-    and unconditional sequences in one row (packed_rows), faster. **config: GENERATION's names."""
+    and unconditional sequences side by side, faster (default on CPU, see row_layout); False: upstream's
+    two rows. **config: GENERATION's names."""
     gen = generation_config(config)
     texts = [text] if isinstance(text, str) else list(text) if isinstance(text, (list, tuple)) else None
     if not texts:
@@ -1240,7 +1299,10 @@ def parse_args(argv=None):
     ap.add_argument("--device", type=common.device_name, help="cpu, mps, cuda or cuda:N (default: best)")
     ap.add_argument("--dtype", choices=list(common.DTYPES), help="LM dtype (default bf16 on CUDA, else fp32;"
                     " bf16 on a CPU with AVX-512-BF16 or AMX is several times faster, see docs/omnivoice.md)")
-    ap.add_argument("--quant", choices=QUANT_SCHEMES, help="int8wo: int8 weights (CPU), half bf16's memory")
+    ap.add_argument("--quant", choices=QUANT_SCHEMES, help="int8wo / int4wo: int8 / int4 weights (CPU), half /"
+                    " a quarter of bf16's memory")
+    ap.add_argument("--compile", action="store_true", help="compile the LM's forward (torch.compile: minutes"
+                    " the first time for each bucket of lengths; pays on GPU, see docs/omnivoice.md)")
     return ap.parse_args(argv)
 
 
@@ -1264,6 +1326,8 @@ def main(argv=None):
         print("!" * 100 + f"\nNo checkpoint ({DEFAULT_CHECKPOINT} not found): DEMO on a tiny RANDOM model"
               " built in memory. The pipeline is real, the AUDIO IS NOISE.\n" + "!" * 100)
         model = quantize(demo_model(device, dtype), args.quant)
+    if args.compile:
+        compile_forward(model)
     voice = load_voice(voice_path(args.voice, Path(args.voices)), model) if args.voice else None
     gen = dict(num_step=args.num_step, guidance_scale=args.guidance_scale, denoise=not args.no_denoise,
                class_temperature=args.class_temperature, preprocess_prompt=not args.no_preprocess,

@@ -5,6 +5,7 @@ The fixture's README (tests/fixtures/omnivoice-tiny/README.md) says what each go
 import hashlib
 import re
 import json
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -184,16 +185,47 @@ def test_generate_gives_upstreams_tokens_and_audio(model, case):
         assert_audio_close(audios[i], expected, case, i, tokens[i], model)
 
 
+@pytest.mark.parametrize("layout", ["batch_rows", "packed_rows"])
 @pytest.mark.parametrize("case", GENERATE_CASES)
-def test_packed_rows_give_upstreams_tokens(model, case):
-    """One row per request (its sequence, then its target again, positions from 0 in each block) instead of
-    upstream's two: the hidden states agree to ~1e-6 (not bit for bit: attention sums its keys in other
-    blocks), and every golden's codes are the same."""
+def test_every_row_layout_gives_upstreams_tokens(model, case, layout, monkeypatch):
+    """generate() runs the flat row on CPU (test_generate_gives_upstreams_tokens_and_audio); upstream's own
+    rows and the GPU's packed rows (a row per request, a block mask) give every golden's codes too. The
+    packed layouts' hidden states agree with upstream's to ~1e-6, not bit for bit (attention and matmuls
+    sum in other orders over other shapes), and no golden's code moves."""
     spec = CASES["generate"][case]
-    _, tokens = omnivoice.generate(model, **api_kwargs(case), seed=spec["seed"], return_tokens=True,
-                                   packed=True)
+    monkeypatch.setattr(omnivoice, "row_layout", lambda packed, model: getattr(omnivoice, layout))
+    _, tokens = omnivoice.generate(model, **api_kwargs(case), seed=spec["seed"], return_tokens=True)
     for got, name in zip(order_tokens(tokens, spec["token_files"]), spec["token_files"]):
         assert torch.equal(got, golden(name)), name
+
+
+def test_cpu_packs_by_default_into_one_flat_row_and_other_devices_do_not():
+    def on(kind):  # what row_layout reads of a model
+        return SimpleNamespace(audio_heads=SimpleNamespace(weight=torch.empty(0, device=kind)),
+                               compiled_hidden=None)
+    cpu, cuda = on("cpu"), on("meta")  # any device but the CPU
+    assert omnivoice.row_layout(None, cpu) is omnivoice.row_layout(True, cpu) is omnivoice.flat_row
+    assert omnivoice.row_layout(False, cpu) is omnivoice.row_layout(None, cuda) is omnivoice.batch_rows
+    assert omnivoice.row_layout(True, cuda) is omnivoice.packed_rows
+
+
+def test_the_flat_row_holds_every_sequence_once_as_a_span(model):
+    voice = omnivoice.load_voice(GOLDEN / "prompt_ref24.pt")
+    gen = omnivoice.generation_config({})
+    items = omnivoice.plan(model, ["Hello there.", "A longer second text."], "en", None, None, [voice, None],
+                           None, None, None, gen)
+    plain, flat = omnivoice.batch_rows(model, items, True), omnivoice.flat_row(model, items, True)
+    c0, c1 = (at + item["target_len"] for (_, at), item in zip(plain["cond"], items))  # cond lengths
+    T0, T1 = items[0]["target_len"], items[1]["target_len"]
+    s1 = c0 + T0  # where request 1 starts
+    assert flat["mask"] == [(0, c0), (c0, s1), (s1, s1 + c1), (s1 + c1, s1 + c1 + T1)]
+    assert flat["ids"].shape == (1, 8, s1 + c1 + T1)
+    for i, (start, end) in enumerate(flat["mask"]):  # span 2r + u: request r's upstream row, unpadded
+        row = i // 2 + len(items) * (i % 2)
+        assert torch.equal(flat["ids"][0, :, start:end], plain["ids"][row, :, :end - start])
+        assert torch.equal(flat["audio_mask"][0, start:end], plain["audio_mask"][row, :end - start])
+        assert flat["positions"][0, start:end].tolist() == list(range(end - start))
+    assert flat["cond"] == [(0, c0 - T0), (0, s1 + c1 - T1)] and flat["uncond"] == [(0, c0), (0, s1 + c1)]
 
 
 def test_packed_rows_hold_each_request_once_with_two_blocks(model):
@@ -410,15 +442,19 @@ def test_a_speed_list_with_none_means_one_for_that_item(model):
 
 
 # ----------------------------------------------------------------------------- half precision and int8
-@pytest.mark.parametrize("dtype, quant", [(torch.bfloat16, None), (torch.float32, "int8wo"),
-                                          (torch.bfloat16, "int8wo")])
-def test_bf16_and_int8_keep_the_argmax_of_fp32_at_95_percent_of_positions(model, dtype, quant):
+@pytest.mark.parametrize("dtype, quant, share", [
+    (torch.bfloat16, None, 0.95), (torch.float32, "int8wo", 0.95), (torch.bfloat16, "int8wo", 0.95),
+    (torch.float32, "int4wo", 0.88), (torch.bfloat16, "int4wo", 0.88)])
+def test_bf16_int8_and_int4_keep_the_argmax_of_fp32_at_their_stated_share(model, dtype, quant, share):
     """The share of (codebook, target position) whose most likely code is fp32's, on the three first
-    forwards of the goldens: 97-100 % measured on the tiny checkpoint (docs/omnivoice.md)."""
+    forwards of the goldens, measured on the tiny checkpoint (docs/omnivoice.md): bf16 and int8wo 97-100 %
+    (tested >= 95 %), int4wo 90-94 % (tested >= 88 %: it gives up what OpenVINO's W8A8 does)."""
     low = omnivoice.load(CKPT, dtype=dtype, quant=quant)
     if quant:  # every linear layer of the transformer, and nothing else
         assert not any(isinstance(m, torch.nn.Linear) for m in low.layers.modules())
-        assert isinstance(low.layers[0].gate_proj, common.QuantLinear) and low.layers[0].gate_proj.bits == 8
+        bits = dict(int8wo=8, int4wo=4)[quant]
+        gate = low.layers[0].gate_proj
+        assert isinstance(gate, common.QuantLinear) and gate.bits == bits
         assert isinstance(low.audio_heads, torch.nn.Linear)
     for case in ("clone", "design", "batch"):
         ids, audio_mask = golden(f"gen_{case}_fwd0_input_ids.npy"), golden(f"gen_{case}_fwd0_audio_mask.npy")
@@ -427,15 +463,50 @@ def test_bf16_and_int8_keep_the_argmax_of_fp32_at_95_percent_of_positions(model,
         fwd0 = CASES["generate"][case]["fwd0"]
         for i, (c_len, T) in enumerate(zip(fwd0["c_lens"], fwd0["target_lens"])):
             same = full[i, :, c_len - T:c_len].argmax(-1) == approx[i, :, c_len - T:c_len].argmax(-1)
-            assert same.float().mean() >= 0.95, (case, i)
+            assert same.float().mean() >= share, (case, i)
 
 
 def test_int8_generates_and_a_scheme_it_lacks_is_refused(model):
     low = omnivoice.load(CKPT, quant="int8wo")
     [audio] = omnivoice.generate(low, "Good morning.", seed=1, num_step=4)
     assert audio.dtype == np.float32 and np.isfinite(audio).all() and audio.size > 0
-    with pytest.raises(common.UserError, match="quant 'int4wo': use one of none, int8wo"):
-        omnivoice.load(CKPT, quant="int4wo")
+    with pytest.raises(common.UserError, match="quant 'int2wo': use one of none, int8wo, int4wo"):
+        omnivoice.load(CKPT, quant="int2wo")
+
+
+# ----------------------------------------------------------------------------- the compiled forward
+class CountingBackend:
+    """A torch.compile backend that records the input shapes of each graph dynamo hands it and runs it
+    eagerly: compile_forward's tracing, guards and recompiles in seconds (as test_dualAR's)."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, graph, example_inputs):
+        self.graphs.append([tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)])
+        return graph.forward
+
+
+def test_a_compiled_forward_compiles_each_bucket_once_and_keeps_the_goldens_codes():
+    """Requests of different lengths within one bucket of LENGTH_BUCKET positions share a graph; a longer one
+    adds one; running them all again adds none. The goldens' codes come out of the padded, compiled rows."""
+    backend = CountingBackend()
+    model = omnivoice.compile_forward(omnivoice.load(CKPT), backend=backend)
+    texts = ["Hi.", "Hello there.", "Good morning, everyone.", "A somewhat longer sentence to say aloud."]
+
+    def serve():  # three lengths within the first bucket, then one past it
+        return [omnivoice.generate(model, text, seed=1, num_step=2, return_tokens=True)[1][0].shape[1]
+                for text in texts]
+
+    assert len(set(serve())) == len(texts) and len(backend.graphs) == 2
+    assert [shapes[0] for shapes in backend.graphs] == [(1, 8, 128), (1, 8, 256)]  # (rows, codebooks, bucket)
+    serve()
+    assert len(backend.graphs) == 2
+    for case in ("clone", "batch", "design"):
+        spec = CASES["generate"][case]
+        _, tokens = omnivoice.generate(model, **api_kwargs(case), seed=spec["seed"], return_tokens=True)
+        for got, name in zip(order_tokens(tokens, spec["token_files"]), spec["token_files"]):
+            assert torch.equal(got, golden(name)), name
 
 
 # ----------------------------------------------------------------------------- the benchmark
@@ -448,6 +519,10 @@ def test_the_benchmark_counts_an_unmasking_steps_flops_by_hand():
     heads = 2 * (3 + 4) * 4 * 2 * 7  # the cond and uncond logits of 3 + 4 target positions
     assert bench.ov_step_flops(cfg, 2, rows=3, length=10, targets=[3, 4]) == 2 * (2 * 3 * 10 * per_position
                                                                                    + heads)
+    # a flat row of 10 positions: each of its spans (6 and 4 positions) attends to itself alone
+    linear, attention = 2 * 4 * 6 + 2 * 4 * 3 + 3 * 4 * 5, 2 * (6 * 6 + 4 * 4) * 6
+    flat = bench.ov_step_flops(cfg, 2, rows=1, length=10, targets=[3, 4], spans=[(0, 6), (6, 10)])
+    assert flat == 2 * (2 * (10 * linear + attention) + heads)
 
 
 def test_the_benchmark_runs_on_the_tiny_checkpoint(capsys):
@@ -455,7 +530,7 @@ def test_the_benchmark_runs_on_the_tiny_checkpoint(capsys):
                     "--packed", "--compare-packed"])
     out = capsys.readouterr().out
     assert out.startswith("machine: cpu capability ") and "matmul peak" in out.splitlines()[0]
-    assert "1 rows x" in out and "2 steps" in out  # packed: one row for the one request
+    assert "1 rows x" in out and "(flat_row)" in out and "2 steps" in out  # packed on CPU: one flat row
     assert re.search(r"steps/s [\d.]+ / [\d.]+ / [\d.]+, RTF", out) and "% of the matmul peak" in out
     assert re.search(r"audio tokenizer encode 1 s: RTF [\d.]+", out) and "audio tokenizer decode 1 s" in out
     assert re.search(r"packed vs upstream's rows, interleaved: RTF [\d.]+ / .* speed-up [\d.]+x", out)

@@ -490,8 +490,8 @@ def ov_bench_unmask(model, args, device, peak: float, batch: int):
 
 
 def ov_packed(args):
-    """--packed / --upstream-rows -> unmask's packed (None: its default)."""
-    return True if args.packed else False if args.upstream_rows else None
+    """--packed -> unmask's packed."""
+    return bool(args.packed)
 
 
 def ov_compare_packed(model, args, device):
@@ -540,9 +540,7 @@ def omnivoice_main(argv=None):
     ap.add_argument("--batch", type=batch_sizes, default=[1], help="requests unmasked together, e.g. 1,8 (1)")
     ap.add_argument("--num-step", type=int, default=32, help="unmasking steps (32)")
     ap.add_argument("--packed", action="store_true", help="packed guidance (each request's prompt and its"
-                    " target again, side by side; the default on CPU, where it is one flat row)")
-    ap.add_argument("--upstream-rows", action="store_true", help="upstream's two rows per request (cond,"
-                    " uncond), padded to the longest")
+                    " target again, side by side; on CPU one flat row) instead of upstream's two rows")
     ap.add_argument("--compare-packed", action="store_true", help="also time both row layouts in"
                     " alternating rounds and print the packed speed-up")
     ap.add_argument("--rounds", type=int, default=3, help="timed runs of each measurement (3)")

@@ -1050,20 +1050,21 @@ def reveal(tokens: Tensor, pred: Tensor, conf: Tensor, k: int, gen: dict, mask_i
     flat[chosen] = pred.flatten()[chosen]
 
 
-def row_layout(packed, model: OmniVoice):
-    """generate()'s `packed` -> the function that lays the batch out in rows. True: packed guidance, on CPU
-    the flat row (each sequence attended alone: the goldens' tokens and audio are upstream's), elsewhere a
-    row per request (packed_rows: one masked attention call a layer, rounded otherwise than upstream's rows);
-    False: upstream's rows; None: packed on CPU, upstream's rows elsewhere. A compiled forward always runs
-    packed_rows, LENGTH_BUCKET at a time (its graphs have static shapes)."""
-    device = model.audio_heads.weight.device
+def row_layout(packed: bool, model: OmniVoice):
+    """generate()'s `packed` -> the function that lays the batch out in rows. False (the default): upstream's
+    rows, bit for bit upstream's hidden states on CPU fp32. True: packed guidance, on CPU the flat row (each
+    sequence attended alone), elsewhere a row per request (packed_rows: one masked attention call a layer);
+    both round otherwise than upstream's rows (~1e-6: every golden's codes and audio unchanged, but a rare
+    near-tie could draw another code, so it is not the default). A compiled forward always runs packed_rows,
+    LENGTH_BUCKET at a time (its graphs have static shapes)."""
     if model.compiled_hidden is not None:
         return functools.partial(packed_rows, bucket=LENGTH_BUCKET)
-    packed = device.type == "cpu" if packed is None else packed
-    return (flat_row if device.type == "cpu" else packed_rows) if packed else batch_rows
+    if not packed:
+        return batch_rows
+    return flat_row if model.audio_heads.weight.device.type == "cpu" else packed_rows
 
 
-def unmask(model: OmniVoice, items: list, gen: dict, generator, progress=False, packed=None) -> list:
+def unmask(model: OmniVoice, items: list, gen: dict, generator, progress=False, packed=False) -> list:
     """num_step passes over the batch, each revealing its scheduled count of codes per request -> (C, T_i)
     codes per item. Random numbers are drawn per request in batch order: the class draw, then the position.
     packed: see row_layout."""
@@ -1116,7 +1117,7 @@ def decode(model: OmniVoice, codes) -> np.ndarray:
         return tok.decode(codes[None])[0, 0].cpu().numpy()
 
 
-def chunked(model: OmniVoice, items: list, gen: dict, generator, progress=False, packed=None) -> list:
+def chunked(model: OmniVoice, items: list, gen: dict, generator, progress=False, packed=False) -> list:
     """Long texts, split at punctuation into chunks of audio_chunk_duration, each chunk generated with the
     request's reference (or, with none, with chunk 0's own codes and text) -> a list of chunk codes per item.
     Chunk i of every request runs in one batch (upstream's _generate_chunked)."""
@@ -1185,7 +1186,7 @@ def generation_config(config: dict) -> dict:
 
 
 def generate(model: OmniVoice, text, language=None, ref_audio=None, ref_text=None, voice=None, instruct=None,
-             speed=None, duration=None, seed=None, return_tokens=False, progress=False, packed=None,
+             speed=None, duration=None, seed=None, return_tokens=False, progress=False, packed=False,
              **config):
     """Text (or a list: a batch) -> a list of 1-D float32 waves at model.sample_rate (and the codes of each:
     (C, T), or a long text's list of chunk codes, with return_tokens=True).
@@ -1193,7 +1194,7 @@ def generate(model: OmniVoice, text, language=None, ref_audio=None, ref_text=Non
     Clone with voice= (voice_prompt's dict) or ref_audio= + ref_text=; design with instruct=; neither: auto.
     seed=S gives what upstream gives right after torch.manual_seed(S), from a generator of its own; with no
     seed the draws come from torch's global generator, as upstream's do. packed: each request's conditional
-    and unconditional sequences side by side, faster (default on CPU, see row_layout); False: upstream's
+    and unconditional sequences side by side, faster, not bit for bit (see row_layout); False: upstream's
     two rows. **config: GENERATION's names."""
     gen = generation_config(config)
     texts = [text] if isinstance(text, str) else list(text) if isinstance(text, (list, tuple)) else None
@@ -1299,8 +1300,10 @@ def parse_args(argv=None):
     ap.add_argument("--device", type=common.device_name, help="cpu, mps, cuda or cuda:N (default: best)")
     ap.add_argument("--dtype", choices=list(common.DTYPES), help="LM dtype (default bf16 on CUDA, else fp32;"
                     " bf16 on a CPU with AVX-512-BF16 or AMX is several times faster, see docs/omnivoice.md)")
-    ap.add_argument("--quant", choices=QUANT_SCHEMES, help="int8wo / int4wo: int8 / int4 weights (CPU), half /"
-                    " a quarter of bf16's memory")
+    ap.add_argument("--quant", choices=QUANT_SCHEMES, help="int8wo / int4wo: int8 / int4 weights (CPU),"
+                    " half / a quarter of bf16's memory")
+    ap.add_argument("--packed", action="store_true", help="packed guidance: faster, upstream's codes on every"
+                    " golden but not its bits (see docs/omnivoice.md)")
     ap.add_argument("--compile", action="store_true", help="compile the LM's forward (torch.compile: minutes"
                     " the first time for each bucket of lengths; pays on GPU, see docs/omnivoice.md)")
     return ap.parse_args(argv)
@@ -1343,7 +1346,7 @@ def main(argv=None):
     start = time.perf_counter()
     [audio], [tokens] = generate(model, args.text, language=args.language, voice=voice,
                                  instruct=args.instruct, speed=args.speed, duration=args.duration,
-                                 seed=args.seed, return_tokens=True, progress=True, **gen)
+                                 seed=args.seed, return_tokens=True, progress=True, packed=args.packed, **gen)
     wall = time.perf_counter() - start
     out.parent.mkdir(parents=True, exist_ok=True)
     common.save_wav(out, audio, model.sample_rate)

@@ -3,8 +3,9 @@ forward, the unmasking loop step by step, voice prompts and all 14 generate() ca
 and the CLI.
 The fixture's README (tests/fixtures/omnivoice-tiny/README.md) says what each golden is."""
 import hashlib
-import re
+import inspect
 import json
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -185,28 +186,32 @@ def test_generate_gives_upstreams_tokens_and_audio(model, case):
         assert_audio_close(audios[i], expected, case, i, tokens[i], model)
 
 
-@pytest.mark.parametrize("layout", ["batch_rows", "packed_rows"])
+@pytest.mark.parametrize("layout", ["flat_row", "packed_rows"])
 @pytest.mark.parametrize("case", GENERATE_CASES)
-def test_every_row_layout_gives_upstreams_tokens(model, case, layout, monkeypatch):
-    """generate() runs the flat row on CPU (test_generate_gives_upstreams_tokens_and_audio); upstream's own
-    rows and the GPU's packed rows (a row per request, a block mask) give every golden's codes too. The
-    packed layouts' hidden states agree with upstream's to ~1e-6, not bit for bit (attention and matmuls
-    sum in other orders over other shapes), and no golden's code moves."""
+def test_packed_guidance_gives_upstreams_tokens(model, case, layout, monkeypatch):
+    """generate() runs upstream's rows by default (test_generate_gives_upstreams_tokens_and_audio); packed
+    guidance, as CPU's flat row (packed=True) and as the GPU's packed rows (a row per request, a block mask),
+    gives every golden's codes too. Its hidden states agree with upstream's to ~1e-6, not bit for bit
+    (attention and matmuls sum in other orders over other shapes), and no golden's code moves."""
     spec = CASES["generate"][case]
     monkeypatch.setattr(omnivoice, "row_layout", lambda packed, model: getattr(omnivoice, layout))
-    _, tokens = omnivoice.generate(model, **api_kwargs(case), seed=spec["seed"], return_tokens=True)
+    _, tokens = omnivoice.generate(model, **api_kwargs(case), seed=spec["seed"], return_tokens=True,
+                                   packed=True)
     for got, name in zip(order_tokens(tokens, spec["token_files"]), spec["token_files"]):
         assert torch.equal(got, golden(name)), name
 
 
-def test_cpu_packs_by_default_into_one_flat_row_and_other_devices_do_not():
+def test_upstreams_rows_are_the_default_and_packed_is_the_flat_row_on_cpu_only():
     def on(kind):  # what row_layout reads of a model
         return SimpleNamespace(audio_heads=SimpleNamespace(weight=torch.empty(0, device=kind)),
                                compiled_hidden=None)
     cpu, cuda = on("cpu"), on("meta")  # any device but the CPU
-    assert omnivoice.row_layout(None, cpu) is omnivoice.row_layout(True, cpu) is omnivoice.flat_row
-    assert omnivoice.row_layout(False, cpu) is omnivoice.row_layout(None, cuda) is omnivoice.batch_rows
+    assert omnivoice.row_layout(False, cpu) is omnivoice.row_layout(False, cuda) is omnivoice.batch_rows
+    assert omnivoice.row_layout(True, cpu) is omnivoice.flat_row
     assert omnivoice.row_layout(True, cuda) is omnivoice.packed_rows
+    defaults = [inspect.signature(f).parameters["packed"].default
+                for f in (omnivoice.generate, omnivoice.unmask, omnivoice.chunked)]
+    assert defaults == [False, False, False]  # upstream's bits unless asked
 
 
 def test_the_flat_row_holds_every_sequence_once_as_a_span(model):

@@ -175,7 +175,7 @@ def run_rounds(args, model, upstream, wave, rate) -> tuple:
         start = time.perf_counter()
         [audio], [tokens] = omnivoice.generate(
             model, args.text, language=args.language, ref_audio=(wave, rate), ref_text=args.ref_text,
-            duration=args.duration, seed=args.seed, num_step=steps, return_tokens=True)
+            duration=args.duration, seed=args.seed, num_step=steps, return_tokens=True, packed=args.packed)
         ours = time.perf_counter() - start
         if r < 0:
             continue
@@ -205,6 +205,7 @@ def main(argv=None):
     ap.add_argument("--duration", type=float, help="audio length in seconds (default: the length estimate)")
     ap.add_argument("--num-step", type=int, default=32, help="unmasking steps (32)")
     ap.add_argument("--seed", type=int, default=1234, help="torch.manual_seed upstream, seed= here (1234)")
+    ap.add_argument("--packed", action="store_true", help="fishfast with packed guidance (packed=True)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved timed rounds (3)")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads(),
                     help=f"torch threads, the same on both sides (default {torch.get_num_threads()})")
@@ -221,7 +222,8 @@ def main(argv=None):
     info = upstream_answer(upstream)  # upstream has loaded
     print(f"checkpoint {args.checkpoint}: {len(model.layers)} layers; upstream {info['dtype']},"
           f" {info['attention']} attention; {args.threads} threads each; seed {args.seed}, {args.num_step}"
-          f" steps; text {args.text!r}; reference {Path(args.ref_audio).name}"
+          f" steps{'; fishfast packed' if args.packed else ''}; text {args.text!r};"
+          f" reference {Path(args.ref_audio).name}"
           f" ({wave.shape[-1] / rate:.2f} s at {rate} Hz)")
     walls, results = run_rounds(args, model, upstream, wave, rate)
     upstream.stdin.close()

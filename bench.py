@@ -46,6 +46,19 @@ BENCH_PROMPT = 256  # prompt tokens before the timed frames
 CODES_FRAMES = 64  # seeded frames a quantized model's codes are compared over
 
 
+def machine_line(device) -> str:
+    """The first line of an S2 benchmark: what its figures depend on (the CPU's capability as torch's own
+    kernels see it, the half-precision units oneDNN may use, cores and threads)."""
+    cpu = torch._C._cpu._get_cpu_capability()
+    units = [name for key, name in (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX")) if cpu.get(key)]
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA")  # an emulated smaller CPU (docs/speed.md)
+    limit = f", oneDNN limited to {isa}" if isa else ""
+    name = f"cuda ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
+    return (f"machine: cpu capability {torch.backends.cpu.get_cpu_capability()}"
+            f" ({', '.join(units) or 'no AVX512-BF16 or AMX'}{limit}), {os.cpu_count()} cores,"
+            f" {torch.get_num_threads()} threads, torch {torch.__version__}, device {name}")
+
+
 def synchronize(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -245,6 +258,7 @@ def quant_agreement(model: DualAR, scheme: str):
 
 def bench(args):
     device, dtype, compiled = dualAR.model_settings(args)
+    print(machine_line(device))
     quant = args.quant if args.quant != "none" else None
     dualAR.check_quant(quant, device, dtype)
     if args.checkpoint:
@@ -347,6 +361,7 @@ def codec_speed(args):
     min/median/max)."""
     device = common.pick_device(args.device)
     dtype = common.pick_dtype(args.dtype, device, cuda="fp16")
+    print(machine_line(device))
     codec.keep_freed_memory()
     cfg = codec.read_config(args.config) if args.config else codec.CONFIG
     dac = random_codec(cfg, device, dtype)

@@ -322,6 +322,8 @@ def test_cli_bench_prints_eager_and_fast_lines_with_plausible_figures(capsys):
     codec.main(["bench", "--device", "cpu", "--compile", "--seconds", "0.2", "--repeats", "1",
                 "--stream-frames", "1", "--stream-chunks", "2", "--config", str(CKPT / "codec_config.json")])
     out = capsys.readouterr().out
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert out.startswith(f"machine: cpu capability {capability} (") and " cores, " in out.splitlines()[0]
     peak = float(re.search(r"matmul peak (\d+) GFLOP/s", out)[1])
     lines = [line.split() for line in out.splitlines() if line.startswith("codec_bench ")]
     rows = {(f["path"], f["chunk"], f["compile"]): f for f in (dict(w.split("=") for w in line[1:])

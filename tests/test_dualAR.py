@@ -940,7 +940,10 @@ def test_bench_prints_a_table_and_one_machine_readable_line_per_batch(capsys):
     steps per second (frames/s over the batch), % bandwidth is GB/s over the measured copy bandwidth of the
     header line, the table shows the line's figures, and the peak memory is this process's, in GB."""
     dualAR.main(["--bench", "--config", "tiny", "--batch", "1,2", "--frames", "2", "--device", "cpu"])
-    out = capsys.readouterr().out.splitlines()
+    machine, *out = capsys.readouterr().out.splitlines()
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert machine.startswith(f"machine: cpu capability {capability} (")
+    assert f"), {os.cpu_count()} cores, {torch.get_num_threads()} threads," in machine
     per_frame = bench.frame_bytes(bench.random_model("tiny", "cpu", torch.float32))
     assert f"{per_frame / 1e9:.2f} GB read per frame step" in out[0]
     bandwidth = float(re.search(r"measured copy bandwidth ([\d.]+) GB/s", out[0])[1])

@@ -242,18 +242,20 @@ def time_to_first_audio(model: DualAR, dac, frames: int, repeats: int = 3) -> fl
     return sorted(times[1:])[repeats // 2]
 
 
-def quant_agreement(model: DualAR, scheme: str):
-    """Quantize `model` and print its logit error and code agreement against itself unquantized."""
+def quant_agreement(model: DualAR, scheme: str, change=None, against="unquantized"):
+    """Quantize `model` (or change(model)) and print its logit error and code agreement against itself
+    unquantized (as it was)."""
     reference, codes = head_logits(model), seeded_frames(model, CODES_FRAMES)
-    dualAR.quantize(model, scheme)
+    model = change(model) if change else dualAR.quantize(model, scheme) or model
     for part, ref, got in zip(("slow", "fast"), reference, head_logits(model), strict=True):
         error = ((got - ref).abs().max() / ref.abs().max()).item()
         same = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-        print(f"{scheme} {part} logits vs unquantized: max error {100 * error:.2f} % of the largest"
+        print(f"{scheme} {part} logits vs {against}: max error {100 * error:.2f} % of the largest"
               f" logit, same argmax {100 * same:.0f} %")
     same = (seeded_frames(model, CODES_FRAMES, codes) == codes).all(-1).float().mean().item()
     print(f"{scheme}: {100 * same:.0f} % of {CODES_FRAMES} seeded frames (eager, each from the"
-          f" unquantized model's previous frame) have all the unquantized model's codes")
+          f" {against} model's previous frame) have all the {against} model's codes")
+    return model
 
 
 def bench(args):
@@ -266,7 +268,12 @@ def bench(args):
     else:
         # the real size quantized on CPU: drawn block by block, there is no unquantized model to compare with
         direct = device.type == "cpu" and quant in CPU_BITS and args.config == "s2-pro"
-        model, name = random_model(args.config, device, dtype, quant if direct else None), args.config
+        half = dtype != torch.float32 and not direct  # judged against the same weights in fp32
+        model = random_model(args.config, device, torch.float32 if half else dtype, quant if direct else None)
+        name = args.config
+        if half:
+            short = next(k for k, v in common.DTYPES.items() if v == dtype)
+            model = quant_agreement(model, short, lambda fp32: fp32.to(dtype), against="fp32")
     if quant and not model.quant:
         quant_agreement(model, quant)
     if compiled:
@@ -345,9 +352,10 @@ def counted_flops(model: nn.Module, fn) -> int:
     return 2 * sum(counts)  # a multiply and an add
 
 
-def timed_codec_call(dac, fast: bool, fn, device) -> tuple:
-    """fn() once, on the codec's fast path or not -> (seconds, minor page faults, peak memory GB)."""
-    codec.fast_path(dac, fast)
+def timed_codec_call(dac, fast: bool, fn, device, choices=None) -> tuple:
+    """fn() once, on the codec's fast path (its ops as `choices` say) or not -> (seconds, minor page faults,
+    peak memory GB)."""
+    codec.fast_path(dac, fast, choices)
     common.reset_peak_memory(device)
     faults, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
     fn().cpu()
@@ -379,18 +387,25 @@ def codec_speed(args):
         chunks = codes.split(n, -1)[: args.stream_chunks]
         runs.append(("stream", n, sum(c.shape[-1] for c in chunks), len(chunks),
                      lambda chunks=chunks: torch.cat([w.cpu() for w in codec.decode_stream(dac, chunks)], 1)))
-    modes = [0, 1] if args.compile else [0]
+    modes, choices = [0, 1] if args.compile else [0], None
+    if args.compile:
+        start = time.perf_counter()
+        choices = codec.machine_choices(dac)
+        slower = sorted(key for key, fast in choices.items() if not fast)
+        print(f"fast path: {len(choices) - len(slower)} of {len(choices)} ops fast on this machine, decided in"
+              f" {time.perf_counter() - start:.1f} s ({codec.choices_folder() / codec.CHOICES_FILE});"
+              f" eager: {', '.join(slower) or 'none'}")
     for path, chunk, n_frames, n_chunks, fn in runs:
         flops = counted_flops(dac, fn)  # on either path: both do the same arithmetic
         # warm-up: first calls allocate what later calls reuse; the first fast one compiles
-        warm = {m: timed_codec_call(dac, m, fn, device)[0] for m in modes}
+        warm = {m: timed_codec_call(dac, m, fn, device, choices)[0] for m in modes}
         if args.compile and path == "encode":  # the first run
             print(f"compile: first fast encode {warm[1]:.1f} s, first eager one {warm[0]:.1f} s "
                   f"(TORCHINDUCTOR_CACHE_DIR={os.environ.get('TORCHINDUCTOR_CACHE_DIR', 'default')})")
         calls = {m: [] for m in modes}  # (seconds, faults, peak GB) per call, modes interleaved
         for _ in range(args.repeats):
             for m in modes:
-                calls[m].append(timed_codec_call(dac, m, fn, device))
+                calls[m].append(timed_codec_call(dac, m, fn, device, choices))
         for m in modes:
             walls, (_, faults, memory) = sorted(c[0] for c in calls[m]), calls[m][-1]
             med, audio = walls[len(walls) // 2], n_frames * dac.hop / cfg["sample_rate"]

@@ -201,21 +201,23 @@ def test_a_machine_without_decisions_is_timed_once_and_added_to_the_file(tmp_pat
 
 def test_timed_choices_time_every_op_in_every_probe_and_leave_the_model_eager(monkeypatch):
     """The timing itself (its figures replaced by a fake clock: tests time nothing): an op is fast only if
-    it wins in every probe (an encode, streams of 1, 4 and 16 frames)."""
+    it is no slower in every probe (an encode, streams of 1, 4 and 16 frames), and the model is left eager."""
     dac = codec.load(CKPT)
     probes = codec.probe_inputs(dac)
     assert {probe for by_probe in probes.values() for probe in by_probe} == {"encode", "stream 1", "stream 4",
                                                                             "stream 16"}
-    losers = {"snake", codec.op_key(dac.decoder.model[0])}
+    loser = dac.decoder.model[0]  # fast loses only in 1-frame streams (the first of its probes)
+    losing = probes[loser]["stream 1"]
+    assert len(probes[loser]) == 3 and not losing & (probes[loser]["stream 4"] | probes[loser]["stream 16"])
 
-    def fake_seconds(module, x):  # the fast op loses only for the losers, and only in 1-frame streams
+    def fake_seconds(module, x):
         fast = module.fn is not codec.snake if isinstance(module, codec.Snake) else module.packed is not None
-        return 2.0 if fast and codec.op_key(module) in losers and x.shape[-1] in streamed_1 else 1.0
+        return 2.0 if fast and module is loser and tuple(x.shape) in losing else 1.0
 
-    streamed_1 = {shape[-1] for by_probe in probes.values() for shape in by_probe.get("stream 1", ())}
     monkeypatch.setattr(codec, "seconds", fake_seconds)
     choices = TIMED_CHOICES(dac)
-    assert choices == {key: key not in losers for key in {codec.op_key(m) for m in dac.modules()} - {None}}
+    keys = {codec.op_key(m) for m in dac.modules()} - {None}
+    assert choices == {key: key != codec.op_key(loser) for key in keys}
     assert all(getattr(m, "packed", None) is None for m in dac.modules())
     assert all(m.fn is codec.snake for m in dac.modules() if isinstance(m, codec.Snake))
 

@@ -392,8 +392,8 @@ def codec_speed(args):
         start = time.perf_counter()
         choices = codec.machine_choices(dac)
         slower = sorted(key for key, fast in choices.items() if not fast)
-        print(f"fast path: {len(choices) - len(slower)} of {len(choices)} ops fast on this machine, decided in"
-              f" {time.perf_counter() - start:.1f} s ({codec.choices_folder() / codec.CHOICES_FILE});"
+        print(f"fast path: {len(choices) - len(slower)} of {len(choices)} ops fast on this machine, decided"
+              f" in {time.perf_counter() - start:.1f} s ({codec.choices_folder() / codec.CHOICES_FILE});"
               f" eager: {', '.join(slower) or 'none'}")
     for path, chunk, n_frames, n_chunks, fn in runs:
         flops = counted_flops(dac, fn)  # on either path: both do the same arithmetic

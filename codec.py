@@ -589,7 +589,8 @@ def machine_choices(model):
         known = json.loads(path.read_text())
     except (OSError, ValueError):
         known = {}
-    choices = known.get(machine, {}) if isinstance(known, dict) else {}
+    known = known if isinstance(known, dict) else {}
+    choices = known.get(machine, {})
     keys = {op_key(m) for m in model.modules()} - {None}
     if keys <= set(choices):
         return choices
@@ -598,8 +599,8 @@ def machine_choices(model):
     choices = dict(choices, **timed_choices(model))
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        common.write_atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(dict(known, **{machine: choices}),
-                                                                             indent=1)))
+        text = json.dumps(dict(known, **{machine: choices}), indent=1)
+        common.write_atomic(path, lambda tmp: Path(tmp).write_text(text))
     except (OSError, common.UserError):
         pass
     return choices
@@ -608,7 +609,7 @@ def machine_choices(model):
 @torch.inference_mode()
 def timed_choices(model, repeats=3):
     """Each op eager and fast on the inputs it gets in an encode and in a stream of each PROBE_FRAMES chunk
-    size (`probe_inputs`): fast is kept only if it is no slower in any of them. Snake: all its calls at once."""
+    size (`probe_inputs`): fast is kept only if it is no slower in any of them. Snake: all calls at once."""
     p = next(model.parameters())
     inputs, pack = probe_inputs(model), can_prepack(p)
     fast_path(model, on=False)

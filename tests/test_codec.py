@@ -165,7 +165,8 @@ def test_fast_path_takes_a_cached_decision_files_choices_without_timing(model, o
     mixed = codec.load(CKPT)
     choices = alternating_choices(mixed)
     other = {key: True for key in choices}
-    (tmp_path / codec.CHOICES_FILE).write_text(json.dumps({codec.machine_key(mixed): choices, "other": other}))
+    decisions = {codec.machine_key(mixed): choices, "other": other}
+    (tmp_path / codec.CHOICES_FILE).write_text(json.dumps(decisions))
     codec.fast_path(mixed)
     for module in mixed.modules():
         key = codec.op_key(module)

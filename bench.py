@@ -46,6 +46,19 @@ BENCH_PROMPT = 256  # prompt tokens before the timed frames
 CODES_FRAMES = 64  # seeded frames a quantized model's codes are compared over
 
 
+def machine_line(device) -> str:
+    """The first line of an S2 benchmark: what its figures depend on (the CPU's capability as torch's own
+    kernels see it, the half-precision units oneDNN may use, cores and threads)."""
+    cpu = torch._C._cpu._get_cpu_capability()
+    units = [name for key, name in (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX")) if cpu.get(key)]
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA")  # an emulated smaller CPU (docs/speed.md)
+    limit = f", oneDNN limited to {isa}" if isa else ""
+    name = f"cuda ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
+    return (f"machine: cpu capability {torch.backends.cpu.get_cpu_capability()}"
+            f" ({', '.join(units) or 'no AVX512-BF16 or AMX'}{limit}), {os.cpu_count()} cores,"
+            f" {torch.get_num_threads()} threads, torch {torch.__version__}, device {name}")
+
+
 def synchronize(device):
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -229,22 +242,25 @@ def time_to_first_audio(model: DualAR, dac, frames: int, repeats: int = 3) -> fl
     return sorted(times[1:])[repeats // 2]
 
 
-def quant_agreement(model: DualAR, scheme: str):
-    """Quantize `model` and print its logit error and code agreement against itself unquantized."""
+def quant_agreement(model: DualAR, scheme: str, change=None, against="unquantized"):
+    """Quantize `model` (or change(model)) and print its logit error and code agreement against itself
+    unquantized (as it was)."""
     reference, codes = head_logits(model), seeded_frames(model, CODES_FRAMES)
-    dualAR.quantize(model, scheme)
+    model = change(model) if change else dualAR.quantize(model, scheme) or model
     for part, ref, got in zip(("slow", "fast"), reference, head_logits(model), strict=True):
         error = ((got - ref).abs().max() / ref.abs().max()).item()
         same = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-        print(f"{scheme} {part} logits vs unquantized: max error {100 * error:.2f} % of the largest"
+        print(f"{scheme} {part} logits vs {against}: max error {100 * error:.2f} % of the largest"
               f" logit, same argmax {100 * same:.0f} %")
     same = (seeded_frames(model, CODES_FRAMES, codes) == codes).all(-1).float().mean().item()
     print(f"{scheme}: {100 * same:.0f} % of {CODES_FRAMES} seeded frames (eager, each from the"
-          f" unquantized model's previous frame) have all the unquantized model's codes")
+          f" {against} model's previous frame) have all the {against} model's codes")
+    return model
 
 
 def bench(args):
     device, dtype, compiled = dualAR.model_settings(args)
+    print(machine_line(device))
     quant = args.quant if args.quant != "none" else None
     dualAR.check_quant(quant, device, dtype)
     if args.checkpoint:
@@ -252,7 +268,12 @@ def bench(args):
     else:
         # the real size quantized on CPU: drawn block by block, there is no unquantized model to compare with
         direct = device.type == "cpu" and quant in CPU_BITS and args.config == "s2-pro"
-        model, name = random_model(args.config, device, dtype, quant if direct else None), args.config
+        half = dtype != torch.float32 and not direct  # judged against the same weights in fp32
+        model = random_model(args.config, device, torch.float32 if half else dtype, quant if direct else None)
+        name = args.config
+        if half:
+            short = next(k for k, v in common.DTYPES.items() if v == dtype)
+            model = quant_agreement(model, short, lambda fp32: fp32.to(dtype), against="fp32")
     if quant and not model.quant:
         quant_agreement(model, quant)
     if compiled:
@@ -331,9 +352,10 @@ def counted_flops(model: nn.Module, fn) -> int:
     return 2 * sum(counts)  # a multiply and an add
 
 
-def timed_codec_call(dac, fast: bool, fn, device) -> tuple:
-    """fn() once, on the codec's fast path or not -> (seconds, minor page faults, peak memory GB)."""
-    codec.fast_path(dac, fast)
+def timed_codec_call(dac, fast: bool, fn, device, choices=None) -> tuple:
+    """fn() once, on the codec's fast path (its ops as `choices` say) or not -> (seconds, minor page faults,
+    peak memory GB)."""
+    codec.fast_path(dac, fast, choices)
     common.reset_peak_memory(device)
     faults, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
     fn().cpu()
@@ -347,6 +369,7 @@ def codec_speed(args):
     min/median/max)."""
     device = common.pick_device(args.device)
     dtype = common.pick_dtype(args.dtype, device, cuda="fp16")
+    print(machine_line(device))
     codec.keep_freed_memory()
     cfg = codec.read_config(args.config) if args.config else codec.CONFIG
     dac = random_codec(cfg, device, dtype)
@@ -364,18 +387,25 @@ def codec_speed(args):
         chunks = codes.split(n, -1)[: args.stream_chunks]
         runs.append(("stream", n, sum(c.shape[-1] for c in chunks), len(chunks),
                      lambda chunks=chunks: torch.cat([w.cpu() for w in codec.decode_stream(dac, chunks)], 1)))
-    modes = [0, 1] if args.compile else [0]
+    modes, choices = [0, 1] if args.compile else [0], None
+    if args.compile:
+        start = time.perf_counter()
+        choices = codec.machine_choices(dac)
+        slower = sorted(key for key, fast in choices.items() if not fast)
+        print(f"fast path: {len(choices) - len(slower)} of {len(choices)} ops fast on this machine, decided"
+              f" in {time.perf_counter() - start:.1f} s ({codec.choices_folder() / codec.CHOICES_FILE});"
+              f" eager: {', '.join(slower) or 'none'}")
     for path, chunk, n_frames, n_chunks, fn in runs:
         flops = counted_flops(dac, fn)  # on either path: both do the same arithmetic
         # warm-up: first calls allocate what later calls reuse; the first fast one compiles
-        warm = {m: timed_codec_call(dac, m, fn, device)[0] for m in modes}
+        warm = {m: timed_codec_call(dac, m, fn, device, choices)[0] for m in modes}
         if args.compile and path == "encode":  # the first run
             print(f"compile: first fast encode {warm[1]:.1f} s, first eager one {warm[0]:.1f} s "
                   f"(TORCHINDUCTOR_CACHE_DIR={os.environ.get('TORCHINDUCTOR_CACHE_DIR', 'default')})")
         calls = {m: [] for m in modes}  # (seconds, faults, peak GB) per call, modes interleaved
         for _ in range(args.repeats):
             for m in modes:
-                calls[m].append(timed_codec_call(dac, m, fn, device))
+                calls[m].append(timed_codec_call(dac, m, fn, device, choices))
         for m in modes:
             walls, (_, faults, memory) = sorted(c[0] for c in calls[m]), calls[m][-1]
             med, audio = walls[len(walls) // 2], n_frames * dac.hop / cfg["sample_rate"]

@@ -9,11 +9,13 @@ with `rvq.DownsampleResidualVectorQuantize` as it runs at inference: codes exact
 Needs common.py alone; dualAR.py takes its RMSNorm, FeedForward and RoPE from here.
 """
 import argparse
+import collections
 import ctypes
 import functools
 import json
 import math
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -512,32 +514,162 @@ def fused_snake():  # one compiled snake for every model; it compiles on first u
     return torch.compile(snake, dynamic=True)  # (made here, not at import: torch.compile imports dynamo)
 
 
-def fast_path(model, on=True):
+def fast_path(model, on=True, choices=None):
     """The faster CPU path (on=False: eager), equal to eager within 1e-5; returns the model. Snakes compiled
     (dynamic shapes: one kernel for all layers and chunk sizes); tensors stay channels-last; convs, linear
     layers and transposed convs (as one matmul each) run on weights prepacked once for oneDNN, where torch
     and mkldnn are there: eager mkldnn reorders a conv's weight on every call, and MKL reads a linear
-    layer's weight for a stream's few rows at a third of the memory bandwidth (docs/speed.md)."""
+    layer's weight for a stream's few rows at a third of the memory bandwidth (docs/speed.md). Each of
+    these is taken only where it is faster on this machine: choices {`op_key`: bool} (a key left out: taken),
+    by default this machine's (`machine_choices`: timed once, kept in the compile cache)."""
     p = next(model.parameters())
     pack = on and can_prepack(p)
+    if on and choices is None:
+        choices = machine_choices(model)
     for module in model.modules():
+        fast = on and choices.get(op_key(module), True)
         if isinstance(module, Snake):
-            module.fn = fused_snake() if on else snake
-        elif type(module) in (nn.Linear, PackedLinear):  # the same module and parameters, another forward
-            module.__class__ = PackedLinear if pack else nn.Linear
-            module.packed = prepack(module.weight) if pack else None
-        elif isinstance(module, CausalConvT):  # (C, C', kernel) -> one matmul's (kernel * C', C)
-            module.packed = prepack(module.conv.weight.mT.flatten(1).T) if pack else None
-        elif isinstance(module, CausalConv):
-            c = module.conv
-            if not pack:
-                module.packed = None
-            elif module.matmul:
-                module.packed = prepack(c.weight[:, :, 0])
-            else:
-                module.packed = torch.ops.mkldnn._reorder_convolution_weight(
-                    c.weight[:, :, None], *module.geo, [1, c.in_channels, 1, 1024])
+            module.fn = fused_snake() if fast else snake
+        elif op_key(module) is not None:
+            use_fast(module, pack and fast)
     return model
+
+
+def op_key(module):
+    """What a fast-path choice is made for: Snake (one compiled kernel for all), and each prepacked op by its
+    weight's shape and its geometry (None: no choice to make)."""
+    if isinstance(module, Snake):
+        return "snake"
+    if type(module) in (nn.Linear, PackedLinear):
+        return f"linear {list(module.weight.shape)}"
+    if isinstance(module, (CausalConv, CausalConvT)):
+        c = module.conv
+        return f"{type(module).__name__} {list(c.weight.shape)} stride {c.stride[0]} dilation {c.dilation[0]}"
+    return None
+
+
+def use_fast(module, on):
+    """One op on its prepacked weight (on) or eager."""
+    if type(module) in (nn.Linear, PackedLinear):  # the same module and parameters, another forward
+        module.__class__ = PackedLinear if on else nn.Linear
+        module.packed = prepack(module.weight) if on else None
+    elif isinstance(module, CausalConvT):  # (C, C', kernel) -> one matmul's (kernel * C', C)
+        module.packed = prepack(module.conv.weight.mT.flatten(1).T) if on else None
+    elif not on:
+        module.packed = None
+    elif module.matmul:
+        module.packed = prepack(module.conv.weight[:, :, 0])
+    else:
+        c = module.conv
+        module.packed = torch.ops.mkldnn._reorder_convolution_weight(
+            c.weight[:, :, None], *module.geo, [1, c.in_channels, 1, 1024])
+
+
+CHOICES_FILE = "codec_fast_path.json"  # in the compile cache folder: {machine: {op key: taken}}
+PROBE_FRAMES = (1, 4, 16)  # chunk sizes a choice must not lose at: streams, and encode/decode's chunks
+
+
+def choices_folder():
+    """The compile cache: $TORCHINDUCTOR_CACHE_DIR, else $XDG_CACHE_HOME/fishfast/compile (dualAR.py's)."""
+    default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fishfast" / "compile"
+    return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default).expanduser()
+
+
+def machine_key(model):
+    p = next(model.parameters())
+    return (f"{torch.backends.cpu.get_cpu_capability()} {os.environ.get('ONEDNN_MAX_CPU_ISA', '')} torch"
+            f" {torch.__version__} threads {torch.get_num_threads()} {p.device.type} {p.dtype}")
+
+
+def machine_choices(model):
+    """This machine's choices for the model's ops, read from CHOICES_FILE or timed once (`timed_choices`)
+    and added to it. A file that cannot be read or written only costs the timing again."""
+    path, machine = choices_folder() / CHOICES_FILE, machine_key(model)
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    known = known if isinstance(known, dict) else {}
+    choices = known.get(machine, {})
+    keys = {op_key(m) for m in model.modules()} - {None}
+    if keys <= set(choices):
+        return choices
+    print(f"codec: timing each fast-path op against eager, once for this machine (kept in {path})",
+          file=sys.stderr)
+    choices = dict(choices, **timed_choices(model))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(dict(known, **{machine: choices}), indent=1)
+        common.write_atomic(path, lambda tmp: Path(tmp).write_text(text))
+    except (OSError, common.UserError):
+        pass
+    return choices
+
+
+@torch.inference_mode()
+def timed_choices(model, repeats=3):
+    """Each op eager and fast on the inputs it gets in an encode and in a stream of each PROBE_FRAMES chunk
+    size (`probe_inputs`): fast is kept only if it is no slower in any of them. Snake: all calls at once."""
+    p = next(model.parameters())
+    inputs, pack = probe_inputs(model), can_prepack(p)
+    fast_path(model, on=False)
+    times = {}  # (op key, probe) -> [eager seconds, fast seconds]
+    for module, probes in inputs.items():
+        key = op_key(module)
+        if key != "snake" and not pack:
+            continue
+        for probe, shapes in probes.items():
+            total = times.setdefault((key, probe), [0.0, 0.0])
+            for shape in shapes:
+                x, best = torch.rand(shape, dtype=p.dtype, device=p.device), {}
+                for fast in (False, True, False, True):  # the first pair warms up (and compiles)
+                    fast_op(module, fast)
+                    best[fast] = min(seconds(module, x) for _ in range(repeats))
+                total[0] += best[False]
+                total[1] += best[True]
+            fast_op(module, False)
+    choices = {}
+    for (key, _), (eager, fast) in times.items():
+        choices[key] = choices.get(key, True) and fast <= eager
+    return choices
+
+
+def fast_op(module, on):
+    if isinstance(module, Snake):
+        module.fn = fused_snake() if on else snake
+    else:
+        use_fast(module, on)
+
+
+def probe_inputs(model):
+    """{module: {probe: input shapes}} of an eager encode in CHUNK_FRAMES chunks and of a decoding stream in
+    chunks of each PROBE_FRAMES size (two chunks: the second has a past)."""
+    seen, probe = {}, [None]
+
+    def record(module, args):
+        seen.setdefault(module, {}).setdefault(probe[0], set()).add(tuple(args[0].shape))
+
+    hooks = [m.register_forward_pre_hook(record) for m in model.modules() if op_key(m) is not None]
+    p = next(model.parameters())
+    try:
+        fast_path(model, on=False)
+        probe[0] = "encode"
+        encode(model, torch.zeros(2 * CHUNK_FRAMES * model.hop, device=p.device))
+        rows = model.config["n_codebooks"] + 1
+        for frames in PROBE_FRAMES:
+            probe[0] = f"stream {frames}"
+            codes = torch.zeros(1, rows, 2 * frames, dtype=torch.long, device=p.device)
+            collections.deque(decode_stream(model, codes.split(frames, -1)), maxlen=0)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
+def seconds(module, x):
+    start = time.perf_counter()
+    module(x) if isinstance(module, nn.Linear) else module(x, None)
+    return time.perf_counter() - start
 
 
 # ----------------------------------------------------------------------------- API

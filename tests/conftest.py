@@ -117,7 +117,8 @@ def dac():
 def fast_path_calls(monkeypatch):
     """codec.fast_path, still working, with the `on` of each call recorded in the returned list."""
     calls, fast_path = [], codec.fast_path
-    monkeypatch.setattr(codec, "fast_path", lambda dac, on=True: calls.append(on) or fast_path(dac, on))
+    monkeypatch.setattr(codec, "fast_path", lambda dac, on=True, choices=None: calls.append(on)
+                        or fast_path(dac, on, choices))
     return calls
 
 
@@ -131,6 +132,16 @@ def inductor_cache():
     with pytest.MonkeyPatch.context() as patch:
         if given in (None, default_cache_dir()):  # torch's /tmp default, set by importing torch._dynamo
             patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(dualAR.default_compile_cache()))
+        yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def codec_choices_untimed(tmp_path_factory):
+    """codec.fast_path takes every op fast unless a test says otherwise: tests time nothing, and the user's
+    compile cache gets no decision file from them."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(codec, "timed_choices", lambda model: {})
+        patch.setattr(codec, "choices_folder", lambda: tmp_path_factory.mktemp("codec-choices"))
         yield
 
 

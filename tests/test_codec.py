@@ -117,7 +117,7 @@ def test_stream_decode_clamps_wide_codes_like_decode_without_touching_caller(mod
 
 @pytest.fixture(scope="module")
 def fast_model():
-    return codec.fast_path(codec.load(CKPT))
+    return codec.fast_path(codec.load(CKPT), choices={})  # every op fast, whatever this machine would pick
 
 
 def test_fast_path_one_shot_and_chunked_equal_eager_and_upstream(model, fast_model):
@@ -145,6 +145,82 @@ def test_fast_path_stream_equals_eager(fast_model, one_shot, batch, schedule):
     assert [tuple(p.shape) for p in fast] == [(batch, c.shape[-1] * 2048) for c in chunks]
     # eager streams equal eager one-shot decodes to 1e-5 (test_stream_decode_equals_one_shot)
     assert max_diff(torch.cat(fast, -1), waves[batch]) <= 1e-5
+
+
+TIMED_CHOICES = codec.timed_choices  # as imported: conftest's session fixture replaces it for every test
+
+
+def alternating_choices(model):
+    """Every other op key fast, the rest eager: tensors cross between the two layouts everywhere."""
+    keys = sorted({codec.op_key(m) for m in model.modules()} - {None})
+    return {key: i % 2 == 0 for i, key in enumerate(keys)}
+
+
+def test_fast_path_takes_a_cached_decision_files_choices_without_timing(model, one_shot, tmp_path,
+                                                                        monkeypatch):
+    """A decision file for this machine decides each op (no timing), and any mix of fast and eager ops
+    still decodes, streams and encodes as eager does."""
+    monkeypatch.setattr(codec, "choices_folder", lambda: tmp_path)
+    monkeypatch.setattr(codec, "timed_choices", lambda model: pytest.fail("timed although the file decides"))
+    mixed = codec.load(CKPT)
+    choices = alternating_choices(mixed)
+    other = {key: True for key in choices}
+    decisions = {codec.machine_key(mixed): choices, "other": other}
+    (tmp_path / codec.CHOICES_FILE).write_text(json.dumps(decisions))
+    codec.fast_path(mixed)
+    for module in mixed.modules():
+        key = codec.op_key(module)
+        if key == "snake":
+            assert (module.fn is codec.snake) != choices[key]
+        elif key is not None:
+            assert (getattr(module, "packed", None) is not None) == choices[key], key
+    assert {False, True} == set(choices.values())
+    codes, waves = one_shot
+    assert max_diff(codec.decode(mixed, codes[:2], chunk_frames=None), waves[2]) <= 1e-5
+    stream = torch.cat(list(codec.decode_stream(mixed, codes[:1].split(chunk_sizes([2, 5, 1], 40), -1))), -1)
+    assert max_diff(stream, waves[1]) <= 1e-5
+    audio = codec.load_audio(GOLDEN / "audio_in.wav")
+    np.testing.assert_array_equal(codec.encode(mixed, audio)[0].numpy(), gold("codec_codes.npy"))
+
+
+def test_a_machine_without_decisions_is_timed_once_and_added_to_the_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(codec, "choices_folder", lambda: tmp_path / "cache")
+    timed = []
+    dac = codec.load(CKPT)
+    monkeypatch.setattr(codec, "timed_choices", lambda model: timed.append(1) or alternating_choices(model))
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / codec.CHOICES_FILE).write_text(json.dumps({"another machine": {"snake": False}}))
+    codec.fast_path(dac)
+    codec.fast_path(codec.load(CKPT))  # the next load (a next process alike) reads the file
+    assert timed == [1]
+    kept = json.loads((tmp_path / "cache" / codec.CHOICES_FILE).read_text())
+    assert kept == {"another machine": {"snake": False}, codec.machine_key(dac): alternating_choices(dac)}
+    (tmp_path / "cache" / codec.CHOICES_FILE).write_text("{not json")  # unreadable: timed again, rewritten
+    codec.fast_path(dac)
+    assert timed == [1, 1] and json.loads((tmp_path / "cache" / codec.CHOICES_FILE).read_text())
+
+
+def test_timed_choices_time_every_op_in_every_probe_and_leave_the_model_eager(monkeypatch):
+    """The timing itself (its figures replaced by a fake clock: tests time nothing): an op is fast only if
+    it is no slower in every probe (an encode, streams of 1, 4 and 16 frames), and the model is left eager."""
+    dac = codec.load(CKPT)
+    probes = codec.probe_inputs(dac)
+    assert {probe for by_probe in probes.values() for probe in by_probe} == {"encode", "stream 1", "stream 4",
+                                                                            "stream 16"}
+    loser = dac.decoder.model[0]  # fast loses only in 1-frame streams (the first of its probes)
+    losing = probes[loser]["stream 1"]
+    assert len(probes[loser]) == 3 and not losing & (probes[loser]["stream 4"] | probes[loser]["stream 16"])
+
+    def fake_seconds(module, x):
+        fast = module.fn is not codec.snake if isinstance(module, codec.Snake) else module.packed is not None
+        return 2.0 if fast and module is loser and tuple(x.shape) in losing else 1.0
+
+    monkeypatch.setattr(codec, "seconds", fake_seconds)
+    choices = TIMED_CHOICES(dac)
+    keys = {codec.op_key(m) for m in dac.modules()} - {None}
+    assert choices == {key: key != codec.op_key(loser) for key in keys}
+    assert all(getattr(m, "packed", None) is None for m in dac.modules())
+    assert all(m.fn is codec.snake for m in dac.modules() if isinstance(m, codec.Snake))
 
 
 def test_encode_and_decode_from_several_threads_match_sequential(model):
@@ -322,6 +398,8 @@ def test_cli_bench_prints_eager_and_fast_lines_with_plausible_figures(capsys):
     codec.main(["bench", "--device", "cpu", "--compile", "--seconds", "0.2", "--repeats", "1",
                 "--stream-frames", "1", "--stream-chunks", "2", "--config", str(CKPT / "codec_config.json")])
     out = capsys.readouterr().out
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert out.startswith(f"machine: cpu capability {capability} (") and " cores, " in out.splitlines()[0]
     peak = float(re.search(r"matmul peak (\d+) GFLOP/s", out)[1])
     lines = [line.split() for line in out.splitlines() if line.startswith("codec_bench ")]
     rows = {(f["path"], f["chunk"], f["compile"]): f for f in (dict(w.split("=") for w in line[1:])

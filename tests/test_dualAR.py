@@ -291,6 +291,53 @@ def test_trimmed_head_draws_what_the_full_head_draws():
         assert torch.equal(torch.argmax(full / noise, dim=-1), draws)
 
 
+def random_logits(kind, rows, size, generator):
+    """Logits of one kind: continuous, on a coarse grid (ties everywhere, as bf16 logits have), bf16-rounded,
+    or mostly -inf (the slow head's bias)."""
+    logits = torch.randn(rows, size, generator=generator) * 3
+    if kind == "grid":
+        return torch.round(logits * 2) / 2
+    if kind == "bf16":
+        return logits.bfloat16().float()
+    if kind == "masked":
+        return torch.where(torch.rand(rows, size, generator=generator) < 0.9, float("-inf"), logits)
+    return logits
+
+
+@pytest.mark.parametrize("kind", ["continuous", "grid", "bf16", "masked"])
+def test_ordering_only_the_best_candidates_samples_what_the_full_sort_samples(model, kind, monkeypatch):
+    """The top-k candidates then a small sort give the probabilities of upstream's whole-row sort bit for
+    bit, ties included, over many rows and parameters; a batch is sorted whole only where it must be (ties
+    across the kept tokens' end: often on a coarse grid, rarely for continuous logits)."""
+    sort, whole = dualAR.sorted_removal, []
+    monkeypatch.setattr(dualAR, "sorted_removal", lambda *args: whole.append(1) or sort(*args))
+    generator, batches = torch.Generator().manual_seed(0), 0
+    for top_k in (0, 1, 2, 7, 30, 32, 100, 1000):
+        for top_p in (0.05, 0.3, 0.7, 0.9, 1.0):
+            logits = random_logits(kind, 16, 4096, generator)
+            top_ks = torch.randint(0, top_k + 1, (16,), generator=generator)
+            top_ks[0] = top_k
+            params = torch.full((16,), 0.7), torch.full((16,), top_p), top_ks
+            candidates = dualAR.candidate_count(model, top_k)
+            got = dualAR.logits_to_probs(logits, *params, candidates)
+            assert torch.equal(got, probs_by_full_sort(sort, logits, *params)), (top_k, top_p)
+            batches += 1
+    if kind == "continuous":  # (top_p = 1 is near a cumulative probability wherever the tail is tiny)
+        assert len(whole) <= batches // 10
+    elif kind == "grid":
+        assert len(whole) > 0
+
+
+def probs_by_full_sort(sort, logits, temperature, top_p, top_k):
+    logits = torch.where(sort(logits, top_p, top_k), float("-inf"), logits)
+    return torch.softmax(logits / temperature[:, None], dim=-1)
+
+
+def test_candidates_cover_every_busy_rows_top_k(model):
+    assert [dualAR.candidate_count(model, k) for k in (0, 1, 30, 32, 33, 4096)] == [32, 32, 32, 32, 64, 4096]
+    assert dualAR.sampling_params(model, [(0.7, 0.7, 30), (0.7, 0.7, 100)])["candidates"] == 128
+
+
 def test_bf16_model_samples_without_bias():
     """Sampling runs in fp32 whatever the model dtype: in bf16 the probabilities and the noise tie often
     and the lowest code wins (the mean drawn code was ~45 % of the range instead of 50 %)."""
@@ -940,7 +987,10 @@ def test_bench_prints_a_table_and_one_machine_readable_line_per_batch(capsys):
     steps per second (frames/s over the batch), % bandwidth is GB/s over the measured copy bandwidth of the
     header line, the table shows the line's figures, and the peak memory is this process's, in GB."""
     dualAR.main(["--bench", "--config", "tiny", "--batch", "1,2", "--frames", "2", "--device", "cpu"])
-    out = capsys.readouterr().out.splitlines()
+    machine, *out = capsys.readouterr().out.splitlines()
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert machine.startswith(f"machine: cpu capability {capability} (")
+    assert f"), {os.cpu_count()} cores, {torch.get_num_threads()} threads," in machine
     per_frame = bench.frame_bytes(bench.random_model("tiny", "cpu", torch.float32))
     assert f"{per_frame / 1e9:.2f} GB read per frame step" in out[0]
     bandwidth = float(re.search(r"measured copy bandwidth ([\d.]+) GB/s", out[0])[1])

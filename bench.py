@@ -47,7 +47,7 @@ CODES_FRAMES = 64  # seeded frames a quantized model's codes are compared over
 
 
 def machine_line(device) -> str:
-    """The first line of an S2 benchmark: what its figures depend on (the CPU's capability as torch's own
+    """The first line of a benchmark: what its figures depend on (the CPU's capability as torch's own
     kernels see it, the half-precision units oneDNN may use, cores and threads)."""
     cpu = torch._C._cpu._get_cpu_capability()
     units = [name for key, name in (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX")) if cpu.get(key)]
@@ -590,11 +590,9 @@ def omnivoice_main(argv=None):
         torch.set_num_threads(args.threads)
     device = common.pick_device(args.device)
     dtype = common.pick_dtype(args.dtype, device)
-    name = f"cuda ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
     peak = matmul_peak(device, dtype)
-    print(f"machine: cpu capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} cores,"
-          f" torch {torch.__version__}, device {name}, {torch.get_num_threads()} threads, matmul peak"
-          f" {peak:.0f} GFLOP/s (2048 x 2048, {str(dtype).removeprefix('torch.')})")
+    print(f"{machine_line(device)}, matmul peak {peak:.0f} GFLOP/s (2048 x 2048,"
+          f" {str(dtype).removeprefix('torch.')})")
     model, what = ov_build(args, device, dtype)
     model = omnivoice.quantize(model, args.quant)
     what += f", {args.quant}" if args.quant else ""

@@ -570,9 +570,8 @@ PROBE_FRAMES = (1, 4, 16)  # chunk sizes a choice must not lose at: streams, and
 
 
 def choices_folder():
-    """The compile cache: $TORCHINDUCTOR_CACHE_DIR, else $XDG_CACHE_HOME/fishfast/compile (dualAR.py's)."""
-    default = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fishfast" / "compile"
-    return Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR") or default).expanduser()
+    """The compile cache (common.compile_cache: dualAR.py's and omnivoice.py's kernels are kept there too)."""
+    return common.use_compile_cache()
 
 
 def machine_key(model):

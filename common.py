@@ -2,8 +2,8 @@
 dtype choice, atomic writes, audio files, peak memory. It imports no model file, so a model file can be
 copied with this one alone.
 
-Sections: errors and the CLI wrapper, devices and dtypes, files (atomic writes, audio), CPU weight-only
-quantization (QuantLinear), memory.
+Sections: errors and the CLI wrapper, devices and dtypes, files (atomic writes, audio, the compile cache),
+CPU weight-only quantization (QuantLinear), memory.
 """
 import argparse
 import math
@@ -70,6 +70,22 @@ def device_name(text: str) -> str:
 
 
 # ----------------------------------------------------------------------------- files
+def default_compile_cache() -> Path:
+    """Where compiled kernels (and the codec's fast-path decisions) are kept unless told:
+    $XDG_CACHE_HOME/fishfast/compile."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fishfast" / "compile"
+
+
+def use_compile_cache(cache=None) -> Path:
+    """The compile-cache folder: `cache` if given, else the user's $TORCHINDUCTOR_CACHE_DIR, else
+    default_compile_cache(); points inductor at it."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    # importing torch._dynamo sets the variable to torch's /tmp default: that one is not the user's choice
+    if cache is not None or os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache or default_compile_cache()).expanduser())
+    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+
+
 def write_atomic(path, write):
     """write(tmp) fills a temp file (or folder) next to `path`, which then replaces `path`: a failure (a
     full disk, a missing folder) is one UserError and never leaves a half-written file."""

@@ -47,8 +47,8 @@ from tqdm import tqdm
 
 import codec  # the CLI's audio, and the RMSNorm, FeedForward and RoPE of both transformers here
 from codec import FeedForward, RMSNorm, apply_rope, rope_table
-from common import (DTYPES, QuantLinear, UserError, cli, device_name, peak_memory_gb, pick_device, pick_dtype,
-                    swap_linears, unreadable)
+from common import (DTYPES, QuantLinear, UserError, cli, default_compile_cache, device_name, peak_memory_gb,
+                    pick_device, pick_dtype, swap_linears, unreadable, use_compile_cache)
 
 # The real fishaudio/s2-pro dimensions, with upstream's flat `dual_ar` key names.
 CONFIG = dict(
@@ -531,7 +531,8 @@ def load(checkpoint, device="cpu", dtype=torch.float32, quant=None, compile=Fals
          compile_cache=None) -> DualAR:
     """Load config.json, tokenizer.json and the weights of an S2-Pro checkpoint directory.
     quant: one of QUANT_SCHEMES (torchao), compile: the frame step as one compiled graph, compile_cache:
-    the folder where compiled kernels are kept for the next process (default `default_compile_cache()`)."""
+    the folder where compiled kernels are kept for the next process (default
+    `common.default_compile_cache()`)."""
     device = torch.device(device)
     check_quant(quant, device, dtype)
     from tokenizers import Tokenizer
@@ -635,24 +636,16 @@ def quantize_fast_head(model: DualAR):
     model.fast_output = QuantLinear(model.fast_output, 8)
 
 
-def default_compile_cache() -> Path:
-    """Where compiled kernels are kept between processes unless told: $XDG_CACHE_HOME/fishfast/compile."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fishfast" / "compile"
-
-
 RECOMPILE_GUARD = 64  # graphs of decode_step per process (dynamo's default, 8, is hit by a few cache sizes)
 
 
 def compile_model(model: DualAR, cache=None, backend="inductor", step=None):
     """The frame step as one graph per (rows, cache) shape (see `batch_bucket`, `cache_bucket`), with
     flex-decoding inside; on CUDA replayed as CUDA graphs. Inductor keeps what it compiles in `cache`
-    (or $TORCHINDUCTOR_CACHE_DIR, or `default_compile_cache()`): the next process with the same shapes
+    (`common.use_compile_cache`): the next process with the same shapes
     loads it instead of compiling again. backend="eager": the same graph capture, no codegen (smoke runs).
     step: another function of (model, ...) compiled the same way (tests)."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    # importing torch._dynamo sets the variable to torch's /tmp default: that one is not the user's choice
-    if cache is not None or os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache or default_compile_cache()).expanduser())
+    use_compile_cache(cache)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_GUARD)
     # the head's rows as a tensor of their own (a slice of the embedding table is a view into it)
     model.register_buffer("head_rows", model.head_weight[slice(*model.sampling_rows)].clone(),

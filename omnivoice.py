@@ -323,11 +323,12 @@ LENGTH_BUCKET = 128  # a compiled forward's rows are padded to a multiple of thi
 RECOMPILE_GUARD = 64  # graphs of the forward per process (dynamo's default, 8: 8 buckets of one batch size)
 
 
-def compile_forward(model: OmniVoice, backend="inductor") -> OmniVoice:
+def compile_forward(model: OmniVoice, backend="inductor", cache=None) -> OmniVoice:
     """The LM's forward (hidden) as one graph per (rows, bucket) shape: unmask then lays every batch out
     as packed_rows padded to a multiple of LENGTH_BUCKET positions, the padding attending to itself, so
     requests of different lengths within a bucket reuse the graph. backend="eager": the same capture, no
-    codegen (tests)."""
+    codegen (tests). cache: where inductor keeps its kernels for the next process (use_compile_cache)."""
+    common.use_compile_cache(cache)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_GUARD)
     model.compiled_hidden = torch.compile(model.hidden, fullgraph=True, dynamic=False, backend=backend)
     return model

@@ -126,12 +126,12 @@ def fast_path_calls(monkeypatch):
 @pytest.fixture(scope="session", autouse=True)
 def inductor_cache():
     """One inductor cache folder for every in-process compile of the session: $TORCHINDUCTOR_CACHE_DIR if
-    the user set it, else the one `dualAR.compile_model` picks (`default_compile_cache()`)."""
+    the user set it, else the one `common.use_compile_cache` picks (`default_compile_cache()`)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     with pytest.MonkeyPatch.context() as patch:
         if given in (None, default_cache_dir()):  # torch's /tmp default, set by importing torch._dynamo
-            patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(dualAR.default_compile_cache()))
+            patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(common.default_compile_cache()))
         yield
 
 

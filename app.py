@@ -5,8 +5,14 @@
     curl -s localhost:7560/v1/audio/speech -H 'Content-Type: application/json' \
         -d '{"input": "Hello!", "response_format": "wav"}' -o hello.wav
 
-One engine thread owns the model (dualAR.Engine: --slots rows, continuous batching). Each HTTP request runs
-in its own thread: it validates, submits, and turns the codes into audio through the codec as they come.
+    python app.py --checkpoint OmniVoice     # k2-fsa/OmniVoice (the kind is read from config.json)
+    python app.py --model omnivoice          # ./OmniVoice, or OmniVoice's tiny demo model
+
+One engine thread owns the model (dualAR.Engine or omnivoice.Engine: --slots rows, continuous batching). Each
+HTTP request runs in its own thread: it validates, submits, and turns the codes into audio as they come. The
+server talks to each model through the same few verbs (S2ProModel, OmniVoiceModel: load, a reference from a
+clip, a saved voice read and written, submit, the waves of a request, its usage), so the handler and the page
+know no model but through them.
 """
 import base64
 import contextlib
@@ -41,6 +47,7 @@ import torch
 import codec
 import common
 import dualAR
+import omnivoice
 
 # ----------------------------------------------------------------------------- limits and validation
 MAX_TEXT = 4096  # characters of text to speak (OpenAI's limit)
@@ -53,11 +60,19 @@ SAMPLE_BYTES = dict(PCM_S8=1, PCM_U8=1, ULAW=1, ALAW=1, PCM_16=2, PCM_24=3, PCM_
 UNCOMPRESSED = {"WAV", "WAVEX", "W64", "RF64", "AIFF", "AU", "CAF"}
 MAX_BODY = 48 << 20  # bytes: four 30 s 16-bit clips, base64 in JSON, fit with room
 VOICE_NAME = re.compile(r"[A-Za-z0-9_ -]{1,64}")  # upstream's rule for reference ids, at most 64 characters
-SAMPLE_RATE, HOP = codec.CONFIG["sample_rate"], codec.hop_length()  # HOP: samples per frame
+SAMPLE_RATE, HOP = codec.CONFIG["sample_rate"], codec.hop_length()  # S2-Pro's; HOP: samples per frame
 STREAMABLE = ("wav", "pcm")  # written piece by piece; the others are encoded from the whole waveform
-# response_format -> (soundfile format, subtype, sample rate); opus exists only at 8/12/16/24/48 kHz
-SOUNDFILE_FORMATS = dict(flac=("FLAC", "PCM_16", SAMPLE_RATE), mp3=("MP3", "MPEG_LAYER_III", SAMPLE_RATE),
-                         opus=("OGG", "OPUS", 48000))
+OPUS_RATES = (8000, 12000, 16000, 24000, 48000)  # the only rates opus exists at
+
+
+def file_rate(fmt: str, rate: int) -> int:
+    """The sample rate a response format is written at for a model's rate: its own, or opus's 48 kHz."""
+    return 48000 if fmt == "opus" and rate not in OPUS_RATES else rate
+
+
+# response_format -> (soundfile format, subtype, sample rate for S2-Pro's 44.1 kHz)
+SOUNDFILE_FORMATS = {name: (kind, subtype, file_rate(name, SAMPLE_RATE)) for name, kind, subtype in
+                     (("flac", "FLAC", "PCM_16"), ("mp3", "MP3", "MPEG_LAYER_III"), ("opus", "OGG", "OPUS"))}
 FORMATS = [*STREAMABLE, *(name for name, (f, sub, _) in SOUNDFILE_FORMATS.items() if sf.check_format(f, sub))]
 MEDIA_TYPES = dict(wav="audio/wav", pcm="audio/pcm", flac="audio/flac", mp3="audio/mpeg", opus="audio/ogg")
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
@@ -70,7 +85,12 @@ UPSTREAM_CHOICES = dict(format=tuple(FORMATS), latency=("normal", "balanced"), u
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")  # names any server answers to, whatever --host
 AUTHORITY = re.compile(r"(?:\[([0-9a-f:.]+)\]|([a-z0-9._-]+))(?::([0-9]{1,5}))?")  # name[:port], [v6][:port]
 OPENAI_VOICES = set("alloy ash ballad coral echo fable nova onyx sage shimmer verse".split())
+OPENAI_SPEEDS = (0.25, 4.0)  # OpenAI's range for `speed`
+MAX_STEPS = 64  # OmniVoice's num_step (32 by default): a step re-reads the whole sequence
+MAX_DURATION = 300  # seconds of audio an OmniVoice request may ask for with `duration`
+S2_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "chunk_length")  # S2-Pro's sampling extras
 MAX_CODES = 8  # audios or token arrays in one /v1/vqgan request
+FISH_ROUTES = ("/v1/tts", "/v1/vqgan/encode", "/v1/vqgan/decode")  # upstream fish-speech's, S2-Pro's only
 DEMO_FRAMES = 200  # the demo model's length (the page's default, the API's for no limit): seconds of noise
 DEMO_NOTICE = ("DEMO: no checkpoint found, so a tiny RANDOM model is serving and the audio is NOISE. For"
                f" speech, download fishaudio/s2-pro into {dualAR.DEFAULT_CHECKPOINT} (see README).")
@@ -89,8 +109,8 @@ class HTTPError(Exception):
 
 # what a request may meet that is no bug of ours -> (status, message prefix, headers)
 ERROR_STATUS = {common.UserError: (400, "", {}),
-                dualAR.QueueFull: (503, "the server is busy: ", {"Retry-After": "2"}),
-                dualAR.EngineClosed: (503, "the server is shutting down: ", {})}
+                common.QueueFull: (503, "the server is busy: ", {"Retry-After": "2"}),
+                common.EngineClosed: (503, "the server is shutting down: ", {})}
 
 
 def error_answer(e: Exception) -> tuple:
@@ -318,13 +338,18 @@ def number_field(body: dict, key: str, default, integer=False, low=None):
     return int(value) if integer else float(value)
 
 
-def sampling_fields(body: dict, defaults: dict) -> dict:
-    """The types are checked here, the ranges by dualAR when the request is submitted."""
+def seed_field(body: dict):
     seed = number_field(body, "seed", None, integer=True, low=0)
     if seed is not None and seed >= 2**63:
         raise common.UserError("seed must be < 2**63")
-    return dict(seed=seed, **{key: number_field(body, key, default, integer=isinstance(default, int))
-                              for key, default in defaults.items()})  # top_k, max_new_tokens, chunk_length
+    return seed
+
+
+def sampling_fields(body: dict, defaults: dict) -> dict:
+    """The types are checked here, the ranges by dualAR when the request is submitted."""
+    fields = {key: number_field(body, key, default, integer=isinstance(default, int))
+              for key, default in defaults.items()}  # top_k, max_new_tokens, chunk_length
+    return dict(seed=seed_field(body), **fields)
 
 
 def reference_clips(items, what="references") -> list:
@@ -354,17 +379,55 @@ def check_format(fmt) -> str:
     return fmt
 
 
-def openai_job(body: dict) -> dict:
-    """POST /v1/audio/speech (OpenAI's fields and our extras) -> a job: what to say, how, how to send it."""
+def s2_options(body: dict) -> dict:
+    """S2-Pro's fields of a speech request: OpenAI's speed and instructions refused, our sampling extras."""
     speed = body.get("speed", 1.0)
     if isinstance(speed, bool) or speed != 1:
         raise common.UserError("speed: only 1.0 is supported")
-    stream = body.get("stream_format", "audio")
-    if stream not in ("audio", "sse"):
-        raise common.UserError("stream_format must be 'audio' or 'sse'")
     if body.get("instructions"):
         raise common.UserError("instructions are not supported: S2-Pro takes style as inline tags in the"
                                " input text itself, e.g. '[whispering] Hello' (see README)")
+    return sampling_fields(body, OPENAI_DEFAULTS)
+
+
+def omnivoice_options(body: dict) -> dict:
+    """OmniVoice's fields of a speech request -> omnivoice.Speech's keyword arguments: OpenAI's instructions
+    (voice design, the closed attribute list) and speed, our extras language, num_step, guidance_scale,
+    duration, seed. Checked here, before any clip is encoded."""
+    given = [key for key in S2_FIELDS if key in body]
+    if given:
+        raise common.UserError(f"{given[0]} is an S2-Pro option: OmniVoice takes language, num_step,"
+                               " guidance_scale, duration, seed, speed and instructions (docs/api.md)")
+    speed = number_field(body, "speed", 1.0)
+    if not OPENAI_SPEEDS[0] <= speed <= OPENAI_SPEEDS[1]:
+        raise common.UserError(f"speed must be {OPENAI_SPEEDS[0]} to {OPENAI_SPEEDS[1]}, got {speed:g}")
+    instruct, language = body.get("instructions") or None, body.get("language")
+    for key, value in (("instructions", instruct), ("language", language)):
+        if value is not None and not isinstance(value, str):
+            raise common.UserError(f"{key} must be a string")
+    try:
+        omnivoice.resolve_instruct(instruct)
+    except common.UserError as e:  # its words are the library's: `instruct`
+        raise common.UserError("instructions" + str(e).removeprefix("instruct")) from None
+    omnivoice.resolve_language(language)
+    num_step = number_field(body, "num_step", omnivoice.GENERATION["num_step"], integer=True, low=1)
+    if num_step > MAX_STEPS:
+        raise common.UserError(f"num_step must be 1 to {MAX_STEPS}, got {num_step}")
+    guidance = number_field(body, "guidance_scale", omnivoice.GENERATION["guidance_scale"], low=0)
+    duration = number_field(body, "duration", None)
+    if duration is not None and not 0 < duration <= MAX_DURATION:
+        raise common.UserError(f"duration must be more than 0 and at most {MAX_DURATION} seconds, got"
+                               f" {duration:g}")
+    return dict(language=language, instruct=instruct, speed=speed, duration=duration, seed=seed_field(body),
+                num_step=num_step, guidance_scale=guidance)
+
+
+def openai_job(body: dict, options) -> dict:
+    """POST /v1/audio/speech (OpenAI's fields and our extras) -> a job: what to say, how, how to send it.
+    options(body): the model's own fields (s2_options, omnivoice_options)."""
+    stream = body.get("stream_format", "audio")
+    if stream not in ("audio", "sse"):
+        raise common.UserError("stream_format must be 'audio' or 'sse'")
     voice = body.get("voice")
     voice = voice.get("id") if isinstance(voice, dict) else voice  # OpenAI's custom voice object {id}
     references = reference_clips(body.get("references", []))
@@ -373,7 +436,7 @@ def openai_job(body: dict) -> dict:
         references += reference_clips([one], "ref_audio")
     fmt = check_format(body.get("response_format", "wav"))
     return dict(text=check_text(body.get("input")), voice=check_voice_name(voice) if voice else None,
-                clips=references, sampling=sampling_fields(body, OPENAI_DEFAULTS), format=fmt,
+                clips=references, options=options(body), format=fmt,
                 send="sse" if stream == "sse" else "chunked" if fmt in STREAMABLE else "whole")
 
 
@@ -430,14 +493,14 @@ def fish_job(body: dict) -> dict:
     voice = body.get("reference_id")
     return dict(text=check_text(body.get("text"), "text"), voice=check_voice_name(voice) if voice else None,
                 clips=reference_clips(body.get("references") or []), format=fmt,
-                sampling=sampling_fields(body, FISH_DEFAULTS), send="chunked" if streaming else "whole")
+                options=sampling_fields(body, FISH_DEFAULTS), send="chunked" if streaming else "whole")
 
 
 # ----------------------------------------------------------------------------- audio bytes
-def wav_header(data_bytes=0xFFFFFFFF) -> bytes:
+def wav_header(data_bytes=0xFFFFFFFF, rate=SAMPLE_RATE) -> bytes:
     """16-bit mono PCM WAV header. Streamed, the length is unknown: 0xFFFFFFFF sizes, which players accept."""
     return (b"RIFF" + struct.pack("<I", min(36 + data_bytes, 0xFFFFFFFF)) + b"WAVEfmt "
-            + struct.pack("<IHHIIHH", 16, 1, 1, SAMPLE_RATE, 2 * SAMPLE_RATE, 2, 16)
+            + struct.pack("<IHHIIHH", 16, 1, 1, rate, 2 * rate, 2, 16)
             + b"data" + struct.pack("<I", data_bytes))
 
 
@@ -445,27 +508,37 @@ def sse_event(**payload) -> bytes:
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
 
 
-def pcm16(wave: torch.Tensor) -> bytes:
-    return (wave.float().cpu().clamp(-1, 1) * 32767).round().to(torch.int16).numpy().astype("<i2").tobytes()
+def pcm16(wave) -> bytes:
+    """A 1-D float wave (tensor or array) -> 16-bit little-endian PCM."""
+    wave = torch.as_tensor(wave).float().cpu()
+    return (wave.clamp(-1, 1) * 32767).round().to(torch.int16).numpy().astype("<i2").tobytes()
 
 
-def audio_file_bytes(wave: torch.Tensor, fmt: str) -> bytes:
+def audio_file_bytes(wave, fmt: str, rate=SAMPLE_RATE) -> bytes:
+    """A whole wave at `rate` -> the bytes of a response_format file."""
     if fmt in STREAMABLE:
         data = pcm16(wave)
-        return data if fmt == "pcm" else wav_header(len(data)) + data
-    kind, subtype, rate = SOUNDFILE_FORMATS[fmt]
+        return data if fmt == "pcm" else wav_header(len(data), rate) + data
+    kind, subtype, _ = SOUNDFILE_FORMATS[fmt]
     samples = np.frombuffer(pcm16(wave), dtype="<i2")  # the wav's very samples: flac is lossless of them
-    if rate != SAMPLE_RATE:
-        samples = soxr.resample(samples, SAMPLE_RATE, rate)
+    out_rate = file_rate(fmt, rate)
+    if out_rate != rate:
+        samples = soxr.resample(samples, rate, out_rate)
     out = io.BytesIO()
-    sf.write(out, samples, rate, format=kind, subtype=subtype)
+    sf.write(out, samples, out_rate, format=kind, subtype=subtype)
     return out.getvalue()
 
 
 def clip_wave(data: bytes, what: str) -> torch.Tensor:
     """Uploaded audio bytes -> float32 mono at SAMPLE_RATE, as codec.load_audio reads a file (channels
-    averaged, soxr), decoded from memory (no temp file holds the upload) once its header is checked, a
-    second at a time and never past MAX_CLIP_SECONDS (a header may lie about its length)."""
+    averaged, soxr)."""
+    return codec.mono_at(*clip_samples(data, what), SAMPLE_RATE)
+
+
+def clip_samples(data: bytes, what: str) -> tuple:
+    """Uploaded audio bytes -> (float32 mono samples, their rate): channels averaged, decoded from memory (no
+    temp file holds the upload) once its header is checked, a second at a time and never past
+    MAX_CLIP_SECONDS (a header may lie about its length)."""
     if not data:
         raise common.UserError(f"{what} is empty")
     blocks, frames = [], 0
@@ -486,7 +559,7 @@ def clip_wave(data: bytes, what: str) -> torch.Tensor:
             from None
     if not frames:
         raise common.UserError(f"{what} contains no audio samples")
-    return codec.mono_at(np.concatenate(blocks), rate, SAMPLE_RATE)
+    return np.concatenate(blocks), rate
 
 
 # ----------------------------------------------------------------------------- the model side
@@ -508,7 +581,7 @@ class Gate:
             self.turn.wait_for(lambda: self.running < self.size or self.closed)
             self.queued -= 1
             if self.closed:
-                raise dualAR.EngineClosed("no more work is taken")
+                raise common.EngineClosed("no more work is taken")
             self.running += 1
         try:
             yield
@@ -524,8 +597,16 @@ class Gate:
             self.turn.notify_all()
 
 
-class App:
-    """The models, the engine and the voices folder, shared by every request thread."""
+class S2ProModel:
+    """S2-Pro behind the server's verbs (OmniVoiceModel has the same ones): the model, codec and engine loaded
+    (`engine`: check_room, stats, thread, close); `options(body)`: its fields of a speech request; a
+    reference from a clip (`clip_reference`) or a saved voice (`voice_files`, `read_voice`, `write_voice`,
+    `voice_paths`: its files in the voices folder); `submit(job, references)` -> a request (done, cancelled,
+    cancel, finish); `waves(request)` as they are made, `whole(request)`, `usage(request, samples)`;
+    `page()`: what its page shows. Also fish-speech's own routes (/v1/tts, /v1/vqgan): `fish_api`."""
+    kind, title, owner, fish_api = "s2-pro", "S2-Pro", "fishaudio", True
+    sample_rate, hop, options = SAMPLE_RATE, HOP, staticmethod(s2_options)
+    max_references, check_references = dualAR.MAX_REFERENCES, staticmethod(dualAR.check_reference_count)
 
     def __init__(self, args):
         self.device, dtype, compiled = dualAR.model_settings(args)  # as the CLI
@@ -546,16 +627,190 @@ class App:
             print("compiling the frame step for each row count the engine runs (--compile)", file=sys.stderr)
             self.engine.warm_up(lambda n, seconds: print(f"  {n} row(s): {seconds:.1f} s", file=sys.stderr))
         self.engine.start()
+        self.name, self.notice = "fishfast-demo" if self.demo else "s2-pro", DEMO_NOTICE
+        self.info = dict(model=self.name, checkpoint=str(self.checkpoint), device=str(self.device),
+                         dtype=str(dtype).replace("torch.", ""), quant=args.quant or "none", compile=compiled,
+                         max_context=self.max_context, demo=self.demo)
+
+    # voices: prompt/<name>.npy (codes) or an audio file, + prompt/<name>.txt, the layout the CLI reads
+    @staticmethod
+    def voice_files(folder: Path) -> dict:  # -> {name: (kind, path)}
+        return {path.stem: (kind, path) for kind, path in dualAR.default_references(folder)}
+
+    @staticmethod
+    def voice_paths(folder: Path, name: str) -> list:
+        """A voice's files, the transcript first: removed first, the voice is gone before its codes are."""
+        found = [p for p in folder.glob("*") if p.stem == name
+                 and p.suffix.lower() in {".npy", *codec.AUDIO_EXTENSIONS}]
+        return [p for p in (folder / f"{name}.txt", *found) if p.exists()]
+
+    def read_voice(self, kind: str, path: Path, codec_work) -> tuple:
+        # a voice kept as audio is encoded each time it is used: codec work as an upload's
+        with codec_work() if kind != "codes" else contextlib.nullcontext():
+            codes = dualAR.reference_codes(kind, path, self.model.config, lambda: self.dac)
+        return codes, dualAR.read_transcript(path.with_suffix(".txt"))
+
+    def clip_reference(self, samples, rate: int, text: str) -> tuple:
+        return self.encode(samples, rate), text
+
+    def encode(self, samples, rate: int) -> torch.Tensor:
+        """A clip's mono samples -> codes (10, T), as codec.load_audio + codec.encode read a file."""
+        return codec.encode(self.dac, codec.mono_at(samples, rate, SAMPLE_RATE))[0].cpu()
+
+    def write_voice(self, folder: Path, name: str, reference: tuple) -> dict:
+        codes, text = reference
+        npy, txt = folder / f"{name}.npy", folder / f"{name}.txt"
+        try:
+            codec.save_codes(npy, codes)
+            # the voice appears (listed and usable) only once the transcript exists, written whole
+            common.write_atomic(txt, lambda tmp: tmp.write_text(text.strip() + "\n", encoding="utf-8"))
+        except common.UserError:  # a full disk, a folder gone
+            npy.unlink(missing_ok=True)
+            raise
+        return dict(name=name, frames=codes.size(1), seconds=round(codes.size(1) * HOP / SAMPLE_RATE, 2))
+
+    def check_codes(self, codes, what: str) -> torch.Tensor:
+        """A client's codes (nested lists) -> (10, T) on the device; the codec clamps big ones (upstream)."""
+        rows, frames = self.model.config["num_codebooks"], self.max_context
+        if is_code_lists(codes):  # integers only: torch would take 1.5 and true as 1
+            with contextlib.suppress(ValueError, RuntimeError, OverflowError):  # ragged, too large
+                codes = torch.tensor(codes, dtype=torch.long)
+        if not isinstance(codes, torch.Tensor) or codes.dim() != 2 or codes.size(0) != rows \
+                or not 0 < codes.size(1) <= frames or codes.min() < 0:
+            raise common.UserError(f"{what} must be {rows} equal lists of 1 to {frames} integers >= 0")
+        return codes.to(self.device)
+
+    def submit(self, job: dict, references: list):
+        sampling = dict(job["options"])
+        if self.demo and not sampling["max_new_tokens"]:  # random weights rarely stop: the page's length
+            sampling["max_new_tokens"] = DEMO_FRAMES
+        return self.engine.submit(dict(text=job["text"], references=references, max_context=self.max_context,
+                                       **sampling))
+
+    def waves(self, request):
+        for wave in codec.decode_stream(self.dac, request):  # decoded as the codes come
+            yield wave[0]
+
+    def whole(self, request) -> torch.Tensor:
+        codes = request.codes()
+        if request.cancelled:  # the client hung up: nobody to decode for
+            raise ConnectionError("the client hung up")
+        return codec.decode(self.dac, codes.to(self.device))[0] if codes.size(1) else torch.zeros(0)
+
+    def usage(self, request, samples: int) -> tuple:
+        return request.prefill_tokens, round(samples / HOP)
+
+    def page(self) -> dict:
+        return dict(maxFrames=DEMO_FRAMES if self.demo else 0)
+
+
+class OmniVoiceModel:
+    """OmniVoice behind the same verbs (see S2ProModel): omnivoice.Engine batches the requests' sentences,
+    each request an omnivoice.Speech (sentence streaming, its own random stream); a reference is a voice
+    prompt (codes, transcript, level), saved as <name>.omnivoice.safetensors."""
+    kind, title, owner, fish_api = "omnivoice", "OmniVoice", "k2-fsa", False
+    options, max_references = staticmethod(omnivoice_options), 1
+
+    @staticmethod
+    def check_references(count: int):
+        if count > 1:
+            raise common.UserError(f"OmniVoice clones one voice: send a saved voice or one reference clip,"
+                                   f" not {count}")
+
+    def __init__(self, args):
+        self.device, dtype, _ = dualAR.model_settings(args)  # --compile: S2-Pro's frame step only
+        self.demo = args.checkpoint is None and not Path(omnivoice.DEFAULT_CHECKPOINT).is_dir()
+        self.checkpoint = "(demo)" if self.demo else args.checkpoint or omnivoice.DEFAULT_CHECKPOINT
+        if self.demo:  # built in memory
+            self.model = omnivoice.quantize(omnivoice.demo_model(self.device, dtype), args.quant)
+        else:
+            self.model = omnivoice.load(self.checkpoint, self.device, dtype, args.quant)
+        self.sample_rate, self.hop = self.model.sample_rate, self.model.audio_tokenizer.hop_length
+        self.engine = omnivoice.Engine(self.model, max_batch=args.slots, max_queue=args.queue,
+                                       packed=args.packed).start()
+        self.name = "omnivoice-demo" if self.demo else "omnivoice"
+        self.notice = ("DEMO: no checkpoint found, so a tiny RANDOM OmniVoice is serving and the audio is"
+                       f" NOISE. For speech, download k2-fsa/OmniVoice into {omnivoice.DEFAULT_CHECKPOINT}"
+                       " (see README).")
+        self.info = dict(model=self.name, checkpoint=str(self.checkpoint), device=str(self.device),
+                         dtype=str(dtype).replace("torch.", ""), quant=args.quant or "none", compile=False,
+                         packed=args.packed, demo=self.demo)
+
+    @staticmethod
+    def voice_files(folder: Path) -> dict:
+        suffix = omnivoice.VOICE_SUFFIX
+        found = sorted(folder.glob("*" + suffix)) if folder.is_dir() else []
+        return {path.name[:-len(suffix)]: ("omnivoice", path) for path in found}
+
+    @staticmethod
+    def voice_paths(folder: Path, name: str) -> list:
+        return [p for p in (folder / f"{name}{omnivoice.VOICE_SUFFIX}",) if p.exists()]
+
+    def read_voice(self, kind: str, path: Path, codec_work) -> dict:
+        return omnivoice.load_voice(path, self.model)  # codes: no codec work
+
+    def clip_reference(self, samples, rate: int, text: str) -> dict:
+        """upstream's voice-clone prompt of the clip (its own resampling, level, silence trimming)."""
+        return omnivoice.voice_prompt(self.model, (samples, rate), text)
+
+    def write_voice(self, folder: Path, name: str, voice: dict) -> dict:
+        omnivoice.save_voice(folder / f"{name}{omnivoice.VOICE_SUFFIX}", voice)  # one file, written whole
+        frames = voice["codes"].shape[1]
+        return dict(name=name, frames=frames, seconds=round(frames / self.model.frame_rate, 2))
+
+    def submit(self, job: dict, references: list) -> omnivoice.Speech:
+        voice = references[0] if references else None
+        return omnivoice.Speech(self.model, self.engine, job["text"], voice=voice, **job["options"])
+
+    def waves(self, speech: omnivoice.Speech):
+        return iter(speech)
+
+    def whole(self, speech: omnivoice.Speech) -> np.ndarray:
+        pieces = list(speech)
+        if speech.cancelled:  # the client hung up
+            raise ConnectionError("the client hung up")
+        return np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
+
+    def usage(self, speech: omnivoice.Speech, samples: int) -> tuple:
+        return speech.input_tokens, sum(codes.shape[1] for codes in speech.tokens)
+
+    def page(self) -> dict:
+        attributes = {name: list(items) for name, items in omnivoice.INSTRUCT_TRANSLATED.items()}
+        attributes.update(accent=list(omnivoice.ACCENTS), dialect=list(omnivoice.DIALECTS))
+        return dict(attributes=attributes, languages=sorted(omnivoice.languages()[1]),
+                    numStep=omnivoice.GENERATION["num_step"], maxSteps=MAX_STEPS, speeds=OPENAI_SPEEDS)
+
+
+MODELS = {model.kind: model for model in (S2ProModel, OmniVoiceModel)}
+
+
+def model_kind(args) -> str:
+    """The model to serve: --checkpoint's (its config.json's model_type), else --model (default s2-pro)."""
+    kind = args.model or "s2-pro"
+    if args.checkpoint:
+        with contextlib.suppress(OSError, ValueError, AttributeError):  # the loader says what is wrong
+            found = json.loads((Path(args.checkpoint) / "config.json").read_text(encoding="utf-8"))
+            kind = "omnivoice" if found.get("model_type") == "omnivoice" else "s2-pro"
+        if args.model and args.model != kind:
+            raise common.UserError(f"--checkpoint {args.checkpoint} holds {MODELS[kind].title}, not"
+                                   f" {MODELS[args.model].title} (its config.json says): leave out --model")
+    return kind
+
+
+class App:
+    """The model (S2ProModel or OmniVoiceModel), its engine and the voices folder, shared by every request
+    thread."""
+
+    def __init__(self, args):
+        self.model = MODELS[model_kind(args)](args)
+        self.engine, self.demo, self.info, self.name = (self.model.engine, self.model.demo, self.model.info,
+                                                        self.model.name)
         self.voices, self.api_key = Path(args.voices), args.api_key
         self.default_voice, self.allow_origins = args.default_voice, set(args.allow_origin or ())
         self.hosts = served_names(args.host, args.allow_host)
         # decoding and encoding clips (uploads, voices kept as audio), /v1/vqgan: seconds each, not in --slots
         self.codec_gate = Gate(args.codec_workers, args.queue, "codec jobs (uploads, /v1/vqgan)")
         self.codec_work = self.codec_gate.hold
-        self.name = "fishfast-demo" if self.demo else "s2-pro"
-        self.info = dict(model=self.name, checkpoint=str(self.checkpoint), device=str(self.device),
-                         dtype=str(dtype).replace("torch.", ""), quant=args.quant or "none", compile=compiled,
-                         max_context=self.max_context, demo=self.demo)
 
     def close(self):
         self.codec_gate.close()
@@ -570,10 +825,19 @@ class App:
         status = "ok" if self.alive else "the engine stopped: see the server's log"
         return dict(status=status, **self.info, **note, **self.engine.stats())
 
-    # voices: prompt/<name>.npy (codes) or an audio file, + prompt/<name>.txt, the layout the CLI reads
-    def voice_files(self) -> dict:  # -> {name: (kind, path)}
-        found = dualAR.default_references(self.voices)
-        return {path.stem: (kind, path) for kind, path in found if is_voice_name(path.stem)}
+    # voices: one folder, one name space, each model's own files (S2ProModel.voice_files and OmniVoice's)
+    def voice_files(self) -> dict:  # -> {name: (kind, path)}: this model's
+        found = self.model.voice_files(self.voices)
+        return {name: where for name, where in found.items() if is_voice_name(name)}
+
+    def every_voice(self) -> dict:
+        """-> {name: [the models it has a voice for]}, every model's voices in the folder."""
+        found = {}
+        for kind, model in MODELS.items():
+            for name in model.voice_files(self.voices):
+                if is_voice_name(name):
+                    found.setdefault(name, []).append(kind)
+        return found
 
     def builtin_voice(self, name):
         """OpenAI's built-in names (hard-coded in clients): a saved voice, else --default-voice, else none."""
@@ -581,50 +845,47 @@ class App:
             return self.default_voice
         return name
 
-    def voice_reference(self, name: str) -> tuple:
+    def voice_reference(self, name: str):
         for again in (True, False):  # deleted (and maybe saved anew) by another server while we read: afresh
             kind, path = self.voice_files().get(check_voice_name(name), (None, None))
             if path is None:
+                others = self.every_voice().get(name)
+                if others:
+                    raise common.UserError(f"voice {name!r} was saved for {MODELS[others[0]].title}, and this"
+                                           f" server runs {self.model.title}: save the clip again here (POST"
+                                           " /v1/audio/voices, under another name)")
                 known = ", ".join(sorted(self.voice_files())) or "none yet"
                 raise common.UserError(f"unknown voice {name!r} (saved voices: {known}). Save one with"
                                        " POST /v1/audio/voices, or send no voice for plain text-to-speech")
-            try:  # a voice kept as audio is encoded each time it is used: codec work as an upload's
-                with self.codec_work() if kind != "codes" else contextlib.nullcontext():
-                    codes = dualAR.reference_codes(kind, path, self.model.config, lambda: self.dac)
-                return codes, dualAR.read_transcript(path.with_suffix(".txt"))
+            try:
+                return self.model.read_voice(kind, path, self.codec_work)
             except common.UserError as e:  # the server's file, not the client's input
                 if not again:
                     raise HTTPError(500, f"voice {name!r} cannot be read: {e}") from None
 
-    def clip_codes(self, data: bytes, what: str) -> torch.Tensor:
-        """Uploaded audio bytes (any format soundfile reads) -> codes (10, T)."""
+    def clip_reference(self, data: bytes, what: str, text: str):
+        """Uploaded audio bytes (any format soundfile reads) and its transcript -> the model's reference."""
         with self.codec_work():
-            return codec.encode(self.dac, clip_wave(data, what))[0].cpu()
+            return self.model.clip_reference(*clip_samples(data, what), text)
 
-    def check_codes(self, codes, what: str) -> torch.Tensor:
-        """A client's codes (nested lists) -> (10, T) on the device; the codec clamps big ones (upstream)."""
-        rows, frames = self.model.config["num_codebooks"], self.max_context
-        if is_code_lists(codes):  # integers only: torch would take 1.5 and true as 1
-            with contextlib.suppress(ValueError, RuntimeError, OverflowError):  # ragged, too large
-                codes = torch.tensor(codes, dtype=torch.long)
-        if not isinstance(codes, torch.Tensor) or codes.dim() != 2 or codes.size(0) != rows \
-                or not 0 < codes.size(1) <= frames or codes.min() < 0:
-            raise common.UserError(f"{what} must be {rows} equal lists of 1 to {frames} integers >= 0")
-        return codes.to(self.device)
+    def clip_codes(self, data: bytes, what: str) -> torch.Tensor:
+        """Uploaded audio bytes -> S2-Pro's codes (10, T) (/v1/vqgan/encode)."""
+        with self.codec_work():
+            return self.model.encode(*clip_samples(data, what))
 
     def references(self, job: dict) -> list:
         given = [self.voice_reference(job["voice"])] if job["voice"] else []
-        dualAR.check_reference_count(len(given) + len(job["clips"]))  # before any clip is encoded
-        return given + [(self.clip_codes(audio, f"reference {i} audio"), text)
+        self.model.check_references(len(given) + len(job["clips"]))  # before any clip is encoded
+        return given + [self.clip_reference(audio, f"reference {i} audio", text)
                         for i, (audio, text) in enumerate(job["clips"], 1)]
 
     def check_voices(self, saved=None, free=None):
-        """A 404 if `saved` is not a saved voice, a 409 if `free` is. Each change checks first without the
-        lock (a refusal makes no lock file, encodes no audio), then under it."""
-        files = self.voice_files()
-        if saved is not None and saved not in files:
+        """A 404 if `saved` is not a saved voice (of any model), a 409 if `free` is. Each change checks first
+        without the lock (a refusal makes no lock file, encodes no audio), then under it."""
+        names = self.every_voice()
+        if saved is not None and saved not in names:
             raise HTTPError(404, f"no voice named {saved!r}")
-        if free in files:
+        if free in names:
             raise HTTPError(409, f"voice {free!r} exists already: delete it first")
 
     @contextlib.contextmanager
@@ -638,24 +899,19 @@ class App:
             yield
 
     def voice_paths(self, name: str) -> list:
-        """A voice's files, the transcript first: removed first, the voice is gone before its codes are."""
-        found = [p for p in self.voices.glob("*") if p.stem == name
-                 and p.suffix.lower() in {".npy", *codec.AUDIO_EXTENSIONS}]
-        return [self.voices / f"{name}.txt", *found]
+        """A name's files, every model's: S2-Pro's transcript first (removed first, the voice is gone
+        before its codes are)."""
+        return [path for model in MODELS.values() for path in model.voice_paths(self.voices, name)]
 
     def save_voice(self, name: str, audio: bytes, text: str) -> dict:
         self.check_voices(free=name)
-        codes = self.clip_codes(audio, "audio")  # everything is checked before anything is written
-        npy, txt = self.voices / f"{name}.npy", self.voices / f"{name}.txt"
+        reference = self.clip_reference(audio, "audio", text)  # all is checked before anything is written
         with self.voices_locked(free=name):
             try:
-                codec.save_codes(npy, codes)
-                # the voice appears (listed and usable) only once the transcript exists, written whole
-                common.write_atomic(txt, lambda tmp: tmp.write_text(text.strip() + "\n", encoding="utf-8"))
+                saved = self.model.write_voice(self.voices, name, reference)
             except common.UserError as e:  # a full disk, a folder gone
-                npy.unlink(missing_ok=True)
                 raise HTTPError(500, f"cannot save voice {name!r}: {e}") from None
-        return dict(name=name, frames=codes.size(1), seconds=round(codes.size(1) * HOP / SAMPLE_RATE, 2))
+        return dict(saved, model=self.model.kind)
 
     def delete_voice(self, name: str):
         self.check_voices(saved=name)
@@ -667,13 +923,7 @@ class App:
         self.check_voices(saved=old, free=new)
         with self.voices_locked(saved=old, free=new):
             for path in reversed(self.voice_paths(old)):  # the transcript last: then the new name appears
-                path.rename(path.with_name(new + path.suffix))
-
-    def whole_wave(self, request) -> torch.Tensor:
-        codes = request.codes()
-        if request.cancelled:  # the client hung up: nobody to decode for
-            raise ConnectionError("the client hung up")
-        return codec.decode(self.dac, codes.to(self.device))[0] if codes.size(1) else torch.zeros(0)
+                path.rename(path.with_name(new + path.name[len(old):]))
 
 
 # ----------------------------------------------------------------------------- HTTP
@@ -724,6 +974,9 @@ class Handler(BaseHTTPRequestHandler):
                 return self.preflight(allowed)
             if path.startswith("/v1/"):
                 self.authorize()
+            if route in FISH_ROUTES and not self.app.model.fish_api:
+                raise HTTPError(404, f"{route} is fish-speech's API for S2-Pro; this server runs"
+                                     f" {self.app.model.title}: use POST /v1/audio/speech (docs/api.md)")
             getattr(self, methods["GET" if self.command == "HEAD" else self.command])()
             if self.length and not self.body_read:  # a body no route reads (a GET's) is no next request
                 self.close_connection = True
@@ -771,7 +1024,7 @@ class Handler(BaseHTTPRequestHandler):
             raise HTTPError(413, f"the request body must be 0 to {MAX_BODY >> 20} MiB")
         data = self.rfile.read(length)
         if len(data) < length and self.server.closing:  # Server.close ended the reading
-            raise dualAR.EngineClosed(f"the body was cut after {len(data)} of its {length} bytes")
+            raise common.EngineClosed(f"the body was cut after {len(data)} of its {length} bytes")
         if len(data) < length:
             raise HTTPError(400, f"the body ended after {len(data)} of its {length} bytes (Content-Length)")
         return data
@@ -850,13 +1103,16 @@ class Handler(BaseHTTPRequestHandler):
 
     def models(self):
         self.send_json(dict(object="list", data=[dict(id=self.app.name, object="model", created=0,
-                                                      owned_by="fishaudio")]))
+                                                      owned_by=self.app.model.owner)]))
 
     # the voices, ours and upstream's /v1/references/ (its answers: {success, message, ...ids})
     def list_voices(self):
+        """voices: this model's (the ones a request may name); all: every voice in the folder, with the
+        model it is for."""
         self.upstream()
-        names = sorted(self.app.voice_files())
-        self.voice_done(dict(voices=names), f"{len(names)} references", reference_ids=names)
+        names, every = sorted(self.app.voice_files()), self.app.every_voice()
+        listed = [dict(name=name, model=kind) for name in sorted(every) for kind in every[name]]
+        self.voice_done(dict(voices=names, all=listed), f"{len(names)} references", reference_ids=names)
 
     def save_voice(self):
         """{name (upstream: id), text, audio} as JSON, msgpack or a form."""
@@ -901,7 +1157,7 @@ class Handler(BaseHTTPRequestHandler):
         return check_voice_name(name)
 
     def speech(self):
-        job = openai_job(self.data())
+        job = openai_job(self.data(), self.app.model.options)
         self.answer(dict(job, voice=self.app.builtin_voice(job["voice"])))
 
     def tts(self):
@@ -925,9 +1181,9 @@ class Handler(BaseHTTPRequestHandler):
         """{tokens: [codes (10, T)]} -> {audios: [float16 samples, as bytes]}, as upstream."""
         waves = []
         for codes, what in self.batch("tokens"):
-            codes = self.app.check_codes(codes, what)
+            codes = self.app.model.check_codes(codes, what)
             with self.app.codec_work():
-                waves.append(codec.decode(self.app.dac, codes)[0])
+                waves.append(codec.decode(self.app.model.dac, codes)[0])
         self.send_json(dict(audios=[wave.cpu().numpy().astype("<f2").tobytes() for wave in waves]))
 
     def answer(self, job: dict):
@@ -935,26 +1191,23 @@ class Handler(BaseHTTPRequestHandler):
         if not self.app.alive:
             raise HTTPError(503, "the engine stopped (see the server's log): restart the server")
         self.app.engine.check_room()  # before the clips are encoded for nothing
-        sampling = dict(job["sampling"])
-        if self.app.demo and not sampling["max_new_tokens"]:  # random weights rarely stop: the page's length
-            sampling["max_new_tokens"] = DEMO_FRAMES
-        request = self.app.engine.submit(dict(text=job["text"], references=self.app.references(job),
-                                              max_context=self.app.max_context, **sampling))
-        start, prompt_tokens = time.perf_counter(), request.prompt.size(1)
+        model = self.app.model
+        request, start = model.submit(job, self.app.references(job)), time.perf_counter()
         try:
             self.watch(request)
             if job["send"] == "whole":
-                wave = self.app.whole_wave(request)  # a late error is still a clean 400
-                self.send_bytes(audio_file_bytes(wave, job["format"]), MEDIA_TYPES[job["format"]])
+                wave = model.whole(request)  # a late error is still a clean 400
+                self.send_bytes(audio_file_bytes(wave, job["format"], model.sample_rate),
+                                MEDIA_TYPES[job["format"]])
                 samples = len(wave)
             else:
-                samples = self.stream(request, job, prompt_tokens)
+                samples = self.stream(request, job)
         finally:
             request.cancel()  # a no-op once it has finished; frees the row if the client is gone
         self.log_figures(start, samples)
 
-    def stream(self, request, job: dict, prompt_tokens: int) -> int:
-        fmt, sse = job["format"], job["send"] == "sse"
+    def stream(self, request, job: dict) -> int:
+        model, fmt, sse = self.app.model, job["format"], job["send"] == "sse"
         self.send_head(200, {"Content-Type": "text/event-stream" if sse else MEDIA_TYPES[fmt],
                              "Cache-Control": "no-cache", "Transfer-Encoding": "chunked"})
 
@@ -966,25 +1219,25 @@ class Handler(BaseHTTPRequestHandler):
         samples = 0
         try:
             if fmt == "wav":
-                send(wav_header())
+                send(wav_header(rate=model.sample_rate))
             if fmt in STREAMABLE:
-                for wave in codec.decode_stream(self.app.dac, request):  # decoded as the codes come
-                    send(pcm16(wave[0]))
-                    samples += wave.size(-1)
+                for wave in model.waves(request):  # as they are made
+                    send(pcm16(wave))
+                    samples += len(wave)
             else:  # sse of a format that is encoded whole: one delta
-                wave = self.app.whole_wave(request)
-                send(audio_file_bytes(wave, fmt))
+                wave = model.whole(request)
+                send(audio_file_bytes(wave, fmt, model.sample_rate))
                 samples = len(wave)
-            frames = round(samples / HOP)
-            end = dict(type="speech.audio.done", usage=dict(input_tokens=prompt_tokens, output_tokens=frames,
-                                                            total_tokens=prompt_tokens + frames))
+            tokens_in, tokens_out = model.usage(request, samples)
+            end = dict(type="speech.audio.done", usage=dict(input_tokens=tokens_in, output_tokens=tokens_out,
+                                                            total_tokens=tokens_in + tokens_out))
         except (ConnectionError, TimeoutError):
             raise
         except Exception as e:  # failed after the 200 went out: an error event (SSE), else a cut-off body,
             self.close_connection = True  # but a shutdown ends the audio where it got to, cleanly
             status, message, _, _ = error_answer(e)  # a bug's traceback is logged
             end = dict(type="error", **self.error_body(status, message)) if sse else \
-                {} if isinstance(e, dualAR.EngineClosed) else None
+                {} if isinstance(e, common.EngineClosed) else None
         if end is not None and not request.cancelled:  # else a body cut off, or a client that hung up
             if sse:
                 self.write_chunk(sse_event(**end))
@@ -1016,7 +1269,8 @@ class Handler(BaseHTTPRequestHandler):
         threading.Thread(target=run, name="fishfast-watch", daemon=True).start()
 
     def log_figures(self, start: float, samples: int):
-        wall, seconds, frames = time.perf_counter() - start, samples / SAMPLE_RATE, samples / HOP
+        model = self.app.model
+        wall, seconds, frames = time.perf_counter() - start, samples / model.sample_rate, samples / model.hop
         self.log_message("%s: %d frames, %.2f s of audio in %.2f s: %.1f frames/s, RTF %.3f", self.path,
                          frames, seconds, wall, frames / max(wall, 1e-9), wall / max(seconds, 1e-9))
 
@@ -1085,17 +1339,18 @@ class Server(ThreadingHTTPServer):  # its `app` and `max_connections` are set by
 
 # ----------------------------------------------------------------------------- the page
 def render_page(app: App) -> str:
-    banner = f'<p class="demo">{DEMO_NOTICE}</p>' if app.demo else ""
-    config = dict(sampleRate=SAMPLE_RATE, hop=HOP, auth=app.api_key is not None,
-                  wavHeader=base64.b64encode(wav_header(0)).decode(),
+    model = app.model
+    banner = f'<p class="demo">{model.notice}</p>' if app.demo else ""
+    config = dict(sampleRate=model.sample_rate, hop=model.hop, auth=app.api_key is not None,
+                  wavHeader=base64.b64encode(wav_header(0, model.sample_rate)).decode(), kind=model.kind,
                   model=f"{app.info['model']} on {app.info['device']} ({app.info['dtype']})",
-                  maxReferences=dualAR.MAX_REFERENCES, maxFrames=DEMO_FRAMES if app.demo else 0)
+                  maxReferences=model.max_references, **model.page())
     config = json.dumps(config).replace("<", "\\u003c")  # nothing in it can close the <script>
-    return PAGE.replace("{{banner}}", banner).replace("{{config}}", config)
+    return PAGE.replace("{{title}}", model.title).replace("{{banner}}", banner).replace("{{config}}", config)
 
 
 PAGE = r"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>fishfast: S2-Pro text-to-speech</title>
+<html lang="en"><head><meta charset="utf-8"><title>fishfast: {{title}} text-to-speech</title>
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <link rel="icon" href="data:image/svg+xml,%3Csvg xmlns='http://www.w3.org/2000/svg'
  viewBox='0 0 16 16'%3E%3Cpath fill='%231f5fd1' d='M1 8q5-6 11 0q-6 6-11 0zM11 8l4-4v8z'/%3E%3C/svg%3E">
@@ -1113,6 +1368,7 @@ code { background: #eef1f6; padding: 0 .2rem; border-radius: 3px; }
 .row { display: flex; gap: .7rem; flex-wrap: wrap; align-items: end; margin: .3rem 0; }
 .row label { display: flex; flex-direction: column; font-size: .85rem; color: #434b5c; }
 .clip { display: grid; grid-template-columns: 13rem 1fr 9rem auto auto; gap: .4rem; margin: .4rem 0; }
+#language { width: 9rem; }
 button { font: inherit; padding: .3rem .8rem; border-radius: 6px; border: 1px solid #9aa3b5; background: #fff;
          cursor: pointer; } button:disabled { opacity: .5; cursor: default; }
 button.primary { background: #1f5fd1; border-color: #1f5fd1; color: #fff; font-weight: 600; }
@@ -1120,13 +1376,18 @@ canvas { width: 100%; height: 80px; background: #f7f9fc; border-radius: 4px; }
 </style></head>
 <body>
 <h1>fishfast</h1>
-<p class="sub">Fish Audio S2-Pro text-to-speech &middot; <span id="model"></span></p>
+<p class="sub"><span data-model="s2-pro">Fish Audio S2-Pro</span><span data-model="omnivoice">k2-fsa
+  OmniVoice</span> text-to-speech &middot; <span id="model"></span></p>
 {{banner}}
 <section><textarea id="text" placeholder="Type what to say. Hello! This is my cloned voice."></textarea>
-  <div class="hint">A dialogue: <code>&lt;|speaker:0|&gt;Hi, Bob.&lt;|speaker:1|&gt;Hi, Alice!</code>
-    &mdash; speaker N speaks in the Nth voice below (the saved voice first, then the clips).</div></section>
+  <div class="hint" data-model="s2-pro">A dialogue: <code>&lt;|speaker:0|&gt;Hi, Bob.&lt;|speaker:1|&gt;Hi,
+    Alice!</code> &mdash; speaker N speaks in the Nth voice below (the saved voice first, then the
+    clips).</div>
+  <div class="hint" data-model="omnivoice">Spoken sentence by sentence: the first one plays while the rest
+    is made. Non-verbal tags: <code>[laughter]</code>, <code>[sigh]</code>, <code>[surprise-oh]</code>
+    &hellip;</div></section>
 <section><div class="row">
-    <label>Voice <select id="voice"><option value="">none: plain text-to-speech</option></select></label>
+    <label>Voice <select id="voice"><option value="" id="no-voice"></option></select></label>
     <button id="delete-voice" type="button">Delete voice</button>
     <label id="key-label" hidden>API key <input id="api-key" type="password" autocomplete="off"></label></div>
   <div id="clips"></div><button id="add-clip" type="button">+ reference clip</button>
@@ -1135,15 +1396,27 @@ canvas { width: 100%; height: 80px; background: #f7f9fc; border-radius: 4px; }
     <input name="name" class="clip-name" placeholder="name to save as">
     <button type="button" class="clip-save">Save as voice</button>
     <button type="button" class="clip-remove" title="remove">&#x2715;</button></form></template>
-  <span class="hint">1&ndash;4 clips of a few seconds (wav, flac, ogg, mp3), each with its transcript;
-    a clip can be saved as a voice.</span></section>
-<section><div class="row"><label>temperature
+  <span class="hint" data-model="s2-pro">1&ndash;4 clips of a few seconds (wav, flac, ogg, mp3), each with
+    its transcript; a clip can be saved as a voice.</span>
+  <span class="hint" data-model="omnivoice">one clip of a few seconds (wav, flac, ogg, mp3) with its
+    transcript, to clone; it can be saved as a voice.</span></section>
+<section data-model="omnivoice"><div class="row" id="design"></div>
+  <span class="hint">Voice design: any of these attributes, with or without a voice to clone; no voice and no
+    attribute: the model picks a voice.</span></section>
+<section><div class="row"><label data-model="s2-pro">temperature
     <input id="temperature" type="number" value="0.7" min="0.05" max="1.95" step="0.05"></label>
-  <label>top-p <input id="top_p" type="number" value="0.7" min="0.05" max="1" step="0.05"></label>
-  <label>top-k <input id="top_k" type="number" value="30" min="0" step="1"></label>
+  <label data-model="s2-pro">top-p <input id="top_p" type="number" value="0.7" min="0.05" max="1"
+    step="0.05"></label>
+  <label data-model="s2-pro">top-k <input id="top_k" type="number" value="30" min="0" step="1"></label>
+  <label data-model="omnivoice">language <input id="language" list="languages" placeholder="any"></label>
+  <datalist id="languages"></datalist>
+  <label data-model="omnivoice">speed <input id="speed" type="number" value="1" step="0.05"></label>
+  <label data-model="omnivoice">steps <input id="num_step" type="number" min="1" step="1"></label>
   <label>seed <input id="seed" type="number" placeholder="random" min="0" step="1"></label>
-  <label>max frames <input id="max_new_tokens" type="number" value="0" min="0" step="1"></label>
-  <span class="hint">max frames: 0 = until the model stops; 21.5 frames = 1 s</span></div></section>
+  <label data-model="s2-pro">max frames <input id="max_new_tokens" type="number" value="0" min="0" step="1">
+  </label>
+  <span class="hint" data-model="s2-pro">max frames: 0 = until the model stops; 21.5 frames = 1 s</span>
+  </div></section>
 <section><div class="row"><button id="generate" class="primary" type="button">Generate</button>
     <button id="stop" type="button" disabled>Stop</button>
     <a id="download" download="fishfast.wav" hidden>Download WAV</a></div>
@@ -1176,7 +1449,8 @@ async function changeVoices(path, method, body, done, select) {  // save or dele
   say('', done);
 }
 function addClip() {
-  if ($('clips').children.length >= CONFIG.maxReferences) return say('at most 4 reference clips');
+  if ($('clips').children.length >= CONFIG.maxReferences)
+    return say('at most ' + CONFIG.maxReferences + ' reference clip' + (CONFIG.maxReferences > 1 ? 's' : ''));
   const row = $('clips').appendChild($('clip').content.firstElementChild.cloneNode(true));
   row.querySelector('.clip-remove').onclick = () => row.remove();
   row.querySelector('.clip-save').onclick = () => saveVoice(row);
@@ -1279,13 +1553,18 @@ async function generate() {
   say();
   text('figures');
   $('download').hidden = true;
-  const body = {model: 's2-pro', input: $('text').value, response_format: 'pcm', stream_format: 'audio'};
+  const body = {model: CONFIG.kind, input: $('text').value, response_format: 'pcm', stream_format: 'audio'};
   if ($('voice').value) body.voice = $('voice').value;
   const clips = [...$('clips').children].map(row => new FormData(row)).filter(clip => clip.get('audio').name);
   if (clips.length) body.references = await Promise.all(clips.map(async clip =>
     ({audio: await base64(clip.get('audio')), text: clip.get('text')})));
-  for (const key of ['temperature', 'top_p', 'top_k', 'seed', 'max_new_tokens'])
+  const omni = CONFIG.kind === 'omnivoice';
+  for (const key of omni ? ['speed', 'num_step', 'seed'] : ['temperature', 'top_p', 'top_k', 'seed',
+                                                            'max_new_tokens'])
     if ($(key).value !== '') body[key] = Number($(key).value);
+  const design = [...$('design').querySelectorAll('select')].map(box => box.value).filter(Boolean);
+  if (omni && design.length) body.instructions = design.join(', ');
+  if (omni && $('language').value.trim()) body.language = $('language').value.trim();
   Object.assign(player, {abort: new AbortController(), state: 'generating', pieces: [], peaks: [], samples: 0,
                          firstAudio: null, start: null, last: null});
   busy(true);
@@ -1307,7 +1586,21 @@ async function generate() {
 }
 
 text('model', CONFIG.model);
-$('max_new_tokens').value = CONFIG.maxFrames;
+for (const part of document.querySelectorAll('[data-model]'))  // this model's fields only
+  part.hidden = part.dataset.model !== CONFIG.kind;
+text('no-voice', CONFIG.kind === 'omnivoice' ? 'none: designed (below) or auto'
+     : 'none: plain text-to-speech');
+if (CONFIG.kind === 'omnivoice') {  // the design attributes, one list per category; the languages
+  for (const [category, items] of Object.entries(CONFIG.attributes)) {
+    const box = $('design').appendChild(document.createElement('label'));
+    box.append(category, document.createElement('select'));
+    box.lastChild.add(new Option('\u2014', ''));
+    for (const item of items) box.lastChild.add(new Option(item, item));
+  }
+  for (const name of CONFIG.languages) $('languages').append(new Option(name));
+  Object.assign($('num_step'), {value: CONFIG.numStep, max: CONFIG.maxSteps});
+  Object.assign($('speed'), {min: CONFIG.speeds[0], max: CONFIG.speeds[1]});
+} else $('max_new_tokens').value = CONFIG.maxFrames;
 $('key-label').hidden = !CONFIG.auth;
 $('api-key').value = localStorage.getItem('fishfast-key') || '';
 $('api-key').onchange = () => {
@@ -1328,12 +1621,17 @@ draw();
 # ----------------------------------------------------------------------------- main
 def parse_args(argv=None):
     ap = codec.ArgumentParser(description="fishfast web demo and OpenAI-compatible speech server.")
-    ap.add_argument("--checkpoint", help="S2-Pro checkpoint dir (default ./s2-pro, or the tiny demo model,"
-                    " whose audio is noise, if that is absent)")
+    ap.add_argument("--checkpoint", help="an S2-Pro or OmniVoice checkpoint dir, the kind read from its"
+                    " config.json (default ./s2-pro, or ./OmniVoice with --model omnivoice; if that is"
+                    " absent, the model's tiny demo, whose audio is noise)")
+    ap.add_argument("--model", choices=list(MODELS), help="the model to serve without --checkpoint (default"
+                    " s2-pro)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine)")
     ap.add_argument("--port", type=int, default=7560, help="port (default 7560, 0: any free one)")
     dualAR.add_model_args(ap)  # --device cuda:N: one server per GPU (docs/api.md, Replicas)
     ap.add_argument("--slots", type=int, default=4, help="requests generated together (default 4)")
+    ap.add_argument("--packed", action="store_true", help="OmniVoice: each request's conditional and"
+                    " unconditional sequences in one row (faster on CPU fp32, docs/omnivoice.md)")
     ap.add_argument("--max-context", type=int, default=dualAR.DEFAULT_CONTEXT, help="positions (prompt +"
                     f" frames) a request may use, as the CLI's (default {dualAR.DEFAULT_CONTEXT})")
     ap.add_argument("--queue", type=int, default=16, help="requests that may wait for a slot (and codec jobs"
@@ -1346,7 +1644,8 @@ def parse_args(argv=None):
                     " thread each, idle ones too), beyond that a 503 at once (default 256)")
     ap.add_argument("--shutdown-wait", type=float, default=8, metavar="SECONDS", help="on SIGTERM or"
                     " Ctrl-C, how long running requests may take to end (default 8: docker stop waits 10)")
-    ap.add_argument("--voices", default="prompt", help="saved voices, <name>.npy + .txt (default prompt/)")
+    ap.add_argument("--voices", default="prompt", help="saved voices: S2-Pro's <name>.npy + .txt, OmniVoice's"
+                    " <name>.omnivoice.safetensors (default prompt/)")
     ap.add_argument("--api-key", default=os.environ.get("FISHFAST_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on /v1/ (default $FISHFAST_API_KEY, else none)")
     ap.add_argument("--allow-origin", action="append", metavar="ORIGIN", help="let pages of this origin"
@@ -1384,7 +1683,7 @@ def main(argv=None):
     server = make_server(args)
     app = server.app
     if app.demo:
-        print(DEMO_NOTICE, file=sys.stderr)
+        print(app.model.notice, file=sys.stderr)
     host, port = server.server_address[:2]
     print(f"fishfast: {app.info['model']} on {app.info['device']}, {args.slots} slots,"
           f" voices in {app.voices}/ -> http://{host}:{port}", flush=True)

@@ -1,9 +1,9 @@
 """What every fishfast model and tool shares, and nothing model-specific: the error users see, device and
-dtype choice, atomic writes, audio files, peak memory. It imports no model file, so a model file can be
-copied with this one alone.
+dtype choice, atomic writes, audio files, peak memory, an engine's thread. It imports no model file, so a
+model file can be copied with this one alone.
 
 Sections: errors and the CLI wrapper, devices and dtypes, files (atomic writes, audio, the compile cache),
-CPU weight-only quantization (QuantLinear), memory.
+CPU weight-only quantization (QuantLinear), memory, engines (the thread that drives a scheduler).
 """
 import argparse
 import math
@@ -12,6 +12,8 @@ import re
 import resource
 import shutil
 import sys
+import threading
+import traceback
 from pathlib import Path
 
 import numpy as np
@@ -27,6 +29,14 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 # ----------------------------------------------------------------------------- errors, the CLI wrapper
 class UserError(ValueError):
     """Bad input: the CLI prints the message as one line and writes nothing."""
+
+
+class QueueFull(RuntimeError):
+    """An engine's rows are busy and its waiting queue is full (a server answers 503, Retry-After)."""
+
+
+class EngineClosed(RuntimeError):
+    """An engine was closed: a server error (the server is shutting down), not bad input."""
 
 
 def unreadable(path, error: Exception) -> UserError:
@@ -213,3 +223,39 @@ def peak_memory_gb(device: torch.device) -> float:
         return int(re.search(r"VmHWM:\s+(\d+)", status.read_text())[1]) / 1e6  # kB
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS, kB elsewhere
     return peak / (1e9 if sys.platform == "darwin" else 1e6)
+
+
+# ----------------------------------------------------------------------------- engines
+class EngineThread:
+    """What makes a model's scheduler an engine (dualAR.Engine, omnivoice.Engine): a thread of its own that
+    steps it while it is busy. `start()` it, `wake.set()` when work comes, `close()` at the end. The
+    scheduler gives `busy`, `step()`, `fail(error)` (ends what is in flight), `closed` and its own
+    `close()`, and sets `thread = None`, `wake = threading.Event()` when it is made."""
+
+    def start(self):
+        if self.closed:
+            raise EngineClosed("the engine was closed")
+        if self.thread is None:
+            self.thread = threading.Thread(target=self.loop, name="fishfast-engine", daemon=True)
+            self.thread.start()
+        return self
+
+    def loop(self):
+        with torch.inference_mode():
+            while not self.closed:
+                if not self.busy:
+                    self.wake.wait(0.1)
+                    self.wake.clear()
+                    continue
+                try:
+                    self.step()
+                except Exception as e:  # a bug or a device error: fail the requests in flight, keep serving
+                    traceback.print_exc()
+                    self.fail(RuntimeError(f"generation failed: {type(e).__name__}: {e}"))
+
+    def close(self):
+        self.closed = True
+        self.wake.set()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join()
+        super().close()

@@ -47,8 +47,9 @@ from tqdm import tqdm
 
 import codec  # the CLI's audio, and the RMSNorm, FeedForward and RoPE of both transformers here
 from codec import FeedForward, RMSNorm, apply_rope, rope_table
-from common import (DTYPES, QuantLinear, UserError, cli, default_compile_cache, device_name, peak_memory_gb,
-                    pick_device, pick_dtype, swap_linears, unreadable, use_compile_cache)
+from common import (DTYPES, EngineClosed, EngineThread, QuantLinear, QueueFull, UserError, cli,
+                    default_compile_cache, device_name, peak_memory_gb, pick_device, pick_dtype, swap_linears,
+                    unreadable, use_compile_cache)
 
 # The real fishaudio/s2-pro dimensions, with upstream's flat `dual_ar` key names.
 CONFIG = dict(
@@ -76,14 +77,6 @@ DEFAULT_CONTEXT = 4096  # KV cache positions a request may use unless told other
 CHUNK_FRAMES = 8  # frames per streamed codes chunk
 DEFAULT_CHECKPOINT = "./s2-pro"
 SEMANTIC_TOKEN = re.compile(r"<\|semantic:\d+\|>")  # codebook-0 code k is token <|semantic:0|> + k
-
-
-class QueueFull(RuntimeError):
-    """Every slot is busy and the waiting queue is full."""
-
-
-class EngineClosed(RuntimeError):
-    """The engine was closed: a server error (the server is shutting down), not bad input."""
 
 
 # ----------------------------------------------------------------------------- config
@@ -1217,9 +1210,10 @@ class Scheduler:
         self.rows, self.waiting = [None] * self.slots, collections.deque()
 
 
-class Engine(Scheduler):
-    """A Scheduler driven by its own thread: `start()`, then `submit()` from any thread and iterate the
-    returned request; `close()` at the end. `max_queue` requests may wait for a row (QueueFull beyond)."""
+class Engine(EngineThread, Scheduler):
+    """A Scheduler driven by its own thread (common.EngineThread): `start()`, then `submit()` from any thread
+    and iterate the returned request; `close()` at the end. `max_queue` requests may wait for a row
+    (QueueFull beyond)."""
 
     def __init__(self, model: DualAR, slots: int = 1, context: int = None, max_queue: int = 64,
                  sync_every: int = None):
@@ -1228,14 +1222,6 @@ class Engine(Scheduler):
 
     def live_engine(self) -> bool:
         return self.busy or (self.thread is not None and not self.closed)
-
-    def start(self) -> "Engine":
-        if self.closed:
-            raise EngineClosed("the engine was closed")
-        if self.thread is None:
-            self.thread = threading.Thread(target=self.loop, name="fishfast-engine", daemon=True)
-            self.thread.start()
-        return self
 
     def submit(self, request: dict) -> Request:
         """Validate and enqueue a request (generate's keyword arguments) -> the request to iterate.
@@ -1269,31 +1255,11 @@ class Engine(Scheduler):
         busy = sum(r is not None for r in self.rows)
         return dict(slots=self.slots, busy=busy, free=self.slots - busy, queued=self.queued())
 
-    def loop(self):
-        with torch.inference_mode():
-            while not self.closed:
-                if not self.busy:
-                    self.wake.wait(0.1)
-                    self.wake.clear()
-                    continue
-                try:
-                    self.step()
-                except Exception as e:  # a bug or a device error: fail the requests in flight, keep serving
-                    traceback.print_exc()
-                    self.fail(RuntimeError(f"generation failed: {type(e).__name__}: {e}"))
-
     def fail(self, error: Exception):
         for row, request in enumerate(self.rows):
             if request is not None:
                 self.free(row)
                 request.finish(error)
-
-    def close(self):
-        self.closed = True
-        self.wake.set()
-        if self.thread is not None and self.thread is not threading.current_thread():
-            self.thread.join()
-        super().close()
 
 
 def batch_bucket(rows: int) -> int:

@@ -15,23 +15,29 @@ How the file reads (sections, top to bottom):
     model            OmniVoice: text + summed audio embeddings, the Qwen3 stack, one head per codebook
     loading          the checkpoint folder -> model, tokenizer and audio tokenizer
     quantization     int8/int4 weights on CPU (common.QuantLinear); the compiled forward (static buckets)
-    text             tokenization with non-verbal tags, language, voice design attributes, chunks, length
+    text             tokenization with non-verbal tags, language, voice design attributes, chunks, sentences,
+                     length
     audio utilities  pydub's silence trimming, fades, cross-fades, levels, the unmasking schedule
     voices           a clone prompt from a clip (voice_prompt), saved and read back
     requests         generate()'s arguments -> one item per text (target length, style, reference)
-    unmasking        the batch's rows (upstream's, packed, flat), CFG in log-prob space, layer penalty, reveal
-    generation       encode, decode, generate (short and chunked), post-processing
+    unmasking        the batch's rows (upstream's, packed, flat), CFG in log-prob space, layer penalty, Gumbel reveal; the
+                     engine: Unmasking (one text), Scheduler.step() (texts batched, each its own stream),
+                     Engine (a Scheduler on its own thread), unmask (generate()'s batch)
+    generation       encode, decode, generate (short and chunked), post-processing; Speech (a text sentence
+                     by sentence, the server's streaming unit), CrossFade (the join, streamed), stream
     demo             a tiny random model and tokenizer, built in memory
     CLI              `python omnivoice.py`
 """
 import argparse
 import bisect
+import collections
 import difflib
 import functools
 import json
 import math
 import re
 import sys
+import threading
 import time
 import unicodedata
 from pathlib import Path
@@ -360,6 +366,7 @@ EN_TO_ZH = {en: zh for category in INSTRUCT_TRANSLATED.values() for en, zh in ca
 ZH_TO_EN = {zh: en for en, zh in EN_TO_ZH.items()}
 
 SPLIT_PUNCTUATION = set(".,;:!?。，；：！？")
+SENTENCE_ENDS = set(".!?。！？")  # where a streamed text is cut (the server's unit: one sentence at a time)
 CLOSING_MARKS = set("\"'“”‘’）]》>」】")
 END_PUNCTUATION = set(";:,.!?…)]}\"'“”‘’；：，。！？、）】")
 ABBREVIATIONS = set("Mr. Mrs. Ms. Dr. Prof. Sr. Jr. Rev. Fr. Hon. Pres. Gov. Capt. Gen. Sen. Rep. Col. "
@@ -517,26 +524,28 @@ def add_punctuation(text: str) -> str:
     return text
 
 
-def _sentences(text: str) -> list[list[str]]:
+def _sentences(text: str, marks=SPLIT_PUNCTUATION) -> list[list[str]]:
     """Characters cut after each split mark (not after an abbreviation's '.'); marks and closing quotes
     that would start a sentence stay with the one before."""
     sentences, current = [], []
     for ch in text:
-        if not current and sentences and (ch in SPLIT_PUNCTUATION or ch in CLOSING_MARKS):
+        if not current and sentences and (ch in marks or ch in CLOSING_MARKS):
             sentences[-1].append(ch)
             continue
         current.append(ch)
-        if ch in SPLIT_PUNCTUATION and not (ch == "." and "".join(current).split()[-1] in ABBREVIATIONS):
+        if ch in marks and not (ch == "." and "".join(current).split()[-1] in ABBREVIATIONS):
             sentences.append(current)
             current = []
     return sentences + [current] if current else sentences
 
 
-def chunk_text_punctuation(text: str, chunk_len: int, min_chunk_len: int = 3) -> list[str]:
+def chunk_text_punctuation(text: str, chunk_len: int, min_chunk_len: int = 3, marks=SPLIT_PUNCTUATION
+                           ) -> list[str]:
     """A long text -> chunks of at most chunk_len characters where sentences allow (longer sentences stay
-    whole); chunks under min_chunk_len join the one before (the first one joins the next)."""
+    whole); chunks under min_chunk_len join the one before (the first one joins the next). marks: where a
+    sentence ends (upstream's: at commas too)."""
     merged = []
-    for sentence in _sentences(text):
+    for sentence in _sentences(text, marks):
         if merged and len(merged[-1]) + len(sentence) <= chunk_len:
             merged[-1] = merged[-1] + sentence
         else:
@@ -550,6 +559,16 @@ def chunk_text_punctuation(text: str, chunk_len: int, min_chunk_len: int = 3) ->
         else:
             chunks.append(chunk)
     return [s for s in ("".join(chunk).strip() for chunk in chunks) if s]
+
+
+def split_sentences(text: str, chunk_len: int) -> list[str]:
+    """A text -> its sentences (cut after . ! ? and their full-width forms), each one longer than chunk_len
+    characters cut further as upstream cuts a long text (chunk_text_punctuation, at commas too); pieces
+    under 3 characters join a neighbour, as upstream's do."""
+    pieces = []
+    for sentence in chunk_text_punctuation(text, 0, marks=SENTENCE_ENDS):  # 0: no two sentences merge
+        pieces += chunk_text_punctuation(sentence, chunk_len) if len(sentence) > chunk_len else [sentence]
+    return pieces
 
 
 def _char_weight(ch: str) -> float:
@@ -940,12 +959,12 @@ def item_ids(model: OmniVoice, item: dict, denoise: bool) -> Tensor:
     return torch.cat(parts, 1)
 
 
-def batch_rows(model: OmniVoice, items: list, denoise: bool) -> dict:
+def batch_rows(model: OmniVoice, items: list, denoise: bool, seqs: list = None) -> dict:
     """B requests -> 2B rows (upstream's _generate_iterative): row i is request i's whole sequence, row B+i
     only its target (the unconditional input), each right-padded with the mask id -> dict(ids (2B, C, L),
     audio_mask (2B, L), mask (2B, 1, L, L), positions None (0..L-1), cond / uncond: each request's (row,
-    first target position))."""
-    seqs = [item_ids(model, item, denoise) for item in items]
+    first target position)). seqs: the requests' sequences as they are now (default: item_ids')."""
+    seqs = seqs or [item_ids(model, item, denoise) for item in items]
     B, C, mask_id = len(items), model.cfg["num_codebooks"], model.cfg["audio_mask_id"]
     L = max(s.shape[1] for s in seqs)
     rows = dict(ids=torch.full((2 * B, C, L), mask_id), audio_mask=torch.zeros(2 * B, L, dtype=torch.bool),
@@ -962,13 +981,13 @@ def batch_rows(model: OmniVoice, items: list, denoise: bool) -> dict:
     return rows
 
 
-def packed_rows(model: OmniVoice, items: list, denoise: bool, bucket: int = 1) -> dict:
+def packed_rows(model: OmniVoice, items: list, denoise: bool, seqs: list = None, bucket: int = 1) -> dict:
     """B requests -> B rows, each [its whole sequence | its target again], the two blocks attending only
     within themselves and each with positions from 0: batch_rows' values, up to rounding (the unconditional
     part no longer pays for the prompt's length, nor the rows for the longest request's). One masked
     attention call a layer for the whole batch: the layout for GPUs and the compiled forward, whose rows are
     padded to a multiple of `bucket` positions (see row_layout)."""
-    seqs = [item_ids(model, item, denoise) for item in items]
+    seqs = seqs or [item_ids(model, item, denoise) for item in items]
     B, C, mask_id = len(items), model.cfg["num_codebooks"], model.cfg["audio_mask_id"]
     L = max(s.shape[1] + item["target_len"] for s, item in zip(seqs, items))
     L = -(-L // bucket) * bucket
@@ -988,11 +1007,11 @@ def packed_rows(model: OmniVoice, items: list, denoise: bool, bucket: int = 1) -
     return rows
 
 
-def flat_row(model: OmniVoice, items: list, denoise: bool) -> dict:
+def flat_row(model: OmniVoice, items: list, denoise: bool, seqs: list = None) -> dict:
     """B requests -> ONE row: each request's whole sequence, then its target again, back to back with no
     padding, each sequence with positions from 0 and attending only to itself: mask = their (start, end)
     spans, attended one by one (so nothing is masked, and no pair of sequences costs a score)."""
-    seqs = [item_ids(model, item, denoise) for item in items]
+    seqs = seqs or [item_ids(model, item, denoise) for item in items]
     ids, audio_mask, positions, rows = [], [], [], dict(mask=[], cond=[], uncond=[])
     start = 0
     for seq, item in zip(seqs, items):
@@ -1065,32 +1084,200 @@ def row_layout(packed: bool, model: OmniVoice):
     return flat_row if model.audio_heads.weight.device.type == "cpu" else packed_rows
 
 
-def unmask(model: OmniVoice, items: list, gen: dict, generator, progress=False, packed=False) -> list:
-    """num_step passes over the batch, each revealing its scheduled count of codes per request -> (C, T_i)
-    codes per item. Random numbers are drawn per request in batch order: the class draw, then the position.
-    packed: see row_layout."""
-    dev, mask_id, C = model.audio_heads.weight.device, model.cfg["audio_mask_id"], model.cfg["num_codebooks"]
-    rows = row_layout(packed, model)(model, items, gen["denoise"])
-    ids, audio_mask = rows["ids"].to(dev), rows["audio_mask"].to(dev)
-    mask = rows["mask"].to(dev) if isinstance(rows["mask"], Tensor) else rows["mask"]
-    positions = None if rows["positions"] is None else rows["positions"].to(dev)
-    ts = time_steps(0.0, 1.0, gen["num_step"], gen["t_shift"]).tolist()
-    schedules = [count_schedule(item["target_len"] * C, ts) for item in items]
-    tokens = [torch.full((C, item["target_len"]), mask_id, device=dev) for item in items]
-    for step in tqdm(range(gen["num_step"]), desc=f"unmasking {ids.shape[0]} x {ids.shape[2]}",
-                     disable=not progress, leave=False):
-        hidden = (model.compiled_hidden or model.hidden)(ids, audio_mask, mask, positions)
-        for i, item in enumerate(items):
-            k, T = schedules[i][step], item["target_len"]
+class Unmasking:
+    """One text's unmasking (a text of generate()'s batch, a sentence of a Speech): its item (plan's), its
+    options (generation_config's), its random stream, its codes so far and its step. Made in the caller's
+    thread, stepped by a Scheduler's; codes() waits for the end."""
+
+    def __init__(self, model: OmniVoice, item: dict, gen: dict, generator):
+        C, T = model.cfg["num_codebooks"], item["target_len"]
+        self.item, self.gen, self.generator = item, gen, generator
+        self.seq = item_ids(model, item, gen["denoise"])  # style, text, reference, the masked target
+        ts = time_steps(0.0, 1.0, gen["num_step"], gen["t_shift"]).tolist()
+        self.schedule = count_schedule(T * C, ts)  # codes revealed at each of its steps
+        self.tokens = torch.full((C, T), model.cfg["audio_mask_id"])  # moved to the device when admitted
+        self.step, self.done, self.cancelled, self.error = 0, False, False, None
+        self.changed = threading.Condition()
+
+    def finish(self, error: Exception = None):
+        with self.changed:
+            self.done, self.error = True, self.error or error
+            self.changed.notify_all()
+
+    def cancel(self):
+        """Stop it: it leaves the batch before the next step (its codes are then not all revealed)."""
+        self.cancelled = True
+
+    def codes(self) -> Tensor:
+        """(C, T) int64 on the CPU, once every step has run (waits while an engine thread works)."""
+        with self.changed:
+            self.changed.wait_for(lambda: self.done)
+        if self.error:
+            raise self.error
+        return self.tokens.cpu()
+
+
+class Scheduler:
+    """Texts unmasked together, run synchronously: submit() them, then step() until none is busy (nano-vllm's
+    shape). step(): admit waiting texts (up to max_batch), run ONE forward over every active text's rows,
+    let each reveal its own step's codes with its own options and random stream, retire those that ran all
+    their steps. Each step reads the whole sequence again (nothing is cached), so a text joins at any step
+    and leaves after its own num_step, and what it gets does not depend on what else runs (but for the
+    rounding of a batched forward: none on the goldens). Texts that share one generator draw from it in
+    batch order, as upstream's batch draws from its global one."""
+
+    def __init__(self, model: OmniVoice, max_batch: int = 8, packed: bool = False):
+        self.model, self.max_batch, self.packed = model, max_batch, packed
+        # (ids, audio_mask, mask, positions) -> hidden states
+        self.forward = model.compiled_hidden or model.hidden
+        self.device, self.mask_id = model.audio_heads.weight.device, model.cfg["audio_mask_id"]
+        self.active, self.waiting, self.rows, self.closed = [], collections.deque(), None, False
+        self.lock = threading.Lock()  # `waiting` is shared with the threads that submit (Engine)
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.active or self.waiting)
+
+    def submit(self, job: Unmasking, new_request: bool = True) -> Unmasking:
+        """Queue a text (new_request: a server's room check, see Engine)."""
+        if self.closed:
+            raise common.EngineClosed("the engine was closed")
+        with self.lock:
+            self.waiting.append(job)
+        return job
+
+    def wait(self, job: Unmasking) -> Tensor:
+        """Step until `job` is done -> its codes."""
+        while not job.done:
+            self.step()
+        return job.codes()
+
+    @torch.inference_mode()
+    def step(self):
+        gone = [job for job in self.active if job.cancelled]
+        self.active = [job for job in self.active if not job.cancelled]
+        for job in gone:
+            job.finish()
+        if self.admit() or gone:
+            self.rows = None
+        if not self.active:
+            return
+        if self.rows is None:
+            self.rows = self.build_rows()
+        rows, model = self.rows, self.model
+        hidden = self.forward(rows["ids"], rows["audio_mask"], rows["mask"], rows["positions"])
+        for job, (c_row, c_at), (u_row, u_at) in zip(self.active, rows["cond"], rows["uncond"]):
+            k, T = job.schedule[job.step], job.item["target_len"]
+            job.step += 1
             if k <= 0:
                 continue
-            (c_row, c_at), (u_row, u_at) = rows["cond"][i], rows["uncond"][i]
             cond = model.heads(hidden[c_row, c_at:c_at + T]).transpose(0, 1)[None]  # (1, C, T, V)
             uncond = model.heads(hidden[u_row, u_at:u_at + T]).transpose(0, 1)[None]
-            pred, conf = predict(cond, uncond, gen, mask_id, generator)
-            reveal(tokens[i], pred, conf, k, gen, mask_id, generator)
-            ids[c_row, :, c_at:c_at + T] = ids[u_row, :, u_at:u_at + T] = tokens[i]
-    return [t.cpu() for t in tokens]
+            pred, conf = predict(cond, uncond, job.gen, self.mask_id, job.generator)
+            reveal(job.tokens, pred, conf, k, job.gen, self.mask_id, job.generator)
+            rows["ids"][c_row, :, c_at:c_at + T] = rows["ids"][u_row, :, u_at:u_at + T] = job.tokens
+        done = [job for job in self.active if job.step == len(job.schedule)]
+        if done:
+            self.active, self.rows = [job for job in self.active if job not in done], None
+            for job in done:
+                job.finish()
+
+    def admit(self) -> bool:
+        """Waiting texts into the batch while it has room -> whether any joined."""
+        joined = False
+        while len(self.active) < self.max_batch:
+            with self.lock:
+                job = self.waiting.popleft() if self.waiting else None
+            if job is None:
+                break
+            if job.cancelled:
+                job.finish()
+                continue
+            job.tokens = job.tokens.to(self.device)
+            self.active.append(job)
+            joined = True
+        return joined
+
+    def build_rows(self) -> dict:
+        """The active texts' rows, each sequence with its codes so far (rebuilt when the batch changes)."""
+        seqs = []
+        for job in self.active:
+            seq = job.seq.clone()
+            seq[:, seq.shape[1] - job.item["target_len"]:] = job.tokens.cpu()
+            seqs.append(seq)
+        rows = row_layout(self.packed, self.model)(self.model, [job.item for job in self.active], None, seqs)
+        return {key: value.to(self.device) if isinstance(value, Tensor) else value
+                for key, value in rows.items()}
+
+    def close(self):
+        self.closed = True
+        with self.lock:
+            jobs, self.waiting = [*self.active, *self.waiting], collections.deque()
+        self.active, self.rows = [], None
+        for job in jobs:
+            if not job.done:
+                job.finish(common.EngineClosed("the engine was closed"))
+
+
+class Engine(common.EngineThread, Scheduler):
+    """A Scheduler driven by its own thread (one thread owns the model, common.EngineThread): submit() from
+    any thread, then codes() or wait(); close() at the end. `max_batch` texts run together, `max_queue` new
+    requests may wait beyond them (QueueFull past that); a request's later sentences (new_request=False) are
+    never refused."""
+
+    def __init__(self, model: OmniVoice, max_batch: int = 8, max_queue: int = 16, packed: bool = False):
+        super().__init__(model, max_batch, packed)
+        self.max_queue, self.thread, self.wake = max_queue, None, threading.Event()
+
+    def submit(self, job: Unmasking, new_request: bool = True) -> Unmasking:
+        self.start()
+        with self.lock:  # room checked and taken at once
+            for gone in [j for j in self.waiting if j.cancelled]:  # hung up while waiting: no room taken
+                self.waiting.remove(gone)
+                gone.finish()
+            if new_request:
+                self.check_room()
+            if self.closed:
+                raise common.EngineClosed("the engine was closed")
+            self.waiting.append(job)
+        self.wake.set()
+        return job
+
+    def wait(self, job: Unmasking) -> Tensor:
+        return job.codes()
+
+    def queued(self) -> int:
+        return sum(not job.cancelled for job in list(self.waiting))
+
+    def check_room(self):
+        """QueueFull if a new request could neither join the batch nor wait (a server asks before costly
+        work). max_queue 0: no waiting room, a free place in the batch still takes a request."""
+        if self.queued() >= self.max_queue + self.max_batch - len(self.active):
+            raise common.QueueFull(f"{self.max_queue} requests are waiting already: try again later")
+
+    def stats(self) -> dict:
+        busy = len(self.active)
+        return dict(slots=self.max_batch, busy=busy, free=self.max_batch - busy, queued=self.queued())
+
+    def fail(self, error: Exception):
+        """End the texts in flight (a step failed): the waiting ones run next."""
+        jobs, self.active, self.rows = self.active, [], None
+        for job in jobs:
+            job.finish(error)
+
+
+def unmask(model: OmniVoice, items: list, gen: dict, generator, progress=False, packed=False) -> list:
+    """num_step passes over the batch, each revealing its scheduled count of codes per request -> (C, T_i)
+    codes per item. generator: one for all (upstream's draws: per request in batch order, the class draw,
+    then the position) or a list, one per item. packed: one row per request (packed_rows) instead of
+    upstream's two (batch_rows)."""
+    generators = generator if isinstance(generator, list) else [generator] * len(items)
+    scheduler = Scheduler(model, max_batch=len(items), packed=packed)
+    jobs = [scheduler.submit(Unmasking(model, item, gen, g)) for item, g in zip(items, generators)]
+    for _ in tqdm(range(gen["num_step"]), desc=f"unmasking {len(items)} text(s)", disable=not progress,
+                  leave=False):
+        scheduler.step()
+    return [job.codes() for job in jobs]
 
 
 # ----------------------------------------------------------------------------- generation
@@ -1161,10 +1348,67 @@ def finish(model: OmniVoice, tokens, ref_rms, gen: dict) -> np.ndarray:
         wave = cross_fade_chunks([decode(model, t)[None] for t in tokens], sr)
     else:
         wave = decode(model, tokens)[None]
-    if gen["postprocess_output"]:
-        wave = remove_silence(wave, sr, mid_sil=500, lead_sil=100, trail_sil=100)
-    wave = output_gain(wave, ref_rms)
+    wave = post_process(wave, sr, ref_rms, gen)
     return fade_and_pad(wave, gen["pad_duration"], gen["fade_duration"], sr)[0]
+
+
+def post_process(wave: np.ndarray, sample_rate: int, ref_rms, gen: dict) -> np.ndarray:
+    """(1, N) decoded audio -> silences trimmed (postprocess_output), the level of the reference (or peak
+    0.5 without one): what finish does before the fades and pads."""
+    if gen["postprocess_output"]:
+        wave = remove_silence(wave, sample_rate, mid_sil=500, lead_sil=100, trail_sil=100)
+    return output_gain(wave, ref_rms)
+
+
+class CrossFade:
+    """cross_fade_chunks, then fade_and_pad, computed as the chunks come: push(chunk) -> the samples that
+    are final now, end() -> the rest; joined, they are fade_and_pad(cross_fade_chunks(chunks)) exactly (the
+    same products in the same order). What waits: the last max(fade, third of the silence) samples (the
+    next chunk fades them out, or the end does), and everything while the audio is shorter than two fades
+    (fade_and_pad's fade is shorter for such audio)."""
+
+    def __init__(self, sample_rate: int, pad_duration: float, fade_duration: float, silence_duration=0.3):
+        self.sample_rate, self.pad_duration, self.fade_duration = sample_rate, pad_duration, fade_duration
+        self.gap = int(silence_duration * sample_rate) // 3  # cross_fade_chunks' fades and its silence
+        self.fade, self.pad = int(fade_duration * sample_rate), int(pad_duration * sample_rate)
+        self.fade_in = np.linspace(0, 1, self.fade, dtype=np.float32)
+        self.held = np.zeros(0, np.float32)  # the merged audio not sent yet
+        self.sent, self.chunks = 0, 0  # samples of the merged audio sent, chunks pushed
+
+    def push(self, chunk: np.ndarray) -> np.ndarray:
+        chunk = np.array(chunk, dtype=np.float32).reshape(-1)  # a copy: the fades work in place
+        if self.chunks:
+            out_n, in_n = min(self.gap, self.sent + len(self.held)), min(self.gap, len(chunk))
+            if out_n > 0:  # those samples are held: fewer than gap are sent only while none is
+                self.held[-out_n:] *= np.linspace(1, 0, out_n, dtype=np.float32)
+            if in_n > 0:
+                chunk[:in_n] *= np.linspace(0, 1, in_n, dtype=np.float32)
+            chunk = np.concatenate([np.zeros(self.gap, np.float32), chunk])
+        self.held, self.chunks = np.concatenate([self.held, chunk]), self.chunks + 1
+        return self.release(len(self.held) - max(self.gap, self.fade))
+
+    def release(self, n: int) -> np.ndarray:
+        """The first n held samples, faded in where they are the audio's first `fade`, with the leading pad
+        before the first of them; nothing while the whole is shorter than two fades."""
+        total = self.sent + len(self.held)
+        if n <= 0 or total < 2 * self.fade:
+            return np.zeros(0, np.float32)
+        out, self.held = self.held[:n], self.held[n:]
+        if self.sent < self.fade:
+            k = min(self.fade - self.sent, n)
+            out[:k] *= self.fade_in[self.sent:self.sent + k]
+        pad = np.zeros(self.pad if not self.sent else 0, np.float32)
+        self.sent += n
+        return np.concatenate([pad, out])
+
+    def end(self) -> np.ndarray:
+        if not self.sent:  # short audio (or none): fade_and_pad's own arithmetic on the whole
+            return fade_and_pad(self.held[None], self.pad_duration, self.fade_duration, self.sample_rate)[0]
+        held = self.release(len(self.held) - self.fade)  # the fade-in, if it reaches so far
+        tail = self.held
+        if self.fade > 0:
+            tail[-self.fade:] *= np.linspace(1, 0, self.fade, dtype=np.float32)
+        return np.concatenate([held, tail, np.zeros(self.pad, np.float32)])
 
 
 def generation_config(config: dict) -> dict:
@@ -1215,6 +1459,92 @@ def generate(model: OmniVoice, text, language=None, ref_audio=None, ref_text=Non
                     tokens[i] = codes
         audios = [finish(model, t, item["ref_rms"], gen) for t, item in zip(tokens, items)]
     return (audios, tokens) if return_tokens else audios
+
+
+class Speech:
+    """One text spoken sentence by sentence through a Scheduler or an Engine (the server's streaming unit).
+    Made in the caller's thread: every argument checked (generate()'s, one text), a clip encoded, the text
+    split at sentence ends (split_sentences, upstream's chunk length for very long ones) and the first
+    sentence submitted. Iterated: 1-D float32 pieces at model.sample_rate, each sentence's as soon as it is
+    decoded (the next one is unmasked meanwhile), joined with upstream's cross-fade (CrossFade). Each
+    sentence is generated as upstream generates a long text's chunk: with the request's voice, or without
+    one, the later sentences with the first one's codes and text as their reference. A text of one sentence
+    is generate()'s item itself: the same codes and audio. seed=None: one drawn from torch's global
+    generator; each Speech draws from its own stream, so what it says does not depend on what else runs."""
+
+    def __init__(self, model: OmniVoice, engine: Scheduler, text: str, language=None, ref_audio=None,
+                 ref_text=None, voice=None, instruct=None, speed=None, duration=None, seed=None, **config):
+        if not isinstance(text, str):
+            raise UserError("text must be a string")
+        self.model, self.engine, self.gen = model, engine, generation_config(config)
+        with torch.inference_mode():
+            [self.item] = plan(model, [text], language, ref_audio, ref_text, voice, instruct, speed, duration,
+                               self.gen)
+        frames_per_char = self.item["target_len"] / len(text)
+        chunk_len = int(self.gen["audio_chunk_duration"] * model.frame_rate / frames_per_char)
+        self.texts = split_sentences(text, chunk_len) or [text.strip()]
+        if seed is None:
+            seed = int(torch.randint(2**62, ()))
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise UserError(f"seed must be an integer, got {seed!r:.40}")
+        self.generator = torch.Generator().manual_seed(seed)
+        self.done, self.cancelled, self.error = False, False, None
+        self.input_tokens, self.tokens = 0, []  # positions read a step, and each sentence's codes so far
+        self.job = self.submit(0, None, new_request=True)  # a full engine refuses it here
+
+    def sentence(self, n: int, first_codes) -> dict:
+        """Sentence n's item: upstream's chunk n of a long text (see `chunked`); one sentence: plan's item
+        (its length estimated again from plan's speed may miss a frame)."""
+        item, text = self.item, self.texts[n]
+        if len(self.texts) == 1:
+            return item
+        ref, ref_text = (item["ref_codes"], item["ref_text"]) if item["ref_codes"] is not None else \
+            (None, None) if n == 0 else (first_codes, self.texts[0])
+        target = estimate_target_tokens(text, ref_text, None if ref is None else ref.shape[1], item["speed"])
+        return dict(item, text=text, ref_codes=ref, ref_text=ref_text, target_len=target)
+
+    def submit(self, n: int, first_codes, new_request=False) -> Unmasking:
+        job = Unmasking(self.model, self.sentence(n, first_codes), self.gen, self.generator)
+        self.input_tokens += job.seq.shape[1] - job.item["target_len"]
+        return self.engine.submit(job, new_request)
+
+    def __iter__(self):
+        sr = self.model.sample_rate
+        join = CrossFade(sr, self.gen["pad_duration"], self.gen["fade_duration"])
+        try:
+            for n in range(len(self.texts)):
+                codes = self.engine.wait(self.job)
+                if self.cancelled:
+                    return
+                self.tokens.append(codes)
+                if n + 1 < len(self.texts):  # unmasked while this one is decoded and sent
+                    self.job = self.submit(n + 1, self.tokens[0])
+                wave = post_process(decode(self.model, codes)[None], sr, self.item["ref_rms"], self.gen)
+                piece = join.push(wave[0])
+                if piece.size:
+                    yield piece
+            piece = join.end()
+            if piece.size:
+                yield piece
+        finally:
+            self.done = True
+            self.job.cancel()  # a no-op once it has finished
+
+    def cancel(self):
+        """Stop: the sentence being unmasked leaves the batch, nothing more is said."""
+        self.cancelled = True
+        self.job.cancel()
+
+    def finish(self, error: Exception):
+        """End it with an error (the engine died): the reader gets it."""
+        self.error = error
+        self.job.finish(error)
+
+
+def stream(model: OmniVoice, text: str, packed=False, **kwargs):
+    """Speak `text` (generate()'s arguments, one text) sentence by sentence, yielding 1-D float32 pieces at
+    model.sample_rate as each sentence is decoded (Speech, on a Scheduler of its own)."""
+    yield from Speech(model, Scheduler(model, max_batch=1, packed=packed), text, **kwargs)
 
 
 # ----------------------------------------------------------------------------- demo

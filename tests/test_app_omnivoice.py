@@ -1,0 +1,480 @@
+"""app.py serving OmniVoice (the tiny checkpoint, and the demo model): the goldens through the server,
+sentence streaming, concurrent requests batched, OpenAI's fields (instructions = voice design, speed), voices
+of both models in one folder, bad input, the page in a real browser. A real server on 127.0.0.1, real HTTP."""
+import base64
+import io
+import json
+import tempfile
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+import app
+import codec
+import common
+import omnivoice
+from conftest import OV_CASES as CASES, OV_CKPT as CKPT, OV_GOLDEN as GOLDEN, ov_golden as golden
+from test_app import Browser, call, health, multipart, open_stream, sse_events, tree, wait_for
+from test_omnivoice import api_kwargs
+
+SPEECH = "/v1/audio/speech"
+CLIP_WAV = GOLDEN / "clip_ref_alt.wav"  # PCM-16, 16 kHz: upstream's prompt_ref_alt_wav was made from it
+CLIP_TEXT = "The quick brown fox jumps."
+CLIP_B64 = base64.b64encode(CLIP_WAV.read_bytes()).decode()
+GOLDEN_VOICES = dict(fox24="prompt_ref24.pt", foxalt="prompt_ref_alt.pt")  # voice name -> upstream's prompt
+
+
+def start_server(folder: Path, *flags):
+    args = app.parse_args(["--checkpoint", str(CKPT), "--device", "cpu", "--port", "0",
+                           "--voices", str(folder / "prompt"), *flags])
+    server = app.make_server(args)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def stop_server(server):
+    server.shutdown()
+    server.server_close()
+    server.app.close()
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    """The voices folder: the goldens' clone prompts saved as voices (GOLDEN_VOICES), and an S2-Pro voice
+    `s2voice`."""
+    folder = tmp_path_factory.mktemp("app-omnivoice")
+    (folder / "prompt").mkdir()
+    for name, prompt in GOLDEN_VOICES.items():
+        omnivoice.save_voice(folder / "prompt" / f"{name}{omnivoice.VOICE_SUFFIX}",
+                             omnivoice.load_voice(GOLDEN / prompt))
+    codec.save_codes(folder / "prompt" / "s2voice.npy", torch.randint(0, 1024, (10, 20)))
+    (folder / "prompt" / "s2voice.txt").write_text("An S2-Pro voice.\n")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def server(root):
+    server = start_server(root, "--slots", "8", "--queue", "8")
+    yield server
+    stop_server(server)
+
+
+@pytest.fixture(scope="module")
+def model():
+    """The same weights as the server's, another instance: the server's belongs to its engine thread."""
+    return omnivoice.load(CKPT)
+
+
+def pcm(wave) -> bytes:
+    return app.pcm16(np.asarray(wave, dtype=np.float32))
+
+
+def solo(model, text, **kwargs) -> bytes:
+    """What a request says alone: its sentences through a Scheduler of its own, as 16-bit PCM."""
+    pieces = list(omnivoice.stream(model, text, **kwargs))
+    return pcm(np.concatenate(pieces) if pieces else np.zeros(0, np.float32))
+
+
+def speeches(monkeypatch, server) -> list:
+    """The omnivoice.Speech of each request the server takes from now on."""
+    made, submit = [], server.app.model.submit
+    monkeypatch.setattr(server.app.model, "submit", lambda *args: made.append(submit(*args)) or made[-1])
+    return made
+
+
+def wav_bytes(wave: np.ndarray, rate: int, subtype="FLOAT") -> bytes:
+    out = io.BytesIO()
+    sf.write(out, wave, rate, format="WAV", subtype=subtype)
+    return out.getvalue()
+
+
+def error_of(answer) -> str:
+    return json.loads(answer[2])["error"]["message"]
+
+
+# ----------------------------------------------------------------------------- the goldens, served
+SERVED = ["clone", "clone_from_ref_audio", "design", "auto", "speed", "duration", "nonverbal"]  # 1 sentence
+
+
+def golden_request(case) -> dict:
+    """A golden case as an OpenAI request: its voice by name (GOLDEN_VOICES), its clip uploaded as a float WAV
+    at its own rate, instruct as instructions."""
+    kwargs = api_kwargs(case)
+    body = dict(input=kwargs.pop("text"), seed=CASES["generate"][case]["seed"])
+    if "instruct" in kwargs:
+        body["instructions"] = kwargs.pop("instruct")
+    if "voice" in kwargs:
+        codes = kwargs.pop("voice")["codes"]
+        body["voice"] = next(name for name, prompt in GOLDEN_VOICES.items()
+                             if torch.equal(omnivoice.load_voice(GOLDEN / prompt)["codes"], codes))
+    if "ref_audio" in kwargs:
+        wave, rate = kwargs.pop("ref_audio")
+        body["ref_audio"] = base64.b64encode(wav_bytes(wave, rate)).decode()
+    return dict(body, **kwargs)  # language, speed, duration, ref_text
+
+
+@pytest.mark.parametrize("case", SERVED)
+def test_the_goldens_through_the_server_give_upstreams_codes_and_generates_audio(server, model, case,
+                                                                                 monkeypatch):
+    """Each one-sentence golden as an OpenAI request: upstream's codes, and generate()'s very samples."""
+    spec, kwargs, body = CASES["generate"][case], api_kwargs(case), golden_request(case)
+    made = speeches(monkeypatch, server)
+    status, headers, data = call(server, "POST", SPEECH, body)
+    assert status == 200 and headers["Content-Type"] == "audio/wav", data[:300]
+    assert sf.info(io.BytesIO(data)).samplerate == 24000
+    (speech,) = made
+    assert len(speech.tokens) == 1 and torch.equal(speech.tokens[0], golden(spec["token_files"][0]))
+    [want] = omnivoice.generate(model, **kwargs, seed=spec["seed"])
+    assert data == app.wav_header(rate=24000) + pcm(want)  # streamed: sizes unknown in the header
+
+
+def test_every_format_and_stream_format(server, model):
+    body = dict(input="Good morning. How are you today?", voice="fox24", seed=21, num_step=8)
+    want = solo(model, body["input"], voice=omnivoice.load_voice(GOLDEN / "prompt_ref24.pt"), seed=21,
+                num_step=8)
+    status, headers, data = call(server, "POST", SPEECH, dict(body, response_format="pcm"))
+    assert status == 200 and headers["Content-Type"] == "audio/pcm" and data == want
+    status, headers, data = call(server, "POST", SPEECH, dict(body, response_format="flac"))
+    samples, rate = sf.read(io.BytesIO(data), dtype="int16")
+    assert status == 200 and rate == 24000 and samples.tobytes() == want  # lossless of the same samples
+    for fmt in ("mp3", "opus"):
+        if fmt in app.FORMATS:
+            status, headers, data = call(server, "POST", SPEECH, dict(body, response_format=fmt))
+            samples, rate = sf.read(io.BytesIO(data))
+            assert status == 200 and headers["Content-Type"] == app.MEDIA_TYPES[fmt]
+            assert rate == 24000 and abs(len(samples) - len(want) / 2) < 0.1 * rate, fmt  # opus has 24 kHz
+    conn, response = open_stream(server, dict(body, response_format="wav", stream_format="sse"))
+    events = list(sse_events(response))
+    conn.close()
+    audio = b"".join(base64.b64decode(e["audio"]) for e in events if e["type"] == "speech.audio.delta")
+    assert audio == app.wav_header(rate=24000) + want
+    done = events[-1]
+    assert done["type"] == "speech.audio.done" and done["usage"]["output_tokens"] > 0
+    assert done["usage"]["total_tokens"] == done["usage"]["input_tokens"] + done["usage"]["output_tokens"]
+
+
+def test_audio_arrives_before_the_last_sentence_is_generated(server, model, monkeypatch):
+    """The engine is held once the first of three sentences is unmasked: its audio still arrives, so the
+    first audio comes after the first sentence, not after the whole text."""
+    made, engine, release = speeches(monkeypatch, server), server.app.engine, threading.Event()
+    forward = engine.forward
+
+    def held(*args):  # every step after the first sentence waits for the test
+        if made and made[0].tokens:
+            release.wait(60)
+        return forward(*args)
+
+    monkeypatch.setattr(engine, "forward", held)
+    text = "The first sentence is here. Is this the second one? Yes, and the third ends it."
+    conn, response = open_stream(server, dict(input=text, seed=33, num_step=8, response_format="pcm"))
+    try:
+        first = response.read(2)
+        speech = made[0]
+        assert len(first) == 2 and len(speech.texts) == 3
+        assert len(speech.tokens) == 1 and not speech.job.done  # the second sentence is being unmasked
+        release.set()
+        data = first + response.read()
+    finally:
+        release.set()
+        conn.close()
+    assert data == solo(model, text, seed=33, num_step=8) and len(speech.tokens) == 3
+
+
+@pytest.fixture(scope="module")
+def packed(tmp_path_factory):
+    server = start_server(tmp_path_factory.mktemp("packed"), "--slots", "8", "--packed")
+    yield server
+    stop_server(server)
+
+
+@pytest.mark.parametrize("which", ["server", "packed"])
+def test_eight_concurrent_requests_run_batched_and_each_gets_its_solo_audio(request, model, which,
+                                                                            monkeypatch):
+    """Requests of other lengths, voices, designs, speeds and step counts, one or two sentences, arriving
+    together: one forward per step holds them all, and each says what it says alone."""
+    server = request.getfixturevalue(which)
+    fox = omnivoice.load_voice(GOLDEN / "prompt_ref24.pt")
+    if which == "packed":
+        server.app.voices.mkdir(exist_ok=True)
+        omnivoice.save_voice(server.app.voices / f"fox24{omnivoice.VOICE_SUFFIX}", fox)
+    requests = [dict(input="Good morning everyone.", voice="fox24"),
+                dict(input="A short one.", instructions="male, low pitch", num_step=12),
+                dict(input="Hello there. This one has two sentences.", speed=1.3),
+                dict(input="She sells sea shells by the sea shore.", language="en", num_step=20),
+                dict(input="Designed, and cloned as well.", voice="fox24", instructions="whisper"),
+                dict(input="Quick!", duration=1.2),
+                dict(input="Two of them here. And another, longer one to end.", guidance_scale=1.0),
+                dict(input="The last request.", num_step=8, language="English")]
+    bodies = [dict(body, seed=100 + i, response_format="pcm") for i, body in enumerate(requests)]
+    engine, sizes, arrived = server.app.engine, [], threading.Event()
+    forward = engine.forward
+
+    def counted(*args):  # the first step waits until every request has been submitted
+        arrived.wait(60)
+        sizes.append(len(engine.active))
+        return forward(*args)
+
+    monkeypatch.setattr(engine, "forward", counted)
+    made = speeches(monkeypatch, server)
+    results = [None] * len(bodies)
+
+    def client(i):
+        results[i] = call(server, "POST", SPEECH, bodies[i])
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(bodies))]
+    for thread in threads:
+        thread.start()
+    wait_for(lambda: len(made) == len(bodies), 60, "every request to be submitted")
+    arrived.set()
+    for thread in threads:
+        thread.join()
+    assert max(sizes) == len(bodies)  # all eight in one forward
+    for (status, _, data), body in zip(results, bodies, strict=True):
+        assert status == 200, data[:300]
+        options = app.omnivoice_options(body)
+        want = solo(model, body["input"], voice=fox if body.get("voice") else None, **options)
+        assert data == want, body
+
+
+def test_a_client_that_hangs_up_frees_its_place_in_the_batch(server, monkeypatch):
+    made, engine, release = speeches(monkeypatch, server), server.app.engine, threading.Event()
+    forward = engine.forward
+
+    def held(*args):
+        if made and made[0].tokens:
+            release.wait(60)
+        return forward(*args)
+
+    monkeypatch.setattr(engine, "forward", held)
+    conn, response = open_stream(server, dict(input="One sentence. Then the next. And one more.", seed=1,
+                                              response_format="pcm"))
+    try:
+        assert len(response.read(2)) == 2
+        conn.close()
+        wait_for(lambda: made[0].cancelled, 10, "the hang-up to be seen")
+        release.set()
+        wait_for(lambda: health(server)["busy"] == 0 and made[0].done, 10, "the sentence to leave")
+        assert len(made[0].tokens) == 1 and health(server)["queued"] == 0
+    finally:
+        release.set()
+
+
+# ----------------------------------------------------------------------------- OpenAI's client
+def test_openai_client_instructions_speed_builtin_voices_and_streaming(server, model, root):
+    import openai  # requirements-test.txt
+    url = "http://%s:%d/v1" % server.server_address[:2]
+    client = openai.OpenAI(base_url=url, api_key="unused", max_retries=0)
+    speech, extra = client.audio.speech, dict(seed=41, num_step=8)
+    text = "Hello from the OpenAI client."
+    audio = speech.create(model="tts-1", voice="alloy", input=text, instructions="female, high pitch",
+                          speed=1.2, response_format="pcm", extra_body=extra)
+    assert audio.content == solo(model, text, instruct="female, high pitch", speed=1.2, **extra)
+    design = r"unknown attribute 'speak cheerfully\.' .* use only: male, female"
+    with pytest.raises(openai.BadRequestError, match=design):
+        speech.create(model="tts-1", voice="alloy", input=text, instructions="Speak cheerfully.")
+    with speech.with_streaming_response.create(model="tts-1", voice="alloy", input=text,
+                                               response_format="wav", stream_format="sse",
+                                               extra_body=extra) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    assert events[-1]["type"] == "speech.audio.done"
+    got = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    assert got == app.wav_header(rate=24000) + solo(model, text, **extra)
+
+
+# ----------------------------------------------------------------------------- voices
+def test_voices_save_list_use_and_delete_beside_s2pros(server, model, root):
+    """A saved OmniVoice voice is upstream's voice prompt of the clip, one file the CLI reads; the list
+    names every voice in the folder and the model it is for."""
+    status, _, data = call(server, "POST", "/v1/audio/voices",
+                           dict(name="fox", audio=CLIP_B64, text=CLIP_TEXT))
+    assert status == 201 and json.loads(data) == dict(name="fox", frames=55, seconds=2.2, model="omnivoice")
+    saved = omnivoice.load_voice(root / "prompt" / f"fox{omnivoice.VOICE_SUFFIX}", model)  # the CLI's --voice
+    upstream = torch.load(GOLDEN / "prompt_ref_alt_wav.pt", weights_only=True)
+    assert torch.equal(saved["codes"], upstream["ref_audio_tokens"]) and saved["text"] == upstream["ref_text"]
+    stereo = np.load(GOLDEN / "clip_ref_alt.npy")
+    stereo = np.stack([stereo, -0.5 * stereo[::-1]], 1).astype(np.float32)  # the stereo golden's clip
+    content_type, form = multipart(dict(name="fox two", text=CLIP_TEXT, audio=wav_bytes(stereo, 16000)))
+    assert call(server, "POST", "/v1/audio/voices", form, content_type=content_type)[0] == 201
+    two = omnivoice.load_voice(root / "prompt" / f"fox two{omnivoice.VOICE_SUFFIX}")
+    assert torch.equal(two["codes"], golden("prompt_ref_alt_stereo_tokens.npy"))
+
+    listed = json.loads(call(server, "GET", "/v1/audio/voices")[2])
+    assert {"fox", "fox two", "fox24"} <= set(listed["voices"]) and "s2voice" not in listed["voices"]
+    assert dict(name="s2voice", model="s2-pro") in listed["all"]
+    assert dict(name="fox", model="omnivoice") in listed["all"]
+    upstream_list = json.loads(call(server, "GET", "/v1/references/list?format=json")[2])
+    assert upstream_list["reference_ids"] == listed["voices"]
+
+    text = "Spoken in the saved voice."
+    body = dict(input=text, seed=5, response_format="pcm")
+    status, _, data = call(server, "POST", SPEECH, dict(body, voice="fox"))
+    assert status == 200 and data == solo(model, text, voice=saved, seed=5)
+    clip = [dict(audio=CLIP_B64, text=CLIP_TEXT)]
+    status, _, data = call(server, "POST", SPEECH, dict(body, references=clip))
+    assert status == 200 and data == solo(model, text, voice=saved, seed=5)  # the clip: the same prompt
+
+    assert call(server, "POST", "/v1/audio/voices", dict(name="s2voice", audio=CLIP_B64,
+                                                        text=CLIP_TEXT))[0] == 409  # one name space for both
+    assert call(server, "DELETE", "/v1/audio/voices/fox")[0] == 200
+    assert call(server, "DELETE", "/v1/audio/voices/fox%20two")[0] == 200
+    assert not list((root / "prompt").glob("fox.*")) and not list((root / "prompt").glob("fox two*"))
+    assert call(server, "DELETE", "/v1/audio/voices/fox")[0] == 404
+    assert "unknown voice" in error_of(call(server, "POST", SPEECH, dict(input=text, voice="fox")))
+
+
+def test_a_voice_renamed_upstreams_way_keeps_its_file_whole(server, root):
+    path = root / "prompt" / f"fox24{omnivoice.VOICE_SUFFIX}"
+    before = path.read_bytes()
+    body = dict(old_reference_id="fox24", new_reference_id="fox renamed")
+    assert call(server, "POST", "/v1/references/update?format=json", body)[0] == 200
+    try:
+        assert not path.exists()
+        assert (root / "prompt" / f"fox renamed{omnivoice.VOICE_SUFFIX}").read_bytes() == before
+    finally:
+        body = dict(old_reference_id="fox renamed", new_reference_id="fox24")
+        assert call(server, "POST", "/v1/references/update?format=json", body)[0] == 200
+    assert path.read_bytes() == before
+
+
+def test_each_model_refuses_the_others_voice_clearly(server, root, tmp_path):
+    """The folder is shared: an S2-Pro server lists the OmniVoice voice and refuses it, as OmniVoice's
+    refuses S2-Pro's."""
+    message = error_of(call(server, "POST", SPEECH, dict(input="Hi.", voice="s2voice")))
+    assert "was saved for S2-Pro" in message and "runs OmniVoice" in message
+    args = app.parse_args(["--checkpoint", str(Path(__file__).parent / "fixtures/s2-tiny/checkpoint"),
+                           "--device", "cpu", "--port", "0", "--voices", str(root / "prompt")])
+    s2 = app.make_server(args)
+    threading.Thread(target=s2.serve_forever, daemon=True).start()
+    try:
+        listed = json.loads(call(s2, "GET", "/v1/audio/voices")[2])
+        assert "s2voice" in listed["voices"] and "fox24" not in listed["voices"]
+        assert dict(name="fox24", model="omnivoice") in listed["all"]
+        status, _, data = call(s2, "POST", SPEECH, dict(input="Hi.", voice="fox24"))
+        assert status == 400 and "was saved for OmniVoice" in error_of((status, None, data))
+    finally:
+        stop_server(s2)
+
+
+# ----------------------------------------------------------------------------- bad input
+BAD = [  # (body, words of the message): each new field's bad values, each one 400 before any work
+    (dict(instructions="a dragon"), "instructions: unknown attribute 'a dragon'"),
+    (dict(instructions="male, female"), "Conflicting instruct items"),
+    (dict(instructions="四川话, british accent"), "cannot be mixed"),
+    (dict(instructions=5), "instructions must be a string"),
+    (dict(language="klingon"), "unknown language 'klingon'"),
+    (dict(language=["en"]), "language must be a string"),
+    (dict(speed=0.2), "speed must be 0.25 to 4.0"),
+    (dict(speed=4.5), "speed must be 0.25 to 4.0"),
+    (dict(speed="fast"), "speed must be a finite number"),
+    (dict(num_step=0), "num_step must be >= 1"),
+    (dict(num_step=65), "num_step must be 1 to 64"),
+    (dict(num_step=2.5), "num_step must be an integer"),
+    (dict(duration=0), "duration must be more than 0"),
+    (dict(duration=-1), "duration must be more than 0"),
+    (dict(duration=301), "at most 300 seconds"),
+    (dict(duration="long"), "duration must be a finite number"),
+    (dict(guidance_scale=-1), "guidance_scale must be >= 0"),
+    (dict(seed=-1), "seed must be >= 0"),
+    (dict(voice="s2voice"), "was saved for S2-Pro"),
+    (dict(voice="nobody"), "unknown voice 'nobody'"),
+    (dict(voice="fox24", ref_audio=CLIP_B64, ref_text="x"), "clones one voice: send a saved voice or one"),
+    (dict(references=[dict(audio=CLIP_B64, text="x")] * 2), "clones one voice"),
+    (dict(ref_audio=base64.b64encode(wav_bytes(np.zeros(16000, np.float32), 16000)).decode(), ref_text="x"),
+     "silent"),
+    (dict(top_p=0.5), "top_p is an S2-Pro option"),
+    (dict(max_new_tokens=100), "max_new_tokens is an S2-Pro option"),
+    (dict(response_format="aac"), "not supported here"),
+    (dict(stream_format="chunks"), "stream_format must be"),
+]
+
+
+@pytest.mark.parametrize("body, message", BAD, ids=[f"{i}-{next(iter(b))}" for i, (b, _) in enumerate(BAD)])
+def test_bad_input_is_a_400_that_says_what_and_changes_nothing(server, root, body, message):
+    before, engine = tree(root), server.app.engine
+    status, _, data = call(server, "POST", SPEECH, dict(body, input="Hello there."))
+    error = json.loads(data)["error"]
+    assert (status, error["type"]) == (400, "invalid_request_error") and message in error["message"], error
+    assert tree(root) == before and not engine.busy
+
+
+def test_fish_speechs_own_routes_are_s2pros(server):
+    for path, body in (("/v1/tts", dict(text="hi")), ("/v1/vqgan/encode", dict(audios=[CLIP_B64])),
+                       ("/v1/vqgan/decode", dict(tokens=[[[1]] * 8]))):
+        status, _, data = call(server, "POST", path, body)
+        assert status == 404 and "this server runs OmniVoice" in error_of((status, None, data))
+
+
+def test_a_checkpoint_of_the_other_model_than_model_says_so():
+    args = app.parse_args(["--checkpoint", str(CKPT), "--model", "s2-pro"])
+    with pytest.raises(common.UserError, match="holds OmniVoice, not S2-Pro"):
+        app.model_kind(args)
+    assert app.model_kind(app.parse_args(["--checkpoint", str(CKPT)])) == "omnivoice"
+    assert app.model_kind(app.parse_args(["--model", "omnivoice"])) == "omnivoice"
+    assert app.model_kind(app.parse_args([])) == "s2-pro"
+
+
+# ----------------------------------------------------------------------------- serving
+def test_health_models_and_page(server):
+    info = health(server)
+    assert info["model"] == "omnivoice" and info["slots"] == 8 and info["demo"] is False
+    assert {"busy", "free", "queued", "device"} <= set(info)
+    models = json.loads(call(server, "GET", "/v1/models")[2])
+    assert models["data"][0]["id"] == "omnivoice" and models["data"][0]["owned_by"] == "k2-fsa"
+    status, _, page = call(server, "GET", "/")
+    assert status == 200 and b"<title>fishfast: OmniVoice text-to-speech</title>" in page
+    assert b'"kind": "omnivoice"' in page and b"british accent" in page and b"NOISE" not in page
+
+
+def test_the_demo_model_serves_noise_and_says_so(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # no ./OmniVoice here
+    server = app.make_server(app.parse_args(["--model", "omnivoice", "--device", "cpu", "--port", "0"]))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        info = health(server)
+        assert info["model"] == "omnivoice-demo" and info["demo"] is True and info["checkpoint"] == "(demo)"
+        assert b"RANDOM OmniVoice" in call(server, "GET", "/")[2]
+        status, _, data = call(server, "POST", SPEECH, dict(input="Hello. Noise.", num_step=4, seed=1,
+                                                            response_format="pcm"))
+        assert status == 200 and len(data) > 0 and len(data) % 2 == 0
+    finally:
+        stop_server(server)
+    assert list(tmp_path.iterdir()) == []  # built in memory
+
+
+# ----------------------------------------------------------------------------- a real browser
+def test_browser_shows_omnivoices_fields_designs_a_voice_and_plays(server, model, tmp_path, monkeypatch):
+    made = speeches(monkeypatch, server)
+    browser = Browser(Path(tempfile.mkdtemp(dir=tmp_path)))
+    shown = "return [...arguments[0]].map(id => document.getElementById(id).offsetParent !== null);"
+    try:
+        browser.call("POST", "/url", {"url": "http://%s:%d/" % server.server_address[:2]})
+        s2_fields = ["temperature", "top_p", "top_k", "max_new_tokens"]
+        ours = ["language", "speed", "num_step", "seed", "design"]
+        assert browser.call("POST", "/execute/sync", {"script": shown, "args": [s2_fields]}) == [False] * 4
+        assert browser.call("POST", "/execute/sync", {"script": shown, "args": [ours]}) == [True] * 5
+        assert browser.js("return document.querySelectorAll('#design select').length") == 6
+        assert "fox24" in browser.js("return [...document.getElementById('voice').options].map(o => o.value)")
+        browser.js("""const [gender, age] = document.querySelectorAll('#design select');
+                      gender.value = 'female'; age.value = 'elderly';""")
+        browser.type("#text", "Hello from a real browser. This is the second sentence.")
+        browser.type("#language", "English")
+        browser.type("#seed", "7")
+        browser.click("#generate")
+        wait_for(lambda: browser.js("return window.player.state") != "generating", 120, "the speech to end")
+        page = browser.js("""return {state: window.player.state, samples: window.player.samples,
+                                     error: document.getElementById('error').textContent,
+                                     figures: document.getElementById('figures').textContent};""")
+        assert page["state"] == "done" and page["error"] == "" and page["samples"] > 0, page
+        assert "first audio" in page["figures"]
+        (speech,) = made
+        assert speech.item["instruct"] == "female, elderly" and speech.item["language"] == "en"
+        assert len(speech.texts) == 2 and speech.generator.initial_seed() == 7
+        text = "Hello from a real browser. This is the second sentence."
+        want = solo(model, text, instruct="female, elderly", language="English", seed=7)
+        assert page["samples"] == len(want) // 2  # every sample the server sent was played
+    finally:
+        browser.close()

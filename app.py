@@ -718,13 +718,16 @@ class OmniVoiceModel:
                                    f" not {count}")
 
     def __init__(self, args):
-        self.device, dtype, _ = dualAR.model_settings(args)  # --compile: S2-Pro's frame step only
+        self.device, dtype, _ = dualAR.model_settings(args)
+        compiled = args.compile is True  # asked for only: OmniVoice's compiled forward has not run on a GPU yet
         self.demo = args.checkpoint is None and not Path(omnivoice.DEFAULT_CHECKPOINT).is_dir()
         self.checkpoint = "(demo)" if self.demo else args.checkpoint or omnivoice.DEFAULT_CHECKPOINT
         if self.demo:  # built in memory
             self.model = omnivoice.quantize(omnivoice.demo_model(self.device, dtype), args.quant)
         else:
             self.model = omnivoice.load(self.checkpoint, self.device, dtype, args.quant)
+        if compiled:  # a graph per (rows, bucket of lengths), compiled as requests first need it
+            omnivoice.compile_forward(self.model, cache=args.compile_cache)
         self.sample_rate, self.hop = self.model.sample_rate, self.model.audio_tokenizer.hop_length
         self.engine = omnivoice.Engine(self.model, max_batch=args.slots, max_queue=args.queue,
                                        packed=args.packed).start()
@@ -733,7 +736,7 @@ class OmniVoiceModel:
                        f" NOISE. For speech, download k2-fsa/OmniVoice into {omnivoice.DEFAULT_CHECKPOINT}"
                        " (see README).")
         self.info = dict(model=self.name, checkpoint=str(self.checkpoint), device=str(self.device),
-                         dtype=str(dtype).replace("torch.", ""), quant=args.quant or "none", compile=False,
+                         dtype=str(dtype).replace("torch.", ""), quant=args.quant or "none", compile=compiled,
                          packed=args.packed, demo=self.demo)
 
     @staticmethod

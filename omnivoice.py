@@ -20,8 +20,8 @@ How the file reads (sections, top to bottom):
     audio utilities  pydub's silence trimming, fades, cross-fades, levels, the unmasking schedule
     voices           a clone prompt from a clip (voice_prompt), saved and read back
     requests         generate()'s arguments -> one item per text (target length, style, reference)
-    unmasking        the batch's rows (upstream's, packed, flat), CFG in log-prob space, layer penalty, Gumbel reveal; the
-                     engine: Unmasking (one text), Scheduler.step() (texts batched, each its own stream),
+    unmasking        the batch's rows (upstream's, packed, flat), CFG in log-prob space, layer penalty,
+                     Gumbel reveal; the engine: Unmasking (one text), Scheduler.step() (texts batched, each its own stream),
                      Engine (a Scheduler on its own thread), unmask (generate()'s batch)
     generation       encode, decode, generate (short and chunked), post-processing; Speech (a text sentence
                      by sentence, the server's streaming unit), CrossFade (the join, streamed), stream

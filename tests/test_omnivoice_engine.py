@@ -36,7 +36,8 @@ def test_the_streamed_cross_fade_is_upstreams_join_exactly(lengths, pad, fade):
     cross-fade's 0.1 s."""
     rng = np.random.default_rng(len(lengths))
     chunks = [rng.standard_normal(n).astype(np.float32) for n in lengths]
-    want = omnivoice.fade_and_pad(omnivoice.cross_fade_chunks([c[None] for c in chunks], SR), pad, fade, SR)[0]
+    joined = omnivoice.cross_fade_chunks([c[None] for c in chunks], SR)
+    want = omnivoice.fade_and_pad(joined, pad, fade, SR)[0]
     join = omnivoice.CrossFade(SR, pad, fade)
     pieces = [join.push(chunk) for chunk in chunks]
     got = np.concatenate([*pieces, join.end()])

@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 import types
 from pathlib import Path
 
@@ -68,6 +69,20 @@ def run_script(script, args, cwd, timeout=300):
     cache left for the next process) -> CompletedProcess with text stdout and stderr."""
     return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], cwd=cwd, capture_output=True,
                           text=True, timeout=timeout)
+
+
+def serve(*flags):
+    """app.py's server on CPU, on a free port of 127.0.0.1, with these flags, answering from a thread."""
+    import app  # the server's tests alone need it
+    server = app.make_server(app.parse_args(["--device", "cpu", "--port", "0", *map(str, flags)]))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def stop_server(server):
+    server.shutdown()
+    server.server_close()
+    server.app.close()
 
 
 def free_port() -> int:

@@ -33,7 +33,7 @@ import app
 import codec
 import common
 import dualAR
-from conftest import CKPT, CLIP, free_port
+from conftest import CKPT, CLIP, free_port, serve, stop_server
 
 TEXT = "Hello from the server test."
 SPEECH = "/v1/audio/speech"
@@ -44,17 +44,7 @@ CLIP_B64 = base64.b64encode(CLIP.read_bytes()).decode()
 
 
 def start_server(folder: Path, *flags):
-    args = app.parse_args(["--checkpoint", str(CKPT), "--device", "cpu", "--port", "0",
-                           "--voices", str(folder / "prompt"), *flags])
-    server = app.make_server(args)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
-
-
-def stop_server(server):
-    server.shutdown()
-    server.server_close()
-    server.app.close()
+    return serve("--checkpoint", CKPT, "--voices", folder / "prompt", *flags)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ import codec
 import common
 import omnivoice
 from conftest import OV_CASES as CASES, OV_CKPT as CKPT, OV_GOLDEN as GOLDEN, ov_golden as golden
+from conftest import CKPT as S2_CKPT, serve, stop_server
 from test_app import Browser, call, health, multipart, open_stream, sse_events, tree, wait_for
 from test_omnivoice import api_kwargs
 
@@ -29,17 +30,7 @@ GOLDEN_VOICES = dict(fox24="prompt_ref24.pt", foxalt="prompt_ref_alt.pt")  # voi
 
 
 def start_server(folder: Path, *flags):
-    args = app.parse_args(["--checkpoint", str(CKPT), "--device", "cpu", "--port", "0",
-                           "--voices", str(folder / "prompt"), *flags])
-    server = app.make_server(args)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    return server
-
-
-def stop_server(server):
-    server.shutdown()
-    server.server_close()
-    server.app.close()
+    return serve("--checkpoint", CKPT, "--voices", folder / "prompt", *flags)
 
 
 @pytest.fixture(scope="module")
@@ -345,10 +336,7 @@ def test_each_model_refuses_the_others_voice_clearly(server, root, tmp_path):
     refuses S2-Pro's."""
     message = error_of(call(server, "POST", SPEECH, dict(input="Hi.", voice="s2voice")))
     assert "was saved for S2-Pro" in message and "runs OmniVoice" in message
-    args = app.parse_args(["--checkpoint", str(Path(__file__).parent / "fixtures/s2-tiny/checkpoint"),
-                           "--device", "cpu", "--port", "0", "--voices", str(root / "prompt")])
-    s2 = app.make_server(args)
-    threading.Thread(target=s2.serve_forever, daemon=True).start()
+    s2 = serve("--checkpoint", S2_CKPT, "--voices", root / "prompt")
     try:
         listed = json.loads(call(s2, "GET", "/v1/audio/voices")[2])
         assert "s2voice" in listed["voices"] and "fox24" not in listed["voices"]
@@ -431,8 +419,7 @@ def test_health_models_and_page(server):
 
 def test_the_demo_model_serves_noise_and_says_so(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no ./OmniVoice here
-    server = app.make_server(app.parse_args(["--model", "omnivoice", "--device", "cpu", "--port", "0"]))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = serve("--model", "omnivoice")
     try:
         info = health(server)
         assert info["model"] == "omnivoice-demo" and info["demo"] is True and info["checkpoint"] == "(demo)"

@@ -719,7 +719,7 @@ class OmniVoiceModel:
 
     def __init__(self, args):
         self.device, dtype, _ = dualAR.model_settings(args)
-        compiled = args.compile is True  # asked for only: OmniVoice's compiled forward has not run on a GPU yet
+        compiled = args.compile is True  # asked for only: its compiled forward has not run on a GPU yet
         self.demo = args.checkpoint is None and not Path(omnivoice.DEFAULT_CHECKPOINT).is_dir()
         self.checkpoint = "(demo)" if self.demo else args.checkpoint or omnivoice.DEFAULT_CHECKPOINT
         if self.demo:  # built in memory

@@ -226,6 +226,24 @@ def peak_memory_gb(device: torch.device) -> float:
 
 
 # ----------------------------------------------------------------------------- engines
+class Job:
+    """What an engine's unit of work shares (dualAR.Request, omnivoice.Unmasking): `done`, `cancelled` and
+    `error`, with `changed` notified when it ends. The subclass calls Job.__init__ first."""
+
+    def __init__(self):
+        self.done, self.cancelled, self.error, self.changed = False, False, None, threading.Condition()
+
+    def finish(self, error: Exception = None):
+        """It is over (an error is raised to its reader; the first one is kept)."""
+        with self.changed:
+            self.done, self.error = True, self.error or error
+            self.changed.notify_all()
+
+    def cancel(self):
+        """Stop it: the engine drops it before its next step (frees its row)."""
+        self.cancelled = True
+
+
 class EngineThread:
     """What makes a model's scheduler an engine (dualAR.Engine, omnivoice.Engine): a thread of its own that
     steps it while it is busy. `start()` it, `wake.set()` when work comes, `close()` at the end. The

@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 import codec  # the CLI's audio, and the RMSNorm, FeedForward and RoPE of both transformers here
 from codec import FeedForward, RMSNorm, apply_rope, rope_table
-from common import (DTYPES, EngineClosed, EngineThread, QuantLinear, QueueFull, UserError, cli,
+from common import (DTYPES, EngineClosed, EngineThread, Job, QuantLinear, QueueFull, UserError, cli,
                     default_compile_cache, device_name, peak_memory_gb, pick_device, pick_dtype, swap_linears,
                     unreadable, use_compile_cache)
 
@@ -909,13 +909,14 @@ def check_request(model: DualAR, text: str, references) -> list:
     return checked
 
 
-class Request:
+class Request(Job):
     """One request: its text batches, sampling parameters, random stream, row, and what it has made:
     `chunks`, codes (num_codebooks, n) each, grows as the engine works (the one record of its codes).
     Iterating it yields them as they come, waiting while an engine thread works; `codes()` joins them."""
 
     def __init__(self, model: DualAR, text: str, references=(), seed=None, temperature=0.7, top_p=0.7,
                  top_k=30, max_new_tokens=0, chunk_length=300, chunk_frames=CHUNK_FRAMES, max_context=None):
+        super().__init__()
         check_sampling(temperature, top_p, top_k, max_new_tokens, chunk_length, chunk_frames)
         self.model, self.references = model, check_request(model, text, references)
         self.texts, self.history = text_batches(text, chunk_length), []
@@ -930,7 +931,6 @@ class Request:
         self.generator = torch.Generator(device).manual_seed(seed)
         self.prompt = self.next_prompt()  # a prompt that cannot fit fails here, before any work
         self.batch_frames, self.raw_frames, self.pending, self.chunks, self.row = [], [], [], [], None
-        self.done, self.cancelled, self.error, self.changed = False, False, None, threading.Condition()
         self.submitted, self.first_audio = time.perf_counter(), None
         self.prefill_tokens, self.prefill_seconds = 0, 0.0
 
@@ -974,16 +974,6 @@ class Request:
             self.prompt = self.next_prompt()
             return True
         return False
-
-    def finish(self, error: Exception = None):
-        """The request is over (an error is raised to its reader)."""
-        with self.changed:
-            self.done, self.error = True, self.error or error
-            self.changed.notify_all()
-
-    def cancel(self):
-        """Stop this request: its row is freed before the next frame."""
-        self.cancelled = True
 
     def __iter__(self):
         """Codes chunks as they are made (waits while an engine thread works)."""

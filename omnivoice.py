@@ -21,8 +21,8 @@ How the file reads (sections, top to bottom):
     voices           a clone prompt from a clip (voice_prompt), saved and read back
     requests         generate()'s arguments -> one item per text (target length, style, reference)
     unmasking        the batch's rows (upstream's, packed, flat), CFG in log-prob space, layer penalty,
-                     Gumbel reveal; the engine: Unmasking (one text), Scheduler.step() (texts batched, each its own stream),
-                     Engine (a Scheduler on its own thread), unmask (generate()'s batch)
+                     Gumbel reveal; the engine: Unmasking (one text), Scheduler.step() (texts batched, each
+                     its own stream), Engine (a Scheduler on its own thread), unmask (generate()'s batch)
     generation       encode, decode, generate (short and chunked), post-processing; Speech (a text sentence
                      by sentence, the server's streaming unit), CrossFade (the join, streamed), stream
     demo             a tiny random model and tokenizer, built in memory
@@ -1084,29 +1084,20 @@ def row_layout(packed: bool, model: OmniVoice):
     return flat_row if model.audio_heads.weight.device.type == "cpu" else packed_rows
 
 
-class Unmasking:
+class Unmasking(common.Job):
     """One text's unmasking (a text of generate()'s batch, a sentence of a Speech): its item (plan's), its
     options (generation_config's), its random stream, its codes so far and its step. Made in the caller's
     thread, stepped by a Scheduler's; codes() waits for the end."""
 
     def __init__(self, model: OmniVoice, item: dict, gen: dict, generator):
+        super().__init__()
         C, T = model.cfg["num_codebooks"], item["target_len"]
         self.item, self.gen, self.generator = item, gen, generator
         self.seq = item_ids(model, item, gen["denoise"])  # style, text, reference, the masked target
         ts = time_steps(0.0, 1.0, gen["num_step"], gen["t_shift"]).tolist()
         self.schedule = count_schedule(T * C, ts)  # codes revealed at each of its steps
         self.tokens = torch.full((C, T), model.cfg["audio_mask_id"])  # moved to the device when admitted
-        self.step, self.done, self.cancelled, self.error = 0, False, False, None
-        self.changed = threading.Condition()
-
-    def finish(self, error: Exception = None):
-        with self.changed:
-            self.done, self.error = True, self.error or error
-            self.changed.notify_all()
-
-    def cancel(self):
-        """Stop it: it leaves the batch before the next step (its codes are then not all revealed)."""
-        self.cancelled = True
+        self.step = 0
 
     def codes(self) -> Tensor:
         """(C, T) int64 on the CPU, once every step has run (waits while an engine thread works)."""

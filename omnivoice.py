@@ -1260,8 +1260,7 @@ class Engine(common.EngineThread, Scheduler):
 def unmask(model: OmniVoice, items: list, gen: dict, generator, progress=False, packed=False) -> list:
     """num_step passes over the batch, each revealing its scheduled count of codes per request -> (C, T_i)
     codes per item. generator: one for all (upstream's draws: per request in batch order, the class draw,
-    then the position) or a list, one per item. packed: one row per request (packed_rows) instead of
-    upstream's two (batch_rows)."""
+    then the position) or a list, one per item. packed: see row_layout."""
     generators = generator if isinstance(generator, list) else [generator] * len(items)
     scheduler = Scheduler(model, max_batch=len(items), packed=packed)
     jobs = [scheduler.submit(Unmasking(model, item, gen, g)) for item, g in zip(items, generators)]
@@ -1296,6 +1295,19 @@ def decode(model: OmniVoice, codes) -> np.ndarray:
         return tok.decode(codes[None])[0, 0].cpu().numpy()
 
 
+def chunk_chars(model: OmniVoice, item: dict, gen: dict) -> int:
+    """Characters of the item's text that make audio_chunk_duration of audio (upstream's chunk length)."""
+    frames_per_char = item["target_len"] / len(item["text"])
+    return int(gen["audio_chunk_duration"] * model.frame_rate / frames_per_char)
+
+
+def chunk_item(item: dict, text: str, ref, ref_text) -> dict:
+    """A long text's chunk as an item of its own: its text, its reference and its length estimated again."""
+    ref_len = None if ref is None else ref.shape[1]
+    return dict(item, text=text, ref_codes=ref, ref_text=ref_text,
+                target_len=estimate_target_tokens(text, ref_text, ref_len, item["speed"]))
+
+
 def chunked(model: OmniVoice, items: list, gen: dict, generator, progress=False, packed=False) -> list:
     """Long texts, split at punctuation into chunks of audio_chunk_duration, each chunk generated with the
     request's reference (or, with none, with chunk 0's own codes and text) -> a list of chunk codes per item.
@@ -1303,17 +1315,12 @@ def chunked(model: OmniVoice, items: list, gen: dict, generator, progress=False,
     has_ref = [item["ref_codes"] is not None for item in items]
     if any(has_ref) and not all(has_ref):  # upstream asserts
         raise UserError("long texts with and without a reference cannot be generated in one batch")
-    pieces = []
-    for item in items:
-        frames_per_char = item["target_len"] / len(item["text"])
-        chunk_len = int(gen["audio_chunk_duration"] * model.frame_rate / frames_per_char)
-        pieces.append(chunk_text_punctuation(item["text"], chunk_len, min_chunk_len=3))
+    pieces = [chunk_text_punctuation(item["text"], chunk_chars(model, item, gen), min_chunk_len=3)
+              for item in items]
     results = [[] for _ in items]
 
     def run(indices, texts, refs, ref_texts):
-        batch = [dict(items[i], text=text, ref_codes=ref, ref_text=ref_text,
-                      target_len=estimate_target_tokens(text, ref_text, None if ref is None else ref.shape[1],
-                                                        items[i]["speed"]))
+        batch = [chunk_item(items[i], text, ref, ref_text)
                  for i, text, ref, ref_text in zip(indices, texts, refs, ref_texts)]
         for i, codes in zip(indices, unmask(model, batch, gen, generator, progress, packed)):
             results[i].append(codes)
@@ -1471,9 +1478,7 @@ class Speech:
         with torch.inference_mode():
             [self.item] = plan(model, [text], language, ref_audio, ref_text, voice, instruct, speed, duration,
                                self.gen)
-        frames_per_char = self.item["target_len"] / len(text)
-        chunk_len = int(self.gen["audio_chunk_duration"] * model.frame_rate / frames_per_char)
-        self.texts = split_sentences(text, chunk_len) or [text.strip()]
+        self.texts = split_sentences(text, chunk_chars(model, self.item, self.gen)) or [text.strip()]
         if seed is None:
             seed = int(torch.randint(2**62, ()))
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -1486,13 +1491,12 @@ class Speech:
     def sentence(self, n: int, first_codes) -> dict:
         """Sentence n's item: upstream's chunk n of a long text (see `chunked`); one sentence: plan's item
         (its length estimated again from plan's speed may miss a frame)."""
-        item, text = self.item, self.texts[n]
+        item = self.item
         if len(self.texts) == 1:
             return item
         ref, ref_text = (item["ref_codes"], item["ref_text"]) if item["ref_codes"] is not None else \
             (None, None) if n == 0 else (first_codes, self.texts[0])
-        target = estimate_target_tokens(text, ref_text, None if ref is None else ref.shape[1], item["speed"])
-        return dict(item, text=text, ref_codes=ref, ref_text=ref_text, target_len=target)
+        return chunk_item(item, self.texts[n], ref, ref_text)
 
     def submit(self, n: int, first_codes, new_request=False) -> Unmasking:
         job = Unmasking(self.model, self.sentence(n, first_codes), self.gen, self.generator)

@@ -527,11 +527,10 @@ def fast_path(model, on=True, choices=None):
     if on and choices is None:
         choices = machine_choices(model)
     for module in model.modules():
-        fast = on and choices.get(op_key(module), True)
-        if isinstance(module, Snake):
-            module.fn = fused_snake() if fast else snake
-        elif op_key(module) is not None:
-            use_fast(module, pack and fast)
+        key = op_key(module)
+        if key is not None:
+            fast = on and choices.get(key, True)
+            use_fast(module, fast and (pack or isinstance(module, Snake)))
     return model
 
 
@@ -549,8 +548,10 @@ def op_key(module):
 
 
 def use_fast(module, on):
-    """One op on its prepacked weight (on) or eager."""
-    if type(module) in (nn.Linear, PackedLinear):  # the same module and parameters, another forward
+    """One op fast (on: Snake compiled, another op on its prepacked weight) or eager."""
+    if isinstance(module, Snake):
+        module.fn = fused_snake() if on else snake
+    elif type(module) in (nn.Linear, PackedLinear):  # the same module and parameters, another forward
         module.__class__ = PackedLinear if on else nn.Linear
         module.packed = prepack(module.weight) if on else None
     elif isinstance(module, CausalConvT):  # (C, C', kernel) -> one matmul's (kernel * C', C)
@@ -622,22 +623,15 @@ def timed_choices(model, repeats=3):
             for shape in shapes:
                 x, best = torch.rand(shape, dtype=p.dtype, device=p.device), {}
                 for fast in (False, True, False, True):  # the first pair warms up (and compiles)
-                    fast_op(module, fast)
+                    use_fast(module, fast)
                     best[fast] = min(seconds(module, x) for _ in range(repeats))
                 total[0] += best[False]
                 total[1] += best[True]
-            fast_op(module, False)
+            use_fast(module, False)
     choices = {}
     for (key, _), (eager, fast) in times.items():
         choices[key] = choices.get(key, True) and fast <= eager
     return choices
-
-
-def fast_op(module, on):
-    if isinstance(module, Snake):
-        module.fn = fused_snake() if on else snake
-    else:
-        use_fast(module, on)
 
 
 def probe_inputs(model):

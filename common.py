@@ -158,8 +158,8 @@ class QuantLinear(nn.Module):
     _weight_int8pack_mm, _weight_int4pack_mm_for_cpu; inductor calls the same ones). They are fast with
     bf16 activations only (fp32 takes a scalar path, 10-30x slower): x goes in as bf16, y out in x's dtype.
     matmul_rows: from this many rows on (compute-bound work, such as OmniVoice's whole sequences) an int8
-    weight is dequantized to bf16 once per call and run through a bf16 matmul, which those kernels, written
-    for a few rows, are many times slower than."""
+    weight is converted to bf16 (exactly: |q| <= 127) once per call and run through a bf16 matmul, which
+    those kernels, written for a few rows, are many times slower than; the scales multiply its output."""
 
     def __init__(self, linear: nn.Linear, bits: int, matmul_rows: int = None):
         super().__init__()
@@ -184,7 +184,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
         if self.bits == 8 and self.matmul_rows is not None and x2.shape[0] >= self.matmul_rows:
-            y = F.linear(x2, self.weight.to(torch.bfloat16) * self.scales[:, None])
+            y = F.linear(x2, self.weight.to(torch.bfloat16)) * self.scales  # one pass over the weight
         elif self.bits == 8:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
         else:

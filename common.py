@@ -3,7 +3,8 @@ dtype choice, atomic writes, audio files, peak memory, an engine's thread. It im
 model file can be copied with this one alone.
 
 Sections: errors and the CLI wrapper, devices and dtypes, files (atomic writes, audio, the compile cache),
-CPU weight-only quantization (QuantLinear), memory, engines (the thread that drives a scheduler).
+CPU weight-only quantization (QuantLinear), CPU matmuls of a few rows (FewRowsLinear), memory, engines (the
+thread that drives a scheduler).
 """
 import argparse
 import math
@@ -200,6 +201,40 @@ def swap_linears(module: nn.Module, bits: int, matmul_rows: int = None):
             setattr(module, name, QuantLinear(child, bits, matmul_rows))
         else:
             swap_linears(child, bits, matmul_rows)
+
+
+# ----------------------------------------------------------------------------- CPU matmuls of a few rows
+FEW_ROWS = range(4, 65)  # where oneDNN's prepacked fp32 matmul beats torch's (MKL) eager: docs/speed.md
+
+
+def prepacked(weight: Tensor) -> Tensor:
+    """oneDNN's own layout of a linear weight, made once, kept on it (made again if it changed in place)."""
+    packed = getattr(weight, "prepacked", None)
+    if packed is None or packed[0] != weight._version:
+        packed = weight._version, torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+        weight.prepacked = packed
+    return packed[1]
+
+
+class FewRowsLinear(nn.Linear):
+    """nn.Linear whose eager inference on CPU fp32 with FEW_ROWS rows (a batch of frames) runs oneDNN on the
+    weight `prepacked`: MKL reads a weight at ~40 GB/s for 1-3 rows but ~20 for 4-16 here, oneDNN at ~30. The
+    copy doubles the layer's memory, made at the first such call. A compiled graph keeps F.linear (inductor
+    has its own plan for a few rows, faster still); any other call is nn.Linear's."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        few = x.numel() // self.in_features in FEW_ROWS and x.dtype == torch.float32 and x.is_cpu
+        if few and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+            return torch.ops.mkldnn._linear_pointwise(x, prepacked(self.weight), self.bias, "none", [], "")
+        return F.linear(x, self.weight, self.bias)
+
+
+def use_few_rows_linears(module: nn.Module):
+    """Every plain nn.Linear inside module -> FewRowsLinear (the same parameters and names), where torch has
+    oneDNN."""
+    for m in module.modules():
+        if type(m) is nn.Linear and torch.backends.mkldnn.is_available():
+            m.__class__ = FewRowsLinear
 
 
 # ----------------------------------------------------------------------------- memory

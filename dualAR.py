@@ -47,9 +47,9 @@ from tqdm import tqdm
 
 import codec  # the CLI's audio, and the RMSNorm, FeedForward and RoPE of both transformers here
 from codec import FeedForward, RMSNorm, apply_rope, rope_table
-from common import (DTYPES, EngineClosed, EngineThread, Job, QuantLinear, QueueFull, UserError, cli,
+from common import (DTYPES, FEW_ROWS, EngineClosed, EngineThread, Job, QuantLinear, QueueFull, UserError, cli,
                     default_compile_cache, device_name, peak_memory_gb, pick_device, pick_dtype, swap_linears,
-                    unreadable, use_compile_cache)
+                    unreadable, use_compile_cache, use_few_rows_linears)
 
 # The real fishaudio/s2-pro dimensions, with upstream's flat `dual_ar` key names.
 CONFIG = dict(
@@ -1014,6 +1014,8 @@ class Scheduler:
         self.rows, self.waiting, self.closed = [None] * slots, collections.deque(), False
         self.lock = threading.Lock()  # `waiting` is shared with the threads that submit (Engine)
         self.claim()
+        if slots >= FEW_ROWS.start:  # batched frames: oneDNN's prepacked matmuls on CPU (FewRowsLinear)
+            use_few_rows_linears(model)
         # inference tensors, as the caches: made outside inference mode, the compiled step would see
         # tensors of another kind (another dispatch key) and compile again
         with torch.inference_mode():

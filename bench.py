@@ -392,9 +392,11 @@ def codec_speed(args):
         start = time.perf_counter()
         choices = codec.machine_choices(dac)
         slower = sorted(key for key, fast in choices.items() if not fast)
+        limited = sorted(f"{key} up to {fast}" for key, fast in choices.items() if type(fast) is int and fast)
         print(f"fast path: {len(choices) - len(slower)} of {len(choices)} ops fast on this machine, decided"
               f" in {time.perf_counter() - start:.1f} s ({codec.choices_folder() / codec.CHOICES_FILE});"
-              f" eager: {', '.join(slower) or 'none'}")
+              f" eager: {', '.join(slower) or 'none'}; prepacked up to some rows only:"
+              f" {', '.join(limited) or 'none'}")
     for path, chunk, n_frames, n_chunks, fn in runs:
         flops = counted_flops(dac, fn)  # on either path: both do the same arithmetic
         # warm-up: first calls allocate what later calls reuse; the first fast one compiles

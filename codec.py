@@ -502,11 +502,18 @@ def prepack(weight):  # (out, in) -> oneDNN's own layout, made once
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
 
+def linear_rows(shape):  # a linear layer's input (..., in): how many rows of `in` it multiplies
+    return math.prod(shape[:-1])
+
+
 class PackedLinear(nn.Linear):
-    """fast_path's nn.Linear: the same parameters, and oneDNN's matmul on its weight prepacked (`packed`)."""
+    """fast_path's nn.Linear: the same parameters, and oneDNN's matmul on its weight prepacked (`packed`) for
+    inputs of up to `max_rows` rows (math.inf: any); larger inputs take nn.Linear's own matmul."""
 
     def forward(self, x):
-        return packed_matmul(x, self.packed, self.bias)
+        if linear_rows(x.shape) <= self.max_rows:
+            return packed_matmul(x, self.packed, self.bias)
+        return super().forward(x)
 
 
 @functools.cache
@@ -520,8 +527,9 @@ def fast_path(model, on=True, choices=None):
     layers and transposed convs (as one matmul each) run on weights prepacked once for oneDNN, where torch
     and mkldnn are there: eager mkldnn reorders a conv's weight on every call, and MKL reads a linear
     layer's weight for a stream's few rows at a third of the memory bandwidth (docs/speed.md). Each of
-    these is taken only where it is faster on this machine: choices {`op_key`: bool} (a key left out: taken),
-    by default this machine's (`machine_choices`: timed once, kept in the compile cache)."""
+    these is taken only where it is faster on this machine: choices {`op_key`: True, False or, for a linear
+    layer, the most rows it runs prepacked on} (a key left out: True), by default this machine's
+    (`machine_choices`: timed once, kept in the compile cache)."""
     p = next(model.parameters())
     pack = on and can_prepack(p)
     if on and choices is None:
@@ -529,8 +537,8 @@ def fast_path(model, on=True, choices=None):
     for module in model.modules():
         key = op_key(module)
         if key is not None:
-            fast = on and choices.get(key, True)
-            use_fast(module, fast and (pack or isinstance(module, Snake)))
+            takes = on and (pack or isinstance(module, Snake))
+            use_fast(module, choices.get(key, True) if takes else False)
     return model
 
 
@@ -548,12 +556,14 @@ def op_key(module):
 
 
 def use_fast(module, on):
-    """One op fast (on: Snake compiled, another op on its prepacked weight) or eager."""
+    """One op fast (on: Snake compiled, another op on its prepacked weight) or eager; on, for a linear layer,
+    can also be the most rows it runs prepacked on (True: any, 0: none)."""
     if isinstance(module, Snake):
         module.fn = fused_snake() if on else snake
     elif type(module) in (nn.Linear, PackedLinear):  # the same module and parameters, another forward
         module.__class__ = PackedLinear if on else nn.Linear
         module.packed = prepack(module.weight) if on else None
+        module.max_rows = math.inf if on is True else on
     elif isinstance(module, CausalConvT):  # (C, C', kernel) -> one matmul's (kernel * C', C)
         module.packed = prepack(module.conv.weight.mT.flatten(1).T) if on else None
     elif not on:
@@ -583,55 +593,76 @@ def machine_key(model):
 
 def machine_choices(model):
     """This machine's choices for the model's ops, read from CHOICES_FILE or timed once (`timed_choices`)
-    and added to it. A file that cannot be read or written only costs the timing again."""
+    and added to it. A file that cannot be read or written, or that does not decide every op of the model
+    (`is_choice`), only costs the timing again."""
     path, machine = choices_folder() / CHOICES_FILE, machine_key(model)
     try:
         known = json.loads(path.read_text())
     except (OSError, ValueError):
         known = {}
     known = known if isinstance(known, dict) else {}
-    choices = known.get(machine, {})
-    keys = {op_key(m) for m in model.modules()} - {None}
-    if keys <= set(choices):
-        return choices
-    print(f"codec: timing each fast-path op against eager, once for this machine (kept in {path})",
-          file=sys.stderr)
-    choices = dict(choices, **timed_choices(model))
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(dict(known, **{machine: choices}), indent=1)
-        common.write_atomic(path, lambda tmp: Path(tmp).write_text(text))
-    except (OSError, common.UserError):
-        pass
-    return choices
+    choices = known.get(machine)
+    choices = choices if isinstance(choices, dict) else {}
+    ops = {op_key(m): m for m in model.modules() if op_key(m) is not None}
+    if not all(is_choice(module, choices.get(key)) for key, module in ops.items()):
+        print(f"codec: timing each fast-path op against eager, once for this machine (kept in {path})",
+              file=sys.stderr)
+        choices = dict(choices, **timed_choices(model))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            text = json.dumps(dict(known, **{machine: choices}), indent=1)
+            common.write_atomic(path, lambda tmp: Path(tmp).write_text(text))
+        except (OSError, common.UserError):
+            pass
+    return {key: choices[key] for key in ops if key in choices}  # this model's (the file has others' too)
+
+
+def is_choice(module, value):
+    """Whether a decision file's value decides this op: True or False; for a linear layer True or the most
+    rows it runs prepacked on (its False is an older file's one choice for all row counts: timed again)."""
+    if isinstance(module, nn.Linear):
+        return value is True or (type(value) is int and value >= 0)
+    return isinstance(value, bool)
 
 
 @torch.inference_mode()
 def timed_choices(model, repeats=3):
     """Each op eager and fast on the inputs it gets in an encode and in a stream of each PROBE_FRAMES chunk
-    size (`probe_inputs`): fast is kept only if it is no slower in any of them. Snake: all calls at once."""
+    size (`probe_inputs`): fast is kept only if it is no slower in any of them. Snake: all calls at once.
+    A linear layer is timed by its inputs' row counts instead and kept prepacked up to a row limit
+    (`row_limit`): its prepacked weight can win on a stream's few rows and lose on an encode's many."""
     p = next(model.parameters())
     inputs, pack = probe_inputs(model), can_prepack(p)
+    by_rows = {op_key(m) for m in inputs if isinstance(m, nn.Linear)}
     fast_path(model, on=False)
-    times = {}  # (op key, probe) -> [eager seconds, fast seconds]
+    times = {}  # (op key, probe; a linear layer's: rows) -> [eager seconds, fast seconds]
     for module, probes in inputs.items():
         key = op_key(module)
         if key != "snake" and not pack:
             continue
         for probe, shapes in probes.items():
-            total = times.setdefault((key, probe), [0.0, 0.0])
             for shape in shapes:
+                total = times.setdefault((key, linear_rows(shape) if key in by_rows else probe), [0.0, 0.0])
                 x, best = torch.rand(shape, dtype=p.dtype, device=p.device), {}
                 for fast in (False, True, False, True):  # the first pair warms up (and compiles)
                     use_fast(module, fast)
                     best[fast] = min(seconds(module, x) for _ in range(repeats))
                 total[0] += best[False]
                 total[1] += best[True]
-            use_fast(module, False)
-    choices = {}
-    for (key, _), (eager, fast) in times.items():
-        choices[key] = choices.get(key, True) and fast <= eager
-    return choices
+        use_fast(module, False)
+    wins = {}  # op key -> {probe or rows: fast no slower than eager}
+    for (key, where), (eager, fast) in times.items():
+        wins.setdefault(key, {})[where] = fast <= eager
+    return {key: row_limit(won) if key in by_rows else all(won.values()) for key, won in wins.items()}
+
+
+def row_limit(wins):
+    """{rows: fast no slower} -> True if fast wins at every row count timed (then any rows run prepacked),
+    else the most rows it wins at below the fewest it loses at (0: none)."""
+    lost = [rows for rows, won in wins.items() if not won]
+    if not lost:
+        return True
+    return max((rows for rows in wins if rows < min(lost)), default=0)
 
 
 def probe_inputs(model):

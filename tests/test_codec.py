@@ -1,6 +1,7 @@
 """codec.py against the upstream goldens in tests/fixtures/s2-tiny (see its README) and the S2-Pro shapes."""
 import itertools
 import json
+import math
 import re
 from concurrent.futures import ThreadPoolExecutor
 
@@ -153,7 +154,8 @@ TIMED_CHOICES = codec.timed_choices  # as imported: conftest's session fixture r
 def alternating_choices(model):
     """Every other op key fast, the rest eager: tensors cross between the two layouts everywhere."""
     keys = sorted({codec.op_key(m) for m in model.modules()} - {None})
-    return {key: i % 2 == 0 for i, key in enumerate(keys)}
+    eager = {key: 0 if key.startswith("linear ") else False for key in keys}  # linear: 0 rows prepacked
+    return {key: True if i % 2 == 0 else eager[key] for i, key in enumerate(keys)}
 
 
 def test_fast_path_takes_a_cached_decision_files_choices_without_timing(model, one_shot, tmp_path,
@@ -200,6 +202,32 @@ def test_a_machine_without_decisions_is_timed_once_and_added_to_the_file(tmp_pat
     assert timed == [1, 1] and json.loads((tmp_path / "cache" / codec.CHOICES_FILE).read_text())
 
 
+@pytest.mark.parametrize("edit, timed_again", [
+    (lambda entry, linear: entry, False),  # the older format's one bool per op, linear layers True
+    (lambda entry, linear: dict(entry, **{linear: False}), True),  # ... False: it knew no row limit
+    (lambda entry, linear: dict(entry, snake=1), True),
+    (lambda entry, linear: dict(entry, **{linear: "4"}), True),
+    (lambda entry, linear: [entry], True)])
+def test_an_older_or_odd_decision_file_is_taken_where_it_decides_and_timed_again_where_not(
+        tmp_path, monkeypatch, edit, timed_again):
+    """The older format (one bool per op) decides what it can say: a linear layer's True (prepacked at any
+    rows). Its False (no row limit known), a value of no kind an op takes or an entry that is not a dict:
+    timed again and replaced, never a crash."""
+    monkeypatch.setattr(codec, "choices_folder", lambda: tmp_path)
+    dac = codec.load(CKPT)
+    keys = sorted({codec.op_key(m) for m in dac.modules()} - {None})
+    linear = next(key for key in keys if key.startswith("linear "))
+    timed = {key: 4 if key.startswith("linear ") else True for key in keys}
+    monkeypatch.setattr(codec, "timed_choices", lambda model: timed)
+    entry = edit({key: True for key in keys}, linear)
+    (tmp_path / codec.CHOICES_FILE).write_text(json.dumps({codec.machine_key(dac): entry}))
+    codec.fast_path(dac)
+    kept = json.loads((tmp_path / codec.CHOICES_FILE).read_text())[codec.machine_key(dac)]
+    assert kept == (timed if timed_again else entry)
+    packed = {m.max_rows for m in dac.modules() if isinstance(m, codec.PackedLinear)}
+    assert packed == ({4} if timed_again else {math.inf})
+
+
 def test_timed_choices_time_every_op_in_every_probe_and_leave_the_model_eager(monkeypatch):
     """The timing itself (its figures replaced by a fake clock: tests time nothing): an op is fast only if
     it is no slower in every probe (an encode, streams of 1, 4 and 16 frames), and the model is left eager."""
@@ -212,8 +240,7 @@ def test_timed_choices_time_every_op_in_every_probe_and_leave_the_model_eager(mo
     assert len(probes[loser]) == 3 and not losing & (probes[loser]["stream 4"] | probes[loser]["stream 16"])
 
     def fake_seconds(module, x):
-        fast = module.fn is not codec.snake if isinstance(module, codec.Snake) else module.packed is not None
-        return 2.0 if fast and module is loser and tuple(x.shape) in losing else 1.0
+        return 2.0 if runs_fast(module) and module is loser and tuple(x.shape) in losing else 1.0
 
     monkeypatch.setattr(codec, "seconds", fake_seconds)
     choices = TIMED_CHOICES(dac)
@@ -221,6 +248,55 @@ def test_timed_choices_time_every_op_in_every_probe_and_leave_the_model_eager(mo
     assert choices == {key: key != codec.op_key(loser) for key in keys}
     assert all(getattr(m, "packed", None) is None for m in dac.modules())
     assert all(m.fn is codec.snake for m in dac.modules() if isinstance(m, codec.Snake))
+
+
+def runs_fast(module):
+    return module.fn is not codec.snake if isinstance(module, codec.Snake) else module.packed is not None
+
+
+def test_timed_choices_keep_a_linear_layer_prepacked_up_to_the_rows_it_wins_at(monkeypatch):
+    """A linear layer is timed by its inputs' rows (streams: 1 to 64 here, an encode 16 to 64) and kept
+    prepacked up to the most rows it wins at below the fewest it loses at; winning everywhere: any rows."""
+    dac = codec.load(CKPT)
+    attention, convnext = dac.quantizer.post_module.layers[0].attention, dac.quantizer.upsample[0][1]
+    qkv, out, pointwise = (codec.op_key(m) for m in (attention.wqkv, attention.wo, convnext.pwconv1))
+    losing = {qkv: lambda rows: rows >= 16, out: lambda rows: rows == 1, pointwise: lambda rows: rows == 8}
+
+    def fake_seconds(module, x):
+        loses = losing.get(codec.op_key(module), lambda rows: False)
+        return 2.0 if runs_fast(module) and loses(codec.linear_rows(x.shape)) else 1.0
+
+    monkeypatch.setattr(codec, "seconds", fake_seconds)
+    choices = TIMED_CHOICES(dac)
+    assert {key: choices[key] for key in losing} == {qkv: 4, out: 0, pointwise: 4}  # qkv: rows 1, 4, 16, 64
+    assert {choices[key] for key in choices if key not in losing} == {True}
+    assert all(getattr(m, "packed", None) is None for m in dac.modules())
+
+
+def test_a_linear_layer_runs_prepacked_up_to_its_row_limit_and_eager_beyond(one_shot, tmp_path, monkeypatch):
+    """A decision file's row limit between a stream's rows and an encode's: each linear layer's call takes
+    the prepacked weight up to the limit, rows included, and nn.Linear's matmul beyond; the stream and the
+    encode stay as eager's."""
+    monkeypatch.setattr(codec, "choices_folder", lambda: tmp_path)
+    monkeypatch.setattr(codec, "timed_choices", lambda model: pytest.fail("timed although the file decides"))
+    dac = codec.load(CKPT)
+    keys = {codec.op_key(m): m for m in dac.modules()}
+    choices = {key: 8 if isinstance(m, torch.nn.Linear) else False for key, m in keys.items() if key}
+    (tmp_path / codec.CHOICES_FILE).write_text(json.dumps({codec.machine_key(dac): choices}))
+    codec.fast_path(dac)
+    packed, eager = [], []  # rows of each linear layer's call (every other op is eager: no packed_matmul)
+    packed_matmul, linear = codec.packed_matmul, torch.nn.Linear.forward
+    monkeypatch.setattr(codec, "packed_matmul", lambda x, *args: packed.append(codec.linear_rows(x.shape))
+                        or packed_matmul(x, *args))
+    monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, x: eager.append(codec.linear_rows(x.shape))
+                        or linear(self, x))
+    codes, waves = one_shot
+    stream = torch.cat(list(codec.decode_stream(dac, codes[:1].split(chunk_sizes([1, 4], 40), -1))), -1)
+    assert max_diff(stream, waves[1]) <= 1e-5
+    assert (set(packed), set(eager)) == ({1, 2, 4, 8}, {16})  # the upsampling ConvNeXts' 4 rows a frame
+    audio = codec.load_audio(GOLDEN / "audio_in.wav")
+    np.testing.assert_array_equal(codec.encode(dac, audio)[0].numpy(), gold("codec_codes.npy"))
+    assert 8 in packed and max(packed) <= 8 < min(eager) and max(eager) == 64  # the encode: 6 to 64 rows
 
 
 def test_encode_and_decode_from_several_threads_match_sequential(model):

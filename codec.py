@@ -506,12 +506,16 @@ def linear_rows(shape):  # a linear layer's input (..., in): how many rows of `i
     return math.prod(shape[:-1])
 
 
+def step_at(steps, rows):  # steps [[from rows, choice], ...], the first from 0 -> the choice for rows
+    return next(choice for start, choice in reversed(steps) if start <= rows)
+
+
 class PackedLinear(nn.Linear):
-    """fast_path's nn.Linear: the same parameters, and oneDNN's matmul on its weight prepacked (`packed`) for
-    inputs of up to `max_rows` rows (math.inf: any); larger inputs take nn.Linear's own matmul."""
+    """fast_path's nn.Linear: the same parameters, and oneDNN's matmul on its weight prepacked (`packed`) at
+    the row counts its `steps` take it at (`row_steps`); at the others nn.Linear's own matmul."""
 
     def forward(self, x):
-        if linear_rows(x.shape) <= self.max_rows:
+        if step_at(self.steps, linear_rows(x.shape)):
             return packed_matmul(x, self.packed, self.bias)
         return super().forward(x)
 
@@ -528,8 +532,8 @@ def fast_path(model, on=True, choices=None):
     and mkldnn are there: eager mkldnn reorders a conv's weight on every call, and MKL reads a linear
     layer's weight for a stream's few rows at a third of the memory bandwidth (docs/speed.md). Each of
     these is taken only where it is faster on this machine: choices {`op_key`: True, False or, for a linear
-    layer, the most rows it runs prepacked on} (a key left out: True), by default this machine's
-    (`machine_choices`: timed once, kept in the compile cache)."""
+    layer, the row counts it runs prepacked at (`row_steps`)} (a key left out: True), by default this
+    machine's (`machine_choices`: timed once, kept in the compile cache)."""
     p = next(model.parameters())
     pack = on and can_prepack(p)
     if on and choices is None:
@@ -557,13 +561,14 @@ def op_key(module):
 
 def use_fast(module, on):
     """One op fast (on: Snake compiled, another op on its prepacked weight) or eager; on, for a linear layer,
-    can also be the most rows it runs prepacked on (True: any, 0: none)."""
+    can also be the row counts it runs prepacked at (`row_steps`)."""
     if isinstance(module, Snake):
         module.fn = fused_snake() if on else snake
     elif type(module) in (nn.Linear, PackedLinear):  # the same module and parameters, another forward
-        module.__class__ = PackedLinear if on else nn.Linear
-        module.packed = prepack(module.weight) if on else None
-        module.max_rows = math.inf if on is True else on
+        module.steps = on if isinstance(on, list) else [[0, bool(on)]]
+        packs = any(fast for _, fast in module.steps)  # a copy of the weight only where it is used
+        module.__class__ = PackedLinear if packs else nn.Linear
+        module.packed = prepack(module.weight) if packs else None
     elif isinstance(module, CausalConvT):  # (C, C', kernel) -> one matmul's (kernel * C', C)
         module.packed = prepack(module.conv.weight.mT.flatten(1).T) if on else None
     elif not on:
@@ -618,19 +623,23 @@ def machine_choices(model):
 
 
 def is_choice(module, value):
-    """Whether a decision file's value decides this op: True or False; for a linear layer True or the most
-    rows it runs prepacked on (its False is an older file's one choice for all row counts: timed again)."""
-    if isinstance(module, nn.Linear):
-        return value is True or (type(value) is int and value >= 0)
-    return isinstance(value, bool)
+    """Whether a decision file's value decides this op: True or False; for a linear layer its `row_steps`
+    (a bool there is an older file's one choice for all row counts: timed again)."""
+    if not isinstance(module, nn.Linear):
+        return isinstance(value, bool)
+    steps = value if isinstance(value, list) else []
+    if not all(isinstance(step, list) and [type(v) for v in step] == [int, bool] for step in steps):
+        return False
+    starts = [start for start, _ in steps]
+    return starts[:1] == [0] and starts == sorted(set(starts))
 
 
 @torch.inference_mode()
 def timed_choices(model, repeats=3):
     """Each op eager and fast on the inputs it gets in an encode and in a stream of each PROBE_FRAMES chunk
     size (`probe_inputs`): fast is kept only if it is no slower in any of them. Snake: all calls at once.
-    A linear layer is timed by its inputs' row counts instead and kept prepacked up to a row limit
-    (`row_limit`): its prepacked weight can win on a stream's few rows and lose on an encode's many."""
+    A linear layer is timed by its inputs' row counts instead and decided for each (`row_steps`): its
+    prepacked weight can win on a stream's few rows and lose on an encode's many, or the reverse."""
     p = next(model.parameters())
     inputs, pack = probe_inputs(model), can_prepack(p)
     by_rows = {op_key(m) for m in inputs if isinstance(m, nn.Linear)}
@@ -653,16 +662,17 @@ def timed_choices(model, repeats=3):
     wins = {}  # op key -> {probe or rows: fast no slower than eager}
     for (key, where), (eager, fast) in times.items():
         wins.setdefault(key, {})[where] = fast <= eager
-    return {key: row_limit(won) if key in by_rows else all(won.values()) for key, won in wins.items()}
+    return {key: row_steps(won) if key in by_rows else all(won.values()) for key, won in wins.items()}
 
 
-def row_limit(wins):
-    """{rows: fast no slower} -> True if fast wins at every row count timed (then any rows run prepacked),
-    else the most rows it wins at below the fewest it loses at (0: none)."""
-    lost = [rows for rows, won in wins.items() if not won]
-    if not lost:
-        return True
-    return max((rows for rows in wins if rows < min(lost)), default=0)
+def row_steps(wins):
+    """{rows: fast no slower} -> [[from rows, fast], ...]: each timed row count gets its own choice, and a row
+    count between two timed ones the choice of the one below it (the first step starts from 0 rows)."""
+    steps = []
+    for rows in sorted(wins):
+        if not steps or wins[rows] != steps[-1][1]:
+            steps.append([rows if steps else 0, wins[rows]])
+    return steps
 
 
 def probe_inputs(model):

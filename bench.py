@@ -392,8 +392,8 @@ def codec_speed(args):
         start = time.perf_counter()
         choices = codec.machine_choices(dac)
         slower = sorted(key for key, fast in choices.items() if fast is False)
-        by_rows = sorted(f"{key} " + " ".join(f"{'prepacked' if fast else 'eager'} from {rows} rows"
-                                              for rows, fast in steps)
+        by_rows = sorted(f"{key} (" + ", ".join(f"{'prepacked' if fast else 'eager'} from {rows} rows"
+                                                for rows, fast in steps) + ")"
                          for key, steps in choices.items() if isinstance(steps, list))
         seconds, kept_in = time.perf_counter() - start, codec.choices_folder() / codec.CHOICES_FILE
         print(f"fast path on this machine: {len(choices) - len(slower) - len(by_rows)} of {len(choices)} ops"

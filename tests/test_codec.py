@@ -287,7 +287,7 @@ def test_a_linear_layer_runs_prepacked_at_the_row_counts_its_steps_say(one_shot,
     monkeypatch.setattr(codec, "timed_choices", lambda model: pytest.fail("timed although the file decides"))
     dac = codec.load(CKPT)
     keys = {codec.op_key(m): m for m in dac.modules()}
-    choices = {key: [[0, True], [9, False]] if isinstance(m, torch.nn.Linear) else False
+    choices = {key: [[0, True], [8, False]] if isinstance(m, torch.nn.Linear) else False
                for key, m in keys.items() if key}
     (tmp_path / codec.CHOICES_FILE).write_text(json.dumps({codec.machine_key(dac): choices}))
     codec.fast_path(dac)
@@ -300,10 +300,10 @@ def test_a_linear_layer_runs_prepacked_at_the_row_counts_its_steps_say(one_shot,
     codes, waves = one_shot
     stream = torch.cat(list(codec.decode_stream(dac, codes[:1].split(chunk_sizes([1, 4], 40), -1))), -1)
     assert max_diff(stream, waves[1]) <= 1e-5
-    assert (set(packed), set(eager)) == ({1, 2, 4, 8}, {16})  # the upsampling ConvNeXts' 4 rows a frame
+    assert (set(packed), set(eager)) == ({1, 2, 4}, {8, 16})  # the upsampling ConvNeXts' 2 and 4 a frame
     audio = codec.load_audio(GOLDEN / "audio_in.wav")
     np.testing.assert_array_equal(codec.encode(dac, audio)[0].numpy(), gold("codec_codes.npy"))
-    assert 8 in packed and max(packed) <= 8 < min(eager) and max(eager) == 64  # the encode: 6 to 64 rows
+    assert max(packed) < 8 <= min(eager) and max(eager) == 64  # the encode: 6 to 64 rows
 
 
 def test_encode_and_decode_from_several_threads_match_sequential(model):

@@ -502,11 +502,22 @@ def prepack(weight):  # (out, in) -> oneDNN's own layout, made once
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
 
+def linear_rows(shape):  # a linear layer's input (..., in): how many rows of `in` it multiplies
+    return math.prod(shape[:-1])
+
+
+def step_at(steps, rows):  # steps [[from rows, choice], ...], the first from 0 -> the choice for rows
+    return next(choice for start, choice in reversed(steps) if start <= rows)
+
+
 class PackedLinear(nn.Linear):
-    """fast_path's nn.Linear: the same parameters, and oneDNN's matmul on its weight prepacked (`packed`)."""
+    """fast_path's nn.Linear: the same parameters, and oneDNN's matmul on its weight prepacked (`packed`) at
+    the row counts its `steps` take it at (`row_steps`); at the others nn.Linear's own matmul."""
 
     def forward(self, x):
-        return packed_matmul(x, self.packed, self.bias)
+        if step_at(self.steps, linear_rows(x.shape)):
+            return packed_matmul(x, self.packed, self.bias)
+        return super().forward(x)
 
 
 @functools.cache
@@ -520,8 +531,9 @@ def fast_path(model, on=True, choices=None):
     layers and transposed convs (as one matmul each) run on weights prepacked once for oneDNN, where torch
     and mkldnn are there: eager mkldnn reorders a conv's weight on every call, and MKL reads a linear
     layer's weight for a stream's few rows at a third of the memory bandwidth (docs/speed.md). Each of
-    these is taken only where it is faster on this machine: choices {`op_key`: bool} (a key left out: taken),
-    by default this machine's (`machine_choices`: timed once, kept in the compile cache)."""
+    these is taken only where it is faster on this machine: choices {`op_key`: True, False or, for a linear
+    layer, the row counts it runs prepacked at (`row_steps`)} (a key left out: True), by default this
+    machine's (`machine_choices`: timed once, kept in the compile cache)."""
     p = next(model.parameters())
     pack = on and can_prepack(p)
     if on and choices is None:
@@ -529,8 +541,8 @@ def fast_path(model, on=True, choices=None):
     for module in model.modules():
         key = op_key(module)
         if key is not None:
-            fast = on and choices.get(key, True)
-            use_fast(module, fast and (pack or isinstance(module, Snake)))
+            takes = on and (pack or isinstance(module, Snake))
+            use_fast(module, choices.get(key, True) if takes else False)
     return model
 
 
@@ -548,12 +560,15 @@ def op_key(module):
 
 
 def use_fast(module, on):
-    """One op fast (on: Snake compiled, another op on its prepacked weight) or eager."""
+    """One op fast (on: Snake compiled, another op on its prepacked weight) or eager; on, for a linear layer,
+    can also be the row counts it runs prepacked at (`row_steps`)."""
     if isinstance(module, Snake):
         module.fn = fused_snake() if on else snake
     elif type(module) in (nn.Linear, PackedLinear):  # the same module and parameters, another forward
-        module.__class__ = PackedLinear if on else nn.Linear
-        module.packed = prepack(module.weight) if on else None
+        module.steps = on if isinstance(on, list) else [[0, bool(on)]]
+        packs = any(fast for _, fast in module.steps)  # a copy of the weight only where it is used
+        module.__class__ = PackedLinear if packs else nn.Linear
+        module.packed = prepack(module.weight) if packs else None
     elif isinstance(module, CausalConvT):  # (C, C', kernel) -> one matmul's (kernel * C', C)
         module.packed = prepack(module.conv.weight.mT.flatten(1).T) if on else None
     elif not on:
@@ -583,55 +598,81 @@ def machine_key(model):
 
 def machine_choices(model):
     """This machine's choices for the model's ops, read from CHOICES_FILE or timed once (`timed_choices`)
-    and added to it. A file that cannot be read or written only costs the timing again."""
+    and added to it. A file that cannot be read or written, or that does not decide every op of the model
+    (`is_choice`), only costs the timing again."""
     path, machine = choices_folder() / CHOICES_FILE, machine_key(model)
     try:
         known = json.loads(path.read_text())
     except (OSError, ValueError):
         known = {}
     known = known if isinstance(known, dict) else {}
-    choices = known.get(machine, {})
-    keys = {op_key(m) for m in model.modules()} - {None}
-    if keys <= set(choices):
-        return choices
-    print(f"codec: timing each fast-path op against eager, once for this machine (kept in {path})",
-          file=sys.stderr)
-    choices = dict(choices, **timed_choices(model))
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(dict(known, **{machine: choices}), indent=1)
-        common.write_atomic(path, lambda tmp: Path(tmp).write_text(text))
-    except (OSError, common.UserError):
-        pass
-    return choices
+    choices = known.get(machine)
+    choices = choices if isinstance(choices, dict) else {}
+    ops = {op_key(m): m for m in model.modules() if op_key(m) is not None}
+    if not all(is_choice(module, choices.get(key)) for key, module in ops.items()):
+        print(f"codec: timing each fast-path op against eager, once for this machine (kept in {path})",
+              file=sys.stderr)
+        choices = dict(choices, **timed_choices(model))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            text = json.dumps(dict(known, **{machine: choices}), indent=1)
+            common.write_atomic(path, lambda tmp: Path(tmp).write_text(text))
+        except (OSError, common.UserError):
+            pass
+    return {key: choices[key] for key in ops if key in choices}  # this model's (the file has others' too)
+
+
+def is_choice(module, value):
+    """Whether a decision file's value decides this op: True or False; for a linear layer its `row_steps`
+    (a bool there is an older file's one choice for all row counts: timed again)."""
+    if not isinstance(module, nn.Linear):
+        return isinstance(value, bool)
+    steps = value if isinstance(value, list) else []
+    if not all(isinstance(step, list) and [type(v) for v in step] == [int, bool] for step in steps):
+        return False
+    starts = [start for start, _ in steps]
+    return starts[:1] == [0] and starts == sorted(set(starts))
 
 
 @torch.inference_mode()
 def timed_choices(model, repeats=3):
     """Each op eager and fast on the inputs it gets in an encode and in a stream of each PROBE_FRAMES chunk
-    size (`probe_inputs`): fast is kept only if it is no slower in any of them. Snake: all calls at once."""
+    size (`probe_inputs`): fast is kept only if it is no slower in any of them. Snake: all calls at once.
+    A linear layer is timed by its inputs' row counts instead and decided for each (`row_steps`): its
+    prepacked weight can win on a stream's few rows and lose on an encode's many, or the reverse."""
     p = next(model.parameters())
     inputs, pack = probe_inputs(model), can_prepack(p)
+    by_rows = {op_key(m) for m in inputs if isinstance(m, nn.Linear)}
     fast_path(model, on=False)
-    times = {}  # (op key, probe) -> [eager seconds, fast seconds]
+    times = {}  # (op key, probe; a linear layer's: rows) -> [eager seconds, fast seconds]
     for module, probes in inputs.items():
         key = op_key(module)
         if key != "snake" and not pack:
             continue
         for probe, shapes in probes.items():
-            total = times.setdefault((key, probe), [0.0, 0.0])
             for shape in shapes:
+                total = times.setdefault((key, linear_rows(shape) if key in by_rows else probe), [0.0, 0.0])
                 x, best = torch.rand(shape, dtype=p.dtype, device=p.device), {}
                 for fast in (False, True, False, True):  # the first pair warms up (and compiles)
                     use_fast(module, fast)
                     best[fast] = min(seconds(module, x) for _ in range(repeats))
                 total[0] += best[False]
                 total[1] += best[True]
-            use_fast(module, False)
-    choices = {}
-    for (key, _), (eager, fast) in times.items():
-        choices[key] = choices.get(key, True) and fast <= eager
-    return choices
+        use_fast(module, False)
+    wins = {}  # op key -> {probe or rows: fast no slower than eager}
+    for (key, where), (eager, fast) in times.items():
+        wins.setdefault(key, {})[where] = fast <= eager
+    return {key: row_steps(won) if key in by_rows else all(won.values()) for key, won in wins.items()}
+
+
+def row_steps(wins):
+    """{rows: fast no slower} -> [[from rows, fast], ...]: each timed row count gets its own choice, and a row
+    count between two timed ones the choice of the one below it (the first step starts from 0 rows)."""
+    steps = []
+    for rows in sorted(wins):
+        if not steps or wins[rows] != steps[-1][1]:
+            steps.append([rows if steps else 0, wins[rows]])
+    return steps
 
 
 def probe_inputs(model):

@@ -153,7 +153,7 @@ TIMED_CHOICES = codec.timed_choices  # as imported: conftest's session fixture r
 def alternating_choices(model):
     """Every other op key fast, the rest eager: tensors cross between the two layouts everywhere."""
     keys = sorted({codec.op_key(m) for m in model.modules()} - {None})
-    return {key: i % 2 == 0 for i, key in enumerate(keys)}
+    return {key: [[0, i % 2 == 0]] if key.startswith("linear ") else i % 2 == 0 for i, key in enumerate(keys)}
 
 
 def test_fast_path_takes_a_cached_decision_files_choices_without_timing(model, one_shot, tmp_path,
@@ -168,13 +168,14 @@ def test_fast_path_takes_a_cached_decision_files_choices_without_timing(model, o
     decisions = {codec.machine_key(mixed): choices, "other": other}
     (tmp_path / codec.CHOICES_FILE).write_text(json.dumps(decisions))
     codec.fast_path(mixed)
+    fast = {key: choice if isinstance(choice, bool) else choice[0][1] for key, choice in choices.items()}
     for module in mixed.modules():
         key = codec.op_key(module)
         if key == "snake":
-            assert (module.fn is codec.snake) != choices[key]
+            assert (module.fn is codec.snake) != fast[key]
         elif key is not None:
-            assert (getattr(module, "packed", None) is not None) == choices[key], key
-    assert {False, True} == set(choices.values())
+            assert (getattr(module, "packed", None) is not None) == fast[key], key
+    assert {False, True} == set(fast.values())
     codes, waves = one_shot
     assert max_diff(codec.decode(mixed, codes[:2], chunk_frames=None), waves[2]) <= 1e-5
     stream = torch.cat(list(codec.decode_stream(mixed, codes[:1].split(chunk_sizes([2, 5, 1], 40), -1))), -1)
@@ -200,6 +201,34 @@ def test_a_machine_without_decisions_is_timed_once_and_added_to_the_file(tmp_pat
     assert timed == [1, 1] and json.loads((tmp_path / "cache" / codec.CHOICES_FILE).read_text())
 
 
+@pytest.mark.parametrize("edit, timed_again", [
+    (lambda entry, linear: entry, False),
+    (lambda entry, linear: dict(entry, **{linear: True}), True),  # the older format's one bool for all rows
+    (lambda entry, linear: dict(entry, **{linear: [[1, True]]}), True),  # no choice below 1 row
+    (lambda entry, linear: dict(entry, **{linear: [[0, True], [0, False]]}), True),
+    (lambda entry, linear: dict(entry, **{linear: [[0, 1]]}), True),
+    (lambda entry, linear: dict(entry, snake=1), True),
+    (lambda entry, linear: [entry], True)])
+def test_an_older_or_odd_decision_file_is_timed_again_and_replaced(tmp_path, monkeypatch, edit, timed_again):
+    """A decision file decides an op only with a value of its kind: a linear layer's row steps, a bool for
+    the others. Anything else (the older format's bool for a linear layer, steps that leave rows undecided,
+    an entry that is not a dict) is timed again and replaced, never a crash."""
+    monkeypatch.setattr(codec, "choices_folder", lambda: tmp_path)
+    dac = codec.load(CKPT)
+    keys = sorted({codec.op_key(m) for m in dac.modules()} - {None})
+    linear = next(key for key in keys if key.startswith("linear "))
+    steps = {True: [[0, False], [4, True]], False: [[0, True], [16, False]]}[timed_again]
+    timed = {key: steps if key.startswith("linear ") else True for key in keys}
+    monkeypatch.setattr(codec, "timed_choices", lambda model: timed)
+    decided = {key: [[0, True], [16, False]] if key.startswith("linear ") else True for key in keys}
+    entry = edit(decided, linear)
+    (tmp_path / codec.CHOICES_FILE).write_text(json.dumps({codec.machine_key(dac): entry}))
+    codec.fast_path(dac)
+    kept = json.loads((tmp_path / codec.CHOICES_FILE).read_text())[codec.machine_key(dac)]
+    assert kept == (timed if timed_again else entry)
+    assert {str(m.steps) for m in dac.modules() if isinstance(m, codec.PackedLinear)} == {str(steps)}
+
+
 def test_timed_choices_time_every_op_in_every_probe_and_leave_the_model_eager(monkeypatch):
     """The timing itself (its figures replaced by a fake clock: tests time nothing): an op is fast only if
     it is no slower in every probe (an encode, streams of 1, 4 and 16 frames), and the model is left eager."""
@@ -212,15 +241,69 @@ def test_timed_choices_time_every_op_in_every_probe_and_leave_the_model_eager(mo
     assert len(probes[loser]) == 3 and not losing & (probes[loser]["stream 4"] | probes[loser]["stream 16"])
 
     def fake_seconds(module, x):
-        fast = module.fn is not codec.snake if isinstance(module, codec.Snake) else module.packed is not None
-        return 2.0 if fast and module is loser and tuple(x.shape) in losing else 1.0
+        return 2.0 if runs_fast(module) and module is loser and tuple(x.shape) in losing else 1.0
 
     monkeypatch.setattr(codec, "seconds", fake_seconds)
     choices = TIMED_CHOICES(dac)
     keys = {codec.op_key(m) for m in dac.modules()} - {None}
-    assert choices == {key: key != codec.op_key(loser) for key in keys}
+    won = {key: key != codec.op_key(loser) for key in keys}
+    assert choices == {key: [[0, True]] if key.startswith("linear ") else won[key] for key in keys}
     assert all(getattr(m, "packed", None) is None for m in dac.modules())
     assert all(m.fn is codec.snake for m in dac.modules() if isinstance(m, codec.Snake))
+
+
+def runs_fast(module):
+    return module.fn is not codec.snake if isinstance(module, codec.Snake) else module.packed is not None
+
+
+def test_timed_choices_decide_a_linear_layer_for_each_row_count(monkeypatch):
+    """A linear layer is timed by its inputs' rows (streams: 1 to 64 here, an encode 16 to 64) and takes
+    what won at each; a row count between two timed ones, what won at the one below it."""
+    dac = codec.load(CKPT)
+    attention, convnext = dac.quantizer.post_module.layers[0].attention, dac.quantizer.upsample[0][1]
+    qkv, out, pointwise = (codec.op_key(m) for m in (attention.wqkv, attention.wo, convnext.pwconv1))
+    losing = {qkv: lambda rows: rows >= 16, out: lambda rows: rows == 1, pointwise: lambda rows: rows == 8}
+
+    def fake_seconds(module, x):
+        loses = losing.get(codec.op_key(module), lambda rows: False)
+        return 2.0 if runs_fast(module) and loses(codec.linear_rows(x.shape)) else 1.0
+
+    monkeypatch.setattr(codec, "seconds", fake_seconds)
+    choices = TIMED_CHOICES(dac)
+    assert {key: choices[key] for key in losing} == {  # qkv and out: rows 1, 4, 16, 64; pointwise: 2 to 64
+        qkv: [[0, True], [16, False]], out: [[0, False], [4, True]],
+        pointwise: [[0, True], [8, False], [16, True]]}
+    assert [codec.step_at(choices[pointwise], rows) for rows in (1, 7, 8, 15, 16, 99)] == [1, 1, 0, 0, 1, 1]
+    linears = {key for key in choices if key.startswith("linear ")}
+    assert {str(choices[key]) for key in linears - set(losing)} == {"[[0, True]]"}
+    assert {choices[key] for key in set(choices) - linears} == {True}
+    assert all(getattr(m, "packed", None) is None for m in dac.modules())
+
+
+def test_a_linear_layer_runs_prepacked_at_the_row_counts_its_steps_say(one_shot, tmp_path, monkeypatch):
+    """A decision file's step between a stream's rows and an encode's: each linear layer's call takes the
+    prepacked weight below it and nn.Linear's matmul from it on; the stream and the encode stay as eager's."""
+    monkeypatch.setattr(codec, "choices_folder", lambda: tmp_path)
+    monkeypatch.setattr(codec, "timed_choices", lambda model: pytest.fail("timed although the file decides"))
+    dac = codec.load(CKPT)
+    keys = {codec.op_key(m): m for m in dac.modules()}
+    choices = {key: [[0, True], [8, False]] if isinstance(m, torch.nn.Linear) else False
+               for key, m in keys.items() if key}
+    (tmp_path / codec.CHOICES_FILE).write_text(json.dumps({codec.machine_key(dac): choices}))
+    codec.fast_path(dac)
+    packed, eager = [], []  # rows of each linear layer's call (every other op is eager: no packed_matmul)
+    packed_matmul, linear = codec.packed_matmul, torch.nn.Linear.forward
+    monkeypatch.setattr(codec, "packed_matmul", lambda x, *args: packed.append(codec.linear_rows(x.shape))
+                        or packed_matmul(x, *args))
+    monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, x: eager.append(codec.linear_rows(x.shape))
+                        or linear(self, x))
+    codes, waves = one_shot
+    stream = torch.cat(list(codec.decode_stream(dac, codes[:1].split(chunk_sizes([1, 4], 40), -1))), -1)
+    assert max_diff(stream, waves[1]) <= 1e-5
+    assert (set(packed), set(eager)) == ({1, 2, 4}, {8, 16})  # the upsampling ConvNeXts' 2 and 4 a frame
+    audio = codec.load_audio(GOLDEN / "audio_in.wav")
+    np.testing.assert_array_equal(codec.encode(dac, audio)[0].numpy(), gold("codec_codes.npy"))
+    assert max(packed) < 8 <= min(eager) and max(eager) == 64  # the encode: 6 to 64 rows
 
 
 def test_encode_and_decode_from_several_threads_match_sequential(model):

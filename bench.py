@@ -315,8 +315,8 @@ def matmul_peak(device, dtype, n=2048, repeats=8) -> float:
     a, b = torch.rand(n, n, device=device, dtype=dtype), torch.rand(n, n, device=device, dtype=dtype)
     ways = [lambda: a @ b]
     if codec.can_prepack(b):
-        packed = codec.prepack(b.T)
-        ways.append(lambda: codec.packed_matmul(a, packed))
+        packed = common.prepack(b.T)
+        ways.append(lambda: common.packed_matmul(a, packed))
     best = float("inf")
     for way in ways:
         for _ in range(repeats + 1):  # the first one warms up

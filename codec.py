@@ -28,7 +28,8 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 from tqdm import tqdm
 
-import common  # the error users see, devices, atomic writes, audio files: no model
+import common  # the error users see, devices, atomic writes, audio files, oneDNN's matmul: no model
+from common import packed_matmul, prepack
 
 CONFIG = dict(  # the real S2-Pro codec (upstream fish_speech/configs/modded_dac_vq.yaml)
     sample_rate=44100, latent_dim=1024, head_dim=64, rope_base=10000, norm_eps=1e-5,
@@ -490,16 +491,8 @@ def fold_weight_norm(model):
     return model
 
 
-def packed_matmul(x, packed, bias=None):  # x @ W^T + bias, W prepacked for oneDNN by fast_path (`prepack`)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
 def can_prepack(t):  # whether oneDNN runs this tensor's device and dtype (CPU, fp32 or bf16)
     return t.is_cpu and t.dtype != torch.float16 and torch.backends.mkldnn.is_available()
-
-
-def prepack(weight):  # (out, in) -> oneDNN's own layout, made once
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
 
 def linear_rows(shape):  # a linear layer's input (..., in): how many rows of `in` it multiplies

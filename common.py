@@ -3,7 +3,7 @@ dtype choice, atomic writes, audio files, peak memory, an engine's thread. It im
 model file can be copied with this one alone.
 
 Sections: errors and the CLI wrapper, devices and dtypes, files (atomic writes, audio, the compile cache),
-CPU weight-only quantization (QuantLinear), CPU matmuls of a few rows (FewRowsLinear), memory, engines (the
+CPU weight-only quantization (QuantLinear), oneDNN's prepacked matmuls (FewRowsLinear), memory, engines (the
 thread that drives a scheduler).
 """
 import argparse
@@ -203,16 +203,23 @@ def swap_linears(module: nn.Module, bits: int, matmul_rows: int = None):
             swap_linears(child, bits, matmul_rows)
 
 
-# ----------------------------------------------------------------------------- CPU matmuls of a few rows
+# ----------------------------------------------------------------------------- oneDNN prepacked matmuls (CPU)
 FEW_ROWS = range(4, 65)  # where oneDNN's prepacked fp32 matmul beats torch's (MKL) eager: docs/speed.md
 
 
+def prepack(weight: Tensor) -> Tensor:  # (out, in) -> oneDNN's own layout, made once
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
+
+
+def packed_matmul(x: Tensor, packed: Tensor, bias: Tensor = None) -> Tensor:  # x @ W^T + bias, W `prepack`ed
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
 def prepacked(weight: Tensor) -> Tensor:
-    """oneDNN's own layout of a linear weight, made once, kept on it (made again if it changed in place)."""
+    """`prepack`(weight), made once and kept on it (made again if it changed in place)."""
     packed = getattr(weight, "prepacked", None)
     if packed is None or packed[0] != weight._version:
-        packed = weight._version, torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
-        weight.prepacked = packed
+        packed = weight.prepacked = weight._version, prepack(weight)
     return packed[1]
 
 
@@ -225,7 +232,7 @@ class FewRowsLinear(nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         few = x.numel() // self.in_features in FEW_ROWS and x.dtype == torch.float32 and x.is_cpu
         if few and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            return torch.ops.mkldnn._linear_pointwise(x, prepacked(self.weight), self.bias, "none", [], "")
+            return packed_matmul(x, prepacked(self.weight), self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

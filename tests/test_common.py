@@ -5,8 +5,10 @@ import subprocess
 import sys
 
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
 
+import common
 from common import write_atomic
 from conftest import ROOT
 
@@ -38,3 +40,31 @@ def test_a_file_written_atomically_gets_the_usual_permissions_not_safetensors_ow
     finally:
         os.umask(umask)
     assert stat.S_IMODE((tmp_path / "x.safetensors").stat().st_mode) == 0o644  # safetensors makes 0o600
+
+
+def test_few_rows_linear_runs_onednn_on_a_batch_of_rows_and_torch_elsewhere(monkeypatch):
+    """A FewRowsLinear keeps nn.Linear's parameters; at 4-64 rows of eager fp32 inference it multiplies by its
+    weight prepacked once (within 1e-5 of F.linear), made again when the weight changes in place; 1-3 rows,
+    65 rows and a call that records gradients are F.linear's own."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 40)
+    common.use_few_rows_linears(layer)
+    assert type(layer) is common.FewRowsLinear and list(layer.state_dict()) == ["weight", "bias"]
+    calls = []
+    packed_matmul = common.packed_matmul
+    monkeypatch.setattr(common, "packed_matmul", lambda x, *a: calls.append(x.shape[0]) or packed_matmul(x, *a))
+    with torch.inference_mode():
+        for rows in (1, 3, 4, 16, 64, 65):
+            x = torch.rand(rows, 1, 48)
+            y, want = layer(x), F.linear(x, layer.weight, layer.bias)
+            assert torch.equal(y, want) if rows not in (4, 16, 64) else torch.allclose(y, want, atol=1e-5)
+        assert calls == [4, 16, 64]
+        first = layer.weight.prepacked[1]
+        layer(x[:4])
+        assert layer.weight.prepacked[1] is first  # made once
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    with torch.inference_mode():
+        assert torch.allclose(layer(x[:4]), F.linear(x[:4], layer.weight, layer.bias), atol=1e-5)
+    y = layer(torch.rand(4, 1, 48))  # gradients recorded: nn.Linear's matmul
+    assert y.requires_grad and calls == [4, 16, 64, 4, 4]

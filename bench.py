@@ -184,8 +184,8 @@ def head_logits(model: DualAR) -> tuple:
     """Slow logits (sampling window) at the end of a fixed prompt, and the fast logits of every codebook
     teacher-forced with codes 0: what quantization must not move."""
     slow, hidden = model.prefill(bench_prompt(model))
-    fast = [model.forward_fast(hidden, 0)]
-    code = torch.zeros(1, dtype=torch.long, device=hidden.device)
+    fast = [model.forward_fast(hidden[:, None], 0)]
+    code = torch.zeros(1, 1, dtype=torch.long, device=hidden.device)
     n = model.config["num_codebooks"]
     fast += [model.forward_fast(model.fast_embeddings(code), i) for i in range(1, n)]
     return slow.float(), torch.cat(fast).float()

@@ -154,16 +154,16 @@ class KVCache(nn.Module):
         return self.k_cache[: k.size(0)], self.v_cache[: k.size(0)]
 
     def update_all(self, i: int, k: Tensor, v: Tensor) -> tuple:
-        """k, v (B, KV, 1, D) of rows 0..B-1, all at position i -> their keys and values at 0..i."""
-        self.k_cache[: k.size(0), :, i] = k[:, :, 0]
-        self.v_cache[: k.size(0), :, i] = v[:, :, 0]
+        """k, v (B, KV, S, D) of rows 0..B-1, all at positions i-S+1..i -> their keys and values at 0..i."""
+        self.k_cache[: k.size(0), :, i + 1 - k.size(2): i + 1] = k
+        self.v_cache[: k.size(0), :, i + 1 - v.size(2): i + 1] = v
         return self.k_cache[: k.size(0), :, : i + 1], self.v_cache[: k.size(0), :, : i + 1]
 
 
 class Attention(nn.Module):
     """Grouped-query attention, three ways: `forward` (causal within x: training, or a prefill that keeps k
     and v in cache row `row`), `decode` (one step per row at its own position: the slow model's frames),
-    `codebook` (every row at one position: the fast model's codebooks)."""
+    `codebook` (every row at the same positions: the fast model's codebooks)."""
 
     def __init__(self, c: dict):
         super().__init__()
@@ -205,9 +205,12 @@ class Attention(nn.Module):
         return self.out(decode_attention(q, *self.kv_cache.update(pos, k, v), pos))
 
     def codebook(self, x: Tensor, rope: Tensor, i: int) -> Tensor:
+        """x (B, S, dim) at positions i-S+1..i; S > 1 only from position 0 (SDPA's causal mask is
+        top-left: query s sees keys 0..s)."""
         q, k, v = self.project(x, rope)
         keys, values = self.kv_cache.update_all(i, k, v)
-        return self.out(F.scaled_dot_product_attention(q, keys, values, enable_gqa=self.gqa))
+        return self.out(F.scaled_dot_product_attention(q, keys, values, is_causal=x.size(1) > 1,
+                                                        enable_gqa=self.gqa))
 
 
 FLEX_BLOCK = 128  # cache positions per flex-attention block
@@ -406,12 +409,12 @@ class DualAR(nn.Module):
         return self.head(x[:, -1], full)
 
     def forward_fast(self, x: Tensor, i: int, logits: bool = True):
-        """Fast position i for every row: x (B, fast_dim) -> logits (B, codebook_size)."""
-        x = x[:, None]
-        rope = self.fast_rope[i: i + 1]
+        """Fast positions i-S+1..i for every row: x (B, S, fast_dim) -> the logits of position i
+        (B, codebook_size)."""
+        rope = self.fast_rope[i + 1 - x.size(1): i + 1]
         for layer in self.fast_layers:
             x = layer.codebook(x, rope, i)
-        return self.fast_logits(x[:, 0]) if logits else None
+        return self.fast_logits(x[:, -1]) if logits else None
 
 
 HF_PREFIXES = [("codebook_embeddings.", "audio_decoder.codebook_embeddings."), ("fast_", "audio_decoder."),
@@ -829,11 +832,11 @@ def sample_frame(model: DualAR, logits: Tensor, hidden: Tensor, recent: Tensor, 
     high = start + sample(logits, slow_noise[:, 1], p["ras_temperature"], p["ras_top_p"], p["top_k"], k)
     # repetition-aware sampling: a semantic token among the recent ones is replaced by the hotter draw
     main = torch.where((recent == main[:, None]).any(-1) & is_semantic(main, cfg), high, main)
-    model.forward_fast(hidden, 0, logits=False)  # fills the fast cache, output unused (as upstream)
+    model.forward_fast(hidden[:, None], 0, logits=False)  # fills the fast cache, output unused (as upstream)
     code = torch.clamp(main - cfg["semantic_begin_id"], 0, cfg["codebook_size"] - 1)
     codes = [main, code]
     for i in range(1, cfg["num_codebooks"]):
-        fast_logits = model.forward_fast(model.fast_embeddings(code), i)
+        fast_logits = model.forward_fast(model.fast_embeddings(code)[:, None], i)
         code = sample(fast_logits, fast_noise[:, i - 1], p["temperature"], p["top_p"], p["top_k"], k)
         codes.append(code)
     return torch.stack(codes, dim=1)

@@ -208,9 +208,9 @@ def test_teacher_forced_step_logits_match_upstream(model):
 def test_fast_codebook_logits_match_upstream(model):
     _, hidden = prefill(model, golden("prompt_tokens.npy"))
     frame = golden("fast_fixed_frame.npy")
-    rows = [model.forward_fast(hidden, 0)[0]]
+    rows = [model.forward_fast(hidden[:, None], 0)[0]]
     for i in range(1, model.config["num_codebooks"]):
-        x = model.fast_embeddings(frame[i:i + 1])  # codebook i-1 of the fixed frame
+        x = model.fast_embeddings(frame[None, i:i + 1])  # codebook i-1 of the fixed frame
         rows.append(model.forward_fast(x, i)[0])
     torch.testing.assert_close(torch.stack(rows), golden("fast_logits.npy"), atol=1e-4, rtol=1e-4)
 
@@ -885,7 +885,7 @@ def test_a_second_process_loads_the_compiled_step_from_the_cache(model, tmp_path
 # ----------------------------------------------------------------------------- quantization
 def slow_and_fast_logits(model, frames, pos):
     logits, hidden = model.forward_slow(frames, pos)
-    return logits, model.forward_fast(hidden, 0)
+    return logits, model.forward_fast(hidden[:, None], 0)
 
 
 @torch.inference_mode()
@@ -895,8 +895,8 @@ def prefill_and_step_logits(model, step=None):
     model.setup_caches(1, 256)
     logits, hidden = model.prefill(prompt)
     frames, pos = prompt[:, -1][None], torch.tensor([prompt.size(1)])
-    return logits, model.forward_fast(hidden, 0), *(step or functools.partial(slow_and_fast_logits, model))(
-        frames, pos)
+    step = step or functools.partial(slow_and_fast_logits, model)
+    return logits, model.forward_fast(hidden[:, None], 0), *step(frames, pos)
 
 
 @pytest.mark.parametrize("scheme, bound", [("int8wo", 0.03), ("int4wo", 0.25)])

@@ -306,6 +306,7 @@ class DualAR(nn.Module):
         self.tokenizer = None  # set by `load` (and `random_model`)
         self.compiled_step = None  # the frame step as one graph, set by `compile_model`
         self.quant = None  # the quantization scheme, set by `quantize`
+        self.fast_prefill = False  # fast positions 0 and 1 in one pass, 9 a frame: `sample_frame`, `optimize`
         self.engine = None  # a weak reference to the Engine that owns the KV caches
         self.make_rope()
 
@@ -410,7 +411,7 @@ class DualAR(nn.Module):
 
     def forward_fast(self, x: Tensor, i: int, logits: bool = True):
         """Fast positions i-S+1..i for every row: x (B, S, fast_dim) -> the logits of position i
-        (B, codebook_size)."""
+        (B, codebook_size). S is 1, or 2 at i = 1: positions 0 and 1 in one pass (`fast_prefill`)."""
         rope = self.fast_rope[i + 1 - x.size(1): i + 1]
         for layer in self.fast_layers:
             x = layer.codebook(x, rope, i)
@@ -524,11 +525,12 @@ def special_ids(tokenizer) -> dict:
 
 
 def load(checkpoint, device="cpu", dtype=torch.float32, quant=None, compile=False,
-         compile_cache=None) -> DualAR:
+         compile_cache=None, fast_prefill=False) -> DualAR:
     """Load config.json, tokenizer.json and the weights of an S2-Pro checkpoint directory.
     quant: one of QUANT_SCHEMES (torchao), compile: the frame step as one compiled graph, compile_cache:
     the folder where compiled kernels are kept for the next process (default
-    `common.default_compile_cache()`)."""
+    `common.default_compile_cache()`), fast_prefill: 9 fast passes a frame instead of upstream's 10
+    (`sample_frame`)."""
     device = torch.device(device)
     check_quant(quant, device, dtype)
     from tokenizers import Tokenizer
@@ -549,12 +551,13 @@ def load(checkpoint, device="cpu", dtype=torch.float32, quant=None, compile=Fals
     load_weights(model, ckpt, device, dtype, quant)
     model.make_rope()
     model.tokenizer = tokenizer
-    return optimize(model.requires_grad_(False).eval(), quant, compile, compile_cache)
+    return optimize(model.requires_grad_(False).eval(), quant, compile, compile_cache, fast_prefill)
 
 
-def optimize(model: DualAR, quant=None, compile=False, compile_cache=None) -> DualAR:
-    """Quantize and/or compile a loaded (or demo) model."""
+def optimize(model: DualAR, quant=None, compile=False, compile_cache=None, fast_prefill=False) -> DualAR:
+    """Quantize and/or compile a loaded (or demo) model, and choose its frame step's fast passes."""
     check_quant(quant, model.embeddings.weight.device, model.embeddings.weight.dtype)
+    model.fast_prefill = fast_prefill
     if quant and quant != "none":
         quantize(model, quant)
     if compile:
@@ -832,13 +835,17 @@ def sample_frame(model: DualAR, logits: Tensor, hidden: Tensor, recent: Tensor, 
     high = start + sample(logits, slow_noise[:, 1], p["ras_temperature"], p["ras_top_p"], p["top_k"], k)
     # repetition-aware sampling: a semantic token among the recent ones is replaced by the hotter draw
     main = torch.where((recent == main[:, None]).any(-1) & is_semantic(main, cfg), high, main)
-    model.forward_fast(hidden[:, None], 0, logits=False)  # fills the fast cache, output unused (as upstream)
     code = torch.clamp(main - cfg["semantic_begin_id"], 0, cfg["codebook_size"] - 1)
-    codes = [main, code]
+    codes, x = [main, code], model.fast_embeddings(code)[:, None]  # (B, 1, fast_dim): fast position 1
+    if model.fast_prefill:  # codebook 0 is known already: positions 0 and 1 in one pass (s2.cpp, tuna-fish)
+        x = torch.cat([hidden[:, None], x], dim=1)
+    else:
+        model.forward_fast(hidden[:, None], 0, logits=False)  # fills the fast cache, output unused (upstream)
     for i in range(1, cfg["num_codebooks"]):
-        fast_logits = model.forward_fast(model.fast_embeddings(code)[:, None], i)
+        fast_logits = model.forward_fast(x, i)
         code = sample(fast_logits, fast_noise[:, i - 1], p["temperature"], p["top_p"], p["top_k"], k)
         codes.append(code)
+        x = model.fast_embeddings(code)[:, None]
     return torch.stack(codes, dim=1)
 
 
@@ -1366,6 +1373,9 @@ def add_model_args(ap: argparse.ArgumentParser):
                     " (default: on for CUDA, off on CPU where compiling takes minutes, see README)")
     ap.add_argument("--compile-cache", help="folder that keeps compiled kernels for the next run"
                     f" (default $TORCHINDUCTOR_CACHE_DIR, else {default_compile_cache()})")
+    ap.add_argument("--fast-prefill", action="store_true", help="the fast transformer's first two positions"
+                    " (slow state, codebook 0) in one pass: 9 passes a frame instead of upstream's 10; its"
+                    " logits round otherwise than upstream's (off by default, docs/speed.md)")
 
 
 def model_settings(args) -> tuple:
@@ -1500,9 +1510,10 @@ def speak_cli(args):
     codes_path, wav_path = output_files(args)
     if args.demo:
         model, args.codec = demo_models(device, dtype)
-        optimize(model, args.quant, compiled, args.compile_cache)
+        optimize(model, args.quant, compiled, args.compile_cache, args.fast_prefill)
     else:
-        model = load(args.checkpoint, device, dtype, args.quant, compiled, args.compile_cache)
+        model = load(args.checkpoint, device, dtype, args.quant, compiled, args.compile_cache,
+                     args.fast_prefill)
     if wav_path is not None and not args.demo and not (Path(args.checkpoint) / "codec.pth").is_file():
         if args.stream:
             raise UserError(f"--stream needs {args.checkpoint}/codec.pth")

@@ -306,7 +306,8 @@ class DualAR(nn.Module):
         self.tokenizer = None  # set by `load` (and `random_model`)
         self.compiled_step = None  # the frame step as one graph, set by `compile_model`
         self.quant = None  # the quantization scheme, set by `quantize`
-        self.fast_prefill = False  # fast positions 0 and 1 in one pass, 9 a frame: `sample_frame`, `optimize`
+        # 9 fast passes a frame (`sample_frame`); off: fp32 rounds codebook 1's logits otherwise (speed.md)
+        self.fast_prefill = False
         self.engine = None  # a weak reference to the Engine that owns the KV caches
         self.make_rope()
 

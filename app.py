@@ -614,10 +614,10 @@ class S2ProModel:
         self.checkpoint = "(demo)" if self.demo else args.checkpoint or dualAR.DEFAULT_CHECKPOINT
         if self.demo:  # built in memory
             self.model, self.dac = dualAR.demo_models(self.device, dtype)
-            dualAR.optimize(self.model, args.quant, compiled, args.compile_cache)
+            dualAR.optimize(self.model, args.quant, compiled, args.compile_cache, args.fast_prefill)
         else:
             self.model = dualAR.load(self.checkpoint, self.device, dtype, args.quant, compiled,
-                                     args.compile_cache)
+                                     args.compile_cache, args.fast_prefill)
             self.dac = codec.load(self.checkpoint, self.device, torch.float32)  # references encode in fp32
         self.max_context = min(args.max_context, self.model.config["max_seq_len"])
         # a fixed cache of --max-context positions a row: each row count's frame step is compiled once, here

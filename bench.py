@@ -98,13 +98,14 @@ def tensor_bytes(t: Tensor) -> int:
 
 def frame_bytes(model: DualAR) -> int:
     """Weight bytes one frame step reads: the slow model and its head window once, the fast model once
-    per codebook (its output head for codebooks 1.. only)."""
+    per codebook, or once less with `fast_prefill` (its output head for codebooks 1.. only)."""
     def size(*modules):
         return sum(tensor_bytes(p) for m in modules for p in m.parameters())
     start, stop = model.sampling_rows
     head = size(model.embeddings) * (stop - start) // model.config["vocab_size"]
     n = model.config["num_codebooks"]
-    return size(model.layers, model.norm) + head + n * size(model.fast_layers, model.fast_norm) \
+    passes = n - 1 if model.fast_prefill else n
+    return size(model.layers, model.norm) + head + passes * size(model.fast_layers, model.fast_norm) \
         + (n - 1) * size(model.fast_output)
 
 
@@ -184,8 +185,8 @@ def head_logits(model: DualAR) -> tuple:
     """Slow logits (sampling window) at the end of a fixed prompt, and the fast logits of every codebook
     teacher-forced with codes 0: what quantization must not move."""
     slow, hidden = model.prefill(bench_prompt(model))
-    fast = [model.forward_fast(hidden, 0)]
-    code = torch.zeros(1, dtype=torch.long, device=hidden.device)
+    fast = [model.forward_fast(hidden[:, None], 0)]
+    code = torch.zeros(1, 1, dtype=torch.long, device=hidden.device)
     n = model.config["num_codebooks"]
     fast += [model.forward_fast(model.fast_embeddings(code), i) for i in range(1, n)]
     return slow.float(), torch.cat(fast).float()
@@ -276,6 +277,7 @@ def bench(args):
             model = quant_agreement(model, short, lambda fp32: fp32.to(dtype), against="fp32")
     if quant and not model.quant:
         quant_agreement(model, quant)
+    model.fast_prefill = args.fast_prefill
     if compiled:
         dualAR.compile_model(model, args.compile_cache)
     n_params = sum(m.in_features * m.out_features if isinstance(m, QuantLinear) else
@@ -286,6 +288,7 @@ def bench(args):
     prefill = prefill_speed(model)
     print(f"{name}: {n_params:.2f} G params, {per_frame / 1e9:.2f} GB read per frame step, {dtype}, {device}"
           f" ({torch.get_num_threads()} threads), quant {quant or 'none'}, compile {int(compiled)},"
+          f" fast prefill {int(model.fast_prefill)},"
           f" measured copy bandwidth {bandwidth:.1f} GB/s, prefill {prefill:.0f} tokens/s, peak memory"
           f" {built:.2f} GB until here")
     print(f"{'batch':>5} {'frames/s':>9} {'GB/s':>7} {'% bw':>5} {'RTF':>6} {'compile s':>9}")
@@ -299,7 +302,8 @@ def bench(args):
         print(f"bench config={name} quant={quant or 'none'} compile={int(compiled)} batch={batch}"
               f" device={device.type} dtype={short} frames_per_s={fps:.2f} gb_per_s={gbs:.1f}"
               f" bandwidth_pct={100 * gbs / bandwidth:.0f} prefill_tokens_per_s={prefill:.0f}"
-              f" peak_mem_gb={common.peak_memory_gb(device):.2f} compile_s={first if compiled else 0:.1f}")
+              f" peak_mem_gb={common.peak_memory_gb(device):.2f} compile_s={first if compiled else 0:.1f}"
+              f" fast_prefill={int(model.fast_prefill)}")
     if args.ttfa:
         ttfa = time_to_first_audio(model, bench_codec(args, device), args.frames)
         prompt = dualAR.build_prompt(model, [], [], BENCH_TEXT).size(1)

@@ -154,16 +154,16 @@ class KVCache(nn.Module):
         return self.k_cache[: k.size(0)], self.v_cache[: k.size(0)]
 
     def update_all(self, i: int, k: Tensor, v: Tensor) -> tuple:
-        """k, v (B, KV, 1, D) of rows 0..B-1, all at position i -> their keys and values at 0..i."""
-        self.k_cache[: k.size(0), :, i] = k[:, :, 0]
-        self.v_cache[: k.size(0), :, i] = v[:, :, 0]
+        """k, v (B, KV, S, D) of rows 0..B-1, all at positions i-S+1..i -> their keys and values at 0..i."""
+        self.k_cache[: k.size(0), :, i + 1 - k.size(2): i + 1] = k
+        self.v_cache[: k.size(0), :, i + 1 - v.size(2): i + 1] = v
         return self.k_cache[: k.size(0), :, : i + 1], self.v_cache[: k.size(0), :, : i + 1]
 
 
 class Attention(nn.Module):
     """Grouped-query attention, three ways: `forward` (causal within x: training, or a prefill that keeps k
     and v in cache row `row`), `decode` (one step per row at its own position: the slow model's frames),
-    `codebook` (every row at one position: the fast model's codebooks)."""
+    `codebook` (every row at the same positions: the fast model's codebooks)."""
 
     def __init__(self, c: dict):
         super().__init__()
@@ -205,9 +205,12 @@ class Attention(nn.Module):
         return self.out(decode_attention(q, *self.kv_cache.update(pos, k, v), pos))
 
     def codebook(self, x: Tensor, rope: Tensor, i: int) -> Tensor:
+        """x (B, S, dim) at positions i-S+1..i; S > 1 only from position 0 (SDPA's causal mask is
+        top-left: query s sees keys 0..s)."""
         q, k, v = self.project(x, rope)
         keys, values = self.kv_cache.update_all(i, k, v)
-        return self.out(F.scaled_dot_product_attention(q, keys, values, enable_gqa=self.gqa))
+        return self.out(F.scaled_dot_product_attention(q, keys, values, is_causal=x.size(1) > 1,
+                                                        enable_gqa=self.gqa))
 
 
 FLEX_BLOCK = 128  # cache positions per flex-attention block
@@ -303,6 +306,8 @@ class DualAR(nn.Module):
         self.tokenizer = None  # set by `load` (and `random_model`)
         self.compiled_step = None  # the frame step as one graph, set by `compile_model`
         self.quant = None  # the quantization scheme, set by `quantize`
+        # 9 fast passes a frame (`sample_frame`); off: fp32 rounds codebook 1's logits otherwise (speed.md)
+        self.fast_prefill = False
         self.engine = None  # a weak reference to the Engine that owns the KV caches
         self.make_rope()
 
@@ -406,12 +411,12 @@ class DualAR(nn.Module):
         return self.head(x[:, -1], full)
 
     def forward_fast(self, x: Tensor, i: int, logits: bool = True):
-        """Fast position i for every row: x (B, fast_dim) -> logits (B, codebook_size)."""
-        x = x[:, None]
-        rope = self.fast_rope[i: i + 1]
+        """Fast positions i-S+1..i for every row: x (B, S, fast_dim) -> the logits of position i
+        (B, codebook_size). S is 1, or 2 at i = 1: positions 0 and 1 in one pass (`fast_prefill`)."""
+        rope = self.fast_rope[i + 1 - x.size(1): i + 1]
         for layer in self.fast_layers:
             x = layer.codebook(x, rope, i)
-        return self.fast_logits(x[:, 0]) if logits else None
+        return self.fast_logits(x[:, -1]) if logits else None
 
 
 HF_PREFIXES = [("codebook_embeddings.", "audio_decoder.codebook_embeddings."), ("fast_", "audio_decoder."),
@@ -521,11 +526,12 @@ def special_ids(tokenizer) -> dict:
 
 
 def load(checkpoint, device="cpu", dtype=torch.float32, quant=None, compile=False,
-         compile_cache=None) -> DualAR:
+         compile_cache=None, fast_prefill=False) -> DualAR:
     """Load config.json, tokenizer.json and the weights of an S2-Pro checkpoint directory.
     quant: one of QUANT_SCHEMES (torchao), compile: the frame step as one compiled graph, compile_cache:
     the folder where compiled kernels are kept for the next process (default
-    `common.default_compile_cache()`)."""
+    `common.default_compile_cache()`), fast_prefill: 9 fast passes a frame instead of upstream's 10
+    (`sample_frame`)."""
     device = torch.device(device)
     check_quant(quant, device, dtype)
     from tokenizers import Tokenizer
@@ -546,12 +552,13 @@ def load(checkpoint, device="cpu", dtype=torch.float32, quant=None, compile=Fals
     load_weights(model, ckpt, device, dtype, quant)
     model.make_rope()
     model.tokenizer = tokenizer
-    return optimize(model.requires_grad_(False).eval(), quant, compile, compile_cache)
+    return optimize(model.requires_grad_(False).eval(), quant, compile, compile_cache, fast_prefill)
 
 
-def optimize(model: DualAR, quant=None, compile=False, compile_cache=None) -> DualAR:
-    """Quantize and/or compile a loaded (or demo) model."""
+def optimize(model: DualAR, quant=None, compile=False, compile_cache=None, fast_prefill=False) -> DualAR:
+    """Quantize and/or compile a loaded (or demo) model, and choose its frame step's fast passes."""
     check_quant(quant, model.embeddings.weight.device, model.embeddings.weight.dtype)
+    model.fast_prefill = fast_prefill
     if quant and quant != "none":
         quantize(model, quant)
     if compile:
@@ -829,13 +836,17 @@ def sample_frame(model: DualAR, logits: Tensor, hidden: Tensor, recent: Tensor, 
     high = start + sample(logits, slow_noise[:, 1], p["ras_temperature"], p["ras_top_p"], p["top_k"], k)
     # repetition-aware sampling: a semantic token among the recent ones is replaced by the hotter draw
     main = torch.where((recent == main[:, None]).any(-1) & is_semantic(main, cfg), high, main)
-    model.forward_fast(hidden, 0, logits=False)  # fills the fast cache, output unused (as upstream)
     code = torch.clamp(main - cfg["semantic_begin_id"], 0, cfg["codebook_size"] - 1)
-    codes = [main, code]
+    codes, x = [main, code], model.fast_embeddings(code)[:, None]  # (B, 1, fast_dim): fast position 1
+    if model.fast_prefill:  # codebook 0 is known already: positions 0 and 1 in one pass (s2.cpp, tuna-fish)
+        x = torch.cat([hidden[:, None], x], dim=1)
+    else:
+        model.forward_fast(hidden[:, None], 0, logits=False)  # fills the fast cache, output unused (upstream)
     for i in range(1, cfg["num_codebooks"]):
-        fast_logits = model.forward_fast(model.fast_embeddings(code), i)
+        fast_logits = model.forward_fast(x, i)
         code = sample(fast_logits, fast_noise[:, i - 1], p["temperature"], p["top_p"], p["top_k"], k)
         codes.append(code)
+        x = model.fast_embeddings(code)[:, None]
     return torch.stack(codes, dim=1)
 
 
@@ -1365,6 +1376,9 @@ def add_model_args(ap: argparse.ArgumentParser):
                     " (default: on for CUDA, off on CPU where compiling takes minutes, see README)")
     ap.add_argument("--compile-cache", help="folder that keeps compiled kernels for the next run"
                     f" (default $TORCHINDUCTOR_CACHE_DIR, else {default_compile_cache()})")
+    ap.add_argument("--fast-prefill", action="store_true", help="the fast transformer's first two positions"
+                    " (slow state, codebook 0) in one pass: 9 passes a frame instead of upstream's 10; its"
+                    " logits round otherwise than upstream's (off by default, docs/speed.md)")
 
 
 def model_settings(args) -> tuple:
@@ -1499,9 +1513,10 @@ def speak_cli(args):
     codes_path, wav_path = output_files(args)
     if args.demo:
         model, args.codec = demo_models(device, dtype)
-        optimize(model, args.quant, compiled, args.compile_cache)
+        optimize(model, args.quant, compiled, args.compile_cache, args.fast_prefill)
     else:
-        model = load(args.checkpoint, device, dtype, args.quant, compiled, args.compile_cache)
+        model = load(args.checkpoint, device, dtype, args.quant, compiled, args.compile_cache,
+                     args.fast_prefill)
     if wav_path is not None and not args.demo and not (Path(args.checkpoint) / "codec.pth").is_file():
         if args.stream:
             raise UserError(f"--stream needs {args.checkpoint}/codec.pth")

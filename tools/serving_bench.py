@@ -91,10 +91,11 @@ def main(argv=None) -> dict:
     device, dtype, compiled = dualAR.model_settings(args)
     dualAR.check_quant(args.quant, device, dtype)
     if args.checkpoint:
-        model = dualAR.load(args.checkpoint, device, dtype, args.quant, compiled, args.compile_cache)
+        model = dualAR.load(args.checkpoint, device, dtype, args.quant, compiled, args.compile_cache,
+                            args.fast_prefill)
     else:
         model = dualAR.optimize(bench.random_model(args.config, device, dtype), args.quant, compiled,
-                                args.compile_cache)
+                                args.compile_cache, args.fast_prefill)
     got = load_run(model, bench.bench_codec(args, device), args)
     print(f"load: {args.load} requests at {args.rate:g}/s into {args.slots} slots, {args.frames} frames each:"
           f" {got['frames_per_s']:.1f} frames/s in all, per request {got['request_min']:.1f}.."

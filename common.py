@@ -238,9 +238,11 @@ class FewRowsLinear(nn.Linear):
 
 def use_few_rows_linears(module: nn.Module):
     """Every plain nn.Linear inside module -> FewRowsLinear (the same parameters and names), where torch has
-    oneDNN."""
-    for m in module.modules():
-        if type(m) is nn.Linear and torch.backends.mkldnn.is_available():
+    oneDNN and the prepacked copies fit in half of the memory available now (else nothing changes)."""
+    linears = [m for m in module.modules() if type(m) is nn.Linear]
+    size = sum(m.weight.numel() * m.weight.element_size() for m in linears)
+    if torch.backends.mkldnn.is_available() and size <= available_memory_bytes() / 2:
+        for m in linears:
             m.__class__ = FewRowsLinear
 
 
@@ -254,6 +256,14 @@ def reset_peak_memory(device: torch.device):
             Path("/proc/self/clear_refs").write_text("5")
         except OSError:  # some containers forbid it: the peak is then the process's so far
             pass
+
+
+def available_memory_bytes() -> int:
+    """Linux's MemAvailable (0 where it cannot be read)."""
+    try:
+        return int(re.search(r"MemAvailable:\s+(\d+)", Path("/proc/meminfo").read_text())[1]) * 1024
+    except (OSError, TypeError):
+        return 0
 
 
 def peak_memory_gb(device: torch.device) -> float:

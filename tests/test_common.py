@@ -68,3 +68,14 @@ def test_few_rows_linear_runs_onednn_on_a_batch_of_rows_and_torch_elsewhere(monk
         assert torch.allclose(layer(x[:4]), F.linear(x[:4], layer.weight, layer.bias), atol=1e-5)
     y = layer(torch.rand(4, 1, 48))  # gradients recorded: nn.Linear's matmul
     assert y.requires_grad and calls == [4, 16, 64, 4, 4]
+
+
+def test_few_rows_linears_are_taken_only_where_their_copies_fit_in_half_the_available_memory(monkeypatch):
+    layers = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+    size = (64 * 32 + 32 * 16) * 4  # fp32 weights
+    monkeypatch.setattr(common, "available_memory_bytes", lambda: 2 * size - 1)
+    common.use_few_rows_linears(layers)
+    assert [type(m) for m in layers] == [torch.nn.Linear, torch.nn.ReLU, torch.nn.Linear]
+    monkeypatch.setattr(common, "available_memory_bytes", lambda: 2 * size)
+    common.use_few_rows_linears(layers)
+    assert [type(m) for m in layers] == [common.FewRowsLinear, torch.nn.ReLU, common.FewRowsLinear]

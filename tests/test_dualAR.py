@@ -800,6 +800,8 @@ def test_a_partly_filled_engine_runs_the_smallest_batch_that_holds_its_rows(mode
         engine.run()
     assert rows_run[0] == 4 and rows_run[-1] == 1 and set(rows_run) == {1, 4}  # never 8: 4 rows were used
     assert all(torch.equal(r.codes(), c) for r, c in zip(made, solo[::-1], strict=True))
+    wqkv = model.layers[0].attention.wqkv  # the 4 rows ran oneDNN's prepacked matmul (common.FewRowsLinear)
+    assert type(wqkv) is common.FewRowsLinear and hasattr(wqkv.weight, "prepacked")
 
 
 def test_batch_buckets_are_1_then_powers_of_two_from_4():

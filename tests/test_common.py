@@ -50,9 +50,8 @@ def test_few_rows_linear_runs_onednn_on_a_batch_of_rows_and_torch_elsewhere(monk
     layer = torch.nn.Linear(48, 40)
     common.use_few_rows_linears(layer)
     assert type(layer) is common.FewRowsLinear and list(layer.state_dict()) == ["weight", "bias"]
-    calls = []
-    packed_matmul = common.packed_matmul
-    monkeypatch.setattr(common, "packed_matmul", lambda x, *a: calls.append(x.shape[0]) or packed_matmul(x, *a))
+    calls, packed_matmul = [], common.packed_matmul
+    monkeypatch.setattr(common, "packed_matmul", lambda x, *a: calls.append(len(x)) or packed_matmul(x, *a))
     with torch.inference_mode():
         for rows in (1, 3, 4, 16, 64, 65):
             x = torch.rand(rows, 1, 48)

@@ -16,6 +16,7 @@ import sys
 import threading
 import traceback
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import soundfile as sf
@@ -223,16 +224,37 @@ def prepacked(weight: Tensor) -> Tensor:
     return packed[1]
 
 
+# Whether compiled graphs run their few-row linear layers on oneDNN's prepacked weights too: on an AVX2-only
+# CPU (an AMD EPYC measured) inductor's 4-row matmul reads a weight at a third of oneDNN's speed; with AVX-512
+# (an Intel Xeon measured) inductor's own is the faster (docs/speed.md). A constant: dynamo reads it as one.
+COMPILED_FEW_ROWS = torch.backends.cpu.get_cpu_capability() == "AVX2"
+
+
+@torch.library.custom_op("fishfast::packed_linear", mutates_args=())
+def packed_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """`packed_matmul` on `prepacked`(weight) as one opaque op for compiled graphs (inductor cannot take
+    oneDNN's packed tensors as graph inputs: the op finds the copy kept on the weight)."""
+    return packed_matmul(x, prepacked(weight), bias)
+
+
+@packed_linear.register_fake
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
 class FewRowsLinear(nn.Linear):
-    """nn.Linear whose eager inference on CPU fp32 with FEW_ROWS rows (a batch of frames) runs oneDNN on the
-    weight `prepacked`: MKL reads a weight at ~40 GB/s for 1-3 rows but ~20 for 4-16 here, oneDNN at ~30. The
-    copy doubles the layer's memory, made at the first such call. A compiled graph keeps F.linear (inductor
-    has its own plan for a few rows, faster still); any other call is nn.Linear's."""
+    """nn.Linear whose inference on CPU fp32 with FEW_ROWS rows (a batch of frames) runs oneDNN on the weight
+    `prepacked`: MKL reads a weight at ~40 GB/s for 1-3 rows but ~20 for 4-16 on a Xeon (~3 from 4 rows on an
+    AVX2 EPYC), oneDNN at ~30 (~10). The copy doubles the layer's memory, made at the first such call. A
+    compiled graph does so only where COMPILED_FEW_ROWS; any other call is nn.Linear's."""
 
     def forward(self, x: Tensor) -> Tensor:
         few = x.numel() // self.in_features in FEW_ROWS and x.dtype == torch.float32 and x.is_cpu
-        if few and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-            return packed_matmul(x, prepacked(self.weight), self.bias)
+        if few and not torch.is_grad_enabled():
+            if not torch.compiler.is_compiling():
+                return packed_matmul(x, prepacked(self.weight), self.bias)
+            if COMPILED_FEW_ROWS:
+                return packed_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

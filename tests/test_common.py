@@ -78,3 +78,26 @@ def test_few_rows_linears_are_taken_only_where_their_copies_fit_in_half_the_avai
     monkeypatch.setattr(common, "available_memory_bytes", lambda: 2 * size)
     common.use_few_rows_linears(layers)
     assert [type(m) for m in layers] == [common.FewRowsLinear, torch.nn.ReLU, common.FewRowsLinear]
+
+
+def test_compiled_few_rows_linears_run_one_packed_copy_where_the_cpu_rule_says(monkeypatch):
+    """In a compiled graph a FewRowsLinear at 4-64 rows runs oneDNN's prepacked matmul as one opaque op where
+    COMPILED_FEW_ROWS (AVX2-only CPUs): within 1e-5 of F.linear, the copy made at the first call and found
+    on the weight by every later one. Elsewhere the graph keeps F.linear: no copy made."""
+    torch.manual_seed(0)
+    packs, prepack = [], common.prepack
+    monkeypatch.setattr(common, "prepack", lambda w: packs.append(tuple(w.shape)) or prepack(w))
+    for rule in (True, False):
+        torch._dynamo.reset()
+        monkeypatch.setattr(common, "COMPILED_FEW_ROWS", rule)
+        layers = torch.nn.Sequential(torch.nn.Linear(48, 40), torch.nn.SiLU(), torch.nn.Linear(40, 8))
+        common.use_few_rows_linears(layers)
+        step, x = torch.compile(layers, fullgraph=True), torch.rand(4, 48)
+        with torch.inference_mode():
+            hidden = F.silu(F.linear(x, layers[0].weight, layers[0].bias))
+            want = F.linear(hidden, layers[2].weight, layers[2].bias)
+            for _ in range(3):
+                assert torch.allclose(step(x), want, atol=1e-5)
+        assert packs == ([(40, 48), (8, 40)] if rule else [])
+        assert all(hasattr(m, "weight") and hasattr(m.weight, "prepacked") == rule for m in layers[::2])
+        packs.clear()

@@ -617,14 +617,14 @@ def machine_choices(model):
 
 def is_choice(module, value):
     """Whether a decision file's value decides this op: True or False; for a linear layer its `row_steps`
-    (a bool there is an older file's one choice for all row counts: timed again)."""
+    (a bool there, or steps that end prepacked, are an older file's: timed again)."""
     if not isinstance(module, nn.Linear):
         return isinstance(value, bool)
     steps = value if isinstance(value, list) else []
     if not all(isinstance(step, list) and [type(v) for v in step] == [int, bool] for step in steps):
         return False
     starts = [start for start, _ in steps]
-    return starts[:1] == [0] and starts == sorted(set(starts))
+    return starts[:1] == [0] and starts == sorted(set(starts)) and steps[-1][1] is False  # ends eager
 
 
 @torch.inference_mode()
@@ -659,13 +659,14 @@ def timed_choices(model, repeats=3):
 
 
 def row_steps(wins):
-    """{rows: fast no slower} -> [[from rows, fast], ...]: each timed row count gets its own choice, and a row
-    count between two timed ones the choice of the one below it (the first step starts from 0 rows)."""
+    """{rows: fast no slower} -> [[from rows, fast], ...]: each timed row count gets its own choice, a row
+    count between two timed ones the choice of the one below it (the first step starts from 0 rows), and one
+    above every timed one eager: untimed, as a one-shot decode's hundreds of rows (prepacked, they lost)."""
     steps = []
     for rows in sorted(wins):
         if not steps or wins[rows] != steps[-1][1]:
             steps.append([rows if steps else 0, wins[rows]])
-    return steps
+    return steps + [[max(wins) + 1, False]] if steps[-1][1] else steps
 
 
 def probe_inputs(model):

@@ -153,7 +153,8 @@ TIMED_CHOICES = codec.timed_choices  # as imported: conftest's session fixture r
 def alternating_choices(model):
     """Every other op key fast, the rest eager: tensors cross between the two layouts everywhere."""
     keys = sorted({codec.op_key(m) for m in model.modules()} - {None})
-    return {key: [[0, i % 2 == 0]] if key.startswith("linear ") else i % 2 == 0 for i, key in enumerate(keys)}
+    linear = {True: [[0, True], [4096, False]], False: [[0, False]]}  # prepacked at every row count seen here
+    return {key: linear[i % 2 == 0] if key.startswith("linear ") else i % 2 == 0 for i, key in enumerate(keys)}
 
 
 def test_fast_path_takes_a_cached_decision_files_choices_without_timing(model, one_shot, tmp_path,
@@ -205,19 +206,20 @@ def test_a_machine_without_decisions_is_timed_once_and_added_to_the_file(tmp_pat
     (lambda entry, linear: entry, False),
     (lambda entry, linear: dict(entry, **{linear: True}), True),  # the older format's one bool for all rows
     (lambda entry, linear: dict(entry, **{linear: [[1, True]]}), True),  # no choice below 1 row
+    (lambda entry, linear: dict(entry, **{linear: [[0, True]]}), True),  # prepacked beyond its timed rows
     (lambda entry, linear: dict(entry, **{linear: [[0, True], [0, False]]}), True),
     (lambda entry, linear: dict(entry, **{linear: [[0, 1]]}), True),
     (lambda entry, linear: dict(entry, snake=1), True),
     (lambda entry, linear: [entry], True)])
 def test_an_older_or_odd_decision_file_is_timed_again_and_replaced(tmp_path, monkeypatch, edit, timed_again):
     """A decision file decides an op only with a value of its kind: a linear layer's row steps, a bool for
-    the others. Anything else (the older format's bool for a linear layer, steps that leave rows undecided,
-    an entry that is not a dict) is timed again and replaced, never a crash."""
+    the others. Anything else (the older format's bool for a linear layer, steps that leave rows undecided or
+    end prepacked, an entry that is not a dict) is timed again and replaced, never a crash."""
     monkeypatch.setattr(codec, "choices_folder", lambda: tmp_path)
     dac = codec.load(CKPT)
     keys = sorted({codec.op_key(m) for m in dac.modules()} - {None})
     linear = next(key for key in keys if key.startswith("linear "))
-    steps = {True: [[0, False], [4, True]], False: [[0, True], [16, False]]}[timed_again]
+    steps = {True: [[0, False], [4, True], [65, False]], False: [[0, True], [16, False]]}[timed_again]
     timed = {key: steps if key.startswith("linear ") else True for key in keys}
     monkeypatch.setattr(codec, "timed_choices", lambda model: timed)
     decided = {key: [[0, True], [16, False]] if key.startswith("linear ") else True for key in keys}
@@ -247,7 +249,12 @@ def test_timed_choices_time_every_op_in_every_probe_and_leave_the_model_eager(mo
     choices = TIMED_CHOICES(dac)
     keys = {codec.op_key(m) for m in dac.modules()} - {None}
     won = {key: key != codec.op_key(loser) for key in keys}
-    assert choices == {key: [[0, True]] if key.startswith("linear ") else won[key] for key in keys}
+    top = {}  # a linear layer's largest row count in any probe: eager above it
+    for m, by_probe in probes.items():
+        if isinstance(m, torch.nn.Linear):
+            rows = max(codec.linear_rows(x) for xs in by_probe.values() for x in xs)
+            top[codec.op_key(m)] = max(top.get(codec.op_key(m), 0), rows)
+    assert choices == {key: [[0, True], [top[key] + 1, False]] if key in top else won[key] for key in keys}
     assert all(getattr(m, "packed", None) is None for m in dac.modules())
     assert all(m.fn is codec.snake for m in dac.modules() if isinstance(m, codec.Snake))
 
@@ -258,7 +265,7 @@ def runs_fast(module):
 
 def test_timed_choices_decide_a_linear_layer_for_each_row_count(monkeypatch):
     """A linear layer is timed by its inputs' rows (streams: 1 to 64 here, an encode 16 to 64) and takes
-    what won at each; a row count between two timed ones, what won at the one below it."""
+    what won at each; a row count between two timed ones, what won at the one below it; above them, eager."""
     dac = codec.load(CKPT)
     attention, convnext = dac.quantizer.post_module.layers[0].attention, dac.quantizer.upsample[0][1]
     qkv, out, pointwise = (codec.op_key(m) for m in (attention.wqkv, attention.wo, convnext.pwconv1))
@@ -271,11 +278,12 @@ def test_timed_choices_decide_a_linear_layer_for_each_row_count(monkeypatch):
     monkeypatch.setattr(codec, "seconds", fake_seconds)
     choices = TIMED_CHOICES(dac)
     assert {key: choices[key] for key in losing} == {  # qkv and out: rows 1, 4, 16, 64; pointwise: 2 to 64
-        qkv: [[0, True], [16, False]], out: [[0, False], [4, True]],
-        pointwise: [[0, True], [8, False], [16, True]]}
-    assert [codec.step_at(choices[pointwise], rows) for rows in (1, 7, 8, 15, 16, 99)] == [1, 1, 0, 0, 1, 1]
+        qkv: [[0, True], [16, False]], out: [[0, False], [4, True], [65, False]],
+        pointwise: [[0, True], [8, False], [16, True], [65, False]]}
+    assert [codec.step_at(choices[pointwise], rows) for rows in (1, 7, 8, 15, 16, 64, 65, 999)] == [
+        1, 1, 0, 0, 1, 1, 0, 0]
     linears = {key for key in choices if key.startswith("linear ")}
-    assert {str(choices[key]) for key in linears - set(losing)} == {"[[0, True]]"}
+    assert {str(choices[key]) for key in linears - set(losing)} == {"[[0, True], [65, False]]"}
     assert {choices[key] for key in set(choices) - linears} == {True}
     assert all(getattr(m, "packed", None) is None for m in dac.modules())
 

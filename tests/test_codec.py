@@ -154,7 +154,8 @@ def alternating_choices(model):
     """Every other op key fast, the rest eager: tensors cross between the two layouts everywhere."""
     keys = sorted({codec.op_key(m) for m in model.modules()} - {None})
     linear = {True: [[0, True], [4096, False]], False: [[0, False]]}  # prepacked at every row count seen here
-    return {key: linear[i % 2 == 0] if key.startswith("linear ") else i % 2 == 0 for i, key in enumerate(keys)}
+    return {key: linear[i % 2 == 0] if key.startswith("linear ") else i % 2 == 0
+            for i, key in enumerate(keys)}
 
 
 def test_fast_path_takes_a_cached_decision_files_choices_without_timing(model, one_shot, tmp_path,

@@ -981,8 +981,8 @@ def prefill_and_step_logits(model, step=None):
     return logits, model.forward_fast(hidden[:, None], 0), *step(frames, pos)
 
 
-@pytest.mark.parametrize("scheme, dtype, bound", [("int8wo", torch.float32, 0.03),
-                                                  ("int4wo", torch.float32, 0.25), ("none", torch.float16, 0.005)])
+@pytest.mark.parametrize("scheme, dtype, bound", [
+    ("int8wo", torch.float32, 0.03), ("int4wo", torch.float32, 0.25), ("none", torch.float16, 0.005)])
 def test_cpu_quantization_runs_eager_and_compiled_and_its_logits_stay_close(model, scheme, dtype, bound):
     """int8wo / int4wo on CPU (QuantLinear, torch's own kernels, bf16 activations; the fast head in int8),
     max error in % of the largest logit on this checkpoint, measured: int8wo 1.0 (slow) / 1.2 (fast) at the

@@ -775,17 +775,24 @@ def top_candidates(logits: Tensor, top_p: Tensor, top_k: Tensor, candidates: int
     last, first_out = values.gather(-1, kept - 1), values.gather(-1, kept)
     tie = (last == first_out) & (last > float("-inf"))
     near = (cum_probs - top_p[:, None]).abs() < CUMULATIVE_SLACK
-    unsure = tie.any() | near.any()
+    return candidates_or_sorted(logits, ids, remove, tie.any() | near.any(), top_p, top_k)
 
-    def from_candidates(logits, ids, remove):
-        return torch.ones_like(logits, dtype=torch.bool).scatter(-1, ids, remove)
 
-    def from_whole_row(logits, ids, remove):
+# One opaque op, so that a compiled step branches on the host: torch.cond here made inductor compile two
+# subgraphs per draw (22 a frame) and refuse to cache the graph ("Can't cache HigherOrderOperator: cond").
+@torch.library.custom_op("fishfast::candidates_or_sorted", mutates_args=())
+def candidates_or_sorted(logits: Tensor, ids: Tensor, remove: Tensor, unsure: Tensor, top_p: Tensor,
+                         top_k: Tensor) -> Tensor:
+    """`top_candidates`' removal (B, vocabulary) in vocabulary order: from the candidates' `remove`, or
+    `sorted_removal` of the whole row where `unsure`."""
+    if unsure:
         return sorted_removal(logits, top_p, top_k)
+    return torch.ones_like(logits, dtype=torch.bool).scatter(-1, ids, remove)
 
-    if not torch.compiler.is_compiling():  # eager torch.cond would trace both branches on every call
-        return (from_whole_row if unsure else from_candidates)(logits, ids, remove)
-    return torch.cond(unsure, from_whole_row, from_candidates, (logits, ids, remove))
+
+@candidates_or_sorted.register_fake
+def _(logits, ids, remove, unsure, top_p, top_k):
+    return torch.empty_like(logits, dtype=torch.bool)
 
 
 def candidate_count(model: "DualAR", top_k: int):

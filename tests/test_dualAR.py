@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ import bench
 import codec
 import common
 import dualAR
-from conftest import CASES, CKPT, GOLDEN, REAL, golden, run_main, run_script
+from conftest import CASES, CKPT, GOLDEN, REAL, ROOT, golden, run_main, run_script
 
 
 def references(call):
@@ -333,6 +334,20 @@ def test_ordering_only_the_best_candidates_samples_what_the_full_sort_samples(mo
         assert len(whole) <= batches // 10
     elif kind == "grid":
         assert len(whole) > 0
+
+
+def test_a_compiled_sampler_branches_in_one_graph_and_sorts_the_whole_row_only_where_it_must(monkeypatch):
+    """Compiled (one graph, inductor), the candidates' removal is upstream's whole-row one, taken from the
+    candidates for continuous logits and from the whole sorted row for logits with ties."""
+    sort, whole = dualAR.sorted_removal, []
+    monkeypatch.setattr(dualAR, "sorted_removal", lambda *args: whole.append(1) or sort(*args))
+    compiled = torch.compile(dualAR.top_candidates, fullgraph=True, backend="inductor")
+    generator = torch.Generator().manual_seed(0)
+    top_p, top_k = torch.full((16,), 0.7), torch.randint(0, 31, (16,), generator=generator)
+    for kind, sorted_whole in (("continuous", []), ("grid", [1])):
+        logits = random_logits(kind, 16, 4096, generator)
+        assert torch.equal(compiled(logits, top_p, top_k, 32), sort(logits, top_p, top_k)), kind
+        assert whole == sorted_whole, kind
 
 
 def probs_by_full_sort(sort, logits, temperature, top_p, top_k):
@@ -934,9 +949,9 @@ def test_compiled_kernels_go_to_our_cache_folder_unless_the_user_chose_one(monke
 def test_a_second_process_loads_the_compiled_step_from_the_cache(model, tmp_path):
     """This process compiles a model's frame step (batch 1, a 256-position cache) into the session's
     compile cache, unless an earlier test did; then the compiled CLI in a new process, given that folder
-    as --compile-cache, compiles nothing new (it finds the graph and kernels there: no graph entry or kernel
-    is added or changed; a hit may write the graph's Python source out again, seen when an earlier test's
-    graph was reused in memory) and writes the same codes as the eager model."""
+    as --compile-cache, compiles nothing new: inductor finds the graph there (a cache hit, no miss, no
+    bypass), no graph entry or kernel is added or changed (a hit may write the graph's Python source out
+    again, seen when an earlier test's graph was reused in memory), and it writes the eager model's codes."""
     cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])  # the session's (conftest: inductor_cache)
 
     def cache_files():  # path -> size of every compiled graph entry and kernel in the cache folder
@@ -954,13 +969,23 @@ def test_a_second_process_loads_the_compiled_step_from_the_cache(model, tmp_path
     args = ["--checkpoint", str(CKPT), "--text", "Hi.", "--seed", "1", "--max-new-tokens", "8", "--no-prompt",
             "--codes-only", "--compile", "--compile-cache", str(cache), "--max-context", "256",
             "--out", "run.npy"]
+    # the CLI as `python dualAR.py`, which then prints inductor's graph cache counters on its last line
+    cli = (f"import atexit, json, runpy, sys; sys.path.insert(0, {str(ROOT)!r}); sys.argv[1:] = {args!r}; "
+           "from torch._dynamo.utils import counters; atexit.register(lambda: print(json.dumps(dict("
+           "counters['inductor'])), file=sys.stderr)); "
+           f"runpy.run_path({str(ROOT / 'dualAR.py')!r}, run_name='__main__')")
     start = time.perf_counter()
-    result = run_script("dualAR.py", args, tmp_path, timeout=900)
+    result = subprocess.run([sys.executable, "-c", cli], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=900)
     times.append(time.perf_counter() - start)
     assert result.returncode == 0, result.stderr
     files.append(cache_files())
     print(f"compiled step, tiny checkpoint: this process {times[0]:.1f} s, the next one {times[1]:.1f} s")
     assert files[1] == files[0]
+    looked_up = json.loads(result.stderr.splitlines()[-1])
+    # a graph inductor cannot cache ("bypass": a torch.cond in it, once) is compiled again by every process
+    assert looked_up.get("fxgraph_cache_hit", 0) >= 1 and looked_up.get("fxgraph_cache_bypass", 0) == 0 \
+        and looked_up.get("fxgraph_cache_miss", 0) == 0, looked_up
     assert torch.equal(torch.from_numpy(np.load(tmp_path / "run.npy")), eager)
 
 

@@ -666,7 +666,7 @@ def row_steps(wins):
     for rows in sorted(wins):
         if not steps or wins[rows] != steps[-1][1]:
             steps.append([rows if steps else 0, wins[rows]])
-    return steps + [[max(wins) + 1, False]] if steps[-1][1] else steps
+    return (steps + [[max(wins) + 1, False]]) if steps[-1][1] else steps
 
 
 def probe_inputs(model):

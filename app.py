@@ -59,6 +59,7 @@ CLIP_RATES, MAX_CLIP_CHANNELS = (8000, 192000), 2  # Hz, and mono or stereo: a v
 SAMPLE_BYTES = dict(PCM_S8=1, PCM_U8=1, ULAW=1, ALAW=1, PCM_16=2, PCM_24=3, PCM_32=4, FLOAT=4, DOUBLE=8)
 UNCOMPRESSED = {"WAV", "WAVEX", "W64", "RF64", "AIFF", "AU", "CAF"}
 MAX_BODY = 48 << 20  # bytes: four 30 s 16-bit clips, base64 in JSON, fit with room
+LINGER = 2  # seconds a closing connection reads what its client still sends (as Apache's lingering close)
 VOICE_NAME = re.compile(r"[A-Za-z0-9_ -]{1,64}")  # upstream's rule for reference ids, at most 64 characters
 SAMPLE_RATE, HOP = codec.CONFIG["sample_rate"], codec.hop_length()  # S2-Pro's; HOP: samples per frame
 STREAMABLE = ("wav", "pcm")  # written piece by piece; the others are encoded from the whole waveform
@@ -1311,9 +1312,22 @@ class Server(ThreadingHTTPServer):  # its `app` and `max_connections` are set by
         with contextlib.suppress(OSError):  # beyond --max-connections: a 503, written here, nothing read
             Refusal(request, client_address, self)
             request.shutdown(socket.SHUT_WR)
-            while request.recv(65536, socket.MSG_DONTWAIT):  # what came already: closed unread, it
-                pass  # would be a reset, which may reach the client before our answer
-        self.shutdown_request(request)
+            while request.recv(65536, socket.MSG_DONTWAIT):  # what came already (the accepting thread
+                pass  # cannot linger): closed unread, it would be a reset, which may outrun our answer
+        self.close_request(request)
+
+    def shutdown_request(self, request):
+        """A request thread's close: our FIN, then what the client still sends is read and dropped until its
+        own FIN, for up to LINGER seconds: a close with bytes unread (a refused request's body) is a reset,
+        which may reach the client before our answer and take it away (RFC 9112 9.6)."""
+        with contextlib.suppress(OSError):  # gone already, or silent past the deadline
+            request.shutdown(socket.SHUT_WR)
+            deadline = time.monotonic() + LINGER
+            while (left := deadline - time.monotonic()) > 0:
+                request.settimeout(left)
+                if not request.recv(65536):
+                    break
+        self.close_request(request)
 
     def process_request_thread(self, request, client_address):
         try:

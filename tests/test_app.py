@@ -1037,6 +1037,15 @@ def test_ambiguous_framing_is_refused_and_an_unread_body_is_never_a_next_request
     assert tree(root.parent) == before
 
 
+def test_a_refused_request_gets_its_answer_though_its_body_is_never_read(server):
+    """The server answers a bad head at once and leaves the body unread: closing then would be a reset, which
+    can reach the client before the answer and take it away, so the server reads and drops the rest first."""
+    head = b"POST /v1/tts HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+    for framing in [b"Content-Length: 2\r\nContent-Length: 3", b"Transfer-Encoding: gzip"]:
+        answer = raw_exchange(server, head + framing + b"\r\n\r\n" + b" " * (16 << 20))  # > socket buffers
+        assert answer.startswith(b"HTTP/1.1 400") and answer.count(b"HTTP/1.1 ") == 1, (framing, answer[:300])
+
+
 def test_line_wrapped_base64_is_the_same_audio(server):
     """`base64` prints 76-column lines (upstream accepts them); spaces, CRLF and a data URL's too."""
     def encode(audio):

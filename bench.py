@@ -274,12 +274,11 @@ def bench(args):
         name = args.config
         if half:
             short = next(k for k, v in common.DTYPES.items() if v == dtype)
-            model = quant_agreement(model, short, lambda fp32: fp32.to(dtype), against="fp32")
+            model = quant_agreement(model, short, lambda fp32: common.use_half_linears(fp32.to(dtype)),
+                                    against="fp32")
     if quant and not model.quant:
         quant_agreement(model, quant)
-    model.fast_prefill = args.fast_prefill
-    if compiled:
-        dualAR.compile_model(model, args.compile_cache)
+    dualAR.optimize(model, None, compiled, args.compile_cache, args.fast_prefill)  # as dualAR.load does
     n_params = sum(m.in_features * m.out_features if isinstance(m, QuantLinear) else
                    sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()) / 1e9
     built, per_frame, bandwidth = common.peak_memory_gb(device), frame_bytes(model), copy_bandwidth(device)

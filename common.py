@@ -3,8 +3,8 @@ dtype choice, atomic writes, audio files, peak memory, an engine's thread. It im
 model file can be copied with this one alone.
 
 Sections: errors and the CLI wrapper, devices and dtypes, files (atomic writes, audio, the compile cache),
-CPU weight-only quantization (QuantLinear), oneDNN's prepacked matmuls (FewRowsLinear), memory, engines (the
-thread that drives a scheduler).
+CPU weight-only quantization (QuantLinear), oneDNN's prepacked matmuls (FewRowsLinear), half-precision
+linears (HalfLinear), memory, engines (the thread that drives a scheduler).
 """
 import argparse
 import math
@@ -161,7 +161,8 @@ class QuantLinear(nn.Module):
     bf16 activations only (fp32 takes a scalar path, 10-30x slower): x goes in as bf16, y out in x's dtype.
     matmul_rows: from this many rows on (compute-bound work, such as OmniVoice's whole sequences) an int8
     weight is converted to bf16 (exactly: |q| <= 127) once per call and run through a bf16 matmul, which
-    those kernels, written for a few rows, are many times slower than; the scales multiply its output."""
+    those kernels, written for a few rows, are many times slower than; the scales multiply its output (fp32
+    where the CPU has no bf16 matrix units: HALF_UNITS)."""
 
     def __init__(self, linear: nn.Linear, bits: int, matmul_rows: int = None):
         super().__init__()
@@ -186,7 +187,8 @@ class QuantLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
         if self.bits == 8 and self.matmul_rows is not None and x2.shape[0] >= self.matmul_rows:
-            y = F.linear(x2, self.weight.to(torch.bfloat16)) * self.scales  # one pass over the weight
+            w = self.weight.to(torch.bfloat16 if HALF_UNITS[torch.bfloat16] else torch.float32)
+            y = F.linear(x2.to(w.dtype), w) * self.scales  # one pass over the weight
         elif self.bits == 8:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
         else:
@@ -266,6 +268,38 @@ def use_few_rows_linears(module: nn.Module):
     if torch.backends.mkldnn.is_available() and size <= available_memory_bytes() / 2:
         for m in linears:
             m.__class__ = FewRowsLinear
+
+
+# ----------------------------------------------------------------------------- half-precision linears (CPU)
+MANY_ROWS = 32  # from here on an fp32 matmul of the upcast weight beats a half one (AVX2 EPYC): docs/speed.md
+CPU_FLAGS = torch._C._cpu._get_cpu_capability()
+# Whether this CPU has matrix instructions for fp16 / bf16 (oneDNN's fast half-precision GEMMs): without them
+# torch's many-row half matmuls are 4-5x slower than fp32 (an AVX2 EPYC). Constants: dynamo reads them so.
+HALF_UNITS = {torch.bfloat16: CPU_FLAGS.get("avx512_bf16") or CPU_FLAGS.get("amx_bf16") or False,
+              torch.float16: CPU_FLAGS.get("avx512_fp16") or CPU_FLAGS.get("amx_fp16") or False}
+
+
+class HalfLinear(nn.Linear):
+    """nn.Linear with fp16 or bf16 weights on a CPU without matrix units for them: from MANY_ROWS rows on
+    (a prefill, OmniVoice's sequences: compute-bound) it runs in fp32, the weight upcast for the call and
+    the output rounded back, so the sum is fp32 as in the half GEMM; fewer rows (memory-bound frames) read
+    half the bytes in half precision, which is why the weight stays half."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.numel() // self.in_features >= MANY_ROWS and x.is_cpu and x.dtype == self.weight.dtype:
+            bias = None if self.bias is None else self.bias.float()
+            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        return F.linear(x, self.weight, self.bias)
+
+
+def use_half_linears(module: nn.Module) -> nn.Module:
+    """Every plain nn.Linear inside module whose weight is fp16 or bf16 on a CPU without matrix units for
+    it -> HalfLinear (the same parameters and names) -> module."""
+    for m in module.modules():
+        dtype = m.weight.dtype if type(m) is nn.Linear else None
+        if dtype in HALF_UNITS and m.weight.is_cpu and not HALF_UNITS[dtype]:
+            m.__class__ = HalfLinear
+    return module
 
 
 # ----------------------------------------------------------------------------- memory

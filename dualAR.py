@@ -49,7 +49,7 @@ import codec  # the CLI's audio, and the RMSNorm, FeedForward and RoPE of both t
 from codec import FeedForward, RMSNorm, apply_rope, rope_table
 from common import (DTYPES, FEW_ROWS, EngineClosed, EngineThread, Job, QuantLinear, QueueFull, UserError, cli,
                     default_compile_cache, device_name, peak_memory_gb, pick_device, pick_dtype, swap_linears,
-                    unreadable, use_compile_cache, use_few_rows_linears)
+                    unreadable, use_compile_cache, use_few_rows_linears, use_half_linears)
 
 # The real fishaudio/s2-pro dimensions, with upstream's flat `dual_ar` key names.
 CONFIG = dict(
@@ -556,11 +556,13 @@ def load(checkpoint, device="cpu", dtype=torch.float32, quant=None, compile=Fals
 
 
 def optimize(model: DualAR, quant=None, compile=False, compile_cache=None, fast_prefill=False) -> DualAR:
-    """Quantize and/or compile a loaded (or demo) model, and choose its frame step's fast passes."""
+    """Quantize and/or compile a loaded (or demo) model, and choose its frame step's fast passes. Linears
+    left in fp16 or bf16 on a CPU without matrix units for them prefill in fp32 (common.HalfLinear)."""
     check_quant(quant, model.embeddings.weight.device, model.embeddings.weight.dtype)
     model.fast_prefill = fast_prefill
     if quant and quant != "none":
         quantize(model, quant)
+    use_half_linears(model)
     if compile:
         compile_model(model, compile_cache)
     return model

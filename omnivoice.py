@@ -317,11 +317,13 @@ def quantize(model: OmniVoice, scheme) -> OmniVoice:
     """int8wo: the transformer's linear layers hold int8 weights (a scale per output row), dequantized to
     bf16 for each whole-sequence matmul (compute-bound: bf16 matmuls are the fast ones; the kernels for a
     few rows are not); int4wo: int4 weights (a scale and zero per 128 inputs) through torch's int4 kernel,
-    bf16 activations. Embeddings and heads stay in the model's dtype."""
+    bf16 activations. Embeddings and heads stay in the model's dtype. A linear left in fp16 or bf16 on a CPU
+    without matrix units for it runs its whole sequences in fp32 (common.HalfLinear: 4-5x faster there)."""
     check_quant(scheme, model.audio_heads.weight.device)
     if scheme in CPU_BITS:
         for layer in model.layers:
             common.swap_linears(layer, CPU_BITS[scheme], matmul_rows=1)
+    common.use_half_linears(model)
     return model
 
 

@@ -7,6 +7,7 @@ import sys
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import common
 from common import write_atomic
@@ -78,6 +79,67 @@ def test_few_rows_linears_are_taken_only_where_their_copies_fit_in_half_the_avai
     monkeypatch.setattr(common, "available_memory_bytes", lambda: 2 * size)
     common.use_few_rows_linears(layers)
     assert [type(m) for m in layers] == [common.FewRowsLinear, torch.nn.ReLU, common.FewRowsLinear]
+
+
+class MatmulDtypes(TorchDispatchMode):
+    """The dtypes of the matrix products run inside it (aten mm / addmm / bmm, whatever F.linear becomes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.dtypes.append(args[-1].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+def test_half_linears_run_many_rows_in_fp32_where_the_cpu_has_no_half_matmul_units(monkeypatch):
+    """fp16 / bf16 on a CPU without matrix units for them (an AVX2 one): torch's many-row half matmuls are
+    4-5x slower than fp32, so from MANY_ROWS rows on a HalfLinear multiplies the upcast weight in fp32 (the
+    output rounded back); fewer rows stay in half precision (half the bytes to read). With the units, or in
+    fp32, the linears stay nn.Linear."""
+    torch.manual_seed(0)
+    for dtype in (torch.float16, torch.bfloat16):
+        for units in (True, False):
+            monkeypatch.setitem(common.HALF_UNITS, dtype, units)
+            layers = torch.nn.Sequential(torch.nn.Linear(48, 40), torch.nn.ReLU(), torch.nn.Linear(40, 8))
+            layers, plain = layers.to(dtype), torch.nn.Linear(48, 8)
+            common.use_half_linears(layers), common.use_half_linears(plain)
+            kind = torch.nn.Linear if units else common.HalfLinear
+            assert [type(m) for m in layers] == [kind, torch.nn.ReLU, kind] and type(plain) is torch.nn.Linear
+        layer = layers[0]
+        for shape, wide in (((common.MANY_ROWS - 1, 48), False), ((common.MANY_ROWS, 48), True),
+                            ((2, 20, 48), True), ((1, 4, 48), False)):
+            x = torch.rand(shape).to(dtype)
+            with MatmulDtypes() as seen:
+                y = layer(x)
+            assert seen.dtypes == [torch.float32 if wide else dtype] and y.dtype == dtype, (shape, seen.dtypes)
+            want = F.linear(x.float(), layer.weight.float(), layer.bias.float()).to(dtype) if wide else \
+                F.linear(x, layer.weight, layer.bias)
+            assert torch.equal(y, want)
+
+
+def test_int8_weights_of_a_whole_sequence_multiply_in_bf16_or_fp32_as_the_cpu_has_units(monkeypatch):
+    """QuantLinear(matmul_rows): from that many rows the int8 weight is converted (exactly) for one plain
+    matmul, in bf16 where the CPU has bf16 matrix units, else in fp32 (bf16 there is 4-5x slower than fp32);
+    the scales multiply its output. Fewer rows take torch's int8 kernel."""
+    torch.manual_seed(0)
+    layer = common.QuantLinear(torch.nn.Linear(64, 24, bias=False), 8, matmul_rows=8)
+    x = torch.rand(2, 8, 64)
+    dequantized = layer.weight.float() * layer.scales.float()[:, None]
+    for units, dtype in ((True, torch.bfloat16), (False, torch.float32)):
+        monkeypatch.setitem(common.HALF_UNITS, torch.bfloat16, units)
+        with MatmulDtypes() as seen:
+            y = layer(x)
+        assert seen.dtypes == [dtype] and y.dtype == x.dtype
+        assert torch.allclose(y, F.linear(x.bfloat16().float(), dequantized), rtol=0.01, atol=0.01)
+        if dtype == torch.float32:  # the int8 values and bf16 inputs exactly, summed in fp32
+            want = F.linear(x.bfloat16().float(), layer.weight.float()) * layer.scales
+            assert torch.equal(y, want.view(2, 8, 24))
+    with MatmulDtypes() as seen:
+        layer(x[:, :3])
+    assert seen.dtypes == []  # 6 rows: aten's int8 kernel, no mm
 
 
 def test_compiled_few_rows_linears_run_one_packed_copy_where_the_cpu_rule_says(monkeypatch):

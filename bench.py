@@ -597,9 +597,11 @@ def omnivoice_main(argv=None):
         torch.set_num_threads(args.threads)
     device = common.pick_device(args.device)
     dtype = common.pick_dtype(args.dtype, device)
-    peak = matmul_peak(device, dtype)
+    upcast = device.type == "cpu" and dtype in common.HALF_UNITS and not common.HALF_UNITS[dtype]
+    peak_dtype = torch.float32 if upcast else dtype  # what a half model's sequences run in (HalfLinear)
+    peak = matmul_peak(device, peak_dtype)
     print(f"{machine_line(device)}, matmul peak {peak:.0f} GFLOP/s (2048 x 2048,"
-          f" {str(dtype).removeprefix('torch.')})")
+          f" {str(peak_dtype).removeprefix('torch.')})")
     model, what = ov_build(args, device, dtype)
     model = omnivoice.quantize(model, args.quant)
     what += f", {args.quant}" if args.quant else ""

@@ -491,8 +491,14 @@ def fold_weight_norm(model):
     return model
 
 
-def can_prepack(t):  # whether oneDNN runs this tensor's device and dtype (CPU, fp32 or bf16)
-    return t.is_cpu and t.dtype != torch.float16 and torch.backends.mkldnn.is_available()
+# oneDNN reorders bf16 weights only on CPUs that convert bf16 in hardware (its own error says which)
+BF16_PREPACK = bool(common.CPU_FLAGS.get("avx_ne_convert")
+                    or all(common.CPU_FLAGS.get(f) for f in ("avx512_bw", "avx512_vl", "avx512_dq")))
+
+
+def can_prepack(t):  # whether oneDNN runs this tensor's device and dtype (CPU, fp32, bf16 where it can)
+    ok = t.dtype == torch.float32 or t.dtype == torch.bfloat16 and BF16_PREPACK
+    return t.is_cpu and ok and torch.backends.mkldnn.is_available()
 
 
 def linear_rows(shape):  # a linear layer's input (..., in): how many rows of `in` it multiplies

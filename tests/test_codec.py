@@ -289,6 +289,20 @@ def test_timed_choices_decide_a_linear_layer_for_each_row_count(monkeypatch):
     assert all(getattr(m, "packed", None) is None for m in dac.modules())
 
 
+def test_only_weights_onednn_can_reorder_on_this_cpu_are_prepacked():
+    """fp32 always; bf16 only where the CPU converts it in hardware (AVX-512 BW/VL/DQ or AVX-NE-CONVERT):
+    elsewhere oneDNN's reorder raises, and the benchmark's matmul peak in bf16 crashed on an AVX2 EPYC."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        weight = torch.rand(16, 8).to(dtype)
+        try:
+            common.prepack(weight)
+            reorders = True
+        except RuntimeError:
+            reorders = False
+        assert codec.can_prepack(weight) == (reorders and dtype != torch.float16), dtype
+    assert codec.can_prepack(torch.rand(16, 8)) and not codec.can_prepack(torch.rand(16, 8, dtype=torch.float64))
+
+
 def test_a_linear_layer_runs_prepacked_at_the_row_counts_its_steps_say(one_shot, tmp_path, monkeypatch):
     """A decision file's step between a stream's rows and an encode's: each linear layer's call takes the
     prepacked weight below it and nn.Linear's matmul from it on; the stream and the encode stay as eager's."""

@@ -114,7 +114,7 @@ def test_half_linears_run_many_rows_in_fp32_where_the_cpu_has_no_half_matmul_uni
             x = torch.rand(shape).to(dtype)
             with MatmulDtypes() as seen:
                 y = layer(x)
-            assert seen.dtypes == [torch.float32 if wide else dtype] and y.dtype == dtype, (shape, seen.dtypes)
+            assert seen.dtypes == [torch.float32 if wide else dtype] and y.dtype == dtype, shape
             want = F.linear(x.float(), layer.weight.float(), layer.bias.float()).to(dtype) if wide else \
                 F.linear(x, layer.weight, layer.bias)
             assert torch.equal(y, want)

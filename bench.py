@@ -49,7 +49,7 @@ CODES_FRAMES = 64  # seeded frames a quantized model's codes are compared over
 def machine_line(device) -> str:
     """The first line of a benchmark: what its figures depend on (the CPU's capability as torch's own
     kernels see it, the half-precision units oneDNN may use, cores and threads)."""
-    cpu = torch._C._cpu._get_cpu_capability()
+    cpu = common.CPU_FLAGS
     units = [name for key, name in (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX")) if cpu.get(key)]
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA")  # an emulated smaller CPU (docs/speed.md)
     limit = f", oneDNN limited to {isa}" if isa else ""
@@ -597,8 +597,7 @@ def omnivoice_main(argv=None):
         torch.set_num_threads(args.threads)
     device = common.pick_device(args.device)
     dtype = common.pick_dtype(args.dtype, device)
-    upcast = device.type == "cpu" and dtype in common.HALF_UNITS and not common.HALF_UNITS[dtype]
-    peak_dtype = torch.float32 if upcast else dtype  # what a half model's sequences run in (HalfLinear)
+    peak_dtype = torch.float32 if common.runs_in_fp32(dtype, device) else dtype  # what sequences run in
     peak = matmul_peak(device, peak_dtype)
     print(f"{machine_line(device)}, matmul peak {peak:.0f} GFLOP/s (2048 x 2048,"
           f" {str(peak_dtype).removeprefix('torch.')})")

@@ -292,12 +292,16 @@ class HalfLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
+def runs_in_fp32(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether many-row linears of `dtype` on `device` run in fp32 (HalfLinear): half ones on such a CPU."""
+    return device.type == "cpu" and dtype in HALF_UNITS and not HALF_UNITS[dtype]
+
+
 def use_half_linears(module: nn.Module) -> nn.Module:
     """Every plain nn.Linear inside module whose weight is fp16 or bf16 on a CPU without matrix units for
     it -> HalfLinear (the same parameters and names) -> module."""
     for m in module.modules():
-        dtype = m.weight.dtype if type(m) is nn.Linear else None
-        if dtype in HALF_UNITS and m.weight.is_cpu and not HALF_UNITS[dtype]:
+        if type(m) is nn.Linear and runs_in_fp32(m.weight.dtype, m.weight.device):
             m.__class__ = HalfLinear
     return module
 

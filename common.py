@@ -152,6 +152,8 @@ def save_npy(path, array):
 
 # ----------------------------------------------------------------------------- CPU weight-only quantization
 INT4_GROUP = 128  # int4 inputs sharing one scale and zero
+INT8_MATMUL_ROWS = 128  # from here on one matmul of the converted int8 weight beats torch's int8 kernel: 1.4x
+# at 128 rows, 1.9x at 1000 on an AVX2 EPYC (fp32 there; below ~96 rows the kernel wins): docs/speed.md
 
 
 class QuantLinear(nn.Module):
@@ -159,12 +161,12 @@ class QuantLinear(nn.Module):
     inputs, w = (q - 8) * scale + zero), gpt-fast style, read by torch's own CPU kernels (aten
     _weight_int8pack_mm, _weight_int4pack_mm_for_cpu; inductor calls the same ones). They are fast with
     bf16 activations only (fp32 takes a scalar path, 10-30x slower): x goes in as bf16, y out in x's dtype.
-    matmul_rows: from this many rows on (compute-bound work, such as OmniVoice's whole sequences) an int8
+    matmul_rows: from this many rows on (compute-bound work: a prefill, OmniVoice's whole sequences) an int8
     weight is converted to bf16 (exactly: |q| <= 127) once per call and run through a bf16 matmul, which
-    those kernels, written for a few rows, are many times slower than; the scales multiply its output (fp32
-    where the CPU has no bf16 matrix units: HALF_UNITS)."""
+    those kernels, written for a few rows, are slower than; the scales multiply its output (fp32 where the
+    CPU has no bf16 matrix units: HALF_UNITS)."""
 
-    def __init__(self, linear: nn.Linear, bits: int, matmul_rows: int = None):
+    def __init__(self, linear: nn.Linear, bits: int, matmul_rows: int = INT8_MATMUL_ROWS):
         super().__init__()
         self.matmul_rows = matmul_rows
         w = linear.weight.detach().float()
@@ -186,7 +188,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        if self.bits == 8 and self.matmul_rows is not None and x2.shape[0] >= self.matmul_rows:
+        if self.bits == 8 and x2.shape[0] >= self.matmul_rows:
             w = self.weight.to(torch.bfloat16 if HALF_UNITS[torch.bfloat16] else torch.float32)
             y = F.linear(x2.to(w.dtype), w) * self.scales  # one pass over the weight
         elif self.bits == 8:
@@ -197,7 +199,7 @@ class QuantLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-def swap_linears(module: nn.Module, bits: int, matmul_rows: int = None):
+def swap_linears(module: nn.Module, bits: int, matmul_rows: int = INT8_MATMUL_ROWS):
     """Every nn.Linear inside module -> a QuantLinear of `bits`."""
     for name, child in module.named_children():
         if isinstance(child, nn.Linear):

@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch._dynamo
 import torch._inductor.config
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import codec
 import common
@@ -38,6 +39,22 @@ CLIP = GOLDEN / "audio_in.wav"
 OV_TINY = ROOT / "tests/fixtures/omnivoice-tiny"  # OmniVoice's checkpoint and goldens
 OV_CKPT, OV_GOLDEN = OV_TINY / "checkpoint", OV_TINY / "golden"
 OV_CASES = json.loads((OV_GOLDEN / "cases.json").read_text(encoding="utf-8"))
+
+
+class MatmulDtypes(TorchDispatchMode):
+    """The weight dtypes of the matrix products run inside it: aten linear (as inference mode leaves it), or
+    mm / addmm / bmm (what it becomes where autograd records)."""
+
+    def __init__(self):
+        super().__init__()
+        self.dtypes = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket is torch.ops.aten.linear:
+            self.dtypes.append(args[1].dtype)
+        elif func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.dtypes.append(args[-1].dtype)
+        return func(*args, **(kwargs or {}))
 
 
 def golden(name):

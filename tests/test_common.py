@@ -7,11 +7,10 @@ import sys
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import common
 from common import write_atomic
-from conftest import ROOT
+from conftest import ROOT, MatmulDtypes
 
 # the repository's modules
 FILES = ("common", "codec", "dualAR", "bench", "omnivoice", "omnivoice_codec", "app", "train_lora")
@@ -79,19 +78,6 @@ def test_few_rows_linears_are_taken_only_where_their_copies_fit_in_half_the_avai
     monkeypatch.setattr(common, "available_memory_bytes", lambda: 2 * size)
     common.use_few_rows_linears(layers)
     assert [type(m) for m in layers] == [common.FewRowsLinear, torch.nn.ReLU, common.FewRowsLinear]
-
-
-class MatmulDtypes(TorchDispatchMode):
-    """The dtypes of the matrix products run inside it (aten mm / addmm / bmm, whatever F.linear becomes)."""
-
-    def __init__(self):
-        super().__init__()
-        self.dtypes = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
-            self.dtypes.append(args[-1].dtype)
-        return func(*args, **(kwargs or {}))
 
 
 def test_half_linears_run_many_rows_in_fp32_where_the_cpu_has_no_half_matmul_units(monkeypatch):

@@ -20,7 +20,7 @@ import bench
 import codec
 import common
 import dualAR
-from conftest import CASES, CKPT, GOLDEN, REAL, ROOT, golden, run_main, run_script
+from conftest import CASES, CKPT, GOLDEN, REAL, ROOT, MatmulDtypes, golden, run_main, run_script
 
 
 def references(call):
@@ -1029,6 +1029,26 @@ def test_cpu_quantization_runs_eager_and_compiled_and_its_logits_stay_close(mode
     for got in (eager, compiled):
         for ref, q in zip(reference, got, strict=True):
             assert (q.float() - ref).abs().max() < bound * ref.abs().max()
+
+
+def test_an_int8_prefill_of_many_tokens_multiplies_converted_weights_and_stays_close(model):
+    """From common.INT8_MATMUL_ROWS rows (a long prompt's prefill) each int8 linear of the slow transformer is
+    one matmul of its exactly converted weight (torch's int8 kernel is 1.4-1.9x slower there on an AVX2 CPU);
+    one row fewer takes the kernel. The logits stay within int8wo's bound (3 % of the largest)."""
+    quantized = dualAR.load(CKPT, quant="int8wo")
+    linears = sum(isinstance(m, common.QuantLinear) and m.bits == 8 for m in quantized.layers.modules())
+    prompt = golden("prompt_tokens.npy").repeat(1, 4)[:, :common.INT8_MATMUL_ROWS]
+    counts = []
+    with torch.inference_mode():
+        for tokens in (prompt[:, :-1], prompt):
+            quantized.setup_caches(1, 256)
+            with MatmulDtypes() as seen:
+                logits, _ = quantized.prefill(tokens)
+            counts.append(len(seen.dtypes))
+            model.setup_caches(1, 256)
+            reference, _ = model.prefill(tokens)
+            assert (logits.float() - reference).abs().max() < 0.03 * reference.abs().max()
+    assert linears > 0 and counts[1] - counts[0] == linears, (counts, linears)
 
 
 def test_quantized_weights_stay_small(model):

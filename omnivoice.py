@@ -314,11 +314,12 @@ def check_quant(scheme, device: torch.device):
 
 
 def quantize(model: OmniVoice, scheme) -> OmniVoice:
-    """int8wo: the transformer's linear layers hold int8 weights (a scale per output row), converted to
-    bf16 (fp32 on a CPU without bf16 matrix units) for each whole-sequence matmul (compute-bound: torch's
-    int8 kernels are written for a few rows); int4wo: int4 weights (a scale and zero per 128 inputs)
-    through torch's int4 kernel, bf16 activations. Embeddings and heads stay in the model's dtype. A linear left in fp16 or bf16 on a CPU
-    without matrix units for it runs its whole sequences in fp32 (common.HalfLinear: 4-5x faster there)."""
+    """int8wo: the transformer's linear layers hold int8 weights (a scale per output row), converted to bf16
+    (fp32 on a CPU without bf16 matrix units) for each whole-sequence matmul (compute-bound: torch's int8
+    kernels are written for a few rows); int4wo: int4 weights (a scale and zero per 128 inputs) through
+    torch's int4 kernel, bf16 activations. Embeddings and heads stay in the model's dtype. A linear left in
+    fp16 or bf16 on a CPU without matrix units for it runs its whole sequences in fp32 (common.HalfLinear:
+    4-5x faster there)."""
     check_quant(scheme, model.audio_heads.weight.device)
     if scheme in CPU_BITS:
         for layer in model.layers:

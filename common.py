@@ -164,7 +164,7 @@ class QuantLinear(nn.Module):
     matmul_rows: from this many rows on (compute-bound work: a prefill, OmniVoice's whole sequences) an int8
     weight is converted to bf16 (exactly: |q| <= 127) once per call and run through a bf16 matmul, which
     those kernels, written for a few rows, are slower than; the scales multiply its output (fp32 where the
-    CPU has no bf16 matrix units: HALF_UNITS)."""
+    CPU has no bf16 matrix units: runs_in_fp32)."""
 
     def __init__(self, linear: nn.Linear, bits: int, matmul_rows: int = INT8_MATMUL_ROWS):
         super().__init__()
@@ -189,7 +189,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
         if self.bits == 8 and x2.shape[0] >= self.matmul_rows:
-            w = self.weight.to(torch.bfloat16 if HALF_UNITS[torch.bfloat16] else torch.float32)
+            w = self.weight.to(torch.float32 if runs_in_fp32(torch.bfloat16, x.device) else torch.bfloat16)
             y = F.linear(x2.to(w.dtype), w) * self.scales  # one pass over the weight
         elif self.bits == 8:
             y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)

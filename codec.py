@@ -29,7 +29,7 @@ from torch.nn.utils.parametrizations import weight_norm
 from tqdm import tqdm
 
 import common  # the error users see, devices, atomic writes, audio files, oneDNN's matmul: no model
-from common import packed_matmul, prepack
+from common import packed_matmul, prepack, row_steps, step_at
 
 CONFIG = dict(  # the real S2-Pro codec (upstream fish_speech/configs/modded_dac_vq.yaml)
     sample_rate=44100, latent_dim=1024, head_dim=64, rope_base=10000, norm_eps=1e-5,
@@ -505,10 +505,6 @@ def linear_rows(shape):  # a linear layer's input (..., in): how many rows of `i
     return math.prod(shape[:-1])
 
 
-def step_at(steps, rows):  # steps [[from rows, choice], ...], the first from 0 -> the choice for rows
-    return next(choice for start, choice in reversed(steps) if start <= rows)
-
-
 class PackedLinear(nn.Linear):
     """fast_path's nn.Linear: the same parameters, and oneDNN's matmul on its weight prepacked (`packed`) at
     the row counts its `steps` take it at (`row_steps`); at the others nn.Linear's own matmul."""
@@ -591,46 +587,30 @@ def choices_folder():
 
 def machine_key(model):
     p = next(model.parameters())
-    return (f"{torch.backends.cpu.get_cpu_capability()} {os.environ.get('ONEDNN_MAX_CPU_ISA', '')} torch"
-            f" {torch.__version__} threads {torch.get_num_threads()} {p.device.type} {p.dtype}")
+    return common.machine_key(p.device, p.dtype)
 
 
 def machine_choices(model):
     """This machine's choices for the model's ops, read from CHOICES_FILE or timed once (`timed_choices`)
-    and added to it. A file that cannot be read or written, or that does not decide every op of the model
-    (`is_choice`), only costs the timing again."""
-    path, machine = choices_folder() / CHOICES_FILE, machine_key(model)
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    known = known if isinstance(known, dict) else {}
-    choices = known.get(machine)
-    choices = choices if isinstance(choices, dict) else {}
+    and added to it (common.machine_decision). A value that does not decide every op of the model
+    (`is_choice`) only costs the timing again."""
     ops = {op_key(m): m for m in model.modules() if op_key(m) is not None}
-    if not all(is_choice(module, choices.get(key)) for key, module in ops.items()):
-        print(f"codec: timing each fast-path op against eager, once for this machine (kept in {path})",
-              file=sys.stderr)
-        choices = dict(choices, **timed_choices(model))
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            text = json.dumps(dict(known, **{machine: choices}), indent=1)
-            common.write_atomic(path, lambda tmp: Path(tmp).write_text(text))
-        except (OSError, common.UserError):
-            pass
+
+    def valid(choices):
+        return isinstance(choices, dict) and all(is_choice(m, choices.get(key)) for key, m in ops.items())
+
+    def decide(old):  # the ops timed now join those the file decided
+        return dict(old if isinstance(old, dict) else {}, **timed_choices(model))
+
+    choices = common.machine_decision(choices_folder() / CHOICES_FILE, machine_key(model), valid, decide,
+                                      "codec: timing each fast-path op against eager")
     return {key: choices[key] for key in ops if key in choices}  # this model's (the file has others' too)
 
 
 def is_choice(module, value):
     """Whether a decision file's value decides this op: True or False; for a linear layer its `row_steps`
     (a bool there, or steps that end prepacked, are an older file's: timed again)."""
-    if not isinstance(module, nn.Linear):
-        return isinstance(value, bool)
-    steps = value if isinstance(value, list) else []
-    if not all(isinstance(step, list) and [type(v) for v in step] == [int, bool] for step in steps):
-        return False
-    starts = [start for start, _ in steps]
-    return starts[:1] == [0] and starts == sorted(set(starts)) and steps[-1][1] is False  # ends eager
+    return common.is_row_steps(value) if isinstance(module, nn.Linear) else isinstance(value, bool)
 
 
 @torch.inference_mode()
@@ -662,17 +642,6 @@ def timed_choices(model, repeats=3):
     for (key, where), (eager, fast) in times.items():
         wins.setdefault(key, {})[where] = fast <= eager
     return {key: row_steps(won) if key in by_rows else all(won.values()) for key, won in wins.items()}
-
-
-def row_steps(wins):
-    """{rows: fast no slower} -> [[from rows, fast], ...]: each timed row count gets its own choice, a row
-    count between two timed ones the choice of the one below it (the first step starts from 0 rows), and one
-    above every timed one eager: untimed, as a one-shot decode's hundreds of rows (prepacked, they lost)."""
-    steps = []
-    for rows in sorted(wins):
-        if not steps or wins[rows] != steps[-1][1]:
-            steps.append([rows if steps else 0, wins[rows]])
-    return (steps + [[max(wins) + 1, False]]) if steps[-1][1] else steps
 
 
 def probe_inputs(model):

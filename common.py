@@ -3,10 +3,12 @@ dtype choice, atomic writes, audio files, peak memory, an engine's thread. It im
 model file can be copied with this one alone.
 
 Sections: errors and the CLI wrapper, devices and dtypes, files (atomic writes, audio, the compile cache),
-CPU weight-only quantization (QuantLinear), oneDNN's prepacked matmuls (FewRowsLinear), half-precision
-linears (HalfLinear), memory, engines (the thread that drives a scheduler).
+CPU weight-only quantization (QuantLinear), oneDNN's prepacked matmuls and the decisions timed once per
+machine (FewRowsLinear, machine_decision), half-precision linears (HalfLinear), memory, engines (the thread
+that drives a scheduler).
 """
 import argparse
+import json
 import math
 import os
 import re
@@ -14,6 +16,7 @@ import resource
 import shutil
 import sys
 import threading
+import time
 import traceback
 from pathlib import Path
 from typing import Optional
@@ -209,9 +212,6 @@ def swap_linears(module: nn.Module, bits: int, matmul_rows: int = INT8_MATMUL_RO
 
 
 # ----------------------------------------------------------------------------- oneDNN prepacked matmuls (CPU)
-FEW_ROWS = range(4, 65)  # where oneDNN's prepacked fp32 matmul beats torch's (MKL) eager: docs/speed.md
-
-
 def prepack(weight: Tensor) -> Tensor:  # (out, in) -> oneDNN's own layout, made once
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
@@ -221,17 +221,13 @@ def packed_matmul(x: Tensor, packed: Tensor, bias: Tensor = None) -> Tensor:  # 
 
 
 def prepacked(weight: Tensor) -> Tensor:
-    """`prepack`(weight), made once and kept on it (made again if it changed in place)."""
+    """`prepack`(weight), made once and kept on it (made again if it changed in place; an inference tensor,
+    made in inference mode, has no version counter to tell)."""
+    version = None if weight.is_inference() else weight._version
     packed = getattr(weight, "prepacked", None)
-    if packed is None or packed[0] != weight._version:
-        packed = weight.prepacked = weight._version, prepack(weight)
+    if packed is None or packed[0] != version:
+        packed = weight.prepacked = version, prepack(weight)
     return packed[1]
-
-
-# Whether compiled graphs run their few-row linear layers on oneDNN's prepacked weights too: on an AVX2-only
-# CPU (an AMD EPYC measured) inductor's 4-row matmul reads a weight at a third of oneDNN's speed; with AVX-512
-# (an Intel Xeon measured) inductor's own is the faster (docs/speed.md). A constant: dynamo reads it as one.
-COMPILED_FEW_ROWS = torch.backends.cpu.get_cpu_capability() == "AVX2"
 
 
 @torch.library.custom_op("fishfast::packed_linear", mutates_args=())
@@ -246,30 +242,139 @@ def _(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+def step_at(steps, rows):  # steps [[from rows, choice], ...], the first from 0 -> the choice for rows
+    choice = steps[0][1]
+    for start, value in steps:  # a plain loop: compiled graphs trace it as constants
+        choice = value if start <= rows else choice
+    return choice
+
+
+def row_steps(wins) -> list:
+    """{rows: prepacked no slower} -> [[from rows, prepacked], ...]: each timed row count gets its own choice,
+    a row count between two timed ones the choice of the one below it (the first step starts from 0 rows),
+    and one above every timed one torch's own: untimed (a prefill, a one-shot decode's hundreds of rows)."""
+    steps = []
+    for rows in sorted(wins):
+        if not steps or wins[rows] != steps[-1][1]:
+            steps.append([rows if steps else 0, wins[rows]])
+    return (steps + [[max(wins) + 1, False]]) if steps[-1][1] else steps
+
+
+def is_row_steps(value) -> bool:
+    """Whether a decision file's value is `row_steps`: from 0 rows, rising, ending on torch's own."""
+    steps = value if isinstance(value, list) else []
+    if not all(isinstance(step, list) and [type(v) for v in step] == [int, bool] for step in steps):
+        return False
+    starts = [start for start, _ in steps]
+    return starts[:1] == [0] and starts == sorted(set(starts)) and steps[-1][1] is False
+
+
+def machine_key(device: torch.device, dtype: torch.dtype) -> str:
+    """What a timed decision holds for: the CPU kind, oneDNN's ISA cap, torch, threads, device, dtype."""
+    return (f"{torch.backends.cpu.get_cpu_capability()} {os.environ.get('ONEDNN_MAX_CPU_ISA', '')} torch"
+            f" {torch.__version__} threads {torch.get_num_threads()} {device.type} {dtype}")
+
+
+def machine_decision(path: Path, machine: str, valid, decide, what: str):
+    """A decision timed once per machine and kept in the file `path` ({machine: value}, in the compile
+    cache): the stored value where valid(value), else decide(the stored value or None), said on stderr
+    (`what`) and stored beside the other machines'. A file that cannot be read or written only costs the
+    timing again."""
+    try:
+        known = json.loads(path.read_text())
+    except (OSError, ValueError):
+        known = {}
+    known = known if isinstance(known, dict) else {}
+    if valid(known.get(machine)):
+        return known[machine]
+    print(f"{what}, once for this machine (kept in {path})", file=sys.stderr)
+    value = decide(known.get(machine))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        text = json.dumps(dict(known, **{machine: value}), indent=1)
+        write_atomic(path, lambda tmp: Path(tmp).write_text(text))
+    except (OSError, UserError):
+        pass
+    return value
+
+
+ROWS_FILE = "few_rows_linear.json"  # in the compile cache folder: {machine: row_steps}
+ROW_PROBES = (1, 2, 3, 4, 8, 16, 32, 64)  # the row counts of a frame step (batch 1 to 64) timed
+PROBE_SHAPES = ((1536, 1024), (1024, 1024), (6144, 1024), (1024, 3072))  # a transformer layer's linears
+PROBE_LAYERS = 3  # 144 MB of fp32 weights: read from memory, as a real model's, not from a 32-96 MB cache
+
+
+def few_rows_steps() -> list:
+    """This machine's `row_steps` for fp32 linears: at which row counts oneDNN's matmul on a prepacked weight
+    is no slower than torch's own (MKL reads a weight for one row at ~40 GB/s on a Xeon but ~12 on an AMD
+    EPYC, where oneDNN reads ~24: docs/speed.md). Timed once (`timed_row_steps`), kept in ROWS_FILE."""
+    return machine_decision(use_compile_cache() / ROWS_FILE, machine_key(torch.device("cpu"), torch.float32),
+                            is_row_steps, lambda old: timed_row_steps(), "timing oneDNN's few-row matmuls")
+
+
+@torch.inference_mode()
+def timed_row_steps(repeats=3) -> list:
+    """A layer's linears PROBE_LAYERS times (random fp32 weights) at each of ROW_PROBES rows, F.linear and
+    prepacked in turn (the best of `repeats` each) -> `row_steps`. About 2 s."""
+    weights = [torch.rand(shape) for _ in range(PROBE_LAYERS) for shape in PROBE_SHAPES]
+    packed = [prepack(w) for w in weights]
+
+    def seconds(rows, matmul, ws):
+        xs = {i: torch.rand(rows, i) for i in {w.shape[1] for w in weights}}
+        start = time.perf_counter()
+        for w, plain in zip(ws, weights):
+            matmul(xs[plain.shape[1]], w)
+        return time.perf_counter() - start
+
+    wins = {}
+    for rows in ROW_PROBES:
+        best = {F.linear: [], packed_matmul: []}
+        for _ in range(1 + repeats):  # the first round warms up
+            for matmul, ws in ((F.linear, weights), (packed_matmul, packed)):
+                best[matmul].append(seconds(rows, matmul, ws))
+        wins[rows] = min(best[packed_matmul][1:]) <= min(best[F.linear][1:])
+    return row_steps(wins)
+
+
+# Whether compiled graphs may run few-row linears on oneDNN's prepacked weights too, where the steps take
+# them: on an AVX2-only CPU (an AMD EPYC: inductor's 4-row matmul read a weight at a third of oneDNN's speed)
+# or where MKL loses even at one row (an AVX-512 EPYC); on an AVX-512 Xeon, whose MKL wins at one row,
+# inductor's own 4-row plan beat the op though eager oneDNN won (docs/speed.md).
+AVX2_ONLY = torch.backends.cpu.get_cpu_capability() == "AVX2"
+
+
 class FewRowsLinear(nn.Linear):
-    """nn.Linear whose inference on CPU fp32 with FEW_ROWS rows (a batch of frames) runs oneDNN on the weight
-    `prepacked`: MKL reads a weight at ~40 GB/s for 1-3 rows but ~20 for 4-16 on a Xeon (~3 from 4 rows on an
-    AVX2 EPYC), oneDNN at ~30 (~10). The copy doubles the layer's memory, made at the first such call. A
-    compiled graph does so only where COMPILED_FEW_ROWS; any other call is nn.Linear's."""
+    """nn.Linear whose inference on CPU fp32 runs oneDNN on the weight `prepacked` at the row counts its
+    `steps` take it at (`row_steps`: this machine's `few_rows_steps` by default), eager, and compiled (as
+    the opaque `packed_linear`) at those its `compiled_steps` take; any other call is nn.Linear's. The copy
+    doubles the layer's memory, made at its first such call."""
+
+    steps = compiled_steps = [[0, False]]
 
     def forward(self, x: Tensor) -> Tensor:
-        few = x.numel() // self.in_features in FEW_ROWS and x.dtype == torch.float32 and x.is_cpu
+        compiling = torch.compiler.is_compiling()
+        steps = self.compiled_steps if compiling else self.steps
+        few = step_at(steps, x.numel() // self.in_features) and x.dtype == torch.float32 and x.is_cpu
         if few and not torch.is_grad_enabled():
-            if not torch.compiler.is_compiling():
+            if not compiling:
                 return packed_matmul(x, prepacked(self.weight), self.bias)
-            if COMPILED_FEW_ROWS:
-                return packed_linear(x, self.weight, self.bias)
+            return packed_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
-def use_few_rows_linears(module: nn.Module):
-    """Every plain nn.Linear inside module -> FewRowsLinear (the same parameters and names), where torch has
-    oneDNN and the prepacked copies fit in half of the memory available now (else nothing changes)."""
-    linears = [m for m in module.modules() if type(m) is nn.Linear]
+def use_few_rows_linears(module: nn.Module, steps: list = None):
+    """Every plain fp32 CPU nn.Linear inside module -> FewRowsLinear (the same parameters and names) with
+    `steps` (default: this machine's `few_rows_steps`; compiled graphs: the same where AVX2_ONLY or they
+    take one row), where torch has oneDNN, some row count takes it and the prepacked copies fit in half of
+    the memory available now (else nothing changes)."""
+    linears = [m for m in module.modules()
+               if type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.is_cpu]
     size = sum(m.weight.numel() * m.weight.element_size() for m in linears)
-    if torch.backends.mkldnn.is_available() and size <= available_memory_bytes() / 2:
-        for m in linears:
-            m.__class__ = FewRowsLinear
+    if linears and torch.backends.mkldnn.is_available() and size <= available_memory_bytes() / 2:
+        steps = few_rows_steps() if steps is None else steps
+        compiled = steps if AVX2_ONLY or step_at(steps, 1) else [[0, False]]
+        for m in linears if any(fast for _, fast in steps) else ():
+            m.__class__, m.steps, m.compiled_steps = FewRowsLinear, steps, compiled
 
 
 # ----------------------------------------------------------------------------- half-precision linears (CPU)

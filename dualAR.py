@@ -47,7 +47,7 @@ from tqdm import tqdm
 
 import codec  # the CLI's audio, and the RMSNorm, FeedForward and RoPE of both transformers here
 from codec import FeedForward, RMSNorm, apply_rope, rope_table
-from common import (DTYPES, FEW_ROWS, EngineClosed, EngineThread, Job, QuantLinear, QueueFull, UserError, cli,
+from common import (DTYPES, EngineClosed, EngineThread, Job, QuantLinear, QueueFull, UserError, cli,
                     default_compile_cache, device_name, peak_memory_gb, pick_device, pick_dtype, swap_linears,
                     unreadable, use_compile_cache, use_few_rows_linears, use_half_linears)
 
@@ -1041,8 +1041,7 @@ class Scheduler:
         self.rows, self.waiting, self.closed = [None] * slots, collections.deque(), False
         self.lock = threading.Lock()  # `waiting` is shared with the threads that submit (Engine)
         self.claim()
-        if slots >= FEW_ROWS.start:  # batched frames: oneDNN's prepacked matmuls on CPU (FewRowsLinear)
-            use_few_rows_linears(model)
+        use_few_rows_linears(model)  # CPU fp32: oneDNN's prepacked matmuls where they win (FewRowsLinear)
         # inference tensors, as the caches: made outside inference mode, the compiled step would see
         # tensors of another kind (another dispatch key) and compile again
         with torch.inference_mode():

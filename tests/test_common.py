@@ -1,8 +1,10 @@
 """common.py: the helpers every model shares."""
+import json
 import os
 import stat
 import subprocess
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -42,13 +44,16 @@ def test_a_file_written_atomically_gets_the_usual_permissions_not_safetensors_ow
     assert stat.S_IMODE((tmp_path / "x.safetensors").stat().st_mode) == 0o644  # safetensors makes 0o600
 
 
-def test_few_rows_linear_runs_onednn_on_a_batch_of_rows_and_torch_elsewhere(monkeypatch):
-    """A FewRowsLinear keeps nn.Linear's parameters; at 4-64 rows of eager fp32 inference it multiplies by its
-    weight prepacked once (within 1e-5 of F.linear), made again when the weight changes in place; 1-3 rows,
-    65 rows and a call that records gradients are F.linear's own."""
+STEPS = [[0, False], [4, True], [65, False]]  # a machine where oneDNN wins at 4-64 rows (an Intel Xeon's)
+
+
+def test_few_rows_linear_runs_onednn_at_the_rows_its_steps_take_and_torch_elsewhere(monkeypatch):
+    """A FewRowsLinear keeps nn.Linear's parameters; at the row counts its steps take (here 4-64) eager fp32
+    inference multiplies by its weight prepacked once (within 1e-5 of F.linear), made again when the weight
+    changes in place; other row counts and a call that records gradients are F.linear's own."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(48, 40)
-    common.use_few_rows_linears(layer)
+    common.use_few_rows_linears(layer, STEPS)
     assert type(layer) is common.FewRowsLinear and list(layer.state_dict()) == ["weight", "bias"]
     calls, packed_matmul = [], common.packed_matmul
     monkeypatch.setattr(common, "packed_matmul", lambda x, *a: calls.append(len(x)) or packed_matmul(x, *a))
@@ -69,15 +74,76 @@ def test_few_rows_linear_runs_onednn_on_a_batch_of_rows_and_torch_elsewhere(monk
     assert y.requires_grad and calls == [4, 16, 64, 4, 4]
 
 
-def test_few_rows_linears_are_taken_only_where_their_copies_fit_in_half_the_available_memory(monkeypatch):
+def test_few_rows_linears_are_taken_only_where_some_rows_win_and_the_copies_fit_in_half_the_memory(
+        monkeypatch):
     layers = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
     size = (64 * 32 + 32 * 16) * 4  # fp32 weights
     monkeypatch.setattr(common, "available_memory_bytes", lambda: 2 * size - 1)
-    common.use_few_rows_linears(layers)
+    common.use_few_rows_linears(layers, STEPS)
     assert [type(m) for m in layers] == [torch.nn.Linear, torch.nn.ReLU, torch.nn.Linear]
     monkeypatch.setattr(common, "available_memory_bytes", lambda: 2 * size)
-    common.use_few_rows_linears(layers)
+    common.use_few_rows_linears(layers, [[0, False]])  # a machine where torch's own always wins
+    assert [type(m) for m in layers] == [torch.nn.Linear, torch.nn.ReLU, torch.nn.Linear]
+    common.use_few_rows_linears(layers.to(torch.bfloat16), STEPS)  # oneDNN's fp32 matmuls only
+    assert [type(m) for m in layers] == [torch.nn.Linear, torch.nn.ReLU, torch.nn.Linear]
+    common.use_few_rows_linears(layers.float(), STEPS)
     assert [type(m) for m in layers] == [common.FewRowsLinear, torch.nn.ReLU, common.FewRowsLinear]
+    assert layers[0].steps == STEPS
+
+
+def test_the_machines_row_steps_are_timed_once_and_kept_in_the_compile_cache(tmp_path, monkeypatch):
+    """few_rows_steps: timed on this machine's first call, then read from the compile cache's file beside
+    other machines' (a next process alike); an unreadable file or an odd value is timed again, never a
+    crash. use_few_rows_linears takes the machine's steps by default."""
+    monkeypatch.setattr(common, "use_compile_cache", lambda: tmp_path)
+    timed, steps = [], [[0, True], [8, False]]
+    monkeypatch.setattr(common, "timed_row_steps", lambda: timed.append(1) or steps)
+    path, machine = tmp_path / common.ROWS_FILE, common.machine_key(torch.device("cpu"), torch.float32)
+    path.write_text(json.dumps({"another machine": [[0, False]]}))
+    assert common.few_rows_steps() == steps and common.few_rows_steps() == steps and timed == [1]
+    assert json.loads(path.read_text()) == {"another machine": [[0, False]], machine: steps}
+    for odd in ("{not json", json.dumps({machine: [[0, True]]}), json.dumps({machine: [[1, False]]}),
+                json.dumps({machine: [[0, 1]]}), json.dumps([steps])):
+        path.write_text(odd)
+        assert common.few_rows_steps() == steps
+    assert len(timed) == 6 and json.loads(path.read_text()) == {machine: steps}
+    layer = torch.nn.Linear(8, 4)
+    common.use_few_rows_linears(layer)
+    assert type(layer) is common.FewRowsLinear and layer.steps == steps and len(timed) == 6
+
+
+def test_row_steps_give_each_timed_row_count_its_choice_and_torch_above_them():
+    assert common.row_steps({1: True, 2: True, 4: False, 8: True, 16: True}) == [
+        [0, True], [4, False], [8, True], [17, False]]
+    assert common.row_steps({1: False, 64: False}) == [[0, False]]
+    steps = common.row_steps({1: False, 4: True, 64: True})
+    assert [common.step_at(steps, rows) for rows in (0, 1, 3, 4, 64, 65, 999)] == [
+        False, False, False, True, True, False, False]
+    assert all(common.is_row_steps(s) for s in (steps, [[0, False]]))
+    assert not any(common.is_row_steps(s) for s in ([[0, True]], [], [[0, False], [0, False]], True))
+
+
+def test_timed_row_steps_time_both_matmuls_at_every_probed_row_count(monkeypatch):
+    """Each probe times F.linear and the prepacked matmul on the same weights, a warm-up round first: where
+    the prepacked one is no slower it is taken (a fake clock makes it win at 2 rows only)."""
+    monkeypatch.setattr(common, "PROBE_SHAPES", ((24, 16), (16, 24)))
+    monkeypatch.setattr(common, "ROW_PROBES", (1, 2, 4))
+    seen, now = [], [0.0]
+
+    def timed(kind, matmul):
+        def run(x, w, *rest):
+            seen.append((kind, len(x)))
+            now[0] += (1.0 if len(x) == 2 else 2.0) if kind == "packed" else 1.5
+            return matmul(x, w, *rest)
+        return run
+
+    monkeypatch.setattr(common.F, "linear", timed("torch", F.linear))
+    monkeypatch.setattr(common, "packed_matmul", timed("packed", common.packed_matmul))
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    assert common.timed_row_steps(repeats=2) == [[0, False], [2, True], [4, False]]  # 3 rows: as 2
+    for rows in (1, 2, 4):
+        for kind in ("torch", "packed"):  # a warm-up and 2 repeats, of 2 shapes PROBE_LAYERS times
+            assert seen.count((kind, rows)) == 3 * 2 * common.PROBE_LAYERS
 
 
 def test_half_linears_run_many_rows_in_fp32_where_the_cpu_has_no_half_matmul_units(monkeypatch):
@@ -128,24 +194,27 @@ def test_int8_weights_of_a_whole_sequence_multiply_in_bf16_or_fp32_as_the_cpu_ha
     assert seen.dtypes == []  # 6 rows: aten's int8 kernel, no mm
 
 
-def test_compiled_few_rows_linears_run_one_packed_copy_where_the_cpu_rule_says(monkeypatch):
-    """In a compiled graph a FewRowsLinear at 4-64 rows runs oneDNN's prepacked matmul as one opaque op where
-    COMPILED_FEW_ROWS (AVX2-only CPUs): within 1e-5 of F.linear, the copy made at the first call and found
-    on the weight by every later one. Elsewhere the graph keeps F.linear: no copy made."""
+def test_compiled_few_rows_linears_run_one_packed_copy_at_the_rows_their_compiled_steps_take(monkeypatch):
+    """In a compiled graph a FewRowsLinear runs oneDNN's prepacked matmul as one opaque op where its steps
+    take the rows and either the CPU is AVX2-only or the steps take one row too (MKL loses there even at one
+    row): within 1e-5 of F.linear, the copy made at the first call and found on the weight by every later
+    one. Elsewhere (an AVX-512 Xeon's steps: from 4 rows) the graph keeps F.linear: no copy made."""
     torch.manual_seed(0)
     packs, prepack = [], common.prepack
     monkeypatch.setattr(common, "prepack", lambda w: packs.append(tuple(w.shape)) or prepack(w))
-    for rule in (True, False):
+    cases = ((STEPS, True, True), (STEPS, False, False), ([[0, True], [65, False]], False, True),
+             ([[0, True], [4, False]], True, False))  # the last: 4 rows not taken
+    for steps, avx2, taken in cases:
         torch._dynamo.reset()
-        monkeypatch.setattr(common, "COMPILED_FEW_ROWS", rule)
+        monkeypatch.setattr(common, "AVX2_ONLY", avx2)
         layers = torch.nn.Sequential(torch.nn.Linear(48, 40), torch.nn.SiLU(), torch.nn.Linear(40, 8))
-        common.use_few_rows_linears(layers)
+        common.use_few_rows_linears(layers, steps)
         step, x = torch.compile(layers, fullgraph=True), torch.rand(4, 48)
         with torch.inference_mode():
             hidden = F.silu(F.linear(x, layers[0].weight, layers[0].bias))
             want = F.linear(hidden, layers[2].weight, layers[2].bias)
             for _ in range(3):
                 assert torch.allclose(step(x), want, atol=1e-5)
-        assert packs == ([(40, 48), (8, 40)] if rule else [])
-        assert all(hasattr(m.weight, "prepacked") == rule for m in layers[::2])
+        assert packs == ([(40, 48), (8, 40)] if taken else []), (steps, avx2)
+        assert all(hasattr(m.weight, "prepacked") == taken for m in layers[::2])
         packs.clear()

@@ -223,6 +223,24 @@ def test_fast_codebook_logits_match_upstream(model):
                                rtol=1e-4)
 
 
+@pytest.mark.parametrize("steps", [[[0, True], [65, False]], [[0, False]]], ids=["onednn", "torch"])
+@torch.inference_mode()
+def test_one_row_step_logits_match_upstream_with_either_matmul(steps):
+    """A frame's one-row slow and fast steps within the goldens' 1e-4 whichever matmul this machine's timing
+    picks (common.FewRowsLinear): oneDNN's prepacked weights at every row count, or torch's own."""
+    model = dualAR.load(CKPT)
+    common.use_few_rows_linears(model, steps)
+    prompt, frames = golden("prompt_tokens.npy"), golden("continuation_frames.npy")
+    _, hidden = prefill(model, prompt)
+    for k in range(frames.size(1)):
+        logits, _ = model.forward_slow(frames[None, :, k], torch.tensor([prompt.size(1) + k]), full=True)
+        torch.testing.assert_close(logits[0], golden("step_logits.npy")[k], atol=1e-4, rtol=1e-4)
+    _, hidden = prefill(model, prompt)
+    torch.testing.assert_close(model.forward_fast(hidden[:, None], 0)[0], golden("fast_logits.npy")[0],
+                               atol=1e-4, rtol=1e-4)
+    assert hasattr(model.layers[0].attention.wqkv.weight, "prepacked") == steps[0][1]
+
+
 def test_rope_table_is_rounded_to_bf16():
     table = codec.rope_table(64, 16, 1e6)
     assert torch.equal(table, table.to(torch.bfloat16).float())
@@ -390,6 +408,20 @@ def test_generation_matches_upstream_codes(model, name):
     case = CASES[name]
     codes = run_case(model, case["call"])
     assert torch.equal(codes, golden(case["codes_file"]))
+
+
+@pytest.mark.parametrize("steps", [[[0, True], [65, False]], [[0, False]]], ids=["onednn", "torch"])
+@pytest.mark.parametrize("name", ["greedy", "seeded_topp"])
+def test_generation_matches_upstream_codes_with_either_matmul(name, steps, monkeypatch):
+    """Whichever matmul this machine's timing picks for a frame's rows (common.few_rows_steps), the codes are
+    upstream's: every linear on oneDNN's prepacked weight, or every one torch's own."""
+    monkeypatch.setattr(common, "few_rows_steps", lambda: steps)
+    model = dualAR.load(CKPT)
+    case = CASES[name]
+    codes = run_case(model, case["call"])
+    assert torch.equal(codes, golden(case["codes_file"]))
+    oneDNN = type(model.layers[0].attention.wqkv) is common.FewRowsLinear
+    assert oneDNN == steps[0][1] and hasattr(model.fast_layers[0].attention.wo.weight, "prepacked") == oneDNN
 
 
 def run_request(model, call):  # -> the request, with every raw frame of every text batch
@@ -806,7 +838,9 @@ def test_a_reused_row_starts_with_an_empty_repetition_window(model, solo):
     assert torch.equal(first.codes(), solo[0]) and torch.equal(second.codes(), solo[0])
 
 
-def test_a_partly_filled_engine_runs_the_smallest_batch_that_holds_its_rows(model, solo):
+def test_a_partly_filled_engine_runs_the_smallest_batch_that_holds_its_rows(solo, monkeypatch):
+    monkeypatch.setattr(common, "few_rows_steps", lambda: [[0, False], [4, True], [65, False]])  # a Xeon's
+    model = dualAR.load(CKPT)  # its own: the engine makes its linears FewRowsLinear with those steps
     engine = dualAR.Engine(model, slots=8)
     decode, rows_run = engine.decode, []
     engine.decode = lambda frames, *rest: rows_run.append(frames.size(0)) or decode(frames, *rest)
@@ -817,6 +851,7 @@ def test_a_partly_filled_engine_runs_the_smallest_batch_that_holds_its_rows(mode
     assert all(torch.equal(r.codes(), c) for r, c in zip(made, solo[::-1], strict=True))
     wqkv = model.layers[0].attention.wqkv  # the 4 rows ran oneDNN's prepacked matmul (common.FewRowsLinear)
     assert type(wqkv) is common.FewRowsLinear and hasattr(wqkv.weight, "prepacked")
+    assert wqkv.steps == [[0, False], [4, True], [65, False]]
 
 
 def test_batch_buckets_are_1_then_powers_of_two_from_4():

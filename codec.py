@@ -591,16 +591,16 @@ def machine_key(model):
 
 
 def machine_choices(model):
-    """This machine's choices for the model's ops, read from CHOICES_FILE or timed once (`timed_choices`)
-    and added to it (common.machine_decision). A value that does not decide every op of the model
-    (`is_choice`) only costs the timing again."""
+    """This machine's choices for the model's ops, read from CHOICES_FILE or timed once (`timed_choices`,
+    then `checked_choices`) and added to it (common.machine_decision). A value that does not decide every
+    op of the model (`is_choice`) only costs the timing again."""
     ops = {op_key(m): m for m in model.modules() if op_key(m) is not None}
 
     def valid(choices):
         return isinstance(choices, dict) and all(is_choice(m, choices.get(key)) for key, m in ops.items())
 
-    def decide(old):  # the ops timed now join those the file decided
-        return dict(old if isinstance(old, dict) else {}, **timed_choices(model))
+    def decide(old):  # the ops timed now join those the file decided, then whole paths are checked
+        return checked_choices(model, dict(old if isinstance(old, dict) else {}, **timed_choices(model)))
 
     choices = common.machine_decision(choices_folder() / CHOICES_FILE, machine_key(model), valid, decide,
                                       "codec: timing each fast-path op against eager")
@@ -642,6 +642,58 @@ def timed_choices(model, repeats=3):
     for (key, where), (eager, fast) in times.items():
         wins.setdefault(key, {})[where] = fast <= eager
     return {key: row_steps(won) if key in by_rows else all(won.values()) for key, won in wins.items()}
+
+
+ONE_SHOT_FRAMES = 64  # the one-shot decode the whole-path check times (3 s): its convs see a clip's lengths
+
+
+def probe_paths(model):
+    """{path: run} of what `checked_choices` times whole: an encode in CHUNK_FRAMES chunks, a stream of each
+    PROBE_FRAMES chunk size (two chunks) and a one-shot decode of ONE_SHOT_FRAMES."""
+    p, rows = next(model.parameters()), model.config["n_codebooks"] + 1
+    wave = torch.zeros(2 * CHUNK_FRAMES * model.hop, device=p.device)
+
+    def stream(frames):
+        codes = torch.zeros(1, rows, 2 * frames, dtype=torch.long, device=p.device)
+        collections.deque(decode_stream(model, codes.split(frames, -1)), maxlen=0)
+
+    paths = {"encode": lambda: encode(model, wave)}
+    paths.update({f"stream {frames}": functools.partial(stream, frames) for frames in PROBE_FRAMES})
+    one_shot = torch.zeros(1, rows, ONE_SHOT_FRAMES, dtype=torch.long, device=p.device)
+    paths["one shot"] = lambda: decode(model, one_shot, chunk_frames=None)
+    return paths
+
+
+def fallbacks(choices):
+    """`choices`, then fewer and fewer ops fast: the convs eager, then every prepacked op eager (the Snakes
+    alone compiled), then none."""
+    eager = {key: [[0, False]] if key.startswith("linear ") else False for key in choices}
+    convs = {key: value for key, value in eager.items() if key.startswith("Causal")}
+    return [choices, dict(choices, **convs), dict(eager, snake=choices.get("snake", True)), eager]
+
+
+@torch.inference_mode()
+def checked_choices(model, choices, rounds=2):
+    """Whole paths, not ops, decide at the end: each op can win alone and a path still lose (an eager op
+    handed a fast one's channels-last tensor; a one-shot decode's convs at lengths no probe timed). Each of
+    `probe_paths` is timed eager and with a candidate of `fallbacks`(choices) in turn (`rounds` times, the
+    best kept; the candidate's first run warms up); the first candidate no slower on any path is kept, else
+    every op eager. Leaves the model eager."""
+    paths, candidates = probe_paths(model), []
+    for candidate in fallbacks(choices):  # each one once (where no conv was fast, two are the same)
+        candidates += [candidate] if candidate not in candidates else []
+    for candidate in candidates[:-1]:
+        best = {False: {}, True: {}}
+        for turn in [True] + [False, True] * rounds:  # the candidate's first turn only warms up
+            fast_path(model, choices=candidate) if turn else fast_path(model, on=False)
+            for name, run in paths.items():
+                start = time.perf_counter()
+                run()
+                best[turn].setdefault(name, []).append(time.perf_counter() - start)
+        fast_path(model, on=False)
+        if all(min(best[True][name][1:]) <= min(best[False][name]) for name in paths):
+            return candidate
+    return candidates[-1]
 
 
 def probe_inputs(model):

@@ -2,6 +2,7 @@
 import itertools
 import json
 import re
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -148,6 +149,7 @@ def test_fast_path_stream_equals_eager(fast_model, one_shot, batch, schedule):
 
 
 TIMED_CHOICES = codec.timed_choices  # as imported: conftest's session fixture replaces it for every test
+CHECKED_CHOICES = codec.checked_choices  # the same
 
 
 def alternating_choices(model):
@@ -230,6 +232,70 @@ def test_an_older_or_odd_decision_file_is_timed_again_and_replaced(tmp_path, mon
     kept = json.loads((tmp_path / codec.CHOICES_FILE).read_text())[codec.machine_key(dac)]
     assert kept == (timed if timed_again else entry)
     assert {str(m.steps) for m in dac.modules() if isinstance(m, codec.PackedLinear)} == {str(steps)}
+
+
+def fast_kinds(model):
+    """Which kinds of op run fast now: a conv on its prepacked weight, a linear layer's, a compiled Snake."""
+    kinds = {"conv": any(getattr(m, "packed", None) is not None for m in model.modules()
+                         if isinstance(m, (codec.CausalConv, codec.CausalConvT))),
+             "linear": any(isinstance(m, codec.PackedLinear) for m in model.modules()),
+             "snake": any(m.fn is not codec.snake for m in model.modules() if isinstance(m, codec.Snake))}
+    return frozenset(kind for kind, fast in kinds.items() if fast)
+
+
+@pytest.mark.parametrize("costs, kept", [
+    ({"encode": {frozenset(): 1, frozenset({"conv", "linear", "snake"}): 0.5}}, "choices"),
+    ({"one shot": {frozenset(): 1, frozenset({"conv", "linear", "snake"}): 1.2,
+                   frozenset({"linear", "snake"}): 0.9}}, "convs eager"),
+    ({"stream 4": {frozenset(): 1, frozenset({"conv", "linear", "snake"}): 1.1,
+                   frozenset({"linear", "snake"}): 1.1, frozenset({"snake"}): 1.0}}, "snake only"),
+    ({"encode": {frozenset(): 1, frozenset({"conv", "linear", "snake"}): 0.5},
+      "stream 1": {frozenset(): 1, frozenset({"conv", "linear", "snake"}): 1.5,
+                   frozenset({"linear", "snake"}): 2, frozenset({"snake"}): 1.01}}, "eager")])
+def test_checked_choices_keep_the_first_fallback_no_slower_on_any_whole_path(model, monkeypatch, costs, kept):
+    """Each op can win alone and a whole path still lose: checked_choices times every probe path eager and
+    with each fallback in turn (a fake clock: each path costs what its table says for the kinds of op fast
+    now, 1 where it does not say) and keeps the first that loses on none; the model is left eager."""
+    dac = codec.load(CKPT)
+    choices = {key: [[0, True], [4096, False]] if key.startswith("linear ") else True
+               for key in {codec.op_key(m) for m in dac.modules()} - {None}}
+    now, runs = [0.0], []
+
+    def path(name):
+        def run():
+            runs.append(name)
+            now[0] += costs.get(name, {}).get(fast_kinds(dac), 1)
+        return run
+
+    monkeypatch.setattr(codec, "probe_paths", lambda model: {name: path(name) for name in
+                                                             ["encode", "stream 1", "stream 4", "one shot"]})
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    candidates = codec.fallbacks(choices)
+    names = {"choices": 0, "convs eager": 1, "snake only": 2, "eager": 3}
+    assert CHECKED_CHOICES(dac, choices) == candidates[names[kept]]
+    assert fast_kinds(dac) == frozenset()
+    assert len(runs) == 4 * 5 * min(names[kept] + 1, 3)  # 4 paths, 5 turns (a warm-up) per candidate tried
+
+
+def test_fallbacks_turn_the_convs_then_every_prepacked_op_eager():
+    conv, convt = "CausalConv [8, 8, 7] stride 1 dilation 1", "CausalConvT [8, 4, 4] stride 2 dilation 1"
+    choices = {"snake": True, "linear [8, 8]": [[0, True], [65, False]], conv: True, convt: True}
+    choices_, convs, snake, eager = codec.fallbacks(choices)
+    assert choices_ == choices
+    assert convs == dict(choices, **{conv: False, convt: False})
+    assert snake == {"snake": True, "linear [8, 8]": [[0, False]], conv: False, convt: False}
+    assert eager == dict(snake, snake=False)
+
+
+def test_checked_choices_on_the_tiny_codec_time_its_real_paths_and_keep_a_fallback():
+    """Untimed by a fake clock: whichever fallback wins here, it is one of them, every op is decided, and
+    the model is left eager and still decodes as eager does."""
+    dac = codec.load(CKPT)
+    choices = alternating_choices(dac)
+    assert set(codec.probe_paths(dac)) == {"encode", "stream 1", "stream 4", "stream 16", "one shot"}
+    kept = CHECKED_CHOICES(dac, choices, rounds=1)
+    assert kept in codec.fallbacks(choices) and set(kept) == set(choices)
+    assert fast_kinds(dac) == frozenset()
 
 
 def test_timed_choices_time_every_op_in_every_probe_and_leave_the_model_eager(monkeypatch):

@@ -45,6 +45,7 @@ def test_a_file_written_atomically_gets_the_usual_permissions_not_safetensors_ow
 
 
 STEPS = [[0, False], [4, True], [65, False]]  # a machine where oneDNN wins at 4-64 rows (an Intel Xeon's)
+FEW_ROWS_STEPS = common.few_rows_steps  # as imported: conftest's session fixture replaces it for every test
 
 
 def test_few_rows_linear_runs_onednn_at_the_rows_its_steps_take_and_torch_elsewhere(monkeypatch):
@@ -95,6 +96,7 @@ def test_the_machines_row_steps_are_timed_once_and_kept_in_the_compile_cache(tmp
     """few_rows_steps: timed on this machine's first call, then read from the compile cache's file beside
     other machines' (a next process alike); an unreadable file or an odd value is timed again, never a
     crash. use_few_rows_linears takes the machine's steps by default."""
+    monkeypatch.setattr(common, "few_rows_steps", FEW_ROWS_STEPS)
     monkeypatch.setattr(common, "use_compile_cache", lambda: tmp_path)
     timed, steps = [], [[0, True], [8, False]]
     monkeypatch.setattr(common, "timed_row_steps", lambda: timed.append(1) or steps)

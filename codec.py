@@ -691,7 +691,12 @@ def checked_choices(model, choices, rounds=2):
                 run()
                 best[turn].setdefault(name, []).append(time.perf_counter() - start)
         fast_path(model, on=False)
-        if all(min(best[True][name][1:]) <= min(best[False][name]) for name in paths):
+        ratios = {name: min(best[False][name]) / min(best[True][name][1:]) for name in paths}
+        fast = sum(value is True or isinstance(value, list) and any(v for _, v in value)
+                   for value in candidate.values())
+        print(f"codec: whole paths with {fast} of {len(candidate)} ops fast, fast / eager speed: "
+              + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in ratios.items()), file=sys.stderr)
+        if all(ratio >= 1 for ratio in ratios.values()):
             return candidate
     return candidates[-1]
 

@@ -252,7 +252,7 @@ def fast_kinds(model):
     ({"encode": {frozenset(): 1, frozenset({"conv", "linear", "snake"}): 0.5},
       "stream 1": {frozenset(): 1, frozenset({"conv", "linear", "snake"}): 1.5,
                    frozenset({"linear", "snake"}): 2, frozenset({"snake"}): 1.01}}, "eager")])
-def test_checked_choices_keep_the_first_fallback_no_slower_on_any_whole_path(model, monkeypatch, costs, kept):
+def test_checked_choices_keep_the_first_fallback_no_slower_on_any_whole_path(monkeypatch, capsys, costs, kept):
     """Each op can win alone and a whole path still lose: checked_choices times every probe path eager and
     with each fallback in turn (a fake clock: each path costs what its table says for the kinds of op fast
     now, 1 where it does not say) and keeps the first that loses on none; the model is left eager."""
@@ -274,7 +274,12 @@ def test_checked_choices_keep_the_first_fallback_no_slower_on_any_whole_path(mod
     names = {"choices": 0, "convs eager": 1, "snake only": 2, "eager": 3}
     assert CHECKED_CHOICES(dac, choices) == candidates[names[kept]]
     assert fast_kinds(dac) == frozenset()
-    assert len(runs) == 4 * 5 * min(names[kept] + 1, 3)  # 4 paths, 5 turns (a warm-up) per candidate tried
+    tried = min(names[kept] + 1, 3)
+    assert len(runs) == 4 * 5 * tried  # 4 paths, 5 turns (a warm-up) per candidate tried
+    said = capsys.readouterr().err.splitlines()  # each candidate's speed on each path, said as it is timed
+    assert len(said) == tried and said[0].startswith("codec: whole paths with ")
+    if "encode" in costs:
+        assert "encode 2.00x" in said[0]
 
 
 def test_fallbacks_turn_the_convs_then_every_prepacked_op_eager():

@@ -157,6 +157,9 @@ def save_npy(path, array):
 INT4_GROUP = 128  # int4 inputs sharing one scale and zero
 INT8_MATMUL_ROWS = 128  # from here on one matmul of the converted int8 weight beats torch's int8 kernel: 1.4x
 # at 128 rows, 1.9x at 1000 on an AVX2 EPYC (fp32 there; below ~96 rows the kernel wins): docs/speed.md
+# torch's CPU kernels read whole vectors (16 lanes on AVX-512, 8 on AVX2) with no tail: the int8 one's inputs
+# and the int4 one's outputs must come in whole 16s, or they crash or return garbage (torch 2.13)
+KERNEL_LANES = 16
 
 
 class QuantLinear(nn.Module):
@@ -167,7 +170,7 @@ class QuantLinear(nn.Module):
     matmul_rows: from this many rows on (compute-bound work: a prefill, OmniVoice's whole sequences) an int8
     weight is converted to bf16 (exactly: |q| <= 127) once per call and run through a bf16 matmul, which
     those kernels, written for a few rows, are slower than; the scales multiply its output (fp32 where the
-    CPU has no bf16 matrix units: runs_in_fp32)."""
+    CPU has no bf16 matrix units: runs_in_fp32), as at any row count for a shape the kernel cannot take."""
 
     def __init__(self, linear: nn.Linear, bits: int, matmul_rows: int = INT8_MATMUL_ROWS):
         super().__init__()
@@ -175,7 +178,9 @@ class QuantLinear(nn.Module):
         w = linear.weight.detach().float()
         self.out_features, self.in_features = w.shape
         self.group = math.gcd(INT4_GROUP, self.in_features)
-        self.bits = 8 if self.group < 32 else bits  # the int4 kernel takes groups of 32 to 256 inputs
+        # the int4 kernel takes groups of 32 to 256 inputs and whole KERNEL_LANES of outputs
+        self.bits = 8 if self.group < 32 or self.out_features % KERNEL_LANES else bits
+        self.kernel = self.bits == 4 or self.in_features % KERNEL_LANES == 0
         if self.bits == 8:
             scale = w.abs().amax(1).clamp(min=1e-12) / 127
             weight = torch.round(w / scale[:, None]).to(torch.int8)  # (out, in)
@@ -189,9 +194,14 @@ class QuantLinear(nn.Module):
         self.scales = nn.Parameter(scale.to(torch.bfloat16).contiguous(), requires_grad=False)
         self.bias = linear.bias
 
+    one_row = False  # compiled int8 graphs' one row as `one_row_linear` (use_one_row_sums)
+
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        if self.bits == 8 and x2.shape[0] >= self.matmul_rows:
+        one_row = self.one_row and self.bits == 8 and x2.shape[0] == 1 and x.is_cpu
+        if one_row and torch.compiler.is_compiling():
+            y = one_row_linear(x2.float(), self.weight) * self.scales  # the kernel's bf16 x, an fp32 sum
+        elif self.bits == 8 and (x2.shape[0] >= self.matmul_rows or not self.kernel):
             w = self.weight.to(torch.float32 if runs_in_fp32(torch.bfloat16, x.device) else torch.bfloat16)
             y = F.linear(x2.to(w.dtype), w) * self.scales  # one pass over the weight
         elif self.bits == 8:
@@ -346,20 +356,77 @@ AVX2_ONLY = torch.backends.cpu.get_cpu_capability() == "AVX2"
 class FewRowsLinear(nn.Linear):
     """nn.Linear whose inference on CPU fp32 runs oneDNN on the weight `prepacked` at the row counts its
     `steps` take it at (`row_steps`: this machine's `few_rows_steps` by default), eager, and compiled (as
-    the opaque `packed_linear`) at those its `compiled_steps` take; any other call is nn.Linear's. The copy
-    doubles the layer's memory, made at its first such call."""
+    the opaque `packed_linear`) at those its `compiled_steps` take; a compiled graph's one row is
+    `one_row_linear` where `one_row` says so; any other call is nn.Linear's. The copy doubles the layer's
+    memory, made at its first such call."""
 
     steps = compiled_steps = [[0, False]]
+    one_row = False
 
     def forward(self, x: Tensor) -> Tensor:
-        compiling = torch.compiler.is_compiling()
-        steps = self.compiled_steps if compiling else self.steps
-        few = step_at(steps, x.numel() // self.in_features) and x.dtype == torch.float32 and x.is_cpu
-        if few and not torch.is_grad_enabled():
+        compiling, rows = torch.compiler.is_compiling(), x.numel() // self.in_features
+        fp32_inference = x.dtype == torch.float32 and x.is_cpu and not torch.is_grad_enabled()
+        if compiling and self.one_row and rows == 1 and fp32_inference:
+            return one_row_linear(x, self.weight, self.bias)
+        if step_at(self.compiled_steps if compiling else self.steps, rows) and fp32_inference:
             if not compiling:
                 return packed_matmul(x, prepacked(self.weight), self.bias)
             return packed_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+
+def one_row_linear(x: Tensor, weight: Tensor, bias: Tensor = None) -> Tensor:
+    """F.linear of one row as a product and a sum: inductor fuses them into one pass over the weight (32 GB/s
+    on a Zen 4, where oneDNN's matmul read 24 and MKL's 12). Eager it would make the whole product: compiled
+    graphs only."""
+    y = (x.unsqueeze(-2) * weight).sum(-1)
+    return y if bias is None else y + bias
+
+
+ONE_ROW_KEY = "compiled one row"  # ROWS_FILE's entry for `compiled_one_row_wins`, after the machine key
+
+
+def compiled_one_row_wins(dtype: torch.dtype = torch.float32) -> bool:
+    """Whether this machine's compiled graphs run a one-row linear of `dtype` weights (fp32, or int8 as
+    QuantLinear's) faster as `one_row_linear` than the matmuls eager takes for it. Timed once
+    (`timed_one_row`: it compiles, 5-15 s), kept in ROWS_FILE."""
+    machine = f"{machine_key(torch.device('cpu'), dtype)} {ONE_ROW_KEY}"
+    return machine_decision(use_compile_cache() / ROWS_FILE, machine, lambda value: isinstance(value, bool),
+                            lambda old: timed_one_row(dtype), f"timing compiled one-row {dtype} linears")
+
+
+@torch.inference_mode()
+def timed_one_row(dtype: torch.dtype = torch.float32, repeats=5) -> bool:
+    """A layer's linears at one row, PROBE_LAYERS times for fp32 and 4x that for int8 (the same bytes):
+    `one_row_linear` compiled by inductor against torch's own matmul and, for fp32, oneDNN's prepacked one
+    (the best of `repeats` each, after a warm-up that compiles)."""
+    layers = PROBE_LAYERS * (4 if dtype == torch.int8 else 1)
+    if dtype == torch.int8:
+        weights = [torch.randint(-127, 128, shape, dtype=torch.int8)
+                   for _ in range(layers) for shape in PROBE_SHAPES]
+        scales = {w.shape[0]: torch.rand(w.shape[0]).bfloat16() for w in weights}
+    else:
+        weights = [torch.rand(shape) for _ in range(layers) for shape in PROBE_SHAPES]
+    xs = {i: torch.rand(1, i) for i in {w.shape[1] for w in weights}}
+    if dtype == torch.int8:
+        fused = torch.compile(lambda ws: [one_row_linear(xs[w.shape[1]], w) * scales[w.shape[0]] for w in ws],
+                              fullgraph=True)
+        kernel = torch.ops.aten._weight_int8pack_mm
+        runs = {"torch": lambda: [kernel(xs[w.shape[1]].bfloat16(), w, scales[w.shape[0]]) for w in weights]}
+    else:
+        fused = torch.compile(lambda ws: [one_row_linear(xs[w.shape[1]], w) for w in ws], fullgraph=True)
+        packed = [prepack(w) for w in weights]
+        runs = {"torch": lambda: [F.linear(xs[w.shape[1]], w) for w in weights],
+                "packed": lambda: [packed_matmul(xs[w.shape[1]], p) for w, p in zip(weights, packed)]}
+    runs["fused"] = lambda: fused(weights)
+    best = {}
+    for _ in range(1 + repeats):  # the first round warms up
+        for name, run in runs.items():
+            start = time.perf_counter()
+            run()
+            best.setdefault(name, []).append(time.perf_counter() - start)
+    fused_best = min(best.pop("fused")[1:])
+    return all(fused_best < min(seconds[1:]) for seconds in best.values())
 
 
 def use_few_rows_linears(module: nn.Module, steps: list = None):
@@ -367,14 +434,30 @@ def use_few_rows_linears(module: nn.Module, steps: list = None):
     `steps` (default: this machine's `few_rows_steps`; compiled graphs: the same where AVX2_ONLY or they
     take one row), where torch has oneDNN, some row count takes it and the prepacked copies fit in half of
     the memory available now (else nothing changes)."""
-    linears = [m for m in module.modules()
-               if type(m) is nn.Linear and m.weight.dtype == torch.float32 and m.weight.is_cpu]
+    linears = [m for m in module.modules() if type(m) in (nn.Linear, FewRowsLinear)
+               and m.weight.dtype == torch.float32 and m.weight.is_cpu]
     size = sum(m.weight.numel() * m.weight.element_size() for m in linears)
     if linears and torch.backends.mkldnn.is_available() and size <= available_memory_bytes() / 2:
         steps = few_rows_steps() if steps is None else steps
         compiled = steps if AVX2_ONLY or step_at(steps, 1) else [[0, False]]
         for m in linears if any(fast for _, fast in steps) else ():
             m.__class__, m.steps, m.compiled_steps = FewRowsLinear, steps, compiled
+
+
+def use_one_row_sums(module: nn.Module, wins: dict = None):
+    """For a module that runs compiled on CPU: its fp32 linear layers (as FewRowsLinear) and int8 QuantLinears
+    run one row as `one_row_linear` in compiled graphs where `wins` ({torch.float32: bool, torch.int8: bool})
+    says so; a dtype it lacks: this machine's `compiled_one_row_wins`, asked only if the module has one."""
+    layers = [m for m in module.modules() if (type(m) in (nn.Linear, FewRowsLinear) and m.weight.dtype
+              == torch.float32 or type(m) is QuantLinear and m.bits == 8) and m.weight.is_cpu]
+    wins = dict(wins or {})
+    for m in layers:
+        dtype = m.weight.dtype
+        if dtype not in wins:
+            wins[dtype] = compiled_one_row_wins(dtype)
+        if type(m) is nn.Linear and wins[dtype]:  # the same parameters, FewRowsLinear's forward
+            m.__class__ = FewRowsLinear
+        m.one_row = wins[dtype]
 
 
 # ----------------------------------------------------------------------------- half-precision linears (CPU)

@@ -49,7 +49,8 @@ import codec  # the CLI's audio, and the RMSNorm, FeedForward and RoPE of both t
 from codec import FeedForward, RMSNorm, apply_rope, rope_table
 from common import (DTYPES, EngineClosed, EngineThread, Job, QuantLinear, QueueFull, UserError, cli,
                     default_compile_cache, device_name, peak_memory_gb, pick_device, pick_dtype, swap_linears,
-                    unreadable, use_compile_cache, use_few_rows_linears, use_half_linears)
+                    unreadable, use_compile_cache, use_few_rows_linears, use_half_linears,
+                    use_one_row_sums)
 
 # The real fishaudio/s2-pro dimensions, with upstream's flat `dual_ar` key names.
 CONFIG = dict(
@@ -653,6 +654,7 @@ def compile_model(model: DualAR, cache=None, backend="inductor", step=None):
     model.register_buffer("head_rows", model.head_weight[slice(*model.sampling_rows)].clone(),
                           persistent=False)
     step = functools.partial(step or decode_step, model)
+    use_one_row_sums(model)  # CPU: one-row linears as a product and a sum where this machine's timing says
     cuda = model.embeddings.weight.device.type == "cuda"
     # CPU: plain inductor. Frozen weights (freezing + max-autotune) were no faster at the sizes we measured
     # and cannot be cached (mkldnn weights do not pickle): docs/speed.md

@@ -169,14 +169,15 @@ def inductor_cache():
 
 @pytest.fixture(scope="session", autouse=True)
 def choices_untimed(tmp_path_factory):
-    """codec.fast_path takes every op fast, and FewRowsLinear oneDNN's matmul at 4-64 rows (a Xeon's timing),
-    unless a test says otherwise: tests time nothing, run alike on every machine, and the user's compile
-    cache gets no decision file from them."""
+    """codec.fast_path takes every op fast, FewRowsLinear oneDNN's matmul at 4-64 rows (a Xeon's timing) and
+    compiled graphs' one-row products (`one_row_linear`), unless a test says otherwise: tests time nothing,
+    run alike on every machine, and the user's compile cache gets no decision file from them."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(codec, "timed_choices", lambda model: {})
         patch.setattr(codec, "checked_choices", lambda model, choices: choices)
         patch.setattr(codec, "choices_folder", lambda: tmp_path_factory.mktemp("codec-choices"))
         patch.setattr(common, "few_rows_steps", lambda: [[0, False], [4, True], [65, False]])
+        patch.setattr(common, "compiled_one_row_wins", lambda dtype=torch.float32: True)
         yield
 
 

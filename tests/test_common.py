@@ -46,6 +46,7 @@ def test_a_file_written_atomically_gets_the_usual_permissions_not_safetensors_ow
 
 STEPS = [[0, False], [4, True], [65, False]]  # a machine where oneDNN wins at 4-64 rows (an Intel Xeon's)
 FEW_ROWS_STEPS = common.few_rows_steps  # as imported: conftest's session fixture replaces it for every test
+ONE_ROW_WINS = common.compiled_one_row_wins  # the same
 
 
 def test_few_rows_linear_runs_onednn_at_the_rows_its_steps_take_and_torch_elsewhere(monkeypatch):
@@ -196,6 +197,27 @@ def test_int8_weights_of_a_whole_sequence_multiply_in_bf16_or_fp32_as_the_cpu_ha
     assert seen.dtypes == []  # 6 rows: aten's int8 kernel, no mm
 
 
+def test_quantized_linears_whose_shape_torchs_kernels_cannot_take_still_multiply_right():
+    """torch's int8 kernel needs inputs in whole 16s and the int4 one outputs in whole 16s (else a crash or
+    garbage): an int8 layer of 40 inputs converts its weight for a plain matmul at every row count, an int4
+    layer of 40 outputs becomes int8; both within int8's error of the float layer, as the kernels' shapes."""
+    torch.manual_seed(0)
+    cases = (((40, 24), 8, 8), ((64, 40), 4, 8), ((64, 48), 4, 4), ((48, 8), 8, 8))  # (inputs, outputs)
+    for (inputs, outputs), bits, kept in cases:
+        linear = torch.nn.Linear(inputs, outputs)
+        layer = common.QuantLinear(linear, bits)
+        assert layer.bits == kept and layer.kernel == (inputs % 16 == 0 or kept == 4)
+        for rows in (1, 3):
+            x = torch.rand(rows, inputs)
+            with torch.inference_mode():
+                want = linear(x)
+                with MatmulDtypes() as seen:
+                    y = layer(x)
+            assert len(seen.dtypes) == (0 if layer.kernel else 1), (inputs, outputs, bits)
+            bound = 0.1 if kept == 4 else 0.02  # of the output's largest value
+            assert (y - want).abs().max() <= bound * want.abs().max(), (inputs, outputs, bits, rows)
+
+
 def test_compiled_few_rows_linears_run_one_packed_copy_at_the_rows_their_compiled_steps_take(monkeypatch):
     """In a compiled graph a FewRowsLinear runs oneDNN's prepacked matmul as one opaque op where its steps
     take the rows and either the CPU is AVX2-only or the steps take one row too (MKL loses there even at one
@@ -220,3 +242,113 @@ def test_compiled_few_rows_linears_run_one_packed_copy_at_the_rows_their_compile
         assert packs == ([(40, 48), (8, 40)] if taken else []), (steps, avx2)
         assert all(hasattr(m.weight, "prepacked") == taken for m in layers[::2])
         packs.clear()
+
+
+def graph_calls(layers, x) -> list:
+    """The functions a fullgraph compile of layers(x) calls, by name (the graph captured, run as it is)."""
+    calls = []
+
+    def backend(gm, example_inputs):
+        calls.extend(getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes
+                     if n.op in ("call_function", "call_method"))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        y = torch.compile(layers, fullgraph=True, backend=backend)(x)
+    return y, calls
+
+
+def test_compiled_one_row_linears_are_a_product_and_a_sum_where_the_machine_takes_them():
+    """Where this machine's timing took `one_row_linear` (use_one_row_sums), a compiled graph multiplies one
+    row by each fp32 or int8 weight and sums: no matmul, no int8 kernel, within 1e-5 of the same arithmetic
+    as a matmul (int8: the dequantized weight times the kernel's bf16 x); 4 rows, eager calls and a machine
+    whose timing said no keep the matmuls, and only fp32 and int8 weights are touched."""
+
+    def model():
+        torch.manual_seed(0)
+        int8 = common.QuantLinear(torch.nn.Linear(48, 8), bits=8)
+        return torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.SiLU(), int8)
+
+    def reference(layers, x):
+        hidden = F.silu(F.linear(x, layers[0].weight, layers[0].bias)).bfloat16().float()
+        return F.linear(hidden, layers[2].weight.float()) * layers[2].scales.float() + layers[2].bias
+
+    for wins in (True, False):
+        layers = model()
+        common.use_one_row_sums(layers, {torch.float32: wins, torch.int8: wins})
+        assert [m.one_row for m in layers[::2]] == [wins, wins]
+        assert type(layers[0]) is (common.FewRowsLinear if wins else torch.nn.Linear)
+        for rows, x in ((1, torch.rand(1, 1, 32)), (4, torch.rand(4, 32))):
+            with torch.inference_mode():
+                want, eager = reference(layers, x), layers(x)
+            y, calls = graph_calls(layers, x)
+            summed = wins and rows == 1
+            assert torch.allclose(y, want, atol=1e-5) if summed else torch.equal(y, eager)
+            matmuls = (calls.count("linear"), calls.count("_weight_int8pack_mm"), calls.count("sum"))
+            assert matmuls == ((0, 0, 2) if summed else (1, 1, 0)), calls
+            with torch.inference_mode():
+                assert torch.equal(layers(x), eager)  # eager: the matmuls
+        assert not hasattr(layers[0].weight, "prepacked")
+    int4 = common.QuantLinear(torch.nn.Linear(64, 16), bits=4)
+    others = torch.nn.Sequential(torch.nn.Linear(8, 8).bfloat16(), int4)
+    common.use_one_row_sums(others, {torch.float32: True, torch.int8: True})
+    assert type(others[0]) is torch.nn.Linear and not hasattr(others[0], "one_row")
+    assert others[1].bits == 4 and not others[1].one_row
+
+
+def test_the_compiled_one_row_choice_is_timed_once_per_weight_dtype_and_kept_beside_the_row_steps(
+        tmp_path, monkeypatch):
+    """compiled_one_row_wins: timed on this machine's first call for a weight dtype and kept in ROWS_FILE
+    under that dtype's key (the row steps' entry untouched); an odd value is timed again. use_one_row_sums
+    asks it only for the dtypes the module has."""
+    monkeypatch.setattr(common, "compiled_one_row_wins", ONE_ROW_WINS)
+    monkeypatch.setattr(common, "use_compile_cache", lambda: tmp_path)
+    timed = []
+    monkeypatch.setattr(common, "timed_one_row", lambda dtype: timed.append(dtype) or dtype == torch.float32)
+    path, machine = tmp_path / common.ROWS_FILE, common.machine_key(torch.device("cpu"), torch.float32)
+    path.write_text(json.dumps({machine: [[0, False]]}))
+    common.use_one_row_sums(torch.nn.Sequential(torch.nn.SiLU(), torch.nn.Linear(8, 4).bfloat16()))
+    assert timed == []
+    layers = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 4))
+    common.use_one_row_sums(layers)
+    assert type(layers[0]) is common.FewRowsLinear and layers[1].one_row and timed == [torch.float32]
+    int8 = common.QuantLinear(torch.nn.Linear(8, 4), bits=8)
+    common.use_one_row_sums(torch.nn.Sequential(torch.nn.Linear(8, 4), int8))
+    assert not int8.one_row and timed == [torch.float32, torch.int8]
+    assert common.compiled_one_row_wins() is True and common.compiled_one_row_wins(torch.int8) is False
+    fp32, int8 = (f"{common.machine_key(torch.device('cpu'), dtype)} {common.ONE_ROW_KEY}"
+                  for dtype in (torch.float32, torch.int8))
+    assert json.loads(path.read_text()) == {machine: [[0, False]], fp32: True, int8: False}
+    path.write_text(json.dumps({fp32: "yes"}))
+    assert common.compiled_one_row_wins() is True and timed == [torch.float32, torch.int8, torch.float32]
+
+
+def test_timed_one_row_takes_the_compiled_sum_only_where_it_beats_every_matmul(monkeypatch):
+    """The compiled product and sum against F.linear and the prepacked matmul (fp32 weights) or aten's int8
+    kernel (int8 ones) on the same one-row probes, a warm-up round first; the sum is taken only if faster
+    than each of them (a fake clock; compile made a no-op so that nothing compiles here)."""
+    monkeypatch.setattr(common, "PROBE_SHAPES", ((24, 16), (16, 24)))
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
+    now, cost = [0.0], {}
+
+    def timed(kind, fn):
+        def run(*args, **kwargs):
+            now[0] += cost[kind]
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(common, "one_row_linear", timed("sum", common.one_row_linear))
+    monkeypatch.setattr(common.F, "linear", timed("torch", F.linear))
+    monkeypatch.setattr(common, "packed_matmul", timed("packed", common.packed_matmul))
+    int8_kernel = timed("int8", torch.ops.aten._weight_int8pack_mm)
+    monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", int8_kernel)
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    for sum_cost, torch_cost, packed_cost, wins in ((1, 2, 3, True), (2, 3, 1, False), (2, 1, 3, False),
+                                                    (2, 2, 2, False)):
+        cost.update(sum=sum_cost, torch=torch_cost, packed=packed_cost, int8=100)
+        assert common.timed_one_row(torch.float32, repeats=2) is wins
+    for sum_cost, int8_cost, wins in ((1, 2, True), (2, 1, False), (2, 2, False)):
+        cost.update(sum=sum_cost, int8=int8_cost, torch=100, packed=100)
+        assert common.timed_one_row(torch.int8, repeats=2) is wins
+

@@ -920,10 +920,12 @@ class CountingBackend:
     guards and recompiles of `compile_model`, in seconds instead of inductor's minutes."""
 
     def __init__(self):
-        self.graphs = []
+        self.graphs, self.calls = [], []  # per graph: its inputs' shapes, the names of the functions it calls
 
     def __call__(self, graph, example_inputs):
         self.graphs.append([tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)])
+        self.calls.append([getattr(n.target, "__name__", str(n.target)) for n in graph.graph.nodes
+                           if n.op in ("call_function", "call_method")])
         return graph.forward
 
 
@@ -959,6 +961,27 @@ def test_a_compiled_model_compiles_each_shape_once_and_many_shapes_fit():
     assert warmed == [(c, r) for c in (512, 1024) for r in (1, 4, 8)] and len(backend.graphs) == 9
     assert dualAR.generate(model, "Hi.", seed=0, max_new_tokens=5).size(1) == 4  # no 10th graph
     assert len(backend.graphs) == 9
+
+
+def test_a_compiled_one_row_step_sums_instead_of_its_matmuls_with_upstreams_codes(monkeypatch):
+    """Where this machine's timing takes `common.one_row_linear` (conftest: yes), a compiled batch-1 step
+    runs each linear layer as a product and a sum: every matmul the graph loses is one sum more, and the
+    goldens keep upstream's codes."""
+    calls = {}
+    for one_row in (False, True):
+        monkeypatch.setattr(common, "compiled_one_row_wins", lambda dtype=torch.float32: one_row)
+        model, backend = dualAR.load(CKPT), CountingBackend()
+        dualAR.compile_model(model, backend=backend)
+        names = ["greedy", "seeded"]
+        many = dualAR.generate_many(model, [case_request(CASES[n]["call"]) for n in names], slots=1,
+                                    context=512)
+        assert all(torch.equal(codes, golden(GOLDEN_RUNS[n])) for codes, n in zip(many, names, strict=True))
+        assert len(backend.calls) == 1 and model.fast_output.one_row is one_row
+        calls[one_row] = backend.calls[0]
+    fewer = calls[False].count("linear") - calls[True].count("linear")
+    linears = sum(type(m) is common.FewRowsLinear for m in model.modules())
+    assert fewer > linears and calls[True].count("sum") - calls[False].count("sum") == fewer
+    assert "packed_linear" not in calls[True]
 
 
 def test_a_context_of_partial_flex_blocks_is_rounded_up_to_whole_blocks(solo):
@@ -1060,6 +1083,8 @@ def test_cpu_quantization_runs_eager_and_compiled_and_its_logits_stay_close(mode
     with torch.inference_mode():
         assert dualAR.generate(quantized, "Hi.", seed=0, max_new_tokens=6).shape == (10, 5)
     dualAR.compile_model(quantized, step=slow_and_fast_logits)  # one compile: the frame step's layers
+    # the int8 head's one row compiled as a product and a sum (conftest: this machine's timing takes them)
+    assert getattr(quantized.fast_output, "one_row", False) is (scheme != "none")
     compiled = prefill_and_step_logits(quantized, quantized.compiled_step)
     for got in (eager, compiled):
         for ref, q in zip(reference, got, strict=True):

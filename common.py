@@ -400,20 +400,17 @@ def timed_one_row(dtype: torch.dtype = torch.float32, repeats=5) -> bool:
     """A layer's linears at one row, PROBE_LAYERS times for fp32 and 4x that for int8 (the same bytes):
     `one_row_linear` compiled by inductor against torch's own matmul and, for fp32, oneDNN's prepacked one
     (the best of `repeats` each, after a warm-up that compiles)."""
-    layers = PROBE_LAYERS * (4 if dtype == torch.int8 else 1)
+    xs = {i: torch.rand(1, i) for i in {shape[1] for shape in PROBE_SHAPES}}
     if dtype == torch.int8:
         weights = [torch.randint(-127, 128, shape, dtype=torch.int8)
-                   for _ in range(layers) for shape in PROBE_SHAPES]
+                   for _ in range(4 * PROBE_LAYERS) for shape in PROBE_SHAPES]
         scales = {w.shape[0]: torch.rand(w.shape[0]).bfloat16() for w in weights}
-    else:
-        weights = [torch.rand(shape) for _ in range(layers) for shape in PROBE_SHAPES]
-    xs = {i: torch.rand(1, i) for i in {w.shape[1] for w in weights}}
-    if dtype == torch.int8:
         fused = torch.compile(lambda ws: [one_row_linear(xs[w.shape[1]], w) * scales[w.shape[0]] for w in ws],
                               fullgraph=True)
         kernel = torch.ops.aten._weight_int8pack_mm
         runs = {"torch": lambda: [kernel(xs[w.shape[1]].bfloat16(), w, scales[w.shape[0]]) for w in weights]}
     else:
+        weights = [torch.rand(shape) for _ in range(PROBE_LAYERS) for shape in PROBE_SHAPES]
         fused = torch.compile(lambda ws: [one_row_linear(xs[w.shape[1]], w) for w in ws], fullgraph=True)
         packed = [prepack(w) for w in weights]
         runs = {"torch": lambda: [F.linear(xs[w.shape[1]], w) for w in weights],

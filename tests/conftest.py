@@ -88,6 +88,25 @@ def run_script(script, args, cwd, timeout=300):
                           text=True, timeout=timeout)
 
 
+def untimed_compile_cache(folder: Path) -> Path:
+    """A compile-cache folder for a CLI or server run in a process of its own (pass it as
+    $TORCHINDUCTOR_CACHE_DIR), holding this session's untimed linear choices (`choices_untimed`) for this
+    machine at every thread count: that process times nothing either, and the user's cache gets no file."""
+    threads, known = torch.get_num_threads(), {}
+    try:
+        for n in range(1, max(os.cpu_count() or 1, threads) + 1):
+            torch.set_num_threads(n)
+            known[common.machine_key(torch.device("cpu"), torch.float32)] = common.few_rows_steps()
+            for dtype in (torch.float32, torch.int8):
+                key = f"{common.machine_key(torch.device('cpu'), dtype)} {common.ONE_ROW_KEY}"
+                known[key] = common.compiled_one_row_wins(dtype)
+    finally:
+        torch.set_num_threads(threads)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / common.ROWS_FILE).write_text(json.dumps(known, indent=1))
+    return folder
+
+
 def serve(*flags):
     """app.py's server on CPU, on a free port of 127.0.0.1, with these flags, answering from a thread."""
     import app  # the server's tests alone need it

@@ -8,6 +8,7 @@ machine (FewRowsLinear, machine_decision), half-precision linears (HalfLinear), 
 that drives a scheduler).
 """
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -424,6 +425,58 @@ def timed_one_row(dtype: torch.dtype = torch.float32, repeats=5) -> bool:
             best.setdefault(name, []).append(time.perf_counter() - start)
     fused_best = min(best.pop("fused")[1:])
     return all(fused_best < min(seconds[1:]) for seconds in best.values())
+
+
+MANY_ROWS_KEY = "many rows"  # ROWS_FILE's entry for `many_rows_wins`, after the machine key
+MANY_ROWS_PROBE = 320  # a whole sequence's rows (OmniVoice's flat row: a 3 s prompt, 4 s of audio twice)
+
+
+def many_rows_wins() -> bool:
+    """Whether oneDNN's matmul on a prepacked fp32 weight beats torch's own (MKL) at a whole sequence's rows:
+    on a Zen 4 it ran 323-row products 1.2-1.5x faster, on a Xeon no faster (docs/omnivoice.md). Timed once
+    (`timed_many_rows`, ~1 s), kept in ROWS_FILE."""
+    machine = f"{machine_key(torch.device('cpu'), torch.float32)} {MANY_ROWS_KEY}"
+    return machine_decision(use_compile_cache() / ROWS_FILE, machine, lambda value: isinstance(value, bool),
+                            lambda old: timed_many_rows(), "timing oneDNN's many-row matmuls")
+
+
+@torch.inference_mode()
+def timed_many_rows(repeats=3) -> bool:
+    """A layer's linears (random fp32 weights) at MANY_ROWS_PROBE rows, F.linear and prepacked in turn, the
+    best of `repeats` each after a warm-up: compute-bound, so one copy of the layer is enough."""
+    weights = [torch.rand(shape) for shape in PROBE_SHAPES]
+    runs = {F.linear: weights, packed_matmul: [prepack(w) for w in weights]}
+    xs = [torch.rand(MANY_ROWS_PROBE, w.shape[1]) for w in weights]
+    best = {matmul: [] for matmul in runs}
+    for _ in range(1 + repeats):
+        for matmul, ws in runs.items():
+            start = time.perf_counter()
+            for x, w in zip(xs, ws):
+                matmul(x, w)
+            best[matmul].append(time.perf_counter() - start)
+    return min(best[packed_matmul][1:]) < min(best[F.linear][1:])
+
+
+@contextlib.contextmanager
+def prepacked_linears(module: nn.Module, on: bool = True):
+    """Within it, module's plain fp32 CPU nn.Linears run oneDNN's matmul on their prepacked weights at every
+    row count (as FewRowsLinear, eager inference), where `on`, this machine's `many_rows_wins` and the
+    copies not yet made fit in half of the memory available now; after it, nn.Linear again. The copies stay
+    on the weights (twice their memory). One forward at a time: it changes the modules while it lasts."""
+    linears = [m for m in module.modules() if type(m) is nn.Linear and m.weight.dtype == torch.float32
+               and m.weight.is_cpu] if on and not torch.is_grad_enabled() else []
+    missing = sum(m.weight.numel() * 4 for m in linears if getattr(m.weight, "prepacked", None) is None)
+    if not (linears and torch.backends.mkldnn.is_available() and many_rows_wins()
+            and missing <= available_memory_bytes() / 2):
+        linears = []
+    for m in linears:
+        m.__class__, m.steps = FewRowsLinear, [[0, True]]
+    try:
+        yield
+    finally:
+        for m in linears:
+            m.__class__ = nn.Linear
+            del m.steps
 
 
 def use_few_rows_linears(module: nn.Module, steps: list = None):

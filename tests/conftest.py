@@ -100,6 +100,8 @@ def untimed_compile_cache(folder: Path) -> Path:
             for dtype in (torch.float32, torch.int8):
                 key = f"{common.machine_key(torch.device('cpu'), dtype)} {common.ONE_ROW_KEY}"
                 known[key] = common.compiled_one_row_wins(dtype)
+            key = f"{common.machine_key(torch.device('cpu'), torch.float32)} {common.MANY_ROWS_KEY}"
+            known[key] = common.many_rows_wins()
     finally:
         torch.set_num_threads(threads)
     folder.mkdir(parents=True, exist_ok=True)
@@ -188,15 +190,17 @@ def inductor_cache():
 
 @pytest.fixture(scope="session", autouse=True)
 def choices_untimed(tmp_path_factory):
-    """codec.fast_path takes every op fast, FewRowsLinear oneDNN's matmul at 4-64 rows (a Xeon's timing) and
-    compiled graphs' one-row products (`one_row_linear`), unless a test says otherwise: tests time nothing,
-    run alike on every machine, and the user's compile cache gets no decision file from them."""
+    """codec.fast_path takes every op fast, FewRowsLinear oneDNN's matmul at 4-64 rows (a Xeon's timing),
+    compiled graphs' one-row products (`one_row_linear`) and OmniVoice's flat row oneDNN's matmul
+    (`many_rows_wins`), unless a test says otherwise: tests time nothing, run alike on every machine, and
+    the user's compile cache gets no decision file from them."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(codec, "timed_choices", lambda model: {})
         patch.setattr(codec, "checked_choices", lambda model, choices: choices)
         patch.setattr(codec, "choices_folder", lambda: tmp_path_factory.mktemp("codec-choices"))
         patch.setattr(common, "few_rows_steps", lambda: [[0, False], [4, True], [65, False]])
         patch.setattr(common, "compiled_one_row_wins", lambda dtype=torch.float32: True)
+        patch.setattr(common, "many_rows_wins", lambda: True)
         yield
 
 

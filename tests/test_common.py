@@ -47,6 +47,7 @@ def test_a_file_written_atomically_gets_the_usual_permissions_not_safetensors_ow
 STEPS = [[0, False], [4, True], [65, False]]  # a machine where oneDNN wins at 4-64 rows (an Intel Xeon's)
 FEW_ROWS_STEPS = common.few_rows_steps  # as imported: conftest's session fixture replaces it for every test
 ONE_ROW_WINS = common.compiled_one_row_wins  # the same
+MANY_ROWS_WINS = common.many_rows_wins  # the same
 
 
 def test_few_rows_linear_runs_onednn_at_the_rows_its_steps_take_and_torch_elsewhere(monkeypatch):
@@ -322,6 +323,40 @@ def test_the_compiled_one_row_choice_is_timed_once_per_weight_dtype_and_kept_bes
     assert json.loads(path.read_text()) == {machine: [[0, False]], fp32: True, int8: False}
     path.write_text(json.dumps({fp32: "yes"}))
     assert common.compiled_one_row_wins() is True and timed == [torch.float32, torch.int8, torch.float32]
+
+
+def test_the_many_rows_choice_is_timed_once_and_kept_beside_the_row_steps(tmp_path, monkeypatch):
+    """many_rows_wins (OmniVoice's flat row on oneDNN): timed on this machine's first call, then read from
+    ROWS_FILE under its own key, the row steps' entry untouched; an odd value is timed again."""
+    monkeypatch.setattr(common, "many_rows_wins", MANY_ROWS_WINS)
+    monkeypatch.setattr(common, "use_compile_cache", lambda: tmp_path)
+    timed = []
+    monkeypatch.setattr(common, "timed_many_rows", lambda: timed.append(1) or True)
+    path, machine = tmp_path / common.ROWS_FILE, common.machine_key(torch.device("cpu"), torch.float32)
+    path.write_text(json.dumps({machine: [[0, False]]}))
+    assert common.many_rows_wins() is True and common.many_rows_wins() is True and timed == [1]
+    key = f"{machine} {common.MANY_ROWS_KEY}"
+    assert json.loads(path.read_text()) == {machine: [[0, False]], key: True}
+    path.write_text(json.dumps({key: [[0, True]]}))
+    assert common.many_rows_wins() is True and timed == [1, 1]
+
+
+def test_timed_many_rows_takes_onednn_only_where_it_is_faster(monkeypatch):
+    """F.linear against the prepacked matmul on MANY_ROWS_PROBE rows of a layer's shapes, a warm-up round
+    first: oneDNN only if strictly faster (a fake clock)."""
+    monkeypatch.setattr(common, "PROBE_SHAPES", ((24, 16), (16, 24)))
+    monkeypatch.setattr(common, "MANY_ROWS_PROBE", 8)
+    now, cost, linear, packed = [0.0], {}, F.linear, common.packed_matmul
+
+    def costs(kind, fn):
+        return lambda *args: now.__setitem__(0, now[0] + cost[kind]) or fn(*args)
+
+    monkeypatch.setattr(common.F, "linear", costs("torch", linear))
+    monkeypatch.setattr(common, "packed_matmul", costs("packed", packed))
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    for torch_cost, packed_cost, wins in ((2, 1, True), (1, 2, False), (1, 1, False)):
+        cost.update(torch=torch_cost, packed=packed_cost)
+        assert common.timed_many_rows(repeats=2) is wins
 
 
 def test_timed_one_row_takes_the_compiled_sum_only_where_it_beats_every_matmul(monkeypatch):

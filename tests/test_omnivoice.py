@@ -186,15 +186,18 @@ def test_generate_gives_upstreams_tokens_and_audio(model, case):
         assert_audio_close(audios[i], expected, case, i, tokens[i], model)
 
 
-@pytest.mark.parametrize("layout", ["flat_row", "packed_rows"])
+@pytest.mark.parametrize("layout", ["flat_row", "flat_row, torch's matmul", "packed_rows"])
 @pytest.mark.parametrize("case", GENERATE_CASES)
 def test_packed_guidance_gives_upstreams_tokens(model, case, layout, monkeypatch):
     """generate() runs upstream's rows by default (test_generate_gives_upstreams_tokens_and_audio); packed
-    guidance, as CPU's flat row (packed=True) and as the GPU's packed rows (a row per request, a block mask),
-    gives every golden's codes too. Its hidden states agree with upstream's to ~1e-6, not bit for bit
-    (attention and matmuls sum in other orders over other shapes), and no golden's code moves."""
+    guidance, as CPU's flat row (packed=True; its linears on oneDNN or torch's matmul, as this machine's
+    timing decides) and as the GPU's packed rows (a row per request, a block mask), gives every golden's
+    codes too. Its hidden states agree with upstream's to ~1e-6, not bit for bit (attention and matmuls sum
+    in other orders over other shapes), and no golden's code moves."""
     spec = CASES["generate"][case]
-    monkeypatch.setattr(omnivoice, "row_layout", lambda packed, model: getattr(omnivoice, layout))
+    monkeypatch.setattr(common, "many_rows_wins", lambda: "torch" not in layout)
+    rows = getattr(omnivoice, layout.split(",")[0])
+    monkeypatch.setattr(omnivoice, "row_layout", lambda packed, model: rows)
     _, tokens = omnivoice.generate(model, **api_kwargs(case), seed=spec["seed"], return_tokens=True,
                                    packed=True)
     for got, name in zip(order_tokens(tokens, spec["token_files"]), spec["token_files"]):
@@ -212,6 +215,29 @@ def test_upstreams_rows_are_the_default_and_packed_is_the_flat_row_on_cpu_only()
     defaults = [inspect.signature(f).parameters["packed"].default
                 for f in (omnivoice.generate, omnivoice.unmask, omnivoice.chunked)]
     assert defaults == [False, False, False]  # upstream's bits unless asked
+
+
+@pytest.mark.parametrize("wins", [True, False])
+def test_the_flat_rows_linears_run_onednn_where_this_machine_wins_and_upstreams_rows_never(model, wins,
+                                                                                          monkeypatch):
+    """common.prepacked_linears: the flat row's layer linears run oneDNN's prepacked matmul where the
+    machine's timing (`many_rows_wins`) says so, upstream's rows always torch's (upstream's bits), and the
+    layers are plain nn.Linears again after each forward."""
+    calls = []
+    packed_matmul = common.packed_matmul
+    monkeypatch.setattr(common, "packed_matmul", lambda *a: calls.append(1) or packed_matmul(*a))
+    monkeypatch.setattr(common, "many_rows_wins", lambda: wins)
+    voice = omnivoice.load_voice(GOLDEN / "prompt_ref24.pt")
+    items = omnivoice.plan(model, ["Hello there."], "en", None, None, [voice], None, None, None,
+                           omnivoice.generation_config({}))
+    linears = [m for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    for layout, expected in ((omnivoice.flat_row, len(linears) if wins else 0), (omnivoice.batch_rows, 0)):
+        rows = layout(model, items, True)
+        calls.clear()
+        with torch.inference_mode():
+            model.hidden(rows["ids"], rows["audio_mask"], rows["mask"], rows.get("positions"))
+        assert len(calls) == expected, layout.__name__
+        assert all(type(m) is torch.nn.Linear and "steps" not in vars(m) for m in linears)
 
 
 def test_the_flat_row_holds_every_sequence_once_as_a_span(model):

@@ -476,7 +476,7 @@ def prepacked_linears(module: nn.Module, on: bool = True):
     finally:
         for m in linears:
             m.__class__ = nn.Linear
-            del m.steps
+            vars(m).pop("steps", None)  # not `del`: a forward in another thread may have restored it
 
 
 def use_few_rows_linears(module: nn.Module, steps: list = None):

@@ -434,7 +434,7 @@ MANY_ROWS_PROBE = 320  # a whole sequence's rows (OmniVoice's flat row: a 3 s pr
 def many_rows_wins() -> bool:
     """Whether oneDNN's matmul on a prepacked fp32 weight beats torch's own (MKL) at a whole sequence's rows:
     on a Zen 4 it ran 323-row products 1.2-1.5x faster, on a Xeon no faster (docs/omnivoice.md). Timed once
-    (`timed_many_rows`, ~1 s), kept in ROWS_FILE."""
+    (`timed_many_rows`, under 1 s), kept in ROWS_FILE."""
     machine = f"{machine_key(torch.device('cpu'), torch.float32)} {MANY_ROWS_KEY}"
     return machine_decision(use_compile_cache() / ROWS_FILE, machine, lambda value: isinstance(value, bool),
                             lambda old: timed_many_rows(), "timing oneDNN's many-row matmuls")
@@ -458,13 +458,13 @@ def timed_many_rows(repeats=3) -> bool:
 
 
 @contextlib.contextmanager
-def prepacked_linears(module: nn.Module, on: bool = True):
+def prepacked_linears(module: nn.Module):
     """Within it, module's plain fp32 CPU nn.Linears run oneDNN's matmul on their prepacked weights at every
-    row count (as FewRowsLinear, eager inference), where `on`, this machine's `many_rows_wins` and the
+    row count (as FewRowsLinear, eager inference), where this machine's `many_rows_wins` says so and the
     copies not yet made fit in half of the memory available now; after it, nn.Linear again. The copies stay
     on the weights (twice their memory). One forward at a time: it changes the modules while it lasts."""
     linears = [m for m in module.modules() if type(m) is nn.Linear and m.weight.dtype == torch.float32
-               and m.weight.is_cpu] if on and not torch.is_grad_enabled() else []
+               and m.weight.is_cpu] if not torch.is_grad_enabled() else []
     missing = sum(m.weight.numel() * 4 for m in linears if getattr(m.weight, "prepacked", None) is None)
     if not (linears and torch.backends.mkldnn.is_available() and many_rows_wins()
             and missing <= available_memory_bytes() / 2):

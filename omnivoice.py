@@ -1164,16 +1164,18 @@ class Scheduler:
             self.rows = self.build_rows()
         rows, model = self.rows, self.model
         hidden = self.forward(rows["ids"], rows["audio_mask"], rows["mask"], rows["positions"])
-        for job, (c_row, c_at), (u_row, u_at) in zip(self.active, rows["cond"], rows["uncond"]):
-            k, T = job.schedule[job.step], job.item["target_len"]
-            job.step += 1
-            if k <= 0:
-                continue
-            cond = model.heads(hidden[c_row, c_at:c_at + T]).transpose(0, 1)[None]  # (1, C, T, V)
-            uncond = model.heads(hidden[u_row, u_at:u_at + T]).transpose(0, 1)[None]
-            pred, conf = predict(cond, uncond, job.gen, self.mask_id, job.generator)
-            reveal(job.tokens, pred, conf, k, job.gen, self.mask_id, job.generator)
-            rows["ids"][c_row, :, c_at:c_at + T] = rows["ids"][u_row, :, u_at:u_at + T] = job.tokens
+        flat = not isinstance(rows["mask"], Tensor)  # its heads too on oneDNN where faster (2x on a Zen 4)
+        with common.prepacked_linears(model.audio_heads) if flat else contextlib.nullcontext():
+            for job, (c_row, c_at), (u_row, u_at) in zip(self.active, rows["cond"], rows["uncond"]):
+                k, T = job.schedule[job.step], job.item["target_len"]
+                job.step += 1
+                if k <= 0:
+                    continue
+                cond = model.heads(hidden[c_row, c_at:c_at + T]).transpose(0, 1)[None]  # (1, C, T, V)
+                uncond = model.heads(hidden[u_row, u_at:u_at + T]).transpose(0, 1)[None]
+                pred, conf = predict(cond, uncond, job.gen, self.mask_id, job.generator)
+                reveal(job.tokens, pred, conf, k, job.gen, self.mask_id, job.generator)
+                rows["ids"][c_row, :, c_at:c_at + T] = rows["ids"][u_row, :, u_at:u_at + T] = job.tokens
         done = [job for job in self.active if job.step == len(job.schedule)]
         if done:
             self.active, self.rows = [job for job in self.active if job not in done], None

@@ -240,6 +240,21 @@ def test_the_flat_rows_linears_run_onednn_where_this_machine_wins_and_upstreams_
         assert all(type(m) is torch.nn.Linear and "steps" not in vars(m) for m in linears)
 
 
+@pytest.mark.parametrize("packed", [True, False])
+def test_an_unmasking_step_hands_the_flat_rows_layers_and_heads_to_onednn_and_upstreams_rows_nothing(
+        model, packed, monkeypatch):
+    """Each step of the flat row asks common.prepacked_linears for the LM's layers (the forward) and then
+    its audio heads (the target rows' logits); upstream's rows ask it for nothing."""
+    handed, prepacked_linears = [], common.prepacked_linears
+    monkeypatch.setattr(common, "prepacked_linears", lambda m: handed.append(m) or prepacked_linears(m))
+    voice = omnivoice.load_voice(GOLDEN / "prompt_ref24.pt")
+    gen = dict(omnivoice.generation_config({}), num_step=3)
+    items = omnivoice.plan(model, ["Hello there."], "en", None, None, [voice], None, None, None, gen)
+    omnivoice.unmask(model, items, gen, torch.Generator().manual_seed(0), packed=packed)
+    assert handed == ([model.layers, model.audio_heads] * 3 if packed else [])
+    assert type(model.audio_heads) is torch.nn.Linear and "steps" not in vars(model.audio_heads)
+
+
 def test_the_flat_row_holds_every_sequence_once_as_a_span(model):
     voice = omnivoice.load_voice(GOLDEN / "prompt_ref24.pt")
     gen = omnivoice.generation_config({})

@@ -458,13 +458,14 @@ def timed_many_rows(repeats=3) -> bool:
 
 
 @contextlib.contextmanager
-def prepacked_linears(module: nn.Module):
-    """Within it, module's plain fp32 CPU nn.Linears run oneDNN's matmul on their prepacked weights at every
-    row count (as FewRowsLinear, eager inference), where this machine's `many_rows_wins` says so and the
-    copies not yet made fit in half of the memory available now; after it, nn.Linear again. The copies stay
-    on the weights (twice their memory). One forward at a time: it changes the modules while it lasts."""
-    linears = [m for m in module.modules() if type(m) is nn.Linear and m.weight.dtype == torch.float32
-               and m.weight.is_cpu] if not torch.is_grad_enabled() else []
+def prepacked_linears(*modules: nn.Module):
+    """Within it, the plain fp32 CPU nn.Linears inside `modules` run oneDNN's matmul on their prepacked
+    weights at every row count (as FewRowsLinear, eager inference), where this machine's `many_rows_wins`
+    says so and the copies not yet made fit in half of the memory available now; after it, nn.Linear again.
+    The copies stay on the weights (twice their memory). One forward at a time: it changes the modules while
+    it lasts."""
+    linears = [m for module in modules for m in module.modules() if type(m) is nn.Linear
+               and m.weight.dtype == torch.float32 and m.weight.is_cpu] if not torch.is_grad_enabled() else []
     missing = sum(m.weight.numel() * 4 for m in linears if getattr(m.weight, "prepacked", None) is None)
     if not (linears and torch.backends.mkldnn.is_available() and many_rows_wins()
             and missing <= available_memory_bytes() / 2):

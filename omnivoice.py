@@ -205,11 +205,8 @@ class OmniVoice(nn.Module):
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         if positions is not None:
             cos, sin = cos[positions][:, None], sin[positions][:, None]  # (B, 1, L, head_dim)
-        # the flat row (packed guidance) takes oneDNN where it is faster; upstream's rows keep upstream's bits
-        flat = not isinstance(mask, Tensor)
-        with common.prepacked_linears(self.layers) if flat else contextlib.nullcontext():
-            for layer in self.layers:
-                x = layer(x, cos, sin, mask)
+        for layer in self.layers:
+            x = layer(x, cos, sin, mask)
         return self.norm(x)
 
     def heads(self, hidden: Tensor) -> Tensor:
@@ -1163,9 +1160,10 @@ class Scheduler:
         if self.rows is None:
             self.rows = self.build_rows()
         rows, model = self.rows, self.model
-        hidden = self.forward(rows["ids"], rows["audio_mask"], rows["mask"], rows["positions"])
-        flat = not isinstance(rows["mask"], Tensor)  # its heads too on oneDNN where faster (2x on a Zen 4)
-        with common.prepacked_linears(model.audio_heads) if flat else contextlib.nullcontext():
+        # the flat row (packed guidance) takes oneDNN where it is faster; upstream's rows keep upstream's bits
+        flat = not isinstance(rows["mask"], Tensor)
+        with common.prepacked_linears(model.layers, model.audio_heads) if flat else contextlib.nullcontext():
+            hidden = self.forward(rows["ids"], rows["audio_mask"], rows["mask"], rows["positions"])
             for job, (c_row, c_at), (u_row, u_at) in zip(self.active, rows["cond"], rows["uncond"]):
                 k, T = job.schedule[job.step], job.item["target_len"]
                 job.step += 1

@@ -218,11 +218,11 @@ def test_upstreams_rows_are_the_default_and_packed_is_the_flat_row_on_cpu_only()
 
 
 @pytest.mark.parametrize("wins", [True, False])
-def test_the_flat_rows_linears_run_onednn_where_this_machine_wins_and_upstreams_rows_never(model, wins,
-                                                                                          monkeypatch):
-    """common.prepacked_linears: the flat row's layer linears run oneDNN's prepacked matmul where the
-    machine's timing (`many_rows_wins`) says so, upstream's rows always torch's (upstream's bits), and the
-    layers are plain nn.Linears again after each forward."""
+def test_prepacked_linears_run_the_flat_rows_layers_on_onednn_where_this_machine_wins_then_restore_them(
+        model, wins, monkeypatch):
+    """common.prepacked_linears: within it the layer linears run oneDNN's prepacked matmul where the
+    machine's timing (`many_rows_wins`) says so, torch's otherwise, and they are plain nn.Linears again
+    after it."""
     calls = []
     packed_matmul = common.packed_matmul
     monkeypatch.setattr(common, "packed_matmul", lambda *a: calls.append(1) or packed_matmul(*a))
@@ -231,27 +231,25 @@ def test_the_flat_rows_linears_run_onednn_where_this_machine_wins_and_upstreams_
     items = omnivoice.plan(model, ["Hello there."], "en", None, None, [voice], None, None, None,
                            omnivoice.generation_config({}))
     linears = [m for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
-    for layout, expected in ((omnivoice.flat_row, len(linears) if wins else 0), (omnivoice.batch_rows, 0)):
-        rows = layout(model, items, True)
-        calls.clear()
-        with torch.inference_mode():
-            model.hidden(rows["ids"], rows["audio_mask"], rows["mask"], rows.get("positions"))
-        assert len(calls) == expected, layout.__name__
-        assert all(type(m) is torch.nn.Linear and "steps" not in vars(m) for m in linears)
+    rows = omnivoice.flat_row(model, items, True)
+    with torch.inference_mode(), common.prepacked_linears(model.layers):
+        model.hidden(rows["ids"], rows["audio_mask"], rows["mask"], rows["positions"])
+    assert len(calls) == (len(linears) if wins else 0)
+    assert all(type(m) is torch.nn.Linear and "steps" not in vars(m) for m in linears)
 
 
 @pytest.mark.parametrize("packed", [True, False])
 def test_an_unmasking_step_hands_the_flat_rows_layers_and_heads_to_onednn_and_upstreams_rows_nothing(
         model, packed, monkeypatch):
-    """Each step of the flat row asks common.prepacked_linears for the LM's layers (the forward) and then
-    its audio heads (the target rows' logits); upstream's rows ask it for nothing."""
+    """Each step of the flat row runs the LM's layers (the forward) and its audio heads (the target rows'
+    logits) within common.prepacked_linears; upstream's rows ask it for nothing (upstream's bits)."""
     handed, prepacked_linears = [], common.prepacked_linears
-    monkeypatch.setattr(common, "prepacked_linears", lambda m: handed.append(m) or prepacked_linears(m))
+    monkeypatch.setattr(common, "prepacked_linears", lambda *m: handed.append(m) or prepacked_linears(*m))
     voice = omnivoice.load_voice(GOLDEN / "prompt_ref24.pt")
     gen = dict(omnivoice.generation_config({}), num_step=3)
     items = omnivoice.plan(model, ["Hello there."], "en", None, None, [voice], None, None, None, gen)
     omnivoice.unmask(model, items, gen, torch.Generator().manual_seed(0), packed=packed)
-    assert handed == ([model.layers, model.audio_heads] * 3 if packed else [])
+    assert handed == ([(model.layers, model.audio_heads)] * 3 if packed else [])
     assert type(model.audio_heads) is torch.nn.Linear and "steps" not in vars(model.audio_heads)
 
 

@@ -1645,7 +1645,8 @@ def parse_args(argv=None):
                     " s2-pro)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine)")
     ap.add_argument("--port", type=int, default=7560, help="port (default 7560, 0: any free one)")
-    dualAR.add_model_args(ap)  # --device cuda:N: one server per GPU (docs/api.md, Replicas)
+    dualAR.add_model_args(ap, omnivoice.QUANT_SCHEMES, "; OmniVoice: int8wo, int4wo, w8a8 (int8 weights and"
+                          " activations, CPU)")  # --device cuda:N: one server per GPU (docs/api.md, Replicas)
     ap.add_argument("--slots", type=int, default=4, help="requests generated together (default 4)")
     ap.add_argument("--packed", action="store_true", help="OmniVoice: each request's conditional and"
                     " unconditional sequences in one row (faster on CPU fp32, docs/omnivoice.md)")

@@ -10,6 +10,7 @@ steps/s, RTF and GFLOP/s (% of the matmul peak) and its audio tokenizer's RTF (`
     python omnivoice.py --bench --config omnivoice --layers 4 --seconds 10 --threads 2
 """
 import argparse
+import copy
 import ctypes
 import math
 import os
@@ -28,7 +29,7 @@ import dualAR
 import omnivoice
 import omnivoice_codec
 from common import QuantLinear, swap_linears
-from dualAR import (CONFIG, CPU_BITS, DEMO_DIMS, RAS_WINDOW, DualAR, Scheduler, batch_bucket, block_scheme,
+from dualAR import (CONFIG, CPU_BITS, DEMO_DIMS, RAS_WINDOW, DualAR, Scheduler, batch_bucket,
                     cache_bucket, decode_step, demo_tokenizer, draw_noise, sample_frame, sampling_params,
                     special_ids)
 
@@ -125,7 +126,7 @@ def random_model(config, device, dtype, quant=None) -> DualAR:
                     weight = ((torch.rand(p.shape, device=device) - 0.5) * 0.1).to(dtype)
                     setattr(m, name, nn.Parameter(weight, requires_grad=False))
             if quant:
-                swap_linears(piece, CPU_BITS[block_scheme(quant, part is model.fast_layers, cpu=True)])
+                swap_linears(piece, dualAR.quant_linear(quant, part is model.fast_layers))
     if quant:
         dualAR.quantize_fast_head(model)
     model.quant = quant
@@ -531,26 +532,55 @@ def ov_packed(args):
     return bool(args.packed)
 
 
+def ov_interleaved(runs: dict, device, rounds: int) -> dict:
+    """name -> a call: each called once as a warm-up, then all in alternating rounds -> name -> walls (s),
+    so that every call sees the same machine."""
+    for run in runs.values():
+        run()
+    walls = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, run in runs.items():
+            synchronize(device)
+            start = time.perf_counter()
+            run()
+            synchronize(device)
+            walls[name].append(time.perf_counter() - start)
+    return walls
+
+
 def ov_compare_packed(model, args, device):
-    """upstream's two rows and packed guidance, in alternating rounds after a warm-up each -> their RTFs and
-    the speed-up (medians), so that both see the same machine."""
+    """upstream's two rows and packed guidance, interleaved -> their RTFs and the speed-up (medians)."""
     gen = dict(omnivoice.GENERATION, num_step=args.num_step)
     items = ov_requests(model, args, gen, args.batch[0])
     audio = sum(item["target_len"] for item in items) / model.frame_rate
-    walls = {False: [], True: []}
-    for packed in (False, True):
-        omnivoice.unmask(model, items, gen, torch.Generator().manual_seed(args.seed), packed=packed)
-    for _ in range(args.rounds):
-        for packed in (False, True):
-            generator = torch.Generator().manual_seed(args.seed)
-            synchronize(device)
-            start = time.perf_counter()
-            omnivoice.unmask(model, items, gen, generator, packed=packed)
-            synchronize(device)
-            walls[packed].append(time.perf_counter() - start)
+    runs = {packed: lambda packed=packed: omnivoice.unmask(
+        model, items, gen, torch.Generator().manual_seed(args.seed), packed=packed) for packed in (False, True)}
+    walls = ov_interleaved(runs, device, args.rounds)
     ratio = statistics.median(walls[False]) / statistics.median(walls[True])
     print(f"packed vs upstream's rows, interleaved: RTF {ov_spread([w / audio for w in walls[True]], '.3g')}"
           f" vs {ov_spread([w / audio for w in walls[False]], '.3g')}, speed-up {ratio:.2f}x (medians)")
+
+
+def ov_compare_quant(model, args, device):
+    """The model as it is and a copy quantized with --compare-quant, interleaved (the same request and row
+    layout) -> their RTFs, the speed-up (medians), and the share of (codebook, target position) of the
+    first forward whose most likely code is unchanged."""
+    scheme, gen = args.compare_quant, dict(omnivoice.GENERATION, num_step=args.num_step)
+    low = omnivoice.quantize(copy.deepcopy(model), scheme)
+    items = ov_requests(model, args, gen, args.batch[0])
+    audio = sum(item["target_len"] for item in items) / model.frame_rate
+    runs = {m: lambda m=m: omnivoice.unmask(m, items, gen, torch.Generator().manual_seed(args.seed),
+                                            packed=ov_packed(args)) for m in (model, low)}
+    walls = ov_interleaved(runs, device, args.rounds)
+    rows = omnivoice.batch_rows(model, items, gen["denoise"])
+    with torch.inference_mode():
+        codes = [m(rows["ids"], rows["audio_mask"], rows["mask"]).argmax(-1) for m in (model, low)]
+    same = [(codes[0][row, :, start:start + item["target_len"]] == codes[1][row, :, start:start
+             + item["target_len"]]).float().mean().item() for (row, start), item in zip(rows["cond"], items)]
+    ratio = statistics.median(walls[model]) / statistics.median(walls[low])
+    rtf = {m: ov_spread([w / audio for w in walls[m]], ".3g") for m in (model, low)}
+    print(f"{scheme} vs unquantized, interleaved: RTF {rtf[low]} vs {rtf[model]}, speed-up {ratio:.2f}x"
+          f" (medians); the first forward's most likely code kept at {min(same):.1%} of the target positions")
 
 
 def ov_bench_tokenizer(model, args, device):
@@ -587,9 +617,14 @@ def omnivoice_main(argv=None):
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights, requests and sampling (0)")
     ap.add_argument("--device", type=common.device_name, help="cpu, mps, cuda or cuda:N (default: best)")
     ap.add_argument("--dtype", choices=list(common.DTYPES), help="LM dtype (default bf16 on CUDA, else fp32)")
-    ap.add_argument("--quant", choices=omnivoice.QUANT_SCHEMES, help="int8wo / int4wo: int8 / int4 weights"
-                    " (CPU)")
+    ap.add_argument("--quant", choices=omnivoice.QUANT_SCHEMES, help="int8wo / int4wo: int8 / int4 weights;"
+                    " w8a8: int8 weights and activations (CPU)")
+    ap.add_argument("--compare-quant", choices=omnivoice.QUANT_SCHEMES[1:], help="also time a copy of the"
+                    " model in this scheme against it in alternating rounds: the speed-up, the argmax kept")
     args = ap.parse_args(argv)
+    if args.quant and args.compare_quant:
+        raise common.UserError("--compare-quant times a quantized copy against the unquantized model: drop"
+                               " --quant")
     optional = [n for n in (args.layers, args.threads) if n is not None]
     if min(args.seconds, args.num_step, args.rounds, *optional) <= 0:
         raise common.UserError("--seconds, --num-step, --rounds, --layers and --threads must be > 0")
@@ -615,6 +650,8 @@ def omnivoice_main(argv=None):
         ov_bench_unmask(model, args, device, peak, batch)
     if args.compare_packed:
         ov_compare_packed(model, args, device)
+    if args.compare_quant:
+        ov_compare_quant(model, args, device)
     ov_bench_tokenizer(model, args, device)
 
 

@@ -498,7 +498,7 @@ def load_weights(model: DualAR, ckpt: Path, device, dtype, quant=None):
         if prefix in blocks and not blocks[prefix] - seen:
             model.load_state_dict({k: state.pop(k) for k in blocks.pop(prefix)}, strict=False, assign=True)
             fast = prefix.startswith("fast_")
-            swap_linears(model.get_submodule(prefix[:-1]), CPU_BITS[block_scheme(quant, fast, cpu=True)])
+            swap_linears(model.get_submodule(prefix[:-1]), quant_linear(quant, fast))
     missing = [k for k in expected if k not in seen]
     if missing:
         raise UserError(f"{ckpt}: missing tensor {hf_name(missing[0])!r} ({len(missing)} missing)")
@@ -624,13 +624,18 @@ def quantize(model: DualAR, scheme: str):
     if model.embeddings.weight.device.type == "cpu" and scheme in CPU_BITS:
         for fast, layers in ((False, model.layers), (True, model.fast_layers)):
             for block in layers:  # block by block: one layer's fp32 copy at a time
-                swap_linears(block, CPU_BITS[block_scheme(scheme, fast, cpu=True)])
+                swap_linears(block, quant_linear(scheme, fast))
         quantize_fast_head(model)
     else:
         from torchao.quantization import quantize_
         quantize_(model.layers, quant_config(scheme))
         quantize_(model.fast_layers, quant_config(block_scheme(scheme, True, cpu=False)))
     model.quant = scheme
+
+
+def quant_linear(scheme: str, fast: bool):
+    """What swap_linears makes of each linear layer of a block on CPU: a QuantLinear of the block's bits."""
+    return functools.partial(QuantLinear, bits=CPU_BITS[block_scheme(scheme, fast, cpu=True)])
 
 
 def quantize_fast_head(model: DualAR):
@@ -1382,13 +1387,15 @@ def demo_reference(args, device):
 
 
 # ----------------------------------------------------------------------------- CLI
-def add_model_args(ap: argparse.ArgumentParser):
-    """The flags of every CLI that runs the model (this one, bench.py, app.py, tools/)."""
+def add_model_args(ap: argparse.ArgumentParser, more_quant: tuple = (), more_quant_help: str = ""):
+    """The flags of every CLI that runs the model (this one, bench.py, app.py, tools/); more_quant: schemes
+    of another model the CLI also serves (app.py: OmniVoice's)."""
     ap.add_argument("--device", type=device_name, help="cpu, mps, cuda or cuda:N (default: cuda > mps > cpu)")
     ap.add_argument("--dtype", choices=list(DTYPES), help="default bf16 on CUDA, fp32 elsewhere")
-    ap.add_argument("--quant", choices=QUANT_SCHEMES, help="weight quantization of both transformers"
-                    " (int8wo, int4wo on CPU: torch's own kernels, any dtype; on GPU torchao: int4wo bf16 and"
-                    " compute capability >= 8.0, fp8 >= 8.9, nvfp4 >= 10.0)")
+    ap.add_argument("--quant", choices=list(dict.fromkeys(QUANT_SCHEMES + tuple(more_quant))),
+                    help="weight quantization of both transformers (int8wo, int4wo on CPU: torch's own"
+                    " kernels, any dtype; on GPU torchao: int4wo bf16 and compute capability >= 8.0, fp8 >="
+                    " 8.9, nvfp4 >= 10.0)" + more_quant_help)
     ap.add_argument("--compile", action=argparse.BooleanOptionalAction, help="one compiled graph per frame"
                     " (default: on for CUDA, off on CPU where compiling takes minutes, see README)")
     ap.add_argument("--compile-cache", help="folder that keeps compiled kernels for the next run"

@@ -303,14 +303,16 @@ def load(checkpoint=DEFAULT_CHECKPOINT, device="cpu", dtype=torch.float32, quant
 
 
 # ----------------------------------------------------------------------------- quantization
-QUANT_SCHEMES = ("none", "int8wo", "int4wo")
-CPU_BITS = {"int8wo": 8, "int4wo": 4}
+QUANT_SCHEMES = ("none", "int8wo", "int4wo", "w8a8")
+CPU_LINEARS = {"int8wo": functools.partial(common.QuantLinear, bits=8, matmul_rows=1),
+               "int4wo": functools.partial(common.QuantLinear, bits=4, matmul_rows=1),
+               "w8a8": common.W8A8Linear}
 
 
 def check_quant(scheme, device: torch.device):
     if scheme not in (None, *QUANT_SCHEMES):
         raise UserError(f"quant {scheme!r}: use one of {', '.join(QUANT_SCHEMES)}")
-    if scheme in CPU_BITS and torch.device(device).type != "cpu":
+    if scheme in CPU_LINEARS and torch.device(device).type != "cpu":
         raise UserError(f"{scheme} is built for CPU (torch's kernels); on a GPU use dtype bf16")
 
 
@@ -318,13 +320,17 @@ def quantize(model: OmniVoice, scheme) -> OmniVoice:
     """int8wo: the transformer's linear layers hold int8 weights (a scale per output row), converted to bf16
     (fp32 on a CPU without bf16 matrix units) for each whole-sequence matmul (compute-bound: torch's int8
     kernels are written for a few rows); int4wo: int4 weights (a scale and zero per 128 inputs) through
-    torch's int4 kernel, bf16 activations. Embeddings and heads stay in the model's dtype. A linear left in
+    torch's int4 kernel, bf16 activations; w8a8: int8 weights and each row of their inputs rounded to int8,
+    int8 products (common.W8A8Linear), but for the MLP's down projection (as int8wo). Embeddings and heads
+    stay in the model's dtype. A linear left in
     fp16 or bf16 on a CPU without matrix units for it runs its whole sequences in fp32 (common.HalfLinear:
     4-5x faster there)."""
     check_quant(scheme, model.audio_heads.weight.device)
-    if scheme in CPU_BITS:
+    if scheme in CPU_LINEARS:
         for layer in model.layers:
-            common.swap_linears(layer, CPU_BITS[scheme], matmul_rows=1)
+            if scheme == "w8a8":  # SwiGLU's products have the outliers a row's int8 clips worst (SmoothQuant)
+                layer.down_proj = CPU_LINEARS["int8wo"](layer.down_proj)
+            common.swap_linears(layer, CPU_LINEARS[scheme])
     common.use_half_linears(model)
     return model
 
@@ -1634,7 +1640,8 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", choices=list(common.DTYPES), help="LM dtype (default bf16 on CUDA, else fp32;"
                     " bf16 on a CPU with AVX-512-BF16 or AMX is several times faster, see docs/omnivoice.md)")
     ap.add_argument("--quant", choices=QUANT_SCHEMES, help="int8wo / int4wo: int8 / int4 weights (CPU),"
-                    " half / a quarter of bf16's memory")
+                    " half / a quarter of bf16's memory; w8a8: int8 weights and activations, int8 products"
+                    " (CPU: the fastest, a little less faithful, see docs/omnivoice.md)")
     ap.add_argument("--packed", action="store_true", help="packed guidance: faster, upstream's codes on every"
                     " golden but not its bits (see docs/omnivoice.md)")
     ap.add_argument("--compile", action="store_true", help="compile the LM's forward (torch.compile: minutes"

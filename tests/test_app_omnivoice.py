@@ -405,6 +405,21 @@ def test_a_checkpoint_of_the_other_model_than_model_says_so():
     assert app.model_kind(app.parse_args([])) == "s2-pro"
 
 
+def test_omnivoices_w8a8_is_served_and_an_s2_checkpoint_refuses_it(tmp_path):
+    """--quant takes OmniVoice's schemes beside S2-Pro's; each model refuses the other's."""
+    served = app.App(app.parse_args(["--checkpoint", str(CKPT), "--device", "cpu", "--quant", "w8a8",
+                                     "--voices", str(tmp_path / "prompt")]))
+    try:
+        assert served.health()["quant"] == "w8a8"
+        assert isinstance(served.model.model.layers[0].self_attn.q_proj, common.W8A8Linear)
+    finally:
+        served.close()
+    with pytest.raises(common.UserError, match="quantization 'w8a8' is not one of none, int8wo, int4wo, fp8"):
+        app.App(app.parse_args(["--checkpoint", str(S2_CKPT), "--device", "cpu", "--quant", "w8a8"]))
+    with pytest.raises(common.UserError, match="quant 'fp8': use one of none, int8wo, int4wo, w8a8"):
+        app.App(app.parse_args(["--checkpoint", str(CKPT), "--device", "cpu", "--quant", "fp8"]))
+
+
 # ----------------------------------------------------------------------------- serving
 def test_health_models_and_page(server):
     info = health(server)

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
@@ -217,6 +218,37 @@ def test_quantized_linears_whose_shape_torchs_kernels_cannot_take_still_multiply
             assert len(seen.dtypes) == (0 if layer.kernel else 1), (inputs, outputs, bits)
             bound = 0.1 if kept == 4 else 0.02  # of the output's largest value
             assert (y - want).abs().max() <= bound * want.abs().max(), (inputs, outputs, bits, rows)
+
+
+def test_w8a8_rounds_weights_and_each_input_row_to_int8_and_sums_their_products_exactly():
+    """W8A8Linear: int8 weights (a scale per output row), each input row rounded to int8 with its own scale
+    (its largest |x| -> 127), the int8 products summed in int32 (exact), then both scales: bit for bit that
+    arithmetic, within 2 % of the float layer, at any shape (here 40 inputs, 24 outputs) and row count; a
+    row of zeros (padding) gives the bias, not NaN."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(40, 24)
+    layer = common.W8A8Linear(linear)
+    assert layer.weight.dtype == torch.int8 and layer.weight.shape == (24, 40)
+    assert layer.weight.abs().amax(1).eq(127).all()  # each row's largest weight takes the whole range
+    for shape in ((1, 40), (3, 40), (2, 5, 40)):
+        x = torch.rand(shape) - 0.5
+        padded = x.numel() > 40
+        if padded:
+            x.view(-1, 40)[-1] = 0
+        with torch.inference_mode():
+            y, want = layer(x), linear(x)
+        x2 = x.reshape(-1, 40)
+        x_scale = x2.abs().amax(1, keepdim=True).clamp(min=1e-12) / 127
+        xq = torch.round(x2 / x_scale)
+        assert xq[0].abs().max() == 127 and torch.equal(xq, xq.clamp(-127, 127))
+        sums = (xq.double() @ layer.weight.double().t()).float()  # exact: |sums| < 2^24
+        exact = (sums * x_scale * layer.scales + linear.bias).view(*shape[:-1], 24)
+        assert y.shape == want.shape and torch.equal(y, exact.detach()), shape
+        assert (y - want).abs().max() <= 0.02 * want.abs().max(), shape
+        if padded:
+            assert torch.equal(y.reshape(-1, 24)[-1], linear.bias.detach())
+    with pytest.raises(common.UserError, match="w8a8: a linear layer of 133200 inputs is over int32's sums"):
+        common.W8A8Linear(torch.nn.Linear(133_200, 1))
 
 
 def test_compiled_few_rows_linears_run_one_packed_copy_at_the_rows_their_compiled_steps_take(monkeypatch):

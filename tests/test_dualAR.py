@@ -1143,10 +1143,10 @@ def test_cpu_quantization_while_loading_equals_quantizing_the_loaded_model(monke
             read.append(name)
             yield name, tensor
 
-    def counted_swap(module, bits):  # also called on each block's submodules, and on swapped blocks
+    def counted_swap(module, make):  # also called on each block's submodules, and on swapped blocks
         if isinstance(module, dualAR.Block) and any(type(m) is torch.nn.Linear for m in module.modules()):
             read_when_swapped.append(len(read))
-        real_swap(module, bits)
+        real_swap(module, make)
 
     monkeypatch.setattr(dualAR, "read_weights", counted_read)
     monkeypatch.setattr(dualAR, "swap_linears", counted_swap)

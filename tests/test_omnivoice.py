@@ -489,22 +489,27 @@ def test_a_speed_list_with_none_means_one_for_that_item(model):
 @pytest.mark.parametrize("units", [True, False], ids=["bf16-units", "no-bf16-units"])
 @pytest.mark.parametrize("dtype, quant, share", [
     (torch.bfloat16, None, 0.95), (torch.float32, "int8wo", 0.95), (torch.bfloat16, "int8wo", 0.95),
-    (torch.float32, "int4wo", 0.88), (torch.bfloat16, "int4wo", 0.88)])
+    (torch.float32, "int4wo", 0.88), (torch.bfloat16, "int4wo", 0.88), (torch.float32, "w8a8", 0.95),
+    (torch.bfloat16, "w8a8", 0.95)])
 def test_bf16_int8_and_int4_keep_the_argmax_of_fp32_at_their_stated_share(model, dtype, quant, share, units,
                                                                           monkeypatch):
     """The share of (codebook, target position) whose most likely code is fp32's, on the three first
     forwards of the goldens, measured on the tiny checkpoint (docs/omnivoice.md): bf16 and int8wo 97-100 %
-    (tested >= 95 %), int4wo 90-94 % (tested >= 88 %: it gives up what OpenVINO's W8A8 does). On a CPU with
-    bf16 matrix units and on one without (whose bf16 linears and int8 products then run in fp32)."""
+    (tested >= 95 %), w8a8 96-100 % (>= 95 %), int4wo 90-94 % (tested >= 88 %: it gives up what OpenVINO's
+    W8A8 does). On a CPU with bf16 matrix units and on one without (whose bf16 linears and int8wo products
+    then run in fp32)."""
     monkeypatch.setitem(common.HALF_UNITS, torch.bfloat16, units)
     low = omnivoice.load(CKPT, dtype=dtype, quant=quant)
     half = dtype == torch.bfloat16 and not units
     assert type(low.audio_heads) is (common.HalfLinear if half else torch.nn.Linear)
     if quant:  # every linear layer of the transformer, and nothing else
         assert not any(isinstance(m, torch.nn.Linear) for m in low.layers.modules())
-        bits = dict(int8wo=8, int4wo=4)[quant]
         gate = low.layers[0].gate_proj
-        assert isinstance(gate, common.QuantLinear) and gate.bits == bits
+        if quant == "w8a8":  # but the MLP's down projection, int8 weights only
+            assert isinstance(gate, common.W8A8Linear) and gate.weight.dtype == torch.int8
+            assert isinstance(low.layers[0].down_proj, common.QuantLinear) and low.layers[0].down_proj.bits == 8
+        else:
+            assert isinstance(gate, common.QuantLinear) and gate.bits == dict(int8wo=8, int4wo=4)[quant]
     for case in ("clone", "design", "batch"):
         ids, audio_mask = golden(f"gen_{case}_fwd0_input_ids.npy"), golden(f"gen_{case}_fwd0_audio_mask.npy")
         mask = golden(f"gen_{case}_fwd0_attention_mask.npy")
@@ -516,10 +521,11 @@ def test_bf16_int8_and_int4_keep_the_argmax_of_fp32_at_their_stated_share(model,
 
 
 def test_int8_generates_and_a_scheme_it_lacks_is_refused(model):
-    low = omnivoice.load(CKPT, quant="int8wo")
-    [audio] = omnivoice.generate(low, "Good morning.", seed=1, num_step=4)
-    assert audio.dtype == np.float32 and np.isfinite(audio).all() and audio.size > 0
-    with pytest.raises(common.UserError, match="quant 'int2wo': use one of none, int8wo, int4wo"):
+    for quant in ("int8wo", "w8a8"):
+        low = omnivoice.load(CKPT, quant=quant)
+        [audio] = omnivoice.generate(low, "Good morning.", seed=1, num_step=4)
+        assert audio.dtype == np.float32 and np.isfinite(audio).all() and audio.size > 0
+    with pytest.raises(common.UserError, match="quant 'int2wo': use one of none, int8wo, int4wo, w8a8$"):
         omnivoice.load(CKPT, quant="int2wo")
 
 
@@ -576,13 +582,21 @@ def test_the_benchmark_counts_an_unmasking_steps_flops_by_hand():
 
 def test_the_benchmark_runs_on_the_tiny_checkpoint(capsys):
     omnivoice.main(["--bench", "--config", "tiny", "--rounds", "1", "--seconds", "1", "--num-step", "2",
-                    "--packed", "--compare-packed"])
+                    "--packed", "--compare-packed", "--compare-quant", "w8a8"])
     out = capsys.readouterr().out
     assert out.startswith("machine: cpu capability ") and "matmul peak" in out.splitlines()[0]
     assert "1 rows x" in out and "(flat_row)" in out and "2 steps" in out  # packed on CPU: one flat row
     assert re.search(r"steps/s [\d.]+ / [\d.]+ / [\d.]+, RTF", out) and "% of the matmul peak" in out
     assert re.search(r"audio tokenizer encode 1 s: RTF [\d.]+", out) and "audio tokenizer decode 1 s" in out
     assert re.search(r"packed vs upstream's rows, interleaved: RTF [\d.]+ / .* speed-up [\d.]+x", out)
+    assert re.search(r"w8a8 vs unquantized, interleaved: RTF [\d.]+ / .* speed-up [\d.]+x \(medians\); the"
+                     r" first forward's most likely code kept at (9\d|100)\.\d% of the target positions", out)
+
+
+def test_the_benchmark_compares_a_quantized_copy_only_against_the_unquantized_model():
+    with pytest.raises(common.UserError, match="--compare-quant times a quantized copy against the"
+                                               " unquantized model: drop --quant"):
+        omnivoice.main(["--bench", "--config", "tiny", "--quant", "int8wo", "--compare-quant", "w8a8"])
 
 
 # ----------------------------------------------------------------------------- other dims

@@ -395,14 +395,14 @@ def codec_speed(args):
     if args.compile:
         start = time.perf_counter()
         choices = codec.machine_choices(dac)
-        slower = sorted(key for key, fast in choices.items() if fast is False)
-        by_rows = sorted(f"{key} (" + ", ".join(f"{'prepacked' if fast else 'eager'} from {rows} rows"
-                                                for rows, fast in steps) + ")"
-                         for key, steps in choices.items() if isinstance(steps, list))
+        steps = {key: [[0, fast]] if isinstance(fast, bool) else fast for key, fast in choices.items()}
+        slower = sorted(key for key, value in steps.items() if not any(fast for _, fast in value))
+        by_rows = sorted(f"{key} (" + ", ".join(f"{'fast' if fast else 'eager'} from {rows}" for rows, fast
+                                                in value) + ")" for key, value in steps.items() if len(value) > 1)
         seconds, kept_in = time.perf_counter() - start, codec.choices_folder() / codec.CHOICES_FILE
-        print(f"fast path on this machine: {len(choices) - len(slower) - len(by_rows)} of {len(choices)} ops"
-              f" fast, decided in {seconds:.1f} s ({kept_in}); eager: {', '.join(slower) or 'none'};"
-              f" by row count (linear layers): {', '.join(by_rows) or 'none'}")
+        print(f"fast path on this machine: {len(choices) - len(slower)} of {len(choices)} ops fast at some"
+              f" size, decided in {seconds:.1f} s ({kept_in}); eager: {', '.join(slower) or 'none'}; by size"
+              f" (a linear layer's rows, a conv's positions): {', '.join(by_rows) or 'none'}")
     for path, chunk, n_frames, n_chunks, fn in runs:
         flops = counted_flops(dac, fn)  # on either path: both do the same arithmetic
         # warm-up: first calls allocate what later calls reuse; the first fast one compiles

@@ -47,14 +47,15 @@ AUDIO_EXTENSIONS = {".wav", ".flac", ".ogg", ".mp3", ".opus", ".aiff", ".aif"}
 
 
 # ----------------------------------------------------------------------------- building blocks
-def with_past(cache, module, x, n, dim=-1):  # (..., L, ...) -> (..., n + L, ...) along dim
-    """x after the n steps that came before it in this stream: zeros at its start, or with no stream."""
+def with_past(cache, module, x, n, dim=-1, channels_last=False):  # (..., L, ...) -> (..., n + L, ...)
+    """x after the n steps that came before it in this stream (along dim): zeros at its start, or with no
+    stream. channels_last: x (B, C, L) comes out (B, L, C) in memory (fast_path's layout), the same past."""
     if n == 0:
         return x
     past = None if cache is None else cache.get(module)
     if past is None:
         past = x.new_zeros(x.shape[:dim] + (n,) + x.shape[dim:][1:])
-    x = torch.cat([past, x], dim)
+    x = torch.cat([past.mT, x.mT], 1).mT if channels_last else torch.cat([past, x], dim)
     if cache is not None:
         cache[module] = x.narrow(dim, x.shape[dim] - n, n).clone()  # a view would keep all of x alive
     return x
@@ -90,9 +91,12 @@ class CausalConv(nn.Module):
         conv = self.conv
         if self.packed is None:
             return conv(with_past(cache, self, x, self.pad))
+        fast = step_at(self.steps, op_rows(self, x.shape))
         if self.matmul:  # fast_path's tensors are channels-last, (B, L, C) in memory: this one needs no copy
-            return packed_matmul(x.mT, self.packed, conv.bias).mT
-        x = with_past(cache, self, x.mT, self.pad, dim=1).mT[:, :, None]  # (B, C, 1, pad + L) channels-last
+            return packed_matmul(x.mT, self.packed, conv.bias).mT if fast else conv(x)
+        if not fast:  # the eager layout, as when packed is None: a one-shot decode's long inputs take this
+            return conv(with_past(cache, self, x, self.pad))
+        x = with_past(cache, self, x, self.pad, channels_last=True)[:, :, None]  # (B, C, 1, pad + L)
         y = torch.ops.mkldnn._convolution_pointwise(x, self.packed, conv.bias, *self.geo, "none", [], "")
         return y[:, :, 0]
 
@@ -113,7 +117,8 @@ class CausalConvT(nn.Module):
 
     def forward(self, x, cache=None):  # (B, C, L) -> (B, C', L * stride)
         B, _, L = x.shape
-        w, fast = self.conv.weight, self.packed is not None  # w (C, C', kernel); fast: (kernel * C', C)
+        w = self.conv.weight  # (C, C', kernel); packed: (kernel * C', C)
+        fast = self.packed is not None and step_at(self.steps, op_rows(self, x.shape))
         y = packed_matmul(x.mT, self.packed) if fast else x.mT @ w.flatten(1)
         y = y.view(B, L, w.shape[2], -1) if fast else y.view(B, L, -1, w.shape[2]).mT  # (.., kernel, C')
         y = y.unflatten(2, (1 + self.overlap, self.stride))
@@ -505,6 +510,10 @@ def linear_rows(shape):  # a linear layer's input (..., in): how many rows of `i
     return math.prod(shape[:-1])
 
 
+def op_rows(module, shape):  # what a prepacked op's steps choose by: a linear layer's rows, a conv's B * L
+    return linear_rows(shape) if isinstance(module, nn.Linear) else shape[0] * shape[-1]
+
+
 class PackedLinear(nn.Linear):
     """fast_path's nn.Linear: the same parameters, and oneDNN's matmul on its weight prepacked (`packed`) at
     the row counts its `steps` take it at (`row_steps`); at the others nn.Linear's own matmul."""
@@ -526,9 +535,10 @@ def fast_path(model, on=True, choices=None):
     layers and transposed convs (as one matmul each) run on weights prepacked once for oneDNN, where torch
     and mkldnn are there: eager mkldnn reorders a conv's weight on every call, and MKL reads a linear
     layer's weight for a stream's few rows at a third of the memory bandwidth (docs/speed.md). Each of
-    these is taken only where it is faster on this machine: choices {`op_key`: True, False or, for a linear
-    layer, the row counts it runs prepacked at (`row_steps`)} (a key left out: True), by default this
-    machine's (`machine_choices`: timed once, kept in the compile cache)."""
+    these is taken only where it is faster on this machine: choices {`op_key`: True, False or, for a
+    prepacked op, the sizes it runs prepacked at (`row_steps` of `op_rows`: a linear layer's rows, a conv's
+    positions)} (a key left out: True), by default this machine's (`machine_choices`: timed once, kept in
+    the compile cache)."""
     p = next(model.parameters())
     pack = on and can_prepack(p)
     if on and choices is None:
@@ -555,19 +565,20 @@ def op_key(module):
 
 
 def use_fast(module, on):
-    """One op fast (on: Snake compiled, another op on its prepacked weight) or eager; on, for a linear layer,
-    can also be the row counts it runs prepacked at (`row_steps`)."""
+    """One op fast (on: Snake compiled, another op on its prepacked weight) or eager; on, for a prepacked
+    op, can also be the sizes it runs prepacked at (`row_steps` of `op_rows`)."""
     if isinstance(module, Snake):
         module.fn = fused_snake() if on else snake
-    elif type(module) in (nn.Linear, PackedLinear):  # the same module and parameters, another forward
-        module.steps = on if isinstance(on, list) else [[0, bool(on)]]
-        packs = any(fast for _, fast in module.steps)  # a copy of the weight only where it is used
+        return
+    module.steps = on if isinstance(on, list) else [[0, bool(on)]]
+    packs = any(fast for _, fast in module.steps)  # a copy of the weight only where it is used
+    if type(module) in (nn.Linear, PackedLinear):  # the same module and parameters, another forward
         module.__class__ = PackedLinear if packs else nn.Linear
         module.packed = prepack(module.weight) if packs else None
-    elif isinstance(module, CausalConvT):  # (C, C', kernel) -> one matmul's (kernel * C', C)
-        module.packed = prepack(module.conv.weight.mT.flatten(1).T) if on else None
-    elif not on:
+    elif not packs:
         module.packed = None
+    elif isinstance(module, CausalConvT):  # (C, C', kernel) -> one matmul's (kernel * C', C)
+        module.packed = prepack(module.conv.weight.mT.flatten(1).T)
     elif module.matmul:
         module.packed = prepack(module.conv.weight[:, :, 0])
     else:
@@ -608,20 +619,21 @@ def machine_choices(model):
 
 
 def is_choice(module, value):
-    """Whether a decision file's value decides this op: True or False; for a linear layer its `row_steps`
-    (a bool there, or steps that end prepacked, are an older file's: timed again)."""
-    return common.is_row_steps(value) if isinstance(module, nn.Linear) else isinstance(value, bool)
+    """Whether a decision file's value decides this op: True or False for Snake; for a prepacked op its
+    `row_steps` (a bool there, or steps that end prepacked, are an older file's: timed again)."""
+    return isinstance(value, bool) if isinstance(module, Snake) else common.is_row_steps(value)
 
 
 @torch.inference_mode()
 def timed_choices(model, repeats=3):
     """Each op eager and fast on the inputs it gets in an encode and in a stream of each PROBE_FRAMES chunk
-    size (`probe_inputs`): fast is kept only if it is no slower in any of them. Snake: all calls at once.
-    A linear layer is timed by its inputs' row counts instead and decided for each (`row_steps`): its
-    prepacked weight can win on a stream's few rows and lose on an encode's many, or the reverse."""
+    size (`probe_inputs`): Snake is kept fast only if it is no slower in any of them (all calls at once).
+    A prepacked op is timed by its inputs' sizes instead (`op_rows`) and decided for each (`row_steps`):
+    its prepacked weight can win on a stream's few positions and lose on an encode's many, or the reverse,
+    and a one-shot decode's lengths, above every timed one, stay eager."""
     p = next(model.parameters())
     inputs, pack = probe_inputs(model), can_prepack(p)
-    by_rows = {op_key(m) for m in inputs if isinstance(m, nn.Linear)}
+    by_rows = {op_key(m) for m in inputs if not isinstance(m, Snake)}
     fast_path(model, on=False)
     times = {}  # (op key, probe; a linear layer's: rows) -> [eager seconds, fast seconds]
     for module, probes in inputs.items():
@@ -630,7 +642,8 @@ def timed_choices(model, repeats=3):
             continue
         for probe, shapes in probes.items():
             for shape in shapes:
-                total = times.setdefault((key, linear_rows(shape) if key in by_rows else probe), [0.0, 0.0])
+                where = op_rows(module, shape) if key in by_rows else probe
+                total = times.setdefault((key, where), [0.0, 0.0])
                 x, best = torch.rand(shape, dtype=p.dtype, device=p.device), {}
                 for fast in (False, True, False, True):  # the first pair warms up (and compiles)
                     use_fast(module, fast)
@@ -667,7 +680,7 @@ def probe_paths(model):
 def fallbacks(choices):
     """`choices`, then fewer and fewer ops fast: the convs eager, then every prepacked op eager (the Snakes
     alone compiled), then none."""
-    eager = {key: [[0, False]] if key.startswith("linear ") else False for key in choices}
+    eager = {key: False if key == "snake" else [[0, False]] for key in choices}
     convs = {key: value for key, value in eager.items() if key.startswith("Causal")}
     return [choices, dict(choices, **convs), dict(eager, snake=choices.get("snake", True)), eager]
 

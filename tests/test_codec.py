@@ -155,9 +155,8 @@ CHECKED_CHOICES = codec.checked_choices  # the same
 def alternating_choices(model):
     """Every other op key fast, the rest eager: tensors cross between the two layouts everywhere."""
     keys = sorted({codec.op_key(m) for m in model.modules()} - {None})
-    linear = {True: [[0, True], [4096, False]], False: [[0, False]]}  # prepacked at every row count seen here
-    return {key: linear[i % 2 == 0] if key.startswith("linear ") else i % 2 == 0
-            for i, key in enumerate(keys)}
+    steps = {True: [[0, True], [4096, False]], False: [[0, False]]}  # prepacked at every size seen here
+    return {key: i % 2 == 0 if key == "snake" else steps[i % 2 == 0] for i, key in enumerate(keys)}
 
 
 def test_fast_path_takes_a_cached_decision_files_choices_without_timing(model, one_shot, tmp_path,
@@ -213,19 +212,22 @@ def test_a_machine_without_decisions_is_timed_once_and_added_to_the_file(tmp_pat
     (lambda entry, linear: dict(entry, **{linear: [[0, True], [0, False]]}), True),
     (lambda entry, linear: dict(entry, **{linear: [[0, 1]]}), True),
     (lambda entry, linear: dict(entry, snake=1), True),
+    (lambda entry, linear: dict(entry, snake=[[0, True], [8, False]]), True),
+    (lambda entry, linear: dict(entry, **{next(k for k in entry if k.startswith("Causal")): True}), True),
     (lambda entry, linear: [entry], True)])
 def test_an_older_or_odd_decision_file_is_timed_again_and_replaced(tmp_path, monkeypatch, edit, timed_again):
-    """A decision file decides an op only with a value of its kind: a linear layer's row steps, a bool for
-    the others. Anything else (the older format's bool for a linear layer, steps that leave rows undecided or
-    end prepacked, an entry that is not a dict) is timed again and replaced, never a crash."""
+    """A decision file decides an op only with a value of its kind: a bool for Snake, size steps for a
+    prepacked op (a linear layer, a conv). Anything else (the older format's bool for a linear layer or a
+    conv, steps that leave sizes undecided or end prepacked, an entry that is not a dict) is timed again and
+    replaced, never a crash."""
     monkeypatch.setattr(codec, "choices_folder", lambda: tmp_path)
     dac = codec.load(CKPT)
     keys = sorted({codec.op_key(m) for m in dac.modules()} - {None})
     linear = next(key for key in keys if key.startswith("linear "))
     steps = {True: [[0, False], [4, True], [65, False]], False: [[0, True], [16, False]]}[timed_again]
-    timed = {key: steps if key.startswith("linear ") else True for key in keys}
+    timed = {key: True if key == "snake" else steps for key in keys}
     monkeypatch.setattr(codec, "timed_choices", lambda model: timed)
-    decided = {key: [[0, True], [16, False]] if key.startswith("linear ") else True for key in keys}
+    decided = {key: True if key == "snake" else [[0, True], [16, False]] for key in keys}
     entry = edit(decided, linear)
     (tmp_path / codec.CHOICES_FILE).write_text(json.dumps({codec.machine_key(dac): entry}))
     codec.fast_path(dac)
@@ -287,8 +289,8 @@ def test_fallbacks_turn_the_convs_then_every_prepacked_op_eager():
     choices = {"snake": True, "linear [8, 8]": [[0, True], [65, False]], conv: True, convt: True}
     choices_, convs, snake, eager = codec.fallbacks(choices)
     assert choices_ == choices
-    assert convs == dict(choices, **{conv: False, convt: False})
-    assert snake == {"snake": True, "linear [8, 8]": [[0, False]], conv: False, convt: False}
+    assert convs == dict(choices, **{conv: [[0, False]], convt: [[0, False]]})
+    assert snake == {"snake": True, "linear [8, 8]": [[0, False]], conv: [[0, False]], convt: [[0, False]]}
     assert eager == dict(snake, snake=False)
 
 
@@ -304,8 +306,9 @@ def test_checked_choices_on_the_tiny_codec_time_its_real_paths_and_keep_a_fallba
 
 
 def test_timed_choices_time_every_op_in_every_probe_and_leave_the_model_eager(monkeypatch):
-    """The timing itself (its figures replaced by a fake clock: tests time nothing): an op is fast only if
-    it is no slower in every probe (an encode, streams of 1, 4 and 16 frames), and the model is left eager."""
+    """The timing itself (its figures replaced by a fake clock: tests time nothing): Snake is fast only if
+    it is no slower in every probe (an encode, streams of 1, 4 and 16 frames), a prepacked op at each of its
+    sizes in them (here a conv that loses at a 1-frame stream's), and the model is left eager."""
     dac = codec.load(CKPT)
     probes = codec.probe_inputs(dac)
     assert {probe for by_probe in probes.values() for probe in by_probe} == {"encode", "stream 1", "stream 4",
@@ -313,6 +316,7 @@ def test_timed_choices_time_every_op_in_every_probe_and_leave_the_model_eager(mo
     loser = dac.decoder.model[0]  # fast loses only in 1-frame streams (the first of its probes)
     losing = probes[loser]["stream 1"]
     assert len(probes[loser]) == 3 and not losing & (probes[loser]["stream 4"] | probes[loser]["stream 16"])
+    assert {codec.op_rows(loser, x) for x in losing} == {4}  # the latent's 4 positions a frame
 
     def fake_seconds(module, x):
         return 2.0 if runs_fast(module) and module is loser and tuple(x.shape) in losing else 1.0
@@ -320,13 +324,15 @@ def test_timed_choices_time_every_op_in_every_probe_and_leave_the_model_eager(mo
     monkeypatch.setattr(codec, "seconds", fake_seconds)
     choices = TIMED_CHOICES(dac)
     keys = {codec.op_key(m) for m in dac.modules()} - {None}
-    won = {key: key != codec.op_key(loser) for key in keys}
-    top = {}  # a linear layer's largest row count in any probe: eager above it
+    top = {}  # a prepacked op's largest size in any probe: eager above it
     for m, by_probe in probes.items():
-        if isinstance(m, torch.nn.Linear):
-            rows = max(codec.linear_rows(x) for xs in by_probe.values() for x in xs)
+        if not isinstance(m, codec.Snake):
+            rows = max(codec.op_rows(m, x) for xs in by_probe.values() for x in xs)
             top[codec.op_key(m)] = max(top.get(codec.op_key(m), 0), rows)
-    assert choices == {key: [[0, True], [top[key] + 1, False]] if key in top else won[key] for key in keys}
+    assert top[codec.op_key(loser)] == 64  # a 16-frame stream's
+    want = {key: [[0, True], [top[key] + 1, False]] for key in top}
+    want.update({"snake": True, codec.op_key(loser): [[0, False], [16, True], [65, False]]})
+    assert choices == want
     assert all(getattr(m, "packed", None) is None for m in dac.modules())
     assert all(m.fn is codec.snake for m in dac.modules() if isinstance(m, codec.Snake))
 
@@ -356,8 +362,47 @@ def test_timed_choices_decide_a_linear_layer_for_each_row_count(monkeypatch):
         1, 1, 0, 0, 1, 1, 0, 0]
     linears = {key for key in choices if key.startswith("linear ")}
     assert {str(choices[key]) for key in linears - set(losing)} == {"[[0, True], [65, False]]"}
-    assert {choices[key] for key in set(choices) - linears} == {True}
+    assert choices["snake"] is True and all(choices[key][0] == [0, True] for key in set(choices) - linears
+                                            - {"snake"})
     assert all(getattr(m, "packed", None) is None for m in dac.modules())
+
+
+def test_a_conv_runs_prepacked_at_the_sizes_its_steps_say_even_within_one_stream(one_shot, monkeypatch):
+    """Every decoding conv and transposed conv prepacked below 3 frames' positions (the least of those of
+    its shape) and eager from there: in a stream of 1, 4, 2, 9 and 24 frames each conv takes both sides (its
+    past kept in one layout for both), a one-shot decode (40 frames) runs them all eager, and both equal
+    eager's to 1e-5."""
+    dac = codec.load(CKPT)
+    frame = {}  # each decoding conv's positions for one frame of codes
+    hooks = [m.register_forward_pre_hook(lambda m, args: frame.__setitem__(m, args[0].shape[-1]))
+             for m in dac.modules() if isinstance(m, (codec.CausalConv, codec.CausalConvT))]
+    codec.decode(dac, torch.zeros(10, 1, dtype=torch.long))
+    for hook in hooks:
+        hook.remove()
+    convs = list(frame)
+    choices = {codec.op_key(m): False if isinstance(m, codec.Snake) else [[0, False]] for m in dac.modules()
+               if codec.op_key(m)}
+    limit = {}  # convs of one shape share a choice: the smallest of their 3 frames' positions
+    for m in convs:
+        limit[codec.op_key(m)] = min(limit.get(codec.op_key(m), 3 * frame[m]), 3 * frame[m])
+    choices.update({key: [[0, True], [n, False]] for key, n in limit.items()})
+    codec.fast_path(dac, choices=choices)  # the linear layers and Snakes eager
+    calls = []  # (conv, positions, prepacked)
+    conv_pointwise, matmul = torch.ops.mkldnn._convolution_pointwise, codec.packed_matmul
+    for m in convs:
+        m.register_forward_pre_hook(lambda m, args: calls.append((m, args[0].shape[-1], [])))
+    monkeypatch.setattr(torch.ops.mkldnn, "_convolution_pointwise",
+                        lambda *args: calls[-1][2].append(1) or conv_pointwise(*args), raising=False)
+    monkeypatch.setattr(codec, "packed_matmul", lambda *args: calls[-1][2].append(1) or matmul(*args))
+    codes, waves = one_shot
+    stream = torch.cat(list(codec.decode_stream(dac, codes[:1].split([1, 4, 2, 9, 24], -1))), -1)
+    assert max_diff(stream, waves[1]) <= 1e-5
+    assert {(n < limit[codec.op_key(m)]) == bool(packed) for m, n, packed in calls} == {True}
+    assert {bool(packed) for _, _, packed in calls} == {True, False}
+    assert {m for m, n, packed in calls if packed} == {m for m, n, packed in calls if not packed} == set(convs)
+    calls.clear()
+    assert max_diff(codec.decode(dac, codes[:1], chunk_frames=None), waves[1]) <= 1e-5
+    assert calls and not any(packed for _, _, packed in calls)
 
 
 def test_only_weights_onednn_can_reorder_on_this_cpu_are_prepacked():
@@ -381,8 +426,8 @@ def test_a_linear_layer_runs_prepacked_at_the_row_counts_its_steps_say(one_shot,
     monkeypatch.setattr(codec, "timed_choices", lambda model: pytest.fail("timed although the file decides"))
     dac = codec.load(CKPT)
     keys = {codec.op_key(m): m for m in dac.modules()}
-    choices = {key: [[0, True], [8, False]] if isinstance(m, torch.nn.Linear) else False
-               for key, m in keys.items() if key}
+    choices = {key: [[0, True], [8, False]] if isinstance(m, torch.nn.Linear) else False if key == "snake"
+               else [[0, False]] for key, m in keys.items() if key}
     (tmp_path / codec.CHOICES_FILE).write_text(json.dumps({codec.machine_key(dac): choices}))
     codec.fast_path(dac)
     packed, eager = [], []  # rows of each linear layer's call (every other op is eager: no packed_matmul)

@@ -397,8 +397,9 @@ def codec_speed(args):
         choices = codec.machine_choices(dac)
         steps = {key: [[0, fast]] if isinstance(fast, bool) else fast for key, fast in choices.items()}
         slower = sorted(key for key, value in steps.items() if not any(fast for _, fast in value))
-        by_rows = sorted(f"{key} (" + ", ".join(f"{'fast' if fast else 'eager'} from {rows}" for rows, fast
-                                                in value) + ")" for key, value in steps.items() if len(value) > 1)
+        said = {key: ", ".join(f"{'fast' if fast else 'eager'} from {rows}" for rows, fast in value)
+                for key, value in steps.items() if len(value) > 1}
+        by_rows = sorted(f"{key} ({value})" for key, value in said.items())
         seconds, kept_in = time.perf_counter() - start, codec.choices_folder() / codec.CHOICES_FILE
         print(f"fast path on this machine: {len(choices) - len(slower)} of {len(choices)} ops fast at some"
               f" size, decided in {seconds:.1f} s ({kept_in}); eager: {', '.join(slower) or 'none'}; by size"
@@ -553,8 +554,8 @@ def ov_compare_packed(model, args, device):
     gen = dict(omnivoice.GENERATION, num_step=args.num_step)
     items = ov_requests(model, args, gen, args.batch[0])
     audio = sum(item["target_len"] for item in items) / model.frame_rate
-    runs = {packed: lambda packed=packed: omnivoice.unmask(
-        model, items, gen, torch.Generator().manual_seed(args.seed), packed=packed) for packed in (False, True)}
+    runs = {packed: lambda packed=packed: omnivoice.unmask(model, items, gen, torch.Generator().manual_seed(
+        args.seed), packed=packed) for packed in (False, True)}
     walls = ov_interleaved(runs, device, args.rounds)
     ratio = statistics.median(walls[False]) / statistics.median(walls[True])
     print(f"packed vs upstream's rows, interleaved: RTF {ov_spread([w / audio for w in walls[True]], '.3g')}"

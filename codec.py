@@ -635,7 +635,7 @@ def timed_choices(model, repeats=3):
     inputs, pack = probe_inputs(model), can_prepack(p)
     by_rows = {op_key(m) for m in inputs if not isinstance(m, Snake)}
     fast_path(model, on=False)
-    times = {}  # (op key, probe; a linear layer's: rows) -> [eager seconds, fast seconds]
+    times = {}  # (op key, probe; a prepacked op's: size) -> [eager seconds, fast seconds]
     for module, probes in inputs.items():
         key = op_key(module)
         if key != "snake" and not pack:

@@ -507,7 +507,8 @@ def test_bf16_int8_and_int4_keep_the_argmax_of_fp32_at_their_stated_share(model,
         gate = low.layers[0].gate_proj
         if quant == "w8a8":  # but the MLP's down projection, int8 weights only
             assert isinstance(gate, common.W8A8Linear) and gate.weight.dtype == torch.int8
-            assert isinstance(low.layers[0].down_proj, common.QuantLinear) and low.layers[0].down_proj.bits == 8
+            down = low.layers[0].down_proj
+            assert isinstance(down, common.QuantLinear) and down.bits == 8
         else:
             assert isinstance(gate, common.QuantLinear) and gate.bits == dict(int8wo=8, int4wo=4)[quant]
     for case in ("clone", "design", "batch"):

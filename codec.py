@@ -10,6 +10,7 @@ Needs common.py alone; dualAR.py takes its RMSNorm, FeedForward and RoPE from he
 """
 import argparse
 import collections
+import contextlib
 import ctypes
 import functools
 import json
@@ -574,17 +575,47 @@ def use_fast(module, on):
     packs = any(fast for _, fast in module.steps)  # a copy of the weight only where it is used
     if type(module) in (nn.Linear, PackedLinear):  # the same module and parameters, another forward
         module.__class__ = PackedLinear if packs else nn.Linear
-        module.packed = prepack(module.weight) if packs else None
-    elif not packs:
-        module.packed = None
-    elif isinstance(module, CausalConvT):  # (C, C', kernel) -> one matmul's (kernel * C', C)
-        module.packed = prepack(module.conv.weight.mT.flatten(1).T)
-    elif module.matmul:
-        module.packed = prepack(module.conv.weight[:, :, 0])
-    else:
-        c = module.conv
-        module.packed = torch.ops.mkldnn._reorder_convolution_weight(
-            c.weight[:, :, None], *module.geo, [1, c.in_channels, 1, 1024])
+    module.packed = kept_copy(module, prepacked_weight) if packs else None
+
+
+def prepacked_weight(module):
+    if isinstance(module, nn.Linear):
+        return prepack(module.weight)
+    if isinstance(module, CausalConvT):  # (C, C', kernel) -> one matmul's (kernel * C', C)
+        return prepack(module.conv.weight.mT.flatten(1).T)
+    if module.matmul:
+        return prepack(module.conv.weight[:, :, 0])
+    c = module.conv
+    return torch.ops.mkldnn._reorder_convolution_weight(c.weight[:, :, None], *module.geo,
+                                                        [1, c.in_channels, 1, 1024])
+
+
+KEPT_COPIES = None  # inside `keeping_copies`: {module: its prepacked weight}, each made once
+
+
+def kept_copy(module, make):
+    if KEPT_COPIES is None:
+        return make(module)
+    if module not in KEPT_COPIES:
+        KEPT_COPIES[module] = make(module)
+    return KEPT_COPIES[module]
+
+
+@contextlib.contextmanager
+def keeping_copies():
+    """Within: turning ops fast and eager again and again (timing both sides) reuses each prepacked weight,
+    made once. Making and freeing hundreds of MB of copies between timed calls churned the heap: a one-shot
+    decode timed so lost 0.77x, where a model kept fast won 1.3x (docs/speed.md). After it the copies no op
+    uses are freed."""
+    global KEPT_COPIES
+    if KEPT_COPIES is not None:  # already inside one
+        yield
+        return
+    KEPT_COPIES = {}
+    try:
+        yield
+    finally:
+        KEPT_COPIES = None
 
 
 CHOICES_FILE = "codec_fast_path.json"  # in the compile cache folder: {machine: {op key: taken}}
@@ -625,6 +656,7 @@ def is_choice(module, value):
 
 
 @torch.inference_mode()
+@keeping_copies()
 def timed_choices(model, repeats=3):
     """Each op eager and fast on the inputs it gets in an encode and in a stream of each PROBE_FRAMES chunk
     size (`probe_inputs`): Snake is kept fast only if it is no slower in any of them (all calls at once).
@@ -686,6 +718,7 @@ def fallbacks(choices):
 
 
 @torch.inference_mode()
+@keeping_copies()
 def checked_choices(model, choices, rounds=2):
     """Whole paths, not ops, decide at the end: each op can win alone and a path still lose (an eager op
     handed a fast one's channels-last tensor; a one-shot decode's convs at lengths no probe timed). Each of

@@ -406,6 +406,32 @@ def test_a_conv_runs_prepacked_at_the_sizes_its_steps_say_even_within_one_stream
     assert calls and not any(packed for _, _, packed in calls)
 
 
+def test_timing_both_sides_makes_each_prepacked_weight_once_and_frees_the_unused_after():
+    """Inside keeping_copies (the choices' timing, the benchmark) an op turned fast, eager and fast again
+    gets the same prepacked weight back: no hundreds of MB made and freed between timed calls. Outside it,
+    each turn makes its own, and a copy no op holds is not kept."""
+    dac = codec.load(CKPT)
+    conv, linear = dac.decoder.model[0], dac.quantizer.post_module.layers[0].attention.wqkv
+    with codec.keeping_copies():
+        firsts = []
+        for module in (conv, linear):
+            codec.use_fast(module, True)
+            firsts.append(module.packed)
+            codec.use_fast(module, False)
+            assert module.packed is None
+            codec.use_fast(module, [[0, True], [8, False]])
+            assert module.packed is firsts[-1]
+        with codec.keeping_copies():  # nested: the same copies
+            codec.use_fast(conv, True)
+            assert conv.packed is firsts[0]
+        codec.use_fast(linear, False)
+    assert codec.KEPT_COPIES is None and conv.packed is firsts[0]  # in use: kept by the op
+    codec.use_fast(conv, False)
+    codec.use_fast(conv, True)
+    assert conv.packed is not None and conv.packed is not firsts[0]
+    assert torch.equal(conv.packed.to_dense(), firsts[0].to_dense())
+
+
 def test_only_weights_onednn_can_reorder_on_this_cpu_are_prepacked():
     """fp32 always; bf16 only where the CPU converts it in hardware (AVX-512 BW/VL/DQ or AVX-NE-CONVERT):
     elsewhere oneDNN's reorder raises, and the benchmark's matmul peak in bf16 crashed on an AVX2 EPYC."""

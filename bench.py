@@ -423,9 +423,8 @@ def codec_speed(args):
                 speed = flops / med / 1e9
                 print(f"{path:6s} chunk={chunk:<3d} {'fast ' if m else 'eager'}: RTF {rtfs} (min / median /"
                       f" max of {len(walls)}), {speed:.0f} GFLOP/s = {100 * speed / peak:.0f} % of the matmul"
-                      " peak"
-                      f" ({flops / audio / 1e9:.0f} GFLOP per second of audio), {faults} minor page faults,"
-                      f" peak memory {memory:.2f} GB")
+                      f" peak ({flops / audio / 1e9:.0f} GFLOP per second of audio), {faults} minor page"
+                      f" faults, peak memory {memory:.2f} GB")
                 per_chunk = f" ms_per_chunk={1000 * med / n_chunks:.4g}" if path == "stream" else ""
                 print(f"codec_bench path={path} chunk={chunk} compile={m} rtf={med / audio:.4g} "
                       f"frames_per_s={n_frames / med:.4g} gflops={speed:.4g}{per_chunk}")
@@ -578,8 +577,9 @@ def ov_compare_quant(model, args, device):
     rows = omnivoice.batch_rows(model, items, gen["denoise"])
     with torch.inference_mode():
         codes = [m(rows["ids"], rows["audio_mask"], rows["mask"]).argmax(-1) for m in (model, low)]
-    same = [(codes[0][row, :, start:start + item["target_len"]] == codes[1][row, :, start:start
-             + item["target_len"]]).float().mean().item() for (row, start), item in zip(rows["cond"], items)]
+    targets = [(row, slice(start, start + item["target_len"]))
+               for (row, start), item in zip(rows["cond"], items)]
+    same = [(codes[0][row, :, span] == codes[1][row, :, span]).float().mean().item() for row, span in targets]
     ratio = statistics.median(walls[model]) / statistics.median(walls[low])
     rtf = {m: ov_spread([w / audio for w in walls[m]], ".3g") for m in (model, low)}
     print(f"{scheme} vs unquantized, interleaved: RTF {rtf[low]} vs {rtf[model]}, speed-up {ratio:.2f}x"

@@ -575,7 +575,7 @@ def use_fast(module, on):
     packs = any(fast for _, fast in module.steps)  # a copy of the weight only where it is used
     if type(module) in (nn.Linear, PackedLinear):  # the same module and parameters, another forward
         module.__class__ = PackedLinear if packs else nn.Linear
-    module.packed = kept_copy(module, prepacked_weight) if packs else None
+    module.packed = prepacked_copy(module) if packs else None
 
 
 def prepacked_weight(module):
@@ -593,11 +593,11 @@ def prepacked_weight(module):
 KEPT_COPIES = None  # inside `keeping_copies`: {module: its prepacked weight}, each made once
 
 
-def kept_copy(module, make):
+def prepacked_copy(module):
     if KEPT_COPIES is None:
-        return make(module)
+        return prepacked_weight(module)
     if module not in KEPT_COPIES:
-        KEPT_COPIES[module] = make(module)
+        KEPT_COPIES[module] = prepacked_weight(module)
     return KEPT_COPIES[module]
 
 

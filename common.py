@@ -163,6 +163,13 @@ INT8_MATMUL_ROWS = 128  # from here on one matmul of the converted int8 weight b
 KERNEL_LANES = 16
 
 
+def int8_rows(t: Tensor) -> tuple:
+    """Each row of t rounded to int8 with a scale of its own (symmetric: its largest |value| -> 127) ->
+    (int8 values, scales (..., 1)); a row of zeros stays zeros."""
+    scale = t.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
+    return torch.round(t / scale).to(torch.int8), scale
+
+
 class QuantLinear(nn.Module):
     """nn.Linear with int8 weights (a scale per output row) or int4 ones (a scale and zero per INT4_GROUP
     inputs, w = (q - 8) * scale + zero), gpt-fast style, read by torch's own CPU kernels (aten
@@ -183,8 +190,8 @@ class QuantLinear(nn.Module):
         self.bits = 8 if self.group < 32 or self.out_features % KERNEL_LANES else bits
         self.kernel = self.bits == 4 or self.in_features % KERNEL_LANES == 0
         if self.bits == 8:
-            scale = w.abs().amax(1).clamp(min=1e-12) / 127
-            weight = torch.round(w / scale[:, None]).to(torch.int8)  # (out, in)
+            weight, scale = int8_rows(w)  # (out, in), (out, 1)
+            scale = scale[:, 0]
         else:
             groups = w.view(self.out_features, -1, self.group)
             low, scale = groups.amin(-1), (groups.amax(-1) - groups.amin(-1)).clamp(min=1e-12) / 15
@@ -226,15 +233,13 @@ class W8A8Linear(nn.Module):
         self.out_features, self.in_features = w.shape
         if self.in_features > 2 ** 31 // 127 ** 2:  # the int32 sums could overflow
             raise UserError(f"w8a8: a linear layer of {self.in_features} inputs is over int32's sums")
-        scale = w.abs().amax(1).clamp(min=1e-12) / 127
-        self.weight = nn.Parameter(torch.round(w / scale[:, None]).to(torch.int8), requires_grad=False)
-        self.scales = nn.Parameter(scale, requires_grad=False)
+        weight, scale = int8_rows(w)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.scales = nn.Parameter(scale[:, 0], requires_grad=False)
         self.bias = linear.bias
 
     def forward(self, x: Tensor) -> Tensor:
-        x2 = x.reshape(-1, self.in_features).float()
-        x_scale = x2.abs().amax(1, keepdim=True).clamp(min=1e-12) / 127  # a row of zeros stays zeros
-        xq = torch.round(x2 / x_scale).to(torch.int8)
+        xq, x_scale = int8_rows(x.reshape(-1, self.in_features).float())
         y = torch._int_mm(xq, self.weight.t()).float().mul_(x_scale).mul_(self.scales)
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias

@@ -322,9 +322,8 @@ def quantize(model: OmniVoice, scheme) -> OmniVoice:
     kernels are written for a few rows); int4wo: int4 weights (a scale and zero per 128 inputs) through
     torch's int4 kernel, bf16 activations; w8a8: int8 weights and each row of their inputs rounded to int8,
     int8 products (common.W8A8Linear), but for the MLP's down projection (as int8wo). Embeddings and heads
-    stay in the model's dtype. A linear left in
-    fp16 or bf16 on a CPU without matrix units for it runs its whole sequences in fp32 (common.HalfLinear:
-    4-5x faster there)."""
+    stay in the model's dtype. A linear left in fp16 or bf16 on a CPU without matrix units for it runs its
+    whole sequences in fp32 (common.HalfLinear: 4-5x faster there)."""
     check_quant(scheme, model.audio_heads.weight.device)
     if scheme in CPU_LINEARS:
         for layer in model.layers:

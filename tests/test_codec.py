@@ -254,7 +254,8 @@ def fast_kinds(model):
     ({"encode": {frozenset(): 1, frozenset({"conv", "linear", "snake"}): 0.5},
       "stream 1": {frozenset(): 1, frozenset({"conv", "linear", "snake"}): 1.5,
                    frozenset({"linear", "snake"}): 2, frozenset({"snake"}): 1.01}}, "eager")])
-def test_checked_choices_keep_the_first_fallback_no_slower_on_any_whole_path(monkeypatch, capsys, costs, kept):
+def test_checked_choices_keep_the_first_fallback_no_slower_on_any_whole_path(monkeypatch, capsys, costs,
+                                                                             kept):
     """Each op can win alone and a whole path still lose: checked_choices times every probe path eager and
     with each fallback in turn (a fake clock: each path costs what its table says for the kinds of op fast
     now, 1 where it does not say) and keeps the first that loses on none; the model is left eager."""

@@ -390,10 +390,11 @@ class FewRowsLinear(nn.Linear):
     """nn.Linear whose inference on CPU fp32 runs oneDNN on the weight `prepacked` at the row counts its
     `steps` take it at (`row_steps`: this machine's `few_rows_steps` by default), eager, and compiled (as
     the opaque `packed_linear`) at those its `compiled_steps` take; a compiled graph's one row is
-    `one_row_linear` where `one_row` says so; any other call is nn.Linear's. The copy doubles the layer's
-    memory, made at its first such call."""
+    `one_row_linear` where `one_row` says so, and the rows its `frozen_steps` take are F.linear (the graph
+    is compiled on frozen weights there: `use_frozen_gemms`); any other call is nn.Linear's. The copy
+    doubles the layer's memory, made at its first such call."""
 
-    steps = compiled_steps = [[0, False]]
+    steps = compiled_steps = frozen_steps = [[0, False]]
     one_row = False
 
     def forward(self, x: Tensor) -> Tensor:
@@ -401,6 +402,8 @@ class FewRowsLinear(nn.Linear):
         fp32_inference = x.dtype == torch.float32 and x.is_cpu and not torch.is_grad_enabled()
         if compiling and self.one_row and rows == 1 and fp32_inference:
             return one_row_linear(x, self.weight, self.bias)
+        if compiling and step_at(self.frozen_steps, rows) and fp32_inference:
+            return F.linear(x, self.weight, self.bias)  # a graph on frozen weights: inductor's own GEMM
         if step_at(self.compiled_steps if compiling else self.steps, rows) and fp32_inference:
             if not compiling:
                 return packed_matmul(x, prepacked(self.weight), self.bias)
@@ -541,6 +544,98 @@ def use_one_row_sums(module: nn.Module, wins: dict = None):
         if type(m) is nn.Linear and wins[dtype]:  # the same parameters, FewRowsLinear's forward
             m.__class__ = FewRowsLinear
         m.one_row = wins[dtype]
+
+
+FROZEN_KEY = "compiled frozen rows"  # ROWS_FILE's entry for `frozen_rows_steps`, after the machine key
+FROZEN_PROBES = (4, 8, 16)  # the batched frame steps' row counts (dualAR.batch_bucket) that are timed
+# Inductor's own GEMM (its CPP template: a register-blocked kernel on a copy of the weight it packs when it
+# compiles) takes only a graph's constants, so the weights are frozen; ATEN: a matmul the template cannot take
+FROZEN_GEMMS = dict(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP")
+
+
+def frozen_gemms():
+    """Graphs compiled within it take their weights as constants and their fp32 matmuls as inductor's GEMM
+    template where it applies. Only compiling reads it: a graph already compiled runs as it was compiled."""
+    return torch._inductor.config.patch(FROZEN_GEMMS)
+
+
+def frozen_rows_steps() -> list:
+    """This machine's `row_steps` for compiled graphs of fp32 linears: at which row counts the graph runs
+    them faster on frozen weights (`frozen_gemms`) than on the matmuls it takes otherwise (torch's, or
+    oneDNN's prepacked): at 4 rows a Zen 4 read a weight at 23 GB/s so, oneDNN at 17, MKL at 6; at 8 rows
+    the template lost (docs/speed.md). Timed once (`timed_frozen_rows`: it compiles, about a minute), kept
+    in ROWS_FILE."""
+    machine = f"{machine_key(torch.device('cpu'), torch.float32)} {FROZEN_KEY}"
+    return machine_decision(use_compile_cache() / ROWS_FILE, machine, is_row_steps,
+                            lambda old: timed_frozen_rows(), "timing compiled matmuls on frozen weights")
+
+
+@torch.inference_mode()
+def timed_frozen_rows(repeats=3) -> list:
+    """A layer's linears PROBE_LAYERS times (random fp32 weights) at each of FROZEN_PROBES rows: one graph
+    of them compiled within `frozen_gemms`, against F.linear and oneDNN's prepacked matmul eager (what a
+    plain graph calls), the best of `repeats` each after a warm-up that compiles -> `row_steps` (one row:
+    not frozen, the one-row sums are plain graphs)."""
+    linears = nn.ModuleList(nn.Linear(i, o, bias=False) for _ in range(PROBE_LAYERS) for o, i in PROBE_SHAPES)
+    weights = [m.weight for m in linears]
+    packed = [prepack(w) for w in weights]
+    from torch._inductor.codecache import PyCodeCache
+
+    wins, modules = {1: False}, PyCodeCache.modules  # what inductor loads, kept for good
+    for rows in FROZEN_PROBES:
+        xs, known = {i: torch.rand(rows, i) for i in {w.shape[1] for w in weights}}, len(modules)
+
+        def probe():
+            return [m(xs[m.in_features]) for m in linears]
+
+        runs = {"frozen": torch.compile(probe, fullgraph=True, dynamic=False),
+                "torch": lambda: [F.linear(xs[w.shape[1]], w) for w in weights],
+                "packed": lambda: [packed_matmul(xs[w.shape[1]], p) for w, p in zip(weights, packed)]}
+        best = {name: [] for name in runs}
+        with frozen_gemms():
+            for _ in range(1 + repeats):
+                for name, run in runs.items():
+                    start = time.perf_counter()
+                    run()
+                    best[name].append(time.perf_counter() - start)
+        torch._C._dynamo.eval_frame.reset_code(probe.__code__)  # the graph and its weights' copies freed:
+        for module in modules[known:]:  # inductor keeps each module it loads with constants, and them
+            sys.modules.pop(module.__name__, None)
+        del modules[known:]
+        fastest = min(best.pop("frozen")[1:])
+        wins[rows] = all(fastest < min(seconds[1:]) for seconds in best.values())
+    return row_steps(wins)
+
+
+def frozen_rows(module: nn.Module) -> list:
+    """The row counts (`row_steps`) at which a CPU fp32 unquantized module's compiled graphs go on frozen
+    weights: this machine's `frozen_rows_steps`, where its linear layers fit in an eighth of the memory
+    available now (each such graph packs its own copy, and compiling one peaked at ~5x their bytes at
+    s2-mid-b); else none."""
+    modules = list(module.modules())
+    size = sum(m.weight.numel() * 4 for m in modules if isinstance(m, nn.Linear))
+    if (size and not any(isinstance(m, (QuantLinear, W8A8Linear)) for m in modules)
+            and all(w.is_cpu and w.dtype == torch.float32 for w in module.parameters())
+            and size <= available_memory_bytes() / 8):
+        return frozen_rows_steps()
+    return [[0, False]]
+
+
+def frozen_graphs(compiled, steps: list, x: Tensor, *inputs):
+    """compiled(x, *inputs), whose graph for a row count of x (its first dim) that `steps` take is compiled
+    on frozen weights (`frozen_gemms`), every other plainly."""
+    if not step_at(steps, x.size(0)):
+        return compiled(x, *inputs)
+    with frozen_gemms():
+        return compiled(x, *inputs)
+
+
+def use_frozen_gemms(module: nn.Module, steps: list):
+    """Every fp32 CPU nn.Linear inside module -> FewRowsLinear (the same parameters) whose compiled graphs run
+    F.linear at the rows `steps` take (`row_steps`), for graphs compiled there within `frozen_gemms`."""
+    for m in module.modules():
+        if type(m) in (nn.Linear, FewRowsLinear) and m.weight.dtype == torch.float32 and m.weight.is_cpu:
+            m.__class__, m.frozen_steps = FewRowsLinear, steps
 
 
 # ----------------------------------------------------------------------------- half-precision linears (CPU)

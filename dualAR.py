@@ -48,9 +48,9 @@ from tqdm import tqdm
 import codec  # the CLI's audio, and the RMSNorm, FeedForward and RoPE of both transformers here
 from codec import FeedForward, RMSNorm, apply_rope, rope_table
 from common import (DTYPES, EngineClosed, EngineThread, Job, QuantLinear, QueueFull, UserError, cli,
-                    default_compile_cache, device_name, peak_memory_gb, pick_device, pick_dtype, swap_linears,
-                    unreadable, use_compile_cache, use_few_rows_linears, use_half_linears,
-                    use_one_row_sums)
+                    default_compile_cache, device_name, frozen_graphs, frozen_rows, peak_memory_gb,
+                    pick_device, pick_dtype, swap_linears, unreadable, use_compile_cache,
+                    use_few_rows_linears, use_frozen_gemms, use_half_linears, use_one_row_sums)
 
 # The real fishaudio/s2-pro dimensions, with upstream's flat `dual_ar` key names.
 CONFIG = dict(
@@ -661,13 +661,16 @@ def compile_model(model: DualAR, cache=None, backend="inductor", step=None):
     step = functools.partial(step or decode_step, model)
     use_one_row_sums(model)  # CPU: one-row linears as a product and a sum where this machine's timing says
     cuda = model.embeddings.weight.device.type == "cuda"
-    # CPU: plain inductor. Frozen weights (freezing + max-autotune) were no faster at the sizes we measured
-    # and cannot be cached (mkldnn weights do not pickle): docs/speed.md
     mode = "reduce-overhead" if cuda and backend == "inductor" else None
     # QuantLinear's cast to bf16 would become an epilogue of CPU flex-attention, which cannot take one
     quant = not cuda and backend == "inductor" and any(isinstance(m, QuantLinear) for m in model.modules())
-    model.compiled_step = torch.compile(step, fullgraph=True, dynamic=False, backend=backend, mode=mode,
-                                        options={"epilogue_fusion": False} if quant else None)
+    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend=backend, mode=mode,
+                             options={"epilogue_fusion": False} if quant else None)
+    frozen = frozen_rows(model)  # CPU fp32: batched frame steps on frozen weights where this machine wins so
+    model.compiled_step = compiled
+    if any(on for _, on in frozen):
+        use_frozen_gemms(model, frozen)
+        model.compiled_step = functools.partial(frozen_graphs, compiled, frozen)
 
 
 # ----------------------------------------------------------------------------- prompt

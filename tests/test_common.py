@@ -49,6 +49,7 @@ STEPS = [[0, False], [4, True], [65, False]]  # a machine where oneDNN wins at 4
 FEW_ROWS_STEPS = common.few_rows_steps  # as imported: conftest's session fixture replaces it for every test
 ONE_ROW_WINS = common.compiled_one_row_wins  # the same
 MANY_ROWS_WINS = common.many_rows_wins  # the same
+FROZEN_ROWS_STEPS = common.frozen_rows_steps  # the same
 
 
 def test_few_rows_linear_runs_onednn_at_the_rows_its_steps_take_and_torch_elsewhere(monkeypatch):
@@ -328,6 +329,91 @@ def test_compiled_one_row_linears_are_a_product_and_a_sum_where_the_machine_take
     common.use_one_row_sums(others, {torch.float32: True, torch.int8: True})
     assert type(others[0]) is torch.nn.Linear and not hasattr(others[0], "one_row")
     assert others[1].bits == 4 and not others[1].one_row
+
+
+FROZEN = [[0, False], [4, True], [8, False]]  # a Zen 4's frozen_rows_steps: 4-row graphs on frozen weights
+
+
+def test_graphs_of_the_rows_frozen_steps_take_compile_on_frozen_weights_with_plain_linears(monkeypatch):
+    """frozen_graphs compiles a graph for the row counts its steps take within frozen_gemms (freezing, the
+    GEMM template), every other plainly; in those graphs a FewRowsLinear is F.linear (a matmul of a
+    constant weight, which the template takes), even where its compiled steps take oneDNN's op."""
+    monkeypatch.setattr(common, "AVX2_ONLY", True)  # compiled graphs take oneDNN's op at 4-64 rows
+    layers = torch.nn.Sequential(torch.nn.Linear(48, 40), torch.nn.SiLU(), torch.nn.Linear(40, 8))
+    common.use_few_rows_linears(layers, STEPS)
+    common.use_frozen_gemms(layers, FROZEN)
+    assert [m.frozen_steps for m in layers[::2]] == [FROZEN, FROZEN]
+    compiled = []
+
+    def backend(gm, example_inputs):
+        calls = [getattr(n.target, "__name__", "") for n in gm.graph.nodes if n.op == "call_function"]
+        rows = next(t.size(0) for t in example_inputs if t.shape[-1] == 48 and t.size(0) != 40)  # x
+        compiled.append((rows, torch._inductor.config.freezing, calls))
+        return gm.forward
+
+    torch._dynamo.reset()
+    step = torch.compile(layers, fullgraph=True, dynamic=False, backend=backend)
+    with torch.inference_mode():
+        for rows in (1, 4, 8, 4):
+            x = torch.rand(rows, 48)
+            hidden = F.silu(F.linear(x, layers[0].weight, layers[0].bias))
+            want = F.linear(hidden, layers[2].weight, layers[2].bias)
+            assert torch.allclose(common.frozen_graphs(step, FROZEN, x), want, atol=1e-5)
+    assert [(rows, freezing, calls.count("linear"), calls.count("packed_linear.default"))
+            for rows, freezing, calls in compiled] == [(1, False, 2, 0), (4, True, 2, 0), (8, False, 0, 2)]
+    assert torch._inductor.config.freezing is False  # patched only while compiling
+
+
+def test_inductors_gemm_on_frozen_weights_multiplies_each_models_own_weights():
+    """Within frozen_gemms inductor's GEMM template runs the 4-row linears (its packed copies of the
+    weights): within 1e-5 of F.linear; and a second model of the same shapes, whose graph inductor may find
+    in its caches, gets its own weights' result, not the copies packed for the first."""
+    from torch._dynamo.utils import counters
+
+    def model(seed):
+        torch.manual_seed(seed)
+        layers = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.SiLU(), torch.nn.Linear(96, 32))
+        common.use_frozen_gemms(layers, FROZEN)
+        return layers
+
+    x = torch.rand(4, 64)
+    torch._dynamo.reset()
+    templated = counters["inductor"]["cpp_templated_kernel_counter"]
+    for seed in (0, 1):
+        layers = model(seed)
+        with torch.inference_mode():
+            want = layers(x)  # eager: F.linear
+            got = common.frozen_graphs(torch.compile(layers, fullgraph=True, dynamic=False), FROZEN, x)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert counters["inductor"]["cpp_templated_kernel_counter"] - templated == 4  # 2 linears, 2 models
+
+
+def test_frozen_graphs_are_taken_only_for_cpu_fp32_unquantized_models_whose_copies_fit(monkeypatch):
+    """frozen_rows: this machine's steps for a CPU fp32 model whose linear layers fit in an eighth of the
+    memory available; none for a quantized or half-precision one, or where the copies would not fit."""
+    monkeypatch.setattr(common, "available_memory_bytes", lambda: 8 * (48 * 40 + 40 * 8) * 4)
+    layers = torch.nn.Sequential(torch.nn.Linear(48, 40), torch.nn.SiLU(), torch.nn.Linear(40, 8))
+    assert common.frozen_rows(layers) == FROZEN  # conftest's untimed steps
+    monkeypatch.setattr(common, "available_memory_bytes", lambda: 8 * (48 * 40 + 40 * 8) * 4 - 1)
+    assert common.frozen_rows(layers) == [[0, False]]
+    monkeypatch.setattr(common, "available_memory_bytes", lambda: 2 ** 40)
+    int8 = torch.nn.Sequential(torch.nn.Linear(48, 40), common.QuantLinear(torch.nn.Linear(40, 8), bits=8))
+    for module in (int8, torch.nn.Sequential(torch.nn.Linear(48, 40).half()), torch.nn.SiLU()):
+        assert common.frozen_rows(module) == [[0, False]]
+
+
+def test_the_frozen_rows_choice_is_timed_once_and_kept_beside_the_row_steps(tmp_path, monkeypatch):
+    """frozen_rows_steps: timed on this machine's first call, then read from ROWS_FILE under its own key;
+    a value that is not row steps is timed again."""
+    monkeypatch.setattr(common, "frozen_rows_steps", FROZEN_ROWS_STEPS)
+    monkeypatch.setattr(common, "use_compile_cache", lambda: tmp_path)
+    timed = []
+    monkeypatch.setattr(common, "timed_frozen_rows", lambda: timed.append(1) or FROZEN)
+    assert common.frozen_rows_steps() == FROZEN and common.frozen_rows_steps() == FROZEN and timed == [1]
+    key = f"{common.machine_key(torch.device('cpu'), torch.float32)} {common.FROZEN_KEY}"
+    assert json.loads((tmp_path / common.ROWS_FILE).read_text()) == {key: FROZEN}
+    (tmp_path / common.ROWS_FILE).write_text(json.dumps({key: True}))
+    assert common.frozen_rows_steps() == FROZEN and timed == [1, 1]
 
 
 def test_the_compiled_one_row_choice_is_timed_once_per_weight_dtype_and_kept_beside_the_row_steps(

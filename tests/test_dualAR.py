@@ -505,7 +505,7 @@ def test_max_new_tokens_is_capped_by_the_context(model):
 # ----------------------------------------------------------------------------- compiled frame step
 @pytest.mark.parametrize("name", ["greedy", "seeded", "seeded_topp", "noref_greedy", "seeded_dialogue"])
 def test_compiled_frame_step_gives_upstreams_codes(compiled_model, name):
-    """One inductor graph per frame (flex-decoding, frozen weights): still upstream's codes on CPU fp32."""
+    """One inductor graph per frame (flex-decoding, one-row sums): still upstream's codes on CPU fp32."""
     case = CASES[name]
     codes = run_case(compiled_model, case["call"])
     assert torch.equal(codes, golden(case.get("codes_file", "seeded_dialogue_codes.npy")))
@@ -630,7 +630,8 @@ def test_generate_many_gives_each_request_its_solo_codes(model, solo):
 
 
 def test_compiled_batch_gives_each_request_its_solo_codes(compiled_model, solo):
-    """Four rows at their own positions in one compiled graph (one flex block mask row each)."""
+    """Four rows at their own positions in one compiled graph (one flex block mask row each), compiled on
+    frozen weights (conftest's frozen_rows_steps take 4 rows: inductor's GEMM template)."""
     many = dualAR.generate_many(compiled_model, MIXED, context=512)  # one shape: one compile
     assert all(torch.equal(a, b) for a, b in zip(solo, many, strict=True))
 

@@ -1031,9 +1031,11 @@ def test_a_second_process_loads_the_compiled_step_from_the_cache(model, tmp_path
     # the CLI as `python dualAR.py`, which then prints inductor's graph cache counters on its last line; it
     # takes this process's untimed choices (conftest): a timing would compile its probe into the cache
     steps, one_row = common.few_rows_steps(), common.compiled_one_row_wins()
+    frozen = common.frozen_rows_steps()
     cli = (f"import atexit, json, runpy, sys; sys.path.insert(0, {str(ROOT)!r}); sys.argv[1:] = {args!r}; "
            f"import common; common.few_rows_steps = lambda: {steps!r}; "
            f"common.compiled_one_row_wins = lambda dtype=None: {one_row!r}; "
+           f"common.frozen_rows_steps = lambda: {frozen!r}; "
            "from torch._dynamo.utils import counters; atexit.register(lambda: print(json.dumps(dict("
            "counters['inductor'])), file=sys.stderr)); "
            f"runpy.run_path({str(ROOT / 'dualAR.py')!r}, run_name='__main__')")

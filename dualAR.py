@@ -666,7 +666,8 @@ def compile_model(model: DualAR, cache=None, backend="inductor", step=None):
     quant = not cuda and backend == "inductor" and any(isinstance(m, QuantLinear) for m in model.modules())
     compiled = torch.compile(step, fullgraph=True, dynamic=False, backend=backend, mode=mode,
                              options={"epilogue_fusion": False} if quant else None)
-    frozen = frozen_rows(model)  # CPU fp32: batched frame steps on frozen weights where this machine wins so
+    # CPU fp32: batched frame steps on frozen weights where this machine wins so (inductor's own GEMMs)
+    frozen = frozen_rows(model) if backend == "inductor" else [[0, False]]
     model.compiled_step = compiled
     if any(on for _, on in frozen):
         use_frozen_gemms(model, frozen)

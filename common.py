@@ -452,14 +452,20 @@ def timed_one_row(dtype: torch.dtype = torch.float32, repeats=5) -> bool:
         runs = {"torch": lambda: [F.linear(xs[w.shape[1]], w) for w in weights],
                 "packed": lambda: [packed_matmul(xs[w.shape[1]], p) for w, p in zip(weights, packed)]}
     runs["fused"] = lambda: fused(weights)
+    return beats_the_others(runs, "fused", repeats)
+
+
+def beats_the_others(runs: dict, name: str, repeats: int) -> bool:
+    """Whether runs[name] is strictly faster than every other run of `runs` ({name: fn}), each the best of
+    `repeats` calls, the runs taking turns after a first round that warms up (and compiles)."""
     best = {}
-    for _ in range(1 + repeats):  # the first round warms up
-        for name, run in runs.items():
+    for _ in range(1 + repeats):
+        for key, run in runs.items():
             start = time.perf_counter()
             run()
-            best.setdefault(name, []).append(time.perf_counter() - start)
-    fused_best = min(best.pop("fused")[1:])
-    return all(fused_best < min(seconds[1:]) for seconds in best.values())
+            best.setdefault(key, []).append(time.perf_counter() - start)
+    fastest = min(best.pop(name)[1:])
+    return all(fastest < min(seconds[1:]) for seconds in best.values())
 
 
 MANY_ROWS_KEY = "many rows"  # ROWS_FILE's entry for `many_rows_wins`, after the machine key
@@ -591,19 +597,12 @@ def timed_frozen_rows(repeats=3) -> list:
         runs = {"frozen": torch.compile(probe, fullgraph=True, dynamic=False),
                 "torch": lambda: [F.linear(xs[w.shape[1]], w) for w in weights],
                 "packed": lambda: [packed_matmul(xs[w.shape[1]], p) for w, p in zip(weights, packed)]}
-        best = {name: [] for name in runs}
         with frozen_gemms():
-            for _ in range(1 + repeats):
-                for name, run in runs.items():
-                    start = time.perf_counter()
-                    run()
-                    best[name].append(time.perf_counter() - start)
+            wins[rows] = beats_the_others(runs, "frozen", repeats)
         torch._C._dynamo.eval_frame.reset_code(probe.__code__)  # the graph and its weights' copies freed:
         for module in modules[known:]:  # inductor keeps each module it loads with constants, and them
             sys.modules.pop(module.__name__, None)
         del modules[known:]
-        fastest = min(best.pop("frozen")[1:])
-        wins[rows] = all(fastest < min(seconds[1:]) for seconds in best.values())
     return row_steps(wins)
 
 

@@ -220,12 +220,30 @@ class QuantLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+# Whether this CPU has int8 dot products (VNNI, AMX) for torch._int_mm: without them (an AVX2 EPYC) it ran
+# OmniVoice's layers 20x slower than fp32 (docs/omnivoice.md). A constant: dynamo reads it so.
+CPU_FLAGS = torch._C._cpu._get_cpu_capability()
+INT8_UNITS = any(CPU_FLAGS.get(unit) for unit in ("avx512_vnni", "avx_vnni", "amx_int8"))
+EXACT_TERMS = 2 ** 24 // 127 ** 2  # 1040 int8 x int8 products: each partial sum an exact fp32 integer
+
+
+def int_mm(a: Tensor, b: Tensor) -> Tensor:
+    """torch._int_mm(a, b) (int8 (M, K) @ (K, N) -> int32, exact). On a CPU without int8 units, fp32
+    matmuls of EXACT_TERMS inputs at a time: their sums are exact integers in any order, so the int32
+    result is _int_mm's, bit for bit, at fp32's speed."""
+    if INT8_UNITS or not a.is_cpu:
+        return torch._int_mm(a, b)
+    parts = [(a[:, k:k + EXACT_TERMS].float() @ b[k:k + EXACT_TERMS].float()).to(torch.int32)
+             for k in range(0, a.shape[1], EXACT_TERMS)]
+    return torch.stack(parts).sum(0, dtype=torch.int32)
+
+
 class W8A8Linear(nn.Module):
-    """nn.Linear as int8 x int8 products summed exactly in int32 (torch._int_mm: oneDNN's VNNI kernels on
-    CPU): int8 weights with a scale per output row (as QuantLinear's) and each input row rounded on the fly
-    to int8 with a scale of its own (dynamic, symmetric: OpenVINO's W8A8). For compute-bound whole
-    sequences: 2.3x oneDNN's fp32 matmul at 323 rows on a Zen 4. Rounding the activations too costs more
-    argmax agreement than the weight-only schemes do (docs/omnivoice.md)."""
+    """nn.Linear as int8 x int8 products summed exactly in int32 (`int_mm`: oneDNN's VNNI kernels on a CPU
+    that has them): int8 weights with a scale per output row (as QuantLinear's) and each input row rounded
+    on the fly to int8 with a scale of its own (dynamic, symmetric: OpenVINO's W8A8). For compute-bound
+    whole sequences: 2.3x oneDNN's fp32 matmul at 323 rows on a Zen 4. Rounding the activations too costs
+    more argmax agreement than the weight-only schemes do (docs/omnivoice.md)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -240,7 +258,7 @@ class W8A8Linear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         xq, x_scale = int8_rows(x.reshape(-1, self.in_features).float())
-        y = torch._int_mm(xq, self.weight.t()).float().mul_(x_scale).mul_(self.scales)
+        y = int_mm(xq, self.weight.t()).float().mul_(x_scale).mul_(self.scales)
         y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
 
@@ -639,7 +657,6 @@ def use_frozen_gemms(module: nn.Module, steps: list):
 
 # ----------------------------------------------------------------------------- half-precision linears (CPU)
 MANY_ROWS = 32  # from here on an fp32 matmul of the upcast weight beats a half one (AVX2 EPYC): docs/speed.md
-CPU_FLAGS = torch._C._cpu._get_cpu_capability()
 # Whether this CPU has matrix instructions for fp16 / bf16 (oneDNN's fast half-precision GEMMs): without them
 # torch's many-row half matmuls are 4-5x slower than fp32 (an AVX2 EPYC). Constants: dynamo reads them so.
 HALF_UNITS = {torch.bfloat16: CPU_FLAGS.get("avx512_bf16") or CPU_FLAGS.get("amx_bf16") or False,

@@ -49,14 +49,15 @@ CODES_FRAMES = 64  # seeded frames a quantized model's codes are compared over
 
 def machine_line(device) -> str:
     """The first line of a benchmark: what its figures depend on (the CPU's capability as torch's own
-    kernels see it, the half-precision units oneDNN may use, cores and threads)."""
+    kernels see it, the half-precision and int8 units oneDNN may use, cores and threads)."""
     cpu = common.CPU_FLAGS
-    units = [name for key, name in (("avx512_bf16", "AVX512-BF16"), ("amx_bf16", "AMX")) if cpu.get(key)]
+    units = [name for key, name in (("avx512_bf16", "AVX512-BF16"), ("avx512_vnni", "AVX512-VNNI"),
+                                    ("avx_vnni", "AVX-VNNI"), ("amx_bf16", "AMX")) if cpu.get(key)]
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA")  # an emulated smaller CPU (docs/speed.md)
     limit = f", oneDNN limited to {isa}" if isa else ""
     name = f"cuda ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else str(device)
     return (f"machine: cpu capability {torch.backends.cpu.get_cpu_capability()}"
-            f" ({', '.join(units) or 'no AVX512-BF16 or AMX'}{limit}), {os.cpu_count()} cores,"
+            f" ({', '.join(units) or 'no AVX512-BF16, VNNI or AMX'}{limit}), {os.cpu_count()} cores,"
             f" {torch.get_num_threads()} threads, torch {torch.__version__}, device {name}")
 
 

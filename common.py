@@ -220,9 +220,9 @@ class QuantLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+CPU_FLAGS = torch._C._cpu._get_cpu_capability()  # what this CPU has: {"avx2": True, "avx512_vnni": ...}
 # Whether this CPU has int8 dot products (VNNI, AMX) for torch._int_mm: without them (an AVX2 EPYC) it ran
 # OmniVoice's layers 20x slower than fp32 (docs/omnivoice.md). A constant: dynamo reads it so.
-CPU_FLAGS = torch._C._cpu._get_cpu_capability()
 INT8_UNITS = any(CPU_FLAGS.get(unit) for unit in ("avx512_vnni", "avx_vnni", "amx_int8"))
 EXACT_TERMS = 2 ** 24 // 127 ** 2  # 1040 int8 x int8 products: each partial sum an exact fp32 integer
 

@@ -660,7 +660,7 @@ def test_cli_bench_prints_eager_and_fast_lines_with_plausible_figures(capsys):
         rtf, fps = float(f["rtf"]), float(f["frames_per_s"])
         assert 1e-4 < rtf < 1e3 and abs(rtf * fps * 2048 / 44100 - 1) < 1e-3  # rtf = seconds per 21.5 frames
         # the RTF this path's FLOPs would take at the 2048 x 2048 matmul's speed (what the CPU allows)
-        at_peak = rtf * float(f["gflops"]) / peak  # the peak is printed in whole GFLOP/s, the rest to 4 digits
+        at_peak = rtf * float(f["gflops"]) / peak  # the peak printed in whole GFLOP/s, the rest to 4 digits
         assert float(f["rtf_at_peak"]) == pytest.approx(at_peak, rel=0.5 / peak + 2e-3)
         if path == "stream":
             assert abs(float(f["ms_per_chunk"]) - 1000 / fps) < 0.01 * 1000 / fps

@@ -256,18 +256,19 @@ def test_w8a8_rounds_weights_and_each_input_row_to_int8_and_sums_their_products_
 def test_int8_products_are_torchs_int_mm_bit_for_bit_with_or_without_int8_units(monkeypatch, int8_units):
     """common.int_mm: torch._int_mm where the CPU has int8 dot products, else fp32 matmuls of EXACT_TERMS
     inputs at a time (exact integer sums) added in int32: the same int32 sums either way. The second
-    pair of inputs is built so that one fp32 sum over all 3000 inputs would round: 2000 products of
-    127 x 127 pass 2^24 and every later one adds an odd 127."""
+    pair of inputs sums to an odd integer above 2^24 (2000 products of 127 x 127, 999 of 127 x 1), which
+    no fp32 value holds: one fp32 matmul over all 3000 inputs rounds, in whatever order it adds."""
     monkeypatch.setattr(common, "INT8_UNITS", int8_units)
     torch.manual_seed(0)
     a = torch.randint(-127, 128, (5, 3000), dtype=torch.int8)
     b = torch.randint(-127, 128, (3000, 7), dtype=torch.int8)
     big_a = torch.full((1, 3000), 127, dtype=torch.int8)
-    big_b = torch.cat([torch.full((2000, 2), 127), torch.ones(1000, 2)]).to(torch.int8)
+    big_b = torch.cat([torch.full((2000, 2), 127), torch.ones(999, 2), torch.zeros(1, 2)]).to(torch.int8)
     for x, w in ((a, b), (big_a, big_b)):
         want = (x.long() @ w.long()).int()
         assert torch.equal(torch._int_mm(x, w), want) and torch.equal(common.int_mm(x, w), want)
-    assert (big_a.float() @ big_b.float()).ne(want.float()).all()  # one fp32 sum rounds: so the chunks
+    assert want[0, 0] % 2 == 1 and want[0, 0] > 2 ** 24
+    assert (big_a.float() @ big_b.float()).double().ne(want.double()).all()  # one fp32 sum rounds: chunks
 
 
 def test_compiled_few_rows_linears_run_one_packed_copy_at_the_rows_their_compiled_steps_take(monkeypatch):

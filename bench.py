@@ -421,10 +421,11 @@ def codec_speed(args):
                 walls, (_, faults, memory) = sorted(c[0] for c in calls[m]), calls[m][-1]
                 med, audio = walls[len(walls) // 2], n_frames * dac.hop / cfg["sample_rate"]
                 rtfs = " / ".join(f"{w / audio:.3f}" for w in (walls[0], med, walls[-1]))
-                speed, at_peak = flops / med / 1e9, flops / audio / 1e9 / peak  # at_peak: what the CPU allows
+                speed, per_audio = flops / med / 1e9, flops / audio / 1e9
+                at_peak = per_audio / peak  # the RTF at the matmul's speed: what the CPU allows
                 print(f"{path:6s} chunk={chunk:<3d} {'fast ' if m else 'eager'}: RTF {rtfs} (min / median /"
                       f" max of {len(walls)}), {speed:.0f} GFLOP/s = {100 * speed / peak:.0f} % of the matmul"
-                      f" peak ({flops / audio / 1e9:.0f} GFLOP per second of audio: RTF {at_peak:.2f} at the"
+                      f" peak ({per_audio:.0f} GFLOP per second of audio: RTF {at_peak:.2f} at the"
                       f" peak), {faults} minor page faults, peak memory {memory:.2f} GB")
                 per_chunk = f" ms_per_chunk={1000 * med / n_chunks:.4g}" if path == "stream" else ""
                 print(f"codec_bench path={path} chunk={chunk} compile={m} rtf={med / audio:.4g} frames_per_s="

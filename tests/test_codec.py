@@ -309,7 +309,9 @@ def test_checked_choices_on_the_tiny_codec_time_its_real_paths_and_keep_a_fallba
 def test_timed_choices_time_every_op_in_every_probe_and_leave_the_model_eager(monkeypatch):
     """The timing itself (its figures replaced by a fake clock: tests time nothing): Snake is fast only if
     it is no slower in every probe (an encode, streams of 1, 4 and 16 frames), a prepacked op at each of its
-    sizes in them (here a conv that loses at a 1-frame stream's), and the model is left eager."""
+    sizes in them (here a conv that loses at a 1-frame stream's), and the model is left eager. A conv is
+    timed on a channels-last input, as the fast path hands it over (timed on contiguous ones, the convs that
+    won inside a 16-frame decode went eager on an AVX2 CPU)."""
     dac = codec.load(CKPT)
     probes = codec.probe_inputs(dac)
     assert {probe for by_probe in probes.values() for probe in by_probe} == {"encode", "stream 1", "stream 4",
@@ -319,11 +321,16 @@ def test_timed_choices_time_every_op_in_every_probe_and_leave_the_model_eager(mo
     assert len(probes[loser]) == 3 and not losing & (probes[loser]["stream 4"] | probes[loser]["stream 16"])
     assert {codec.op_rows(loser, x) for x in losing} == {4}  # the latent's 4 positions a frame
 
+    layouts = set()  # (kind of op, its input channels-last in memory)
+
     def fake_seconds(module, x):
+        if isinstance(module, (codec.CausalConv, codec.CausalConvT)):
+            layouts.add((type(module).__name__, x.mT.is_contiguous()))
         return 2.0 if runs_fast(module) and module is loser and tuple(x.shape) in losing else 1.0
 
     monkeypatch.setattr(codec, "seconds", fake_seconds)
     choices = TIMED_CHOICES(dac)
+    assert layouts == {("CausalConv", True), ("CausalConvT", True)}
     keys = {codec.op_key(m) for m in dac.modules()} - {None}
     top = {}  # a prepacked op's largest size in any probe: eager above it
     for m, by_probe in probes.items():

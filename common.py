@@ -3,9 +3,9 @@ dtype choice, atomic writes, audio files, peak memory, an engine's thread. It im
 model file can be copied with this one alone.
 
 Sections: errors and the CLI wrapper, devices and dtypes, files (atomic writes, audio, the compile cache),
-CPU weight-only quantization (QuantLinear), oneDNN's prepacked matmuls and the decisions timed once per
-machine (FewRowsLinear, machine_decision), half-precision linears (HalfLinear), memory, engines (the thread
-that drives a scheduler).
+CPU weight-only quantization (QuantLinear), oneDNN's and MKL's prepacked matmuls and the decisions timed once
+per machine (FewRowsLinear, ManyRowsLinear, machine_decision), half-precision linears (HalfLinear), memory,
+engines (the thread that drives a scheduler).
 """
 import argparse
 import contextlib
@@ -272,7 +272,7 @@ def swap_linears(module: nn.Module, make):
             swap_linears(child, make)
 
 
-# ----------------------------------------------------------------------------- oneDNN prepacked matmuls (CPU)
+# ----------------------------------------------------------------------------- prepacked matmuls (CPU)
 def prepack(weight: Tensor) -> Tensor:  # (out, in) -> oneDNN's own layout, made once
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
 
@@ -284,11 +284,33 @@ def packed_matmul(x: Tensor, packed: Tensor, bias: Tensor = None) -> Tensor:  # 
 def prepacked(weight: Tensor) -> Tensor:
     """`prepack`(weight), made once and kept on it (made again if it changed in place; an inference tensor,
     made in inference mode, has no version counter to tell)."""
+    return kept_copy(weight, "prepacked", prepack)
+
+
+def kept_copy(weight: Tensor, name: str, make) -> Tensor:
     version = None if weight.is_inference() else weight._version
-    packed = getattr(weight, "prepacked", None)
-    if packed is None or packed[0] != version:
-        packed = weight.prepacked = version, prepack(weight)
-    return packed[1]
+    kept = getattr(weight, name, None)
+    if kept is None or kept[0] != version:
+        kept = version, make(weight)
+        setattr(weight, name, kept)
+    return kept[1]
+
+
+def mkl_pack(weight: Tensor) -> Tensor:
+    """(out, in) fp32 -> MKL's packed copy (cblas_sgemm_pack: an opaque tensor that must not be copied, since
+    MKL's packed data points into itself; torch.save refuses it, deepcopy drops it)."""
+    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach().contiguous(), MANY_ROWS_PROBE)
+
+
+def mkl_prepacked(weight: Tensor) -> Tensor:  # `mkl_pack`(weight), made once and kept on it as `prepacked`
+    return kept_copy(weight, "mkl_prepacked", mkl_pack)
+
+
+def mkl_packed_matmul(x: Tensor, weight: Tensor, bias: Tensor = None) -> Tensor:
+    """x @ weight^T + bias on `mkl_prepacked`(weight). `_mkl_linear` takes the packed copy only when told the
+    rows it was packed for (else it multiplies `weight`); the copy serves any rows, so it is told x's
+    (`timed_many_rows` checks that on this machine, a test at many row counts)."""
+    return torch.ops.mkl._mkl_linear(x, mkl_prepacked(weight), weight, bias, x.numel() // x.shape[-1])
 
 
 @torch.library.custom_op("fishfast::packed_linear", mutates_args=())
@@ -486,57 +508,96 @@ def beats_the_others(runs: dict, name: str, repeats: int) -> bool:
     return all(fastest < min(seconds[1:]) for seconds in best.values())
 
 
-MANY_ROWS_KEY = "many rows"  # ROWS_FILE's entry for `many_rows_wins`, after the machine key
+MANY_ROWS_KEY = "many rows matmul"  # ROWS_FILE's entry for `many_rows_matmul`, after the machine key
 MANY_ROWS_PROBE = 320  # a whole sequence's rows (OmniVoice's flat row: a 3 s prompt, 4 s of audio twice)
+MANY_ROWS_MATMULS = ("torch", "onednn", "mkl")  # F.linear; oneDNN's or MKL's matmul on a packed weight
 
 
-def many_rows_wins() -> bool:
-    """Whether oneDNN's matmul on a prepacked fp32 weight beats torch's own (MKL) at a whole sequence's rows:
-    on a Zen 4 it ran 323-row products 1.2-1.5x faster, on a Xeon no faster (docs/omnivoice.md). Timed once
-    (`timed_many_rows`, under 1 s), kept in ROWS_FILE."""
+def many_rows_matmul() -> str:
+    """Which fp32 matmul of MANY_ROWS_MATMULS runs a whole sequence's rows fastest here: oneDNN on a prepacked
+    weight ran 323-row products 1.2-1.5x faster than torch's own (MKL's plain sgemm) on a Zen 4 and no faster
+    on a Xeon, where MKL's packed sgemm ran them 1.1-1.3x faster (docs/omnivoice.md). Timed once
+    (`timed_many_rows`, about 1 s), kept in ROWS_FILE."""
     machine = f"{machine_key(torch.device('cpu'), torch.float32)} {MANY_ROWS_KEY}"
-    return machine_decision(use_compile_cache() / ROWS_FILE, machine, lambda value: isinstance(value, bool),
-                            lambda old: timed_many_rows(), "timing oneDNN's many-row matmuls")
+    return machine_decision(use_compile_cache() / ROWS_FILE, machine, MANY_ROWS_MATMULS.__contains__,
+                            lambda old: timed_many_rows(), "timing the many-row matmuls")
+
+
+def mkl_packs() -> bool:
+    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
 
 
 @torch.inference_mode()
-def timed_many_rows(repeats=3) -> bool:
-    """A layer's linears (random fp32 weights) at MANY_ROWS_PROBE rows, F.linear and prepacked in turn, the
-    best of `repeats` each after a warm-up: compute-bound, so one copy of the layer is enough."""
+def timed_many_rows(repeats=3) -> str:
+    """A layer's linears (random fp32 weights) at MANY_ROWS_PROBE rows on each matmul in turn, the best of
+    `repeats` each after a warm-up: compute-bound, so one copy of the layer is enough. A packed matmul is
+    taken only if strictly faster than torch's, MKL's only where this machine has it and its packed copy
+    gives F.linear's products at other row counts too."""
     weights = [torch.rand(shape) for shape in PROBE_SHAPES]
-    runs = {F.linear: weights, packed_matmul: [prepack(w) for w in weights]}
     xs = [torch.rand(MANY_ROWS_PROBE, w.shape[1]) for w in weights]
-    best = {matmul: [] for matmul in runs}
+    packed = [prepack(w) for w in weights]
+    runs = {"torch": lambda: [F.linear(x, w) for x, w in zip(xs, weights)],
+            "onednn": lambda: [packed_matmul(x, p) for x, p in zip(xs, packed)]}
+    if mkl_packs() and mkl_packs_any_rows(weights):
+        runs["mkl"] = lambda: [mkl_packed_matmul(x, w) for x, w in zip(xs, weights)]
+    best = {name: [] for name in runs}
     for _ in range(1 + repeats):
-        for matmul, ws in runs.items():
+        for name, run in runs.items():
             start = time.perf_counter()
-            for x, w in zip(xs, ws):
-                matmul(x, w)
-            best[matmul].append(time.perf_counter() - start)
-    return min(best[packed_matmul][1:]) < min(best[F.linear][1:])
+            run()
+            best[name].append(time.perf_counter() - start)
+    return min(runs, key=lambda name: (min(best[name][1:]), name != "torch"))  # a tie: torch's
+
+
+def mkl_packs_any_rows(weights: list) -> bool:
+    """Whether MKL's copies packed for MANY_ROWS_PROBE rows give F.linear's products (to fp32 rounding) at
+    other row counts too, as `mkl_packed_matmul` assumes."""
+    for rows in (1, 7, MANY_ROWS_PROBE + 13):
+        for w in weights:
+            x = torch.rand(rows, w.shape[1])
+            expected = F.linear(x, w)
+            if not torch.allclose(mkl_packed_matmul(x, w), expected, rtol=1e-4, atol=1e-3):
+                return False
+    return True
+
+
+class ManyRowsLinear(nn.Linear):
+    """nn.Linear whose fp32 CPU inference runs `matmul` ("onednn" or "mkl") on a packed copy of its weight,
+    made at its first such call and kept on the weight (twice its memory); any other call is nn.Linear's."""
+
+    matmul = "torch"
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == torch.float32 and x.is_cpu and not torch.is_grad_enabled():
+            if self.matmul == "mkl":
+                return mkl_packed_matmul(x, self.weight, self.bias)
+            if self.matmul == "onednn":
+                return packed_matmul(x, prepacked(self.weight), self.bias)
+        return F.linear(x, self.weight, self.bias)
 
 
 @contextlib.contextmanager
 def prepacked_linears(*modules: nn.Module):
-    """Within it, the plain fp32 CPU nn.Linears inside `modules` run oneDNN's matmul on their prepacked
-    weights at every row count (as FewRowsLinear, eager inference), where this machine's `many_rows_wins`
-    says so and the copies not yet made fit in half of the memory available now; after it, nn.Linear again.
-    The copies stay on the weights (twice their memory). One forward at a time: it changes the modules while
-    it lasts."""
+    """Within it, the plain fp32 CPU nn.Linears inside `modules` run this machine's `many_rows_matmul` on
+    packed copies of their weights (ManyRowsLinear, eager inference), where it is not torch's and the copies
+    not yet made fit in half of the memory available now; after it, nn.Linear again. The copies stay on the
+    weights (twice their memory). One forward at a time: it changes the modules while it lasts."""
     linears = [m for module in modules for m in module.modules() if type(m) is nn.Linear
                and m.weight.dtype == torch.float32 and m.weight.is_cpu] if not torch.is_grad_enabled() else []
-    missing = sum(m.weight.numel() * 4 for m in linears if getattr(m.weight, "prepacked", None) is None)
-    if not (linears and torch.backends.mkldnn.is_available() and many_rows_wins()
-            and missing <= available_memory_bytes() / 2):
+    matmul = many_rows_matmul() if linears else "torch"
+    copy, there = {"onednn": ("prepacked", torch.backends.mkldnn.is_available()),
+                   "mkl": ("mkl_prepacked", mkl_packs())}.get(matmul, ("", False))
+    missing = sum(m.weight.numel() * 4 for m in linears if getattr(m.weight, copy, None) is None)
+    if not (there and missing <= available_memory_bytes() / 2):
         linears = []
     for m in linears:
-        m.__class__, m.steps = FewRowsLinear, [[0, True]]
+        m.__class__, m.matmul = ManyRowsLinear, matmul
     try:
         yield
     finally:
         for m in linears:
             m.__class__ = nn.Linear
-            vars(m).pop("steps", None)  # not `del`: a forward in another thread may have restored it
+            vars(m).pop("matmul", None)  # not `del`: a forward in another thread may have restored it
 
 
 def use_few_rows_linears(module: nn.Module, steps: list = None):

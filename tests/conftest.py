@@ -101,7 +101,7 @@ def untimed_compile_cache(folder: Path) -> Path:
                 key = f"{common.machine_key(torch.device('cpu'), dtype)} {common.ONE_ROW_KEY}"
                 known[key] = common.compiled_one_row_wins(dtype)
             key = f"{common.machine_key(torch.device('cpu'), torch.float32)} {common.MANY_ROWS_KEY}"
-            known[key] = common.many_rows_wins()
+            known[key] = common.many_rows_matmul()
             known[f"{common.machine_key(torch.device('cpu'), torch.float32)} {common.FROZEN_KEY}"] = \
                 common.frozen_rows_steps()
     finally:
@@ -194,7 +194,7 @@ def inductor_cache():
 def choices_untimed(tmp_path_factory):
     """codec.fast_path takes every op fast, FewRowsLinear oneDNN's matmul at 4-64 rows (a Xeon's timing),
     compiled graphs' one-row products (`one_row_linear`), 4-row graphs frozen weights (a Zen 4's
-    `frozen_rows_steps`) and OmniVoice's flat row oneDNN's matmul (`many_rows_wins`), unless a test says
+    `frozen_rows_steps`) and OmniVoice's flat row oneDNN's matmul (`many_rows_matmul`), unless a test says
     otherwise: tests time nothing, run alike on every machine, and
     the user's compile cache gets no decision file from them."""
     with pytest.MonkeyPatch.context() as patch:
@@ -203,7 +203,7 @@ def choices_untimed(tmp_path_factory):
         patch.setattr(codec, "choices_folder", lambda: tmp_path_factory.mktemp("codec-choices"))
         patch.setattr(common, "few_rows_steps", lambda: [[0, False], [4, True], [65, False]])
         patch.setattr(common, "compiled_one_row_wins", lambda dtype=torch.float32: True)
-        patch.setattr(common, "many_rows_wins", lambda: True)
+        patch.setattr(common, "many_rows_matmul", lambda: "onednn")
         patch.setattr(common, "frozen_rows_steps", lambda: [[0, False], [4, True], [8, False]])
         yield
 

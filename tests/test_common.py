@@ -48,7 +48,8 @@ def test_a_file_written_atomically_gets_the_usual_permissions_not_safetensors_ow
 STEPS = [[0, False], [4, True], [65, False]]  # a machine where oneDNN wins at 4-64 rows (an Intel Xeon's)
 FEW_ROWS_STEPS = common.few_rows_steps  # as imported: conftest's session fixture replaces it for every test
 ONE_ROW_WINS = common.compiled_one_row_wins  # the same
-MANY_ROWS_WINS = common.many_rows_wins  # the same
+MANY_ROWS_MATMUL = common.many_rows_matmul  # the same
+MKL_PACK = common.mkl_pack
 FROZEN_ROWS_STEPS = common.frozen_rows_steps  # the same
 
 
@@ -463,37 +464,89 @@ def test_the_compiled_one_row_choice_is_timed_once_per_weight_dtype_and_kept_bes
 
 
 def test_the_many_rows_choice_is_timed_once_and_kept_beside_the_row_steps(tmp_path, monkeypatch):
-    """many_rows_wins (OmniVoice's flat row on oneDNN): timed on this machine's first call, then read from
-    ROWS_FILE under its own key, the row steps' entry untouched; an odd value is timed again."""
-    monkeypatch.setattr(common, "many_rows_wins", MANY_ROWS_WINS)
+    """many_rows_matmul (OmniVoice's flat row): timed on this machine's first call, then read from ROWS_FILE
+    under its own key, the row steps' entry untouched; a value that names no matmul is timed again."""
+    monkeypatch.setattr(common, "many_rows_matmul", MANY_ROWS_MATMUL)
     monkeypatch.setattr(common, "use_compile_cache", lambda: tmp_path)
     timed = []
-    monkeypatch.setattr(common, "timed_many_rows", lambda: timed.append(1) or True)
+    monkeypatch.setattr(common, "timed_many_rows", lambda: timed.append(1) or "mkl")
     path, machine = tmp_path / common.ROWS_FILE, common.machine_key(torch.device("cpu"), torch.float32)
     path.write_text(json.dumps({machine: [[0, False]]}))
-    assert common.many_rows_wins() is True and common.many_rows_wins() is True and timed == [1]
+    assert common.many_rows_matmul() == "mkl" and common.many_rows_matmul() == "mkl" and timed == [1]
     key = f"{machine} {common.MANY_ROWS_KEY}"
-    assert json.loads(path.read_text()) == {machine: [[0, False]], key: True}
-    path.write_text(json.dumps({key: [[0, True]]}))
-    assert common.many_rows_wins() is True and timed == [1, 1]
+    assert json.loads(path.read_text()) == {machine: [[0, False]], key: "mkl"}
+    for odd in (True, "blas", [[0, True]]):  # an older file's bool included
+        path.write_text(json.dumps({key: odd}))
+        assert common.many_rows_matmul() == "mkl"
+    assert timed == [1, 1, 1, 1]
 
 
-def test_timed_many_rows_takes_onednn_only_where_it_is_faster(monkeypatch):
-    """F.linear against the prepacked matmul on MANY_ROWS_PROBE rows of a layer's shapes, a warm-up round
-    first: oneDNN only if strictly faster (a fake clock)."""
+@pytest.mark.skipif(not common.mkl_packs(), reason="this torch has no MKL (the choice never takes it there)")
+def test_mkl_packed_matmul_gives_f_linear_at_any_row_count_and_packs_once(monkeypatch):
+    """MKL's copy is packed for MANY_ROWS_PROBE rows; mkl_packed_matmul runs it at every row count (within
+    fp32 rounding of F.linear: odd shapes, a bias, 3-D inputs), makes it once, and again where the weight
+    changed in place."""
+    torch.manual_seed(0)
+    for out_features, in_features in ((40, 48), (8200, 64), (24, 3072)):
+        layer = torch.nn.Linear(in_features, out_features)
+        with torch.inference_mode():
+            for rows in (1, 3, 7, 100, common.MANY_ROWS_PROBE, 446):
+                x = torch.rand(2, rows, in_features) - 0.5
+                want = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+                assert torch.allclose(common.mkl_packed_matmul(x, layer.weight, layer.bias).double(), want,
+                                      atol=1e-5 * in_features ** 0.5), (out_features, in_features, rows)
+    first = layer.weight.mkl_prepacked[1]
+    assert common.mkl_prepacked(layer.weight) is first  # made once
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    x = torch.rand(5, in_features)
+    assert torch.allclose(common.mkl_packed_matmul(x, layer.weight, layer.bias),
+                          F.linear(x, layer.weight, layer.bias), atol=1e-3)
+    assert layer.weight.mkl_prepacked[1] is not first
+    # the packed copy, not the weight, is what every row count multiplies: packed from twice the weight here
+    monkeypatch.setattr(common, "mkl_pack", lambda w: MKL_PACK(2 * w))
+    fresh = torch.nn.Linear(in_features, 8, bias=False)
+    for rows in (1, 7, common.MANY_ROWS_PROBE + 1):
+        x = torch.rand(rows, in_features)
+        assert torch.allclose(common.mkl_packed_matmul(x, fresh.weight), 2 * F.linear(x, fresh.weight),
+                              atol=1e-3), rows
+
+
+@pytest.mark.skipif(not common.mkl_packs(), reason="this torch has no MKL (the choice never takes it there)")
+def test_mkl_packs_any_rows_checks_the_products_at_other_row_counts(monkeypatch):
+    """timed_many_rows may take MKL only where its copy packed for MANY_ROWS_PROBE rows gives F.linear's
+    products at other row counts: true of this machine's MKL, false of one whose products are off there."""
+    weights = [torch.rand(24, 16), torch.rand(16, 24)]
+    assert common.mkl_packs_any_rows(weights)
+    real = common.mkl_packed_matmul
+    off = lambda x, w, b=None: real(x, w, b) * (1 if len(x) == common.MANY_ROWS_PROBE else 1.01)  # noqa: E731
+    monkeypatch.setattr(common, "mkl_packed_matmul", off)
+    assert not common.mkl_packs_any_rows(weights)
+
+
+def test_timed_many_rows_takes_the_fastest_matmul_and_torchs_on_a_tie(monkeypatch):
+    """F.linear, oneDNN's and MKL's packed matmuls on MANY_ROWS_PROBE rows of a layer's shapes, a warm-up
+    round first: the fastest (a fake clock), torch's unless another is strictly faster; MKL's only where its
+    packed copy gives F.linear's products at other row counts."""
     monkeypatch.setattr(common, "PROBE_SHAPES", ((24, 16), (16, 24)))
     monkeypatch.setattr(common, "MANY_ROWS_PROBE", 8)
-    now, cost, linear, packed = [0.0], {}, F.linear, common.packed_matmul
+    now, cost = [0.0], {}
 
     def costs(kind, fn):
         return lambda *args: now.__setitem__(0, now[0] + cost[kind]) or fn(*args)
 
-    monkeypatch.setattr(common.F, "linear", costs("torch", linear))
-    monkeypatch.setattr(common, "packed_matmul", costs("packed", packed))
+    monkeypatch.setattr(common.F, "linear", costs("torch", F.linear))
+    monkeypatch.setattr(common, "packed_matmul", costs("onednn", common.packed_matmul))
+    monkeypatch.setattr(common, "mkl_packed_matmul", costs("mkl", common.mkl_packed_matmul))
+    monkeypatch.setattr(common, "mkl_packs", lambda: True)
     monkeypatch.setattr(time, "perf_counter", lambda: now[0])
-    for torch_cost, packed_cost, wins in ((2, 1, True), (1, 2, False), (1, 1, False)):
-        cost.update(torch=torch_cost, packed=packed_cost)
-        assert common.timed_many_rows(repeats=2) is wins
+    cases = (((2, 1, 3), "onednn"), ((2, 3, 1), "mkl"), ((1, 2, 2), "torch"), ((1, 1, 1), "torch"),
+             ((2, 1, 1), "onednn"))
+    for (torch_cost, onednn, mkl), fastest in cases:
+        cost.update(torch=torch_cost, onednn=onednn, mkl=mkl)
+        assert common.timed_many_rows(repeats=2) == fastest, (torch_cost, onednn, mkl)
+    monkeypatch.setattr(common, "mkl_packs_any_rows", lambda weights: False)
+    assert common.timed_many_rows(repeats=2) == "onednn"  # (2, 1, 1): MKL's copy wrong elsewhere, not taken
 
 
 def test_timed_one_row_takes_the_compiled_sum_only_where_it_beats_every_matmul(monkeypatch):

@@ -186,17 +186,18 @@ def test_generate_gives_upstreams_tokens_and_audio(model, case):
         assert_audio_close(audios[i], expected, case, i, tokens[i], model)
 
 
-@pytest.mark.parametrize("layout", ["flat_row", "flat_row, torch's matmul", "packed_rows"])
+@pytest.mark.parametrize("layout, matmul", [("flat_row", "onednn"), ("flat_row", "mkl"),
+                                            ("flat_row", "torch"), ("packed_rows", "onednn")])
 @pytest.mark.parametrize("case", GENERATE_CASES)
-def test_packed_guidance_gives_upstreams_tokens(model, case, layout, monkeypatch):
+def test_packed_guidance_gives_upstreams_tokens(model, case, layout, matmul, monkeypatch):
     """generate() runs upstream's rows by default (test_generate_gives_upstreams_tokens_and_audio); packed
-    guidance, as CPU's flat row (packed=True; its linears on oneDNN or torch's matmul, as this machine's
-    timing decides) and as the GPU's packed rows (a row per request, a block mask), gives every golden's
-    codes too. Its hidden states agree with upstream's to ~1e-6, not bit for bit (attention and matmuls sum
-    in other orders over other shapes), and no golden's code moves."""
+    guidance, as CPU's flat row (packed=True; its linears on oneDNN's, MKL's packed or torch's matmul, as
+    this machine's timing decides) and as the GPU's packed rows (a row per request, a block mask), gives
+    every golden's codes too. Its hidden states agree with upstream's to ~1e-6, not bit for bit (attention
+    and matmuls sum in other orders over other shapes), and no golden's code moves."""
     spec = CASES["generate"][case]
-    monkeypatch.setattr(common, "many_rows_wins", lambda: "torch" not in layout)
-    rows = getattr(omnivoice, layout.split(",")[0])
+    monkeypatch.setattr(common, "many_rows_matmul", lambda: matmul)
+    rows = getattr(omnivoice, layout)
     monkeypatch.setattr(omnivoice, "row_layout", lambda packed, model: rows)
     _, tokens = omnivoice.generate(model, **api_kwargs(case), seed=spec["seed"], return_tokens=True,
                                    packed=True)
@@ -217,16 +218,17 @@ def test_upstreams_rows_are_the_default_and_packed_is_the_flat_row_on_cpu_only()
     assert defaults == [False, False, False]  # upstream's bits unless asked
 
 
-@pytest.mark.parametrize("wins", [True, False])
-def test_prepacked_linears_run_the_flat_rows_layers_on_onednn_where_this_machine_wins_then_restore_them(
-        model, wins, monkeypatch):
-    """common.prepacked_linears: within it the layer linears run oneDNN's prepacked matmul where the
-    machine's timing (`many_rows_wins`) says so, torch's otherwise, and they are plain nn.Linears again
-    after it."""
-    calls = []
-    packed_matmul = common.packed_matmul
-    monkeypatch.setattr(common, "packed_matmul", lambda *a: calls.append(1) or packed_matmul(*a))
-    monkeypatch.setattr(common, "many_rows_wins", lambda: wins)
+@pytest.mark.parametrize("matmul", ["onednn", "mkl", "torch"])
+def test_prepacked_linears_run_the_flat_rows_layers_on_the_machines_matmul_then_restore_them(
+        model, matmul, monkeypatch):
+    """common.prepacked_linears: within it the layer linears run the matmul this machine's timing chose
+    (`many_rows_matmul`: oneDNN's or MKL's on packed copies of the weights, or torch's), and they are plain
+    nn.Linears again after it."""
+    calls = {"onednn": [], "mkl": []}
+    for name, fn in (("onednn", "packed_matmul"), ("mkl", "mkl_packed_matmul")):
+        real = getattr(common, fn)
+        monkeypatch.setattr(common, fn, lambda *a, real=real, name=name: calls[name].append(1) or real(*a))
+    monkeypatch.setattr(common, "many_rows_matmul", lambda: matmul)
     voice = omnivoice.load_voice(GOLDEN / "prompt_ref24.pt")
     items = omnivoice.plan(model, ["Hello there."], "en", None, None, [voice], None, None, None,
                            omnivoice.generation_config({}))
@@ -234,8 +236,9 @@ def test_prepacked_linears_run_the_flat_rows_layers_on_onednn_where_this_machine
     rows = omnivoice.flat_row(model, items, True)
     with torch.inference_mode(), common.prepacked_linears(model.layers):
         model.hidden(rows["ids"], rows["audio_mask"], rows["mask"], rows["positions"])
-    assert len(calls) == (len(linears) if wins else 0)
-    assert all(type(m) is torch.nn.Linear and "steps" not in vars(m) for m in linears)
+    assert {name: len(c) for name, c in calls.items()} == {
+        name: len(linears) if name == matmul else 0 for name in calls}
+    assert all(type(m) is torch.nn.Linear and "matmul" not in vars(m) for m in linears)
 
 
 @pytest.mark.parametrize("packed", [True, False])
@@ -250,7 +253,7 @@ def test_an_unmasking_step_hands_the_flat_rows_layers_and_heads_to_onednn_and_up
     items = omnivoice.plan(model, ["Hello there."], "en", None, None, [voice], None, None, None, gen)
     omnivoice.unmask(model, items, gen, torch.Generator().manual_seed(0), packed=packed)
     assert handed == ([(model.layers, model.audio_heads)] * 3 if packed else [])
-    assert type(model.audio_heads) is torch.nn.Linear and "steps" not in vars(model.audio_heads)
+    assert type(model.audio_heads) is torch.nn.Linear and "matmul" not in vars(model.audio_heads)
 
 
 def test_the_flat_row_holds_every_sequence_once_as_a_span(model):

@@ -531,13 +531,14 @@ def mkl_packs() -> bool:
 def timed_many_rows(repeats=3) -> str:
     """A layer's linears (random fp32 weights) at MANY_ROWS_PROBE rows on each matmul in turn, the best of
     `repeats` each after a warm-up: compute-bound, so one copy of the layer is enough. A packed matmul is
-    taken only if strictly faster than torch's, MKL's only where this machine has it and its packed copy
-    gives F.linear's products at other row counts too."""
+    taken only if strictly faster than torch's, each only where this torch has it, MKL's only where its packed
+    copy gives F.linear's products at other row counts too."""
     weights = [torch.rand(shape) for shape in PROBE_SHAPES]
     xs = [torch.rand(MANY_ROWS_PROBE, w.shape[1]) for w in weights]
-    packed = [prepack(w) for w in weights]
-    runs = {"torch": lambda: [F.linear(x, w) for x, w in zip(xs, weights)],
-            "onednn": lambda: [packed_matmul(x, p) for x, p in zip(xs, packed)]}
+    runs = {"torch": lambda: [F.linear(x, w) for x, w in zip(xs, weights)]}
+    if torch.backends.mkldnn.is_available():
+        packed = [prepack(w) for w in weights]
+        runs["onednn"] = lambda: [packed_matmul(x, p) for x, p in zip(xs, packed)]
     if mkl_packs() and mkl_packs_any_rows(weights):
         runs["mkl"] = lambda: [mkl_packed_matmul(x, w) for x, w in zip(xs, weights)]
     best = {name: [] for name in runs}
@@ -585,10 +586,9 @@ def prepacked_linears(*modules: nn.Module):
     linears = [m for module in modules for m in module.modules() if type(m) is nn.Linear
                and m.weight.dtype == torch.float32 and m.weight.is_cpu] if not torch.is_grad_enabled() else []
     matmul = many_rows_matmul() if linears else "torch"
-    copy, there = {"onednn": ("prepacked", torch.backends.mkldnn.is_available()),
-                   "mkl": ("mkl_prepacked", mkl_packs())}.get(matmul, ("", False))
-    missing = sum(m.weight.numel() * 4 for m in linears if getattr(m.weight, copy, None) is None)
-    if not (there and missing <= available_memory_bytes() / 2):
+    copy = {"onednn": "prepacked", "mkl": "mkl_prepacked"}.get(matmul)  # torch's: none
+    missing = sum(m.weight.numel() * 4 for m in linears if getattr(m.weight, copy or "", None) is None)
+    if not (copy and missing <= available_memory_bytes() / 2):
         linears = []
     for m in linears:
         m.__class__, m.matmul = ManyRowsLinear, matmul

@@ -1165,7 +1165,7 @@ class Scheduler:
         if self.rows is None:
             self.rows = self.build_rows()
         rows, model = self.rows, self.model
-        # the flat row (packed guidance) takes a packed matmul where faster; upstream's rows keep upstream's bits
+        # the flat row (packed guidance) takes a packed matmul where faster; upstream's rows: upstream's bits
         flat = not isinstance(rows["mask"], Tensor)
         with common.prepacked_linears(model.layers, model.audio_heads) if flat else contextlib.nullcontext():
             hidden = self.forward(rows["ids"], rows["audio_mask"], rows["mask"], rows["positions"])

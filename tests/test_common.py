@@ -547,6 +547,10 @@ def test_timed_many_rows_takes_the_fastest_matmul_and_torchs_on_a_tie(monkeypatc
         assert common.timed_many_rows(repeats=2) == fastest, (torch_cost, onednn, mkl)
     monkeypatch.setattr(common, "mkl_packs_any_rows", lambda weights: False)
     assert common.timed_many_rows(repeats=2) == "onednn"  # (2, 1, 1): MKL's copy wrong elsewhere, not taken
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    prepacks = []
+    monkeypatch.setattr(common, "prepack", lambda w: prepacks.append(w))
+    assert common.timed_many_rows(repeats=2) == "torch" and prepacks == []  # a torch without oneDNN
 
 
 def test_timed_one_row_takes_the_compiled_sum_only_where_it_beats_every_matmul(monkeypatch):

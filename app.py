@@ -46,6 +46,7 @@ import torch
 
 import codec
 import common
+import cpu_fast
 import dualAR
 import omnivoice
 
@@ -620,6 +621,10 @@ class S2ProModel:
             self.model = dualAR.load(self.checkpoint, self.device, dtype, args.quant, compiled,
                                      args.compile_cache, args.fast_prefill)
             self.dac = codec.load(self.checkpoint, self.device, torch.float32)  # references encode in fp32
+        # this CPU's faster matmuls for the engine's batches (the codec stays eager: clips encode to upstream's
+        # codes)
+        if not args.no_tune:
+            cpu_fast.tune(self.model, rows=args.slots)
         self.max_context = min(args.max_context, self.model.config["max_seq_len"])
         # a fixed cache of --max-context positions a row: each row count's frame step is compiled once, here
         self.engine = dualAR.Engine(self.model, slots=args.slots, context=self.max_context,
@@ -729,6 +734,8 @@ class OmniVoiceModel:
             self.model = omnivoice.load(self.checkpoint, self.device, dtype, args.quant)
         if compiled:  # a graph per (rows, bucket of lengths), compiled as requests first need it
             omnivoice.compile_forward(self.model, cache=args.compile_cache)
+        if not args.no_tune:
+            cpu_fast.tune(self.model)  # this CPU's faster matmuls (--packed's flat row)
         self.sample_rate, self.hop = self.model.sample_rate, self.model.audio_tokenizer.hop_length
         self.engine = omnivoice.Engine(self.model, max_batch=args.slots, max_queue=args.queue,
                                        packed=args.packed).start()
@@ -1637,7 +1644,7 @@ draw();
 
 # ----------------------------------------------------------------------------- main
 def parse_args(argv=None):
-    ap = codec.ArgumentParser(description="fishfast web demo and OpenAI-compatible speech server.")
+    ap = common.ArgumentParser(description="fishfast web demo and OpenAI-compatible speech server.")
     ap.add_argument("--checkpoint", help="an S2-Pro or OmniVoice checkpoint dir, the kind read from its"
                     " config.json (default ./s2-pro, or ./OmniVoice with --model omnivoice; if that is"
                     " absent, the model's tiny demo, whose audio is noise)")

@@ -2,12 +2,14 @@
 (GB/s, % of the measured copy bandwidth), prefill tokens/s, time to first audio, peak memory; for a
 quantized model also its logit error and code agreement against the unquantized one. Random weights
 (torch.rand: randn differs between CPUs) at the real size or smaller, or a checkpoint. Also the codec's
-encode / decode / streaming speed, eager and fast path (`python codec.py bench`), and OmniVoice's unmasking
-steps/s, RTF and GFLOP/s (% of the matmul peak) and its audio tokenizer's RTF (`python omnivoice.py --bench`).
+encode / decode / streaming speed, eager and cpu_fast's path, OmniVoice's unmasking steps/s, RTF and
+GFLOP/s (% of the matmul peak) and its audio tokenizer's RTF, and S2-Pro LoRA training steps/s. Each model
+is timed as the CLIs run it: after cpu_fast.tune (`--no-tune`: the plain model).
 
-    python bench.py --config s2-mid --batch 1,4 --frames 64 --compile --quant int8wo
-    python dualAR.py --bench ...                     # the same, from the main CLI
-    python omnivoice.py --bench --config omnivoice --layers 4 --seconds 10 --threads 2
+    python bench.py s2 --config s2-mid --batch 1,4 --frames 64 --compile --quant int8wo   # `s2` may be left out
+    python bench.py codec --compile
+    python bench.py omnivoice --config omnivoice --layers 4 --seconds 10 --threads 2
+    python bench.py lora --config tests/fixtures/s2-tiny/checkpoint/config.json --seq-len 256
 """
 import argparse
 import copy
@@ -16,6 +18,7 @@ import math
 import os
 import resource
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -25,9 +28,11 @@ from torch import Tensor
 
 import codec
 import common
+import cpu_fast
 import dualAR
 import omnivoice
 import omnivoice_codec
+import train_lora
 from common import QuantLinear, swap_linears
 from dualAR import (CONFIG, CPU_BITS, DEMO_DIMS, RAS_WINDOW, DualAR, Scheduler, batch_bucket,
                     cache_bucket, decode_step, demo_tokenizer, draw_noise, sample_frame, sampling_params,
@@ -276,11 +281,13 @@ def bench(args):
         name = args.config
         if half:
             short = next(k for k, v in common.DTYPES.items() if v == dtype)
-            model = quant_agreement(model, short, lambda fp32: common.use_half_linears(fp32.to(dtype)),
+            model = quant_agreement(model, short, lambda fp32: cpu_fast.use_half_linears(fp32.to(dtype)),
                                     against="fp32")
     if quant and not model.quant:
         quant_agreement(model, quant)
     dualAR.optimize(model, None, compiled, args.compile_cache, args.fast_prefill)  # as dualAR.load does
+    if not args.no_tune:
+        cpu_fast.tune(model, rows=max(args.batch))  # as the CLI and the server do
     n_params = sum(m.in_features * m.out_features if isinstance(m, QuantLinear) else
                    sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules()) / 1e9
     built, per_frame, bandwidth = common.peak_memory_gb(device), frame_bytes(model), copy_bandwidth(device)
@@ -313,15 +320,15 @@ def bench(args):
         print(f"bench ttfa_ms={1000 * ttfa:.0f} prompt_tokens={prompt}")
 
 
-# ----------------------------------------------------------------------------- codec (`codec.py bench`)
+# ----------------------------------------------------------------------------- codec (`bench.py codec`)
 def matmul_peak(device, dtype, n=2048, repeats=8) -> float:
     """The best GFLOP/s of an n x n matmul, torch's or oneDNN's on a prepacked weight (the codec's fast
     path; MKL's reached half of it on this AMD CPU): the ceiling of compute-bound work such as the codec's."""
     a, b = torch.rand(n, n, device=device, dtype=dtype), torch.rand(n, n, device=device, dtype=dtype)
     ways = [lambda: a @ b]
-    if codec.can_prepack(b):
-        packed = common.prepack(b.T)
-        ways.append(lambda: common.packed_matmul(a, packed))
+    if cpu_fast.can_prepack(b):
+        packed = cpu_fast.prepack(b.T)
+        ways.append(lambda: cpu_fast.packed_matmul(a, packed))
     best = float("inf")
     for way in ways:
         for _ in range(repeats + 1):  # the first one warms up
@@ -360,7 +367,7 @@ def counted_flops(model: nn.Module, fn) -> int:
 def timed_codec_call(dac, fast: bool, fn, device, choices=None) -> tuple:
     """fn() once, on the codec's fast path (its ops as `choices` say) or not -> (seconds, minor page faults,
     peak memory GB)."""
-    codec.fast_path(dac, fast, choices)
+    cpu_fast.codec_fast_path(dac, fast, choices)
     common.reset_peak_memory(device)
     faults, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
     fn().cpu()
@@ -369,13 +376,13 @@ def timed_codec_call(dac, fast: bool, fn, device, choices=None) -> tuple:
 
 
 def codec_speed(args):
-    """`python codec.py bench`: encode / decode / streaming speed, page faults and peak memory at the real
-    size, random weights; with --compile, the fast path and the eager one side by side (interleaved,
+    """`python bench.py codec`: encode / decode / streaming speed, page faults and peak memory at the real
+    size, random weights; with --compile, cpu_fast's path and the eager one side by side (interleaved,
     min/median/max)."""
     device = common.pick_device(args.device)
     dtype = common.pick_dtype(args.dtype, device, cuda="fp16")
     print(machine_line(device))
-    codec.keep_freed_memory()
+    cpu_fast.keep_freed_memory()  # as cpu_fast.tune does for either path
     cfg = codec.read_config(args.config) if args.config else codec.CONFIG
     dac = random_codec(cfg, device, dtype)
     n_params = sum(p.numel() for p in dac.parameters())
@@ -395,17 +402,17 @@ def codec_speed(args):
     modes, choices = [0, 1] if args.compile else [0], None
     if args.compile:
         start = time.perf_counter()
-        choices = codec.machine_choices(dac)
+        choices = cpu_fast.machine_choices(dac)
         steps = {key: [[0, fast]] if isinstance(fast, bool) else fast for key, fast in choices.items()}
         slower = sorted(key for key, value in steps.items() if not any(fast for _, fast in value))
         said = {key: ", ".join(f"{'fast' if fast else 'eager'} from {rows}" for rows, fast in value)
                 for key, value in steps.items() if len(value) > 1}
         by_rows = sorted(f"{key} ({value})" for key, value in said.items())
-        seconds, kept_in = time.perf_counter() - start, codec.choices_folder() / codec.CHOICES_FILE
+        seconds, kept_in = time.perf_counter() - start, cpu_fast.decisions_file()
         print(f"fast path on this machine: {len(choices) - len(slower)} of {len(choices)} ops fast at some"
               f" size, decided in {seconds:.1f} s ({kept_in}); eager: {', '.join(slower) or 'none'}; by size"
               f" (a linear layer's rows, a conv's positions): {', '.join(by_rows) or 'none'}")
-    with codec.keeping_copies():  # the modes alternate: each prepacked weight made once
+    with cpu_fast.keeping_copies():  # the modes alternate: each prepacked weight made once
         for path, chunk, n_frames, n_chunks, fn in runs:
             flops = counted_flops(dac, fn)  # on either path: both do the same arithmetic
             # warm-up: first calls allocate what later calls reuse; the first fast one compiles
@@ -430,10 +437,10 @@ def codec_speed(args):
                 per_chunk = f" ms_per_chunk={1000 * med / n_chunks:.4g}" if path == "stream" else ""
                 print(f"codec_bench path={path} chunk={chunk} compile={m} rtf={med / audio:.4g} frames_per_s="
                       f"{n_frames / med:.4g} gflops={speed:.4g} rtf_at_peak={at_peak:.4g}{per_chunk}")
-    codec.fast_path(dac, False)
+    cpu_fast.codec_fast_path(dac, False)
 
 
-# --------------------------------------------------------------------------- OmniVoice (omnivoice.py --bench)
+# ----------------------------------------------------------------------------- OmniVoice (`bench.py omnivoice`)
 OV_TINY = Path(__file__).resolve().parent / "tests/fixtures/omnivoice-tiny/checkpoint"
 OV_TEXT = "The quick brown fox jumps over the lazy dog, then it runs far away into the woods. "
 OV_CHARS_PER_SECOND = 14  # about what the length estimate gives English speech
@@ -571,6 +578,7 @@ def ov_compare_quant(model, args, device):
     first forward whose most likely code is unchanged."""
     scheme, gen = args.compare_quant, dict(omnivoice.GENERATION, num_step=args.num_step)
     low = omnivoice.quantize(copy.deepcopy(model), scheme)
+    low = low if args.no_tune else cpu_fast.tune(low)
     items = ov_requests(model, args, gen, args.batch[0])
     audio = sum(item["target_len"] for item in items) / model.frame_rate
     runs = {m: lambda m=m: omnivoice.unmask(m, items, gen, torch.Generator().manual_seed(args.seed),
@@ -601,9 +609,7 @@ def ov_bench_tokenizer(model, args, device):
               f" peak memory {memory:.2f} GB")
 
 
-def omnivoice_main(argv=None):
-    """`python omnivoice.py --bench`: OmniVoice's unmasking and audio tokenizer speed."""
-    ap = argparse.ArgumentParser(prog="omnivoice.py --bench", description=omnivoice_main.__doc__)
+def add_omnivoice_args(ap: argparse.ArgumentParser):
     ap.add_argument("--config", choices=["omnivoice", "tiny"], default="omnivoice",
                     help="omnivoice: random weights at the real dims; tiny: the fixture checkpoint")
     ap.add_argument("--checkpoint", help="time this OmniVoice folder instead (overrides --config)")
@@ -626,7 +632,11 @@ def omnivoice_main(argv=None):
                     " w8a8: int8 weights and activations (CPU)")
     ap.add_argument("--compare-quant", choices=omnivoice.QUANT_SCHEMES[1:], help="also time a copy of the"
                     " model in this scheme against it in alternating rounds: the speed-up, the argmax kept")
-    args = ap.parse_args(argv)
+    ap.add_argument("--no-tune", action="store_true", help="the plain model, without cpu_fast.tune")
+
+
+def omnivoice_speed(args):
+    """`python bench.py omnivoice`: OmniVoice's unmasking and audio tokenizer speed."""
     if args.quant and args.compare_quant:
         raise common.UserError("--compare-quant times a quantized copy against the unquantized model: drop"
                                " --quant")
@@ -647,6 +657,8 @@ def omnivoice_main(argv=None):
     if args.compile:
         omnivoice.compile_forward(model)
         what += ", compiled forward"
+    if not args.no_tune:
+        cpu_fast.tune(model)
     tokenizer_params = sum(p.numel() for p in model.audio_tokenizer.parameters())
     params = sum(p.numel() for p in model.parameters()) - tokenizer_params  # it is a submodule
     print(f"model: {what}: LM {params / 1e6:.1f} M parameters ({str(dtype).removeprefix('torch.')}),"
@@ -661,6 +673,45 @@ def omnivoice_main(argv=None):
 
 
 
+# ----------------------------------------------------------------------------- LoRA training (`bench.py lora`)
+def lora_speed(args):
+    """`python bench.py lora`: LoRA training steps/s and peak memory at the real S2-Pro size (or --config), random weights."""
+    device = common.pick_device(args.device)
+    dtype = common.pick_dtype(None, device)
+    cfg = dict(dualAR.read_config(Path(args.config)) if args.config else dualAR.CONFIG)
+    cfg["n_layer"] = args.n_layer or cfg["n_layer"]
+    model = random_model(cfg, device, dtype).train()
+    params = train_lora.add_lora(model, train_lora.RANK, train_lora.ALPHA, train_lora.DROPOUT)
+    optimizer = torch.optim.AdamW(params, lr=train_lora.LR, betas=train_lora.BETAS, eps=train_lora.EPS, weight_decay=0.0)
+    text = "The quick brown fox jumps over the lazy dog."
+    frames = args.seq_len - train_lora.sample_tokens(model, text, torch.zeros(cfg["num_codebooks"], 1))[0].size(1) + 1
+    if frames < 1:
+        raise common.UserError(f"--seq-len {args.seq_len} leaves no room for codes after the text prompt")
+    codes = torch.randint(0, cfg["codebook_size"], (args.batch_size, cfg["num_codebooks"], frames))
+    samples = [("", *train_lora.sample_tokens(model, text, c)) for c in codes]  # one micro-batch: all of them
+    run = dict(lr=train_lora.LR, warmup=train_lora.WARMUP, batch_size=args.batch_size, grad_accum=1, seed=0)
+    n_params, n_lora = (sum(p.numel() for p in ps) / 1e6 for ps in (model.parameters(), params))
+    print(f"S2-Pro-shaped model ({n_params:.1f} M params, {cfg['n_layer']} slow layers), {dtype}, {device},"
+          f" LoRA rank {train_lora.RANK} ({n_lora:.1f} M), batch {args.batch_size} x {args.seq_len} tokens")
+    for checkpointing in (True, False):
+        run["checkpointing"] = checkpointing
+        common.reset_peak_memory(device)
+        try:
+            for step in range(args.steps + 1):  # the first step warms up
+                if step == 1:
+                    synchronize(device)  # the clock waits for the device's queued work
+                    start = time.perf_counter()
+                train_lora.optimizer_step(model, params, optimizer, run, samples, step)
+            synchronize(device)
+            rate = args.steps / (time.perf_counter() - start)
+            figures = (f"{rate:.3f} steps/s, {rate * args.batch_size * args.seq_len:.0f} tokens/s,"
+                       f" peak memory {common.peak_memory_gb(device):.2f} GB")
+        except torch.OutOfMemoryError:
+            optimizer.zero_grad(set_to_none=True)
+            figures = f"out of memory (peak memory {common.peak_memory_gb(device):.2f} GB)"
+        print(f"gradient checkpointing {'on ' if checkpointing else 'off'}: {figures}")
+
+
 # ----------------------------------------------------------------------------- CLI
 def batch_sizes(text: str) -> list:
     sizes = [int(b) for b in text.split(",")]
@@ -669,17 +720,51 @@ def batch_sizes(text: str) -> list:
     return sizes
 
 
+COMMANDS = ("s2", "codec", "omnivoice", "lora")
+
+
 def main(argv=None):
-    ap = codec.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--checkpoint", help="time this checkpoint instead of random weights")
-    ap.add_argument("--config", choices=list(BENCH_CONFIGS), default="s2-pro",
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] not in ([c] for c in COMMANDS + ("-h", "--help")):
+        argv = ["s2", *argv]  # the frame-step benchmark is the default
+    ap = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="command", required=True)
+    s2 = sub.add_parser("s2", help="S2-Pro's frame steps (the default command)")
+    s2.add_argument("--checkpoint", help="time this checkpoint instead of random weights")
+    s2.add_argument("--config", choices=list(BENCH_CONFIGS), default="s2-pro",
                     help="random-weight model size (default s2-pro, the real dimensions)")
-    ap.add_argument("--batch", type=batch_sizes, default=[1], help="batch sizes, e.g. 1,4,16 (default 1)")
-    ap.add_argument("--frames", type=int, default=16, help="timed frame steps (default 16)")
-    ap.add_argument("--ttfa", action="store_true", help="also time to first audio at batch 1 (prefill,"
+    s2.add_argument("--batch", type=batch_sizes, default=[1], help="batch sizes, e.g. 1,4,16 (default 1)")
+    s2.add_argument("--frames", type=int, default=16, help="timed frame steps (default 16)")
+    s2.add_argument("--ttfa", action="store_true", help="also time to first audio at batch 1 (prefill,"
                     " first frames, their codec decode at the real codec size, random weights)")
-    dualAR.add_model_args(ap)  # --quant also prints the logit error and code agreement vs unquantized
-    bench(ap.parse_args(argv))
+    dualAR.add_model_args(s2)  # --quant also prints the logit error and code agreement vs unquantized
+    c = sub.add_parser("codec", help="the codec's encode / decode / stream RTF at the real size")
+    c.add_argument("--device", type=common.device_name, help="cpu, mps, cuda or cuda:N (default: best)")
+    c.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="default: fp16 on CUDA, else fp32")
+    c.add_argument("--chunk-frames", type=int, default=codec.CHUNK_FRAMES,
+                   help="frames per encode/decode pass (default %(default)s; 0: one pass)")
+    c.add_argument("--config", help="a codec_config.json to time instead of the real size (e.g. tiny's)")
+    c.add_argument("--seconds", type=float, default=5.0, help="seconds of audio (default %(default)s)")
+    c.add_argument("--stream-frames", type=int, nargs="+", default=[1, 4, 16],
+                   help="frames per chunk of each streaming decode timed (default 1 4 16)")
+    c.add_argument("--stream-chunks", type=int, default=8, help="chunks per stream (default %(default)s)")
+    c.add_argument("--repeats", type=int, default=3, help="timed calls per path (default %(default)s)")
+    c.add_argument("--compile", action="store_true", help="also time cpu_fast's path (compiled Snakes, oneDNN"
+                   " on prepacked weights) beside eager")
+    add_omnivoice_args(sub.add_parser("omnivoice", help="OmniVoice's unmasking and audio tokenizer"))
+    lora = sub.add_parser("lora", help="S2-Pro LoRA training steps/s and peak memory, random weights")
+    lora.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: cuda > mps > cpu")
+    lora.add_argument("--config", help="a config.json for smaller dimensions (default: the real S2-Pro)")
+    lora.add_argument("--n-layer", type=int, help="override the number of slow layers")
+    lora.add_argument("--batch-size", type=int, default=4, help="samples per step (default 4)")
+    lora.add_argument("--seq-len", type=int, default=1024, help="tokens per sample (default 1024)")
+    lora.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step (default 3)")
+    args = ap.parse_args(argv)
+    if args.command == "codec" and args.chunk_frames < 0:
+        raise common.UserError("--chunk-frames must be >= 0")
+    if args.command == "lora" and min(args.batch_size, args.seq_len, args.steps) < 1:
+        raise common.UserError("--batch-size, --seq-len and --steps must be >= 1")
+    dict(s2=bench, codec=codec_speed, omnivoice=omnivoice_speed, lora=lora_speed)[args.command](args)
 
 
 if __name__ == "__main__":

@@ -4,19 +4,14 @@
     codes = codec.encode(model, codec.load_audio("ref.wav"))   # (B, 10, T) int64, ~21.53 frames/s
     wave = codec.decode(model, codes)                  # (B, T * 2048) float32 in [-1, 1]
 
-CLI: `python codec.py encode|decode|bench --help`. Matches upstream fish-speech (3dd1f85) `modded_dac.DAC`
+CLI: `python codec.py encode|decode --help`. Matches upstream fish-speech (3dd1f85) `modded_dac.DAC`
 with `rvq.DownsampleResidualVectorQuantize` as it runs at inference: codes exactly, waveforms to fp32 noise.
 Needs common.py alone; dualAR.py takes its RMSNorm, FeedForward and RoPE from here.
 """
 import argparse
-import collections
-import contextlib
-import ctypes
-import functools
 import json
 import math
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -29,8 +24,7 @@ from torch.nn.utils import parametrize
 from torch.nn.utils.parametrizations import weight_norm
 from tqdm import tqdm
 
-import common  # the error users see, devices, atomic writes, audio files, oneDNN's matmul: no model
-from common import packed_matmul, prepack, row_steps, step_at
+import common  # the error users see, devices, atomic writes, audio files: no model
 
 CONFIG = dict(  # the real S2-Pro codec (upstream fish_speech/configs/modded_dac_vq.yaml)
     sample_rate=44100, latent_dim=1024, head_dim=64, rope_base=10000, norm_eps=1e-5,
@@ -41,7 +35,7 @@ CONFIG = dict(  # the real S2-Pro codec (upstream fish_speech/configs/modded_dac
     n_codebooks=9,  # residual codebooks after the semantic one
     quantizer_layers=8, quantizer_heads=16, quantizer_ffn=3072, quantizer_window=128,  # pre and post_module
 )
-CHUNK_FRAMES = 16  # frames per pass (0.74 s): memory stays flat, every tensor under 32 MB (keep_freed_memory)
+CHUNK_FRAMES = 16  # frames per pass (0.74 s): memory stays flat, every tensor under 32 MB
 ATTN_BLOCK = 2048  # queries per attention call (shorter inputs: upstream's one full-mask call)
 STALE_BUFFERS = ("freqs_cis", "causal_mask")  # non-persistent buffers that older saves may still carry
 AUDIO_EXTENSIONS = {".wav", ".flac", ".ogg", ".mp3", ".opus", ".aiff", ".aif"}
@@ -50,7 +44,7 @@ AUDIO_EXTENSIONS = {".wav", ".flac", ".ogg", ".mp3", ".opus", ".aiff", ".aif"}
 # ----------------------------------------------------------------------------- building blocks
 def with_past(cache, module, x, n, dim=-1, channels_last=False):  # (..., L, ...) -> (..., n + L, ...)
     """x after the n steps that came before it in this stream (along dim): zeros at its start, or with no
-    stream. channels_last: x (B, C, L) comes out (B, L, C) in memory (fast_path's layout), the same past."""
+    stream. channels_last: x (B, C, L) comes out (B, L, C) in memory (cpu_fast's layout), the same past."""
     if n == 0:
         return x
     past = None if cache is None else cache.get(module)
@@ -62,7 +56,7 @@ def with_past(cache, module, x, n, dim=-1, channels_last=False):  # (..., L, ...
     return x
 
 
-def snake(x, alpha):  # (B, C, L), (1, C, 1): five passes over x eager, one compiled (fast_path)
+def snake(x, alpha):  # (B, C, L), (1, C, 1): five passes over x eager, one compiled (cpu_fast)
     return x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)
 
 
@@ -70,10 +64,9 @@ class Snake(nn.Module):
     def __init__(self, channels):
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(1, channels, 1))
-        self.fn = snake
 
     def forward(self, x, cache=None):
-        return self.fn(x, self.alpha.view(1, -1, 1))  # a view: compile keeps a Parameter's shape static
+        return snake(x, self.alpha.view(1, -1, 1))
 
 
 class CausalConv(nn.Module):
@@ -84,22 +77,9 @@ class CausalConv(nn.Module):
         conv = nn.Conv1d(cin, cout, kernel, stride=stride, dilation=dilation, groups=groups)
         self.conv = weight_norm(conv) if wn else conv
         self.pad = (kernel - 1) * dilation + 1 - stride
-        self.matmul = kernel == 1 and groups == 1  # on fast_path: one matmul on channels-last x
-        self.packed = None  # fast_path: the weight prepacked (for a matmul where self.matmul)
-        self.geo = [0, 0], [1, stride], [1, dilation], groups  # as a conv2d over (1, L), for fast_path
 
     def forward(self, x, cache=None):  # (B, C, L) -> (B, C', L / stride); L is whole frames, so divisible
-        conv = self.conv
-        if self.packed is None:
-            return conv(with_past(cache, self, x, self.pad))
-        fast = step_at(self.steps, op_rows(self, x.shape))
-        if self.matmul:  # fast_path's tensors are channels-last, (B, L, C) in memory: this one needs no copy
-            return packed_matmul(x.mT, self.packed, conv.bias).mT if fast else conv(x)
-        if not fast:  # the eager layout, as when packed is None: a one-shot decode's long inputs take this
-            return conv(with_past(cache, self, x, self.pad))
-        x = with_past(cache, self, x, self.pad, channels_last=True)[:, :, None]  # (B, C, 1, pad + L)
-        y = torch.ops.mkldnn._convolution_pointwise(x, self.packed, conv.bias, *self.geo, "none", [], "")
-        return y[:, :, 0]
+        return self.conv(with_past(cache, self, x, self.pad))
 
 
 class CausalConvT(nn.Module):
@@ -114,20 +94,17 @@ class CausalConvT(nn.Module):
                                    " is not supported (kernel = stride or 2 * stride)")
         conv = nn.ConvTranspose1d(cin, cout, kernel, stride=stride)
         self.conv = weight_norm(conv) if wn else conv
-        self.stride, self.overlap, self.packed = stride, kernel // stride - 1, None  # packed: fast_path
+        self.stride, self.overlap = stride, kernel // stride - 1
 
     def forward(self, x, cache=None):  # (B, C, L) -> (B, C', L * stride)
         B, _, L = x.shape
-        w = self.conv.weight  # (C, C', kernel); packed: (kernel * C', C)
-        fast = self.packed is not None and step_at(self.steps, op_rows(self, x.shape))
-        y = packed_matmul(x.mT, self.packed) if fast else x.mT @ w.flatten(1)
-        y = y.view(B, L, w.shape[2], -1) if fast else y.view(B, L, -1, w.shape[2]).mT  # (.., kernel, C')
+        w = self.conv.weight  # (C, C', kernel)
+        y = (x.mT @ w.flatten(1)).view(B, L, -1, w.shape[2]).mT  # (B, L, kernel, C')
         y = y.unflatten(2, (1 + self.overlap, self.stride))
         out = y[:, :, 0]  # (B, L, stride, C'): what each input sample writes into its own block
         if self.overlap:  # ... plus what the one before it writes into the next block
             out = out + with_past(cache, self, y[:, :, 1], 1, dim=1)[:, :L]
-        out = out.reshape(B, L * self.stride, -1).mT if fast else out.permute(0, 3, 1, 2).flatten(2)
-        return out + self.conv.bias[:, None]  # fast_path: channels-last
+        return out.permute(0, 3, 1, 2).flatten(2) + self.conv.bias[:, None]
 
 
 class Sequential(nn.Sequential):
@@ -469,21 +446,7 @@ def load(path="s2-pro", device="cpu", dtype=torch.float32):
     if wrong:
         raise common.UserError(f"{pth}: {wrong[0]} — {hint}")
     model.load_state_dict({k: v for k, v in tensors.items() if k in wanted}, assign=True)
-    keep_freed_memory()
     return fold_weight_norm(model).requires_grad_(False).eval().to(device=device, dtype=dtype)
-
-
-def keep_freed_memory():
-    """glibc only (elsewhere nothing): keep freed blocks of up to 32 MB for reuse, not unmapped."""
-    # glibc unmaps freed blocks and faults them back in zeroed: chunks (tensors under 32 MB) alone take 5 s of
-    # audio from ~2 M minor faults to 0.1-0.3 M, these settings to ~0 (4-10% less wall time, same peak RSS).
-    try:
-        libc = ctypes.CDLL(None)
-        libc.gnu_get_libc_version
-    except (OSError, AttributeError, TypeError):
-        return
-    libc.mallopt(-3, 32 * 2**20)  # M_MMAP_THRESHOLD: larger blocks still come from (and go back to) the OS
-    libc.mallopt(-1, 2**30)  # M_TRIM_THRESHOLD: keep up to 1 GiB of freed heap
 
 
 def fold_weight_norm(model):
@@ -495,298 +458,6 @@ def fold_weight_norm(model):
         if isinstance(module, WNProj):
             module.weight = torch._weight_norm(module.weight_v, module.weight_g, 0).detach()
     return model
-
-
-# oneDNN reorders bf16 weights only on CPUs that convert bf16 in hardware (its own error says which)
-BF16_PREPACK = bool(common.CPU_FLAGS.get("avx_ne_convert")
-                    or all(common.CPU_FLAGS.get(f) for f in ("avx512_bw", "avx512_vl", "avx512_dq")))
-
-
-def can_prepack(t):  # whether oneDNN runs this tensor's device and dtype (CPU, fp32, bf16 where it can)
-    ok = t.dtype == torch.float32 or t.dtype == torch.bfloat16 and BF16_PREPACK
-    return t.is_cpu and ok and torch.backends.mkldnn.is_available()
-
-
-def linear_rows(shape):  # a linear layer's input (..., in): how many rows of `in` it multiplies
-    return math.prod(shape[:-1])
-
-
-def op_rows(module, shape):  # what a prepacked op's steps choose by: a linear layer's rows, a conv's B * L
-    return linear_rows(shape) if isinstance(module, nn.Linear) else shape[0] * shape[-1]
-
-
-class PackedLinear(nn.Linear):
-    """fast_path's nn.Linear: the same parameters, and oneDNN's matmul on its weight prepacked (`packed`) at
-    the row counts its `steps` take it at (`row_steps`); at the others nn.Linear's own matmul."""
-
-    def forward(self, x):
-        if step_at(self.steps, linear_rows(x.shape)):
-            return packed_matmul(x, self.packed, self.bias)
-        return super().forward(x)
-
-
-@functools.cache
-def fused_snake():  # one compiled snake for every model; it compiles on first use, a graph per batch size
-    return torch.compile(snake, dynamic=True)  # (made here, not at import: torch.compile imports dynamo)
-
-
-def fast_path(model, on=True, choices=None):
-    """The faster CPU path (on=False: eager), equal to eager within 1e-5; returns the model. Snakes compiled
-    (dynamic shapes: one kernel for all layers and chunk sizes); tensors stay channels-last; convs, linear
-    layers and transposed convs (as one matmul each) run on weights prepacked once for oneDNN, where torch
-    and mkldnn are there: eager mkldnn reorders a conv's weight on every call, and MKL reads a linear
-    layer's weight for a stream's few rows at a third of the memory bandwidth (docs/speed.md). Each of
-    these is taken only where it is faster on this machine: choices {`op_key`: True, False or, for a
-    prepacked op, the sizes it runs prepacked at (`row_steps` of `op_rows`: a linear layer's rows, a conv's
-    positions)} (a key left out: True), by default this machine's (`machine_choices`: timed once, kept in
-    the compile cache)."""
-    p = next(model.parameters())
-    pack = on and can_prepack(p)
-    if on and choices is None:
-        choices = machine_choices(model)
-    for module in model.modules():
-        key = op_key(module)
-        if key is not None:
-            takes = on and (pack or isinstance(module, Snake))
-            use_fast(module, choices.get(key, True) if takes else False)
-    return model
-
-
-def op_key(module):
-    """What a fast-path choice is made for: Snake (one compiled kernel for all), and each prepacked op by its
-    weight's shape and its geometry (None: no choice to make)."""
-    if isinstance(module, Snake):
-        return "snake"
-    if type(module) in (nn.Linear, PackedLinear):
-        return f"linear {list(module.weight.shape)}"
-    if isinstance(module, (CausalConv, CausalConvT)):
-        c = module.conv
-        return f"{type(module).__name__} {list(c.weight.shape)} stride {c.stride[0]} dilation {c.dilation[0]}"
-    return None
-
-
-def use_fast(module, on):
-    """One op fast (on: Snake compiled, another op on its prepacked weight) or eager; on, for a prepacked
-    op, can also be the sizes it runs prepacked at (`row_steps` of `op_rows`)."""
-    if isinstance(module, Snake):
-        module.fn = fused_snake() if on else snake
-        return
-    module.steps = on if isinstance(on, list) else [[0, bool(on)]]
-    packs = any(fast for _, fast in module.steps)  # a copy of the weight only where it is used
-    if type(module) in (nn.Linear, PackedLinear):  # the same module and parameters, another forward
-        module.__class__ = PackedLinear if packs else nn.Linear
-    module.packed = prepacked_copy(module) if packs else None
-
-
-def prepacked_weight(module):
-    if isinstance(module, nn.Linear):
-        return prepack(module.weight)
-    if isinstance(module, CausalConvT):  # (C, C', kernel) -> one matmul's (kernel * C', C)
-        return prepack(module.conv.weight.mT.flatten(1).T)
-    if module.matmul:
-        return prepack(module.conv.weight[:, :, 0])
-    c = module.conv
-    return torch.ops.mkldnn._reorder_convolution_weight(c.weight[:, :, None], *module.geo,
-                                                        [1, c.in_channels, 1, 1024])
-
-
-KEPT_COPIES = None  # inside `keeping_copies`: {module: its prepacked weight}, each made once
-
-
-def prepacked_copy(module):
-    if KEPT_COPIES is None:
-        return prepacked_weight(module)
-    if module not in KEPT_COPIES:
-        KEPT_COPIES[module] = prepacked_weight(module)
-    return KEPT_COPIES[module]
-
-
-@contextlib.contextmanager
-def keeping_copies():
-    """Within: turning ops fast and eager again and again (timing both sides) reuses each prepacked weight,
-    made once. Making and freeing hundreds of MB of copies between timed calls churned the heap: a one-shot
-    decode timed so lost 0.77x, where a model kept fast won 1.3x (docs/speed.md). After it the copies no op
-    uses are freed."""
-    global KEPT_COPIES
-    if KEPT_COPIES is not None:  # already inside one
-        yield
-        return
-    KEPT_COPIES = {}
-    try:
-        yield
-    finally:
-        KEPT_COPIES = None
-
-
-CHOICES_FILE = "codec_fast_path.json"  # in the compile cache folder: {machine: {op key: taken}}
-PROBE_FRAMES = (1, 4, 16)  # chunk sizes a choice must not lose at: streams, and encode/decode's chunks
-
-
-def choices_folder():
-    """The compile cache (common.compile_cache: dualAR.py's and omnivoice.py's kernels are kept there too)."""
-    return common.use_compile_cache()
-
-
-def machine_key(model):
-    p = next(model.parameters())
-    return common.machine_key(p.device, p.dtype)
-
-
-def machine_choices(model):
-    """This machine's choices for the model's ops, read from CHOICES_FILE or timed once (`timed_choices`,
-    then `checked_choices`) and added to it (common.machine_decision). A value that does not decide every
-    op of the model (`is_choice`) only costs the timing again."""
-    ops = {op_key(m): m for m in model.modules() if op_key(m) is not None}
-
-    def valid(choices):
-        return isinstance(choices, dict) and all(is_choice(m, choices.get(key)) for key, m in ops.items())
-
-    def decide(old):  # the ops timed now join those the file decided, then whole paths are checked
-        return checked_choices(model, dict(old if isinstance(old, dict) else {}, **timed_choices(model)))
-
-    choices = common.machine_decision(choices_folder() / CHOICES_FILE, machine_key(model), valid, decide,
-                                      "codec: timing each fast-path op against eager")
-    return {key: choices[key] for key in ops if key in choices}  # this model's (the file has others' too)
-
-
-def is_choice(module, value):
-    """Whether a decision file's value decides this op: True or False for Snake; for a prepacked op its
-    `row_steps` (a bool there, or steps that end prepacked, are an older file's: timed again)."""
-    return isinstance(value, bool) if isinstance(module, Snake) else common.is_row_steps(value)
-
-
-@torch.inference_mode()
-@keeping_copies()
-def timed_choices(model, repeats=3):
-    """Each op eager and fast on the inputs it gets in an encode and in a stream of each PROBE_FRAMES chunk
-    size (`probe_inputs`): Snake is kept fast only if it is no slower in any of them (all calls at once).
-    A prepacked op is timed by its inputs' sizes instead (`op_rows`) and decided for each (`row_steps`):
-    its prepacked weight can win on a stream's few positions and lose on an encode's many, or the reverse,
-    and a one-shot decode's lengths, above every timed one, stay eager."""
-    p = next(model.parameters())
-    inputs, pack = probe_inputs(model), can_prepack(p)
-    by_rows = {op_key(m) for m in inputs if not isinstance(m, Snake)}
-    fast_path(model, on=False)
-    times = {}  # (op key, probe; a prepacked op's: size) -> [eager seconds, fast seconds]
-    for module, probes in inputs.items():
-        key = op_key(module)
-        if key != "snake" and not pack:
-            continue
-        for probe, shapes in probes.items():
-            for shape in shapes:
-                where = op_rows(module, shape) if key in by_rows else probe
-                total = times.setdefault((key, where), [0.0, 0.0])
-                x, best = probe_tensor(module, shape, p), {}
-                for fast in (False, True, False, True):  # the first pair warms up (and compiles)
-                    use_fast(module, fast)
-                    best[fast] = min(seconds(module, x) for _ in range(repeats))
-                total[0] += best[False]
-                total[1] += best[True]
-        use_fast(module, False)
-    wins = {}  # op key -> {probe or rows: fast no slower than eager}
-    for (key, where), (eager, fast) in times.items():
-        wins.setdefault(key, {})[where] = fast <= eager
-    return {key: row_steps(won) if key in by_rows else all(won.values()) for key, won in wins.items()}
-
-
-def probe_tensor(module, shape, like):
-    """A random input of `shape` for timing `module`, laid out as the fast path hands it over: a conv's
-    channels-last, (B, L, C) in memory. Timed on contiguous inputs, the convs of 384 and 768 channels went
-    eager at a 16-frame chunk's sizes on an AVX2 EPYC, where that decode ran 1.18x faster with them
-    prepacked (docs/speed.md)."""
-    if isinstance(module, (CausalConv, CausalConvT)):
-        B, C, L = shape
-        return torch.rand(B, L, C, dtype=like.dtype, device=like.device).mT
-    return torch.rand(shape, dtype=like.dtype, device=like.device)
-
-
-ONE_SHOT_FRAMES = 64  # the one-shot decode the whole-path check times (3 s): its convs see a clip's lengths
-
-
-def probe_paths(model):
-    """{path: run} of what `checked_choices` times whole: an encode in CHUNK_FRAMES chunks, a stream of each
-    PROBE_FRAMES chunk size (two chunks) and a one-shot decode of ONE_SHOT_FRAMES."""
-    p, rows = next(model.parameters()), model.config["n_codebooks"] + 1
-    wave = torch.zeros(2 * CHUNK_FRAMES * model.hop, device=p.device)
-
-    def stream(frames):
-        codes = torch.zeros(1, rows, 2 * frames, dtype=torch.long, device=p.device)
-        collections.deque(decode_stream(model, codes.split(frames, -1)), maxlen=0)
-
-    paths = {"encode": lambda: encode(model, wave)}
-    paths.update({f"stream {frames}": functools.partial(stream, frames) for frames in PROBE_FRAMES})
-    one_shot = torch.zeros(1, rows, ONE_SHOT_FRAMES, dtype=torch.long, device=p.device)
-    paths["one shot"] = lambda: decode(model, one_shot, chunk_frames=None)
-    return paths
-
-
-def fallbacks(choices):
-    """`choices`, then fewer and fewer ops fast: the convs eager, then every prepacked op eager (the Snakes
-    alone compiled), then none."""
-    eager = {key: False if key == "snake" else [[0, False]] for key in choices}
-    convs = {key: value for key, value in eager.items() if key.startswith("Causal")}
-    return [choices, dict(choices, **convs), dict(eager, snake=choices.get("snake", True)), eager]
-
-
-@torch.inference_mode()
-@keeping_copies()
-def checked_choices(model, choices, rounds=2):
-    """Whole paths, not ops, decide at the end: each op can win alone and a path still lose (an eager op
-    handed a fast one's channels-last tensor; a one-shot decode's convs at lengths no probe timed). Each of
-    `probe_paths` is timed eager and with a candidate of `fallbacks`(choices) in turn (`rounds` times, the
-    best kept; the candidate's first run warms up); the first candidate no slower on any path is kept, else
-    every op eager. Leaves the model eager."""
-    paths, candidates = probe_paths(model), []
-    for candidate in fallbacks(choices):  # each one once (where no conv was fast, two are the same)
-        candidates += [candidate] if candidate not in candidates else []
-    for candidate in candidates[:-1]:
-        best = {False: {}, True: {}}
-        for turn in [True] + [False, True] * rounds:  # the candidate's first turn only warms up
-            fast_path(model, choices=candidate) if turn else fast_path(model, on=False)
-            for name, run in paths.items():
-                start = time.perf_counter()
-                run()
-                best[turn].setdefault(name, []).append(time.perf_counter() - start)
-        fast_path(model, on=False)
-        ratios = {name: min(best[False][name]) / min(best[True][name][1:]) for name in paths}
-        fast = sum(value is True or isinstance(value, list) and any(v for _, v in value)
-                   for value in candidate.values())
-        print(f"codec: whole paths with {fast} of {len(candidate)} ops fast, fast / eager speed: "
-              + ", ".join(f"{name} {ratio:.2f}x" for name, ratio in ratios.items()), file=sys.stderr)
-        if all(ratio >= 1 for ratio in ratios.values()):
-            return candidate
-    return candidates[-1]
-
-
-def probe_inputs(model):
-    """{module: {probe: input shapes}} of an eager encode in CHUNK_FRAMES chunks and of a decoding stream in
-    chunks of each PROBE_FRAMES size (two chunks: the second has a past)."""
-    seen, probe = {}, [None]
-
-    def record(module, args):
-        seen.setdefault(module, {}).setdefault(probe[0], set()).add(tuple(args[0].shape))
-
-    hooks = [m.register_forward_pre_hook(record) for m in model.modules() if op_key(m) is not None]
-    p = next(model.parameters())
-    try:
-        fast_path(model, on=False)
-        probe[0] = "encode"
-        encode(model, torch.zeros(2 * CHUNK_FRAMES * model.hop, device=p.device))
-        rows = model.config["n_codebooks"] + 1
-        for frames in PROBE_FRAMES:
-            probe[0] = f"stream {frames}"
-            codes = torch.zeros(1, rows, 2 * frames, dtype=torch.long, device=p.device)
-            collections.deque(decode_stream(model, codes.split(frames, -1)), maxlen=0)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return seen
-
-
-def seconds(module, x):
-    start = time.perf_counter()
-    module(x) if isinstance(module, nn.Linear) else module(x, None)
-    return time.perf_counter() - start
 
 
 # ----------------------------------------------------------------------------- API
@@ -916,8 +587,9 @@ def run_files(args):
     outputs = output_files(inputs, args.out, ".npy" if encoding else ".wav")
     device = common.pick_device(args.device)
     model = load(args.checkpoint, device, common.pick_dtype(args.dtype, device, cuda="fp16"))
-    if not encoding and args.fast:
-        fast_path(model)
+    if not encoding and not args.no_tune:  # encoding stays eager: reference codes exactly upstream's
+        import cpu_fast
+        cpu_fast.tune(model)
     start, rate, chunk = time.perf_counter(), model.config["sample_rate"], args.chunk_frames or None
     for x, out in tqdm(list(zip(data, outputs)), desc=args.command, unit="file"):
         out.parent.mkdir(exist_ok=True)
@@ -931,13 +603,8 @@ def run_files(args):
           f"RTF {wall / seconds:.3f}")
 
 
-class ArgumentParser(argparse.ArgumentParser):
-    def error(self, message):  # a bad command line is one `error: ...` line, like every other error
-        self.exit(2, f"error: {message}\n")
-
-
 def main(argv=None):
-    parser = ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     shared = argparse.ArgumentParser(add_help=False)
     shared.add_argument("--device", type=common.device_name, help="cpu, mps, cuda or cuda:N (default: cuda >"
@@ -957,24 +624,12 @@ def main(argv=None):
     dec = sub.add_parser("decode", parents=[files], help="codes -> <stem>.wav (44.1 kHz PCM-16)")
     dec.add_argument("paths", nargs="*", help=".npy or raw int16 .code files of codes [10, T]. "
                                               "Default: every generate/*.npy")
-    dec.add_argument("--fast", action="store_true", help="decode on fast_path(): compiled Snakes, oneDNN on"
-                     " prepacked weights (CPU: ~1.3-1.5x, ~1.5 GB more memory, within 1e-5 of eager; README)")
-    bn = sub.add_parser("bench", parents=[shared], help="encode/decode RTF at the real size, random weights")
-    bn.add_argument("--config", help="a codec_config.json to time instead of the real size (e.g. tiny's)")
-    bn.add_argument("--seconds", type=float, default=5.0, help="seconds of audio (default %(default)s)")
-    bn.add_argument("--stream-frames", type=int, nargs="+", default=[1, 4, 16],
-                    help="frames per chunk of each streaming decode timed (default 1 4 16)")
-    bn.add_argument("--stream-chunks", type=int, default=8, help="chunks per stream (default %(default)s)")
-    bn.add_argument("--repeats", type=int, default=3, help="timed calls per path (default %(default)s)")
-    bn.add_argument("--compile", action="store_true",
-                    help="also time fast_path(): compiled Snakes, oneDNN on prepacked weights")
+    dec.add_argument("--no-tune", action="store_true", help="CPU: decode eager, without cpu_fast.tune's"
+                     " compiled Snakes and prepacked weights (timed once per machine; within 1e-5 of eager)")
     args = parser.parse_args(argv)
     if args.chunk_frames < 0:
         raise common.UserError("--chunk-frames must be >= 0")
     try:
-        if args.command == "bench":  # the benchmark's code lives with the others, in bench.py
-            import bench
-            return bench.codec_speed(args)
         run_files(args)
     except OSError as e:
         raise common.UserError(str(e)) from None

@@ -1,15 +1,13 @@
 """What every fishfast model and tool shares, and nothing model-specific: the error users see, device and
-dtype choice, atomic writes, audio files, peak memory, an engine's thread. It imports no model file, so a
-model file can be copied with this one alone.
+dtype choice, atomic writes, audio files, CPU quantization as a swap of nn.Linear, peak memory, an engine's
+thread. It imports no model file, so a model file can be copied with this one alone. (What makes a model
+faster on one kind of CPU is cpu_fast.py's, applied from outside.)
 
 Sections: errors and the CLI wrapper, devices and dtypes, files (atomic writes, audio, the compile cache),
-CPU weight-only quantization (QuantLinear), oneDNN's and MKL's prepacked matmuls and the decisions timed once
-per machine (FewRowsLinear, ManyRowsLinear, machine_decision), half-precision linears (HalfLinear), memory,
-engines (the thread that drives a scheduler).
+CPU quantization (QuantLinear, W8A8Linear, swap_linears), memory, engines (the thread that drives a
+scheduler).
 """
 import argparse
-import contextlib
-import json
 import math
 import os
 import re
@@ -17,10 +15,8 @@ import resource
 import shutil
 import sys
 import threading
-import time
 import traceback
 from pathlib import Path
-from typing import Optional
 
 import numpy as np
 import soundfile as sf
@@ -62,6 +58,11 @@ def cli(main, argv=None):
         sys.exit(2)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    def error(self, message):  # a bad command line is one `error: ...` line, like every other error
+        self.exit(2, f"error: {message}\n")
+
+
 # ----------------------------------------------------------------------------- devices and dtypes
 def pick_device(name: str = None) -> torch.device:
     """--device as given (cpu, mps, cuda, cuda:N), else cuda > mps > cpu."""
@@ -87,19 +88,24 @@ def device_name(text: str) -> str:
 
 # ----------------------------------------------------------------------------- files
 def default_compile_cache() -> Path:
-    """Where compiled kernels (and the codec's fast-path decisions) are kept unless told:
-    $XDG_CACHE_HOME/fishfast/compile."""
+    """Where compiled kernels (and cpu_fast's decisions) are kept unless told: $XDG_CACHE_HOME/fishfast/compile."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fishfast" / "compile"
 
 
-def use_compile_cache(cache=None) -> Path:
-    """The compile-cache folder: `cache` if given, else the user's $TORCHINDUCTOR_CACHE_DIR, else
-    default_compile_cache(); points inductor at it."""
+def compile_cache_folder() -> Path:
+    """The compile-cache folder in use: the user's $TORCHINDUCTOR_CACHE_DIR, else default_compile_cache()."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     # importing torch._dynamo sets the variable to torch's /tmp default: that one is not the user's choice
-    if cache is not None or os.environ.get("TORCHINDUCTOR_CACHE_DIR") in (None, default_cache_dir()):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(Path(cache or default_compile_cache()).expanduser())
-    return Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+    return Path(given) if given not in (None, default_cache_dir()) else default_compile_cache()
+
+
+def use_compile_cache(cache=None) -> Path:
+    """Points inductor at the compile-cache folder (process-wide, for good): `cache` if given, else
+    `compile_cache_folder()` -> the folder."""
+    folder = Path(cache).expanduser() if cache is not None else compile_cache_folder()
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
+    return folder
 
 
 def write_atomic(path, write):
@@ -154,7 +160,7 @@ def save_npy(path, array):
     write_atomic(path, write)
 
 
-# ----------------------------------------------------------------------------- CPU weight-only quantization
+# ----------------------------------------------------------------------------- CPU quantization
 INT4_GROUP = 128  # int4 inputs sharing one scale and zero
 INT8_MATMUL_ROWS = 128  # from here on one matmul of the converted int8 weight beats torch's int8 kernel: 1.4x
 # at 128 rows, 1.9x at 1000 on an AVX2 EPYC (fp32 there; below ~96 rows the kernel wins): docs/speed.md
@@ -202,14 +208,9 @@ class QuantLinear(nn.Module):
         self.scales = nn.Parameter(scale.to(torch.bfloat16).contiguous(), requires_grad=False)
         self.bias = linear.bias
 
-    one_row = False  # compiled int8 graphs' one row as `one_row_linear` (use_one_row_sums)
-
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        one_row = self.one_row and self.bits == 8 and x2.shape[0] == 1 and x.is_cpu
-        if one_row and torch.compiler.is_compiling():
-            y = one_row_linear(x2.float(), self.weight) * self.scales  # the kernel's bf16 x, an fp32 sum
-        elif self.bits == 8 and (x2.shape[0] >= self.matmul_rows or not self.kernel):
+        if self.bits == 8 and (x2.shape[0] >= self.matmul_rows or not self.kernel):
             w = self.weight.to(torch.float32 if runs_in_fp32(torch.bfloat16, x.device) else torch.bfloat16)
             y = F.linear(x2.to(w.dtype), w) * self.scales  # one pass over the weight
         elif self.bits == 8:
@@ -224,7 +225,17 @@ CPU_FLAGS = torch._C._cpu._get_cpu_capability()  # what this CPU has: {"avx2": T
 # Whether this CPU has int8 dot products (VNNI, AMX) for torch._int_mm: without them (an AVX2 EPYC) it ran
 # OmniVoice's layers 20x slower than fp32 (docs/omnivoice.md). A constant: dynamo reads it so.
 INT8_UNITS = any(CPU_FLAGS.get(unit) for unit in ("avx512_vnni", "avx_vnni", "amx_int8"))
+# Whether this CPU has matrix instructions for fp16 / bf16 (oneDNN's fast half-precision GEMMs): without them
+# torch's many-row half matmuls are several times slower than fp32 (AVX2 CPUs). Constants: dynamo reads them so.
+HALF_UNITS = {torch.bfloat16: CPU_FLAGS.get("avx512_bf16") or CPU_FLAGS.get("amx_bf16") or False,
+              torch.float16: CPU_FLAGS.get("avx512_fp16") or CPU_FLAGS.get("amx_fp16") or False}
 EXACT_TERMS = 2 ** 24 // 127 ** 2  # 1040 int8 x int8 products: each partial sum an exact fp32 integer
+
+
+def runs_in_fp32(dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether many-row linears of `dtype` on `device` are better run in fp32: half ones on a CPU without
+    half matrix units (QuantLinear's converted weights; cpu_fast.HalfLinear)."""
+    return device.type == "cpu" and dtype in HALF_UNITS and not HALF_UNITS[dtype]
 
 
 def int_mm(a: Tensor, b: Tensor) -> Tensor:
@@ -270,485 +281,6 @@ def swap_linears(module: nn.Module, make):
             setattr(module, name, make(child))
         else:
             swap_linears(child, make)
-
-
-# ----------------------------------------------------------------------------- prepacked matmuls (CPU)
-def prepack(weight: Tensor) -> Tensor:  # (out, in) -> oneDNN's own layout, made once
-    return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous(), None)
-
-
-def packed_matmul(x: Tensor, packed: Tensor, bias: Tensor = None) -> Tensor:  # x @ W^T + bias, W `prepack`ed
-    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-
-def prepacked(weight: Tensor) -> Tensor:
-    """`prepack`(weight), made once and kept on it (made again if it changed in place; an inference tensor,
-    made in inference mode, has no version counter to tell)."""
-    return kept_copy(weight, "prepacked", prepack)
-
-
-def kept_copy(weight: Tensor, name: str, make) -> Tensor:
-    version = None if weight.is_inference() else weight._version
-    kept = getattr(weight, name, None)
-    if kept is None or kept[0] != version:
-        kept = version, make(weight)
-        setattr(weight, name, kept)
-    return kept[1]
-
-
-def mkl_pack(weight: Tensor) -> Tensor:
-    """(out, in) fp32 -> MKL's packed copy (cblas_sgemm_pack: an opaque tensor that must not be copied, since
-    MKL's packed data points into itself; torch.save refuses it, deepcopy drops it)."""
-    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach().contiguous(), MANY_ROWS_PROBE)
-
-
-def mkl_prepacked(weight: Tensor) -> Tensor:  # `mkl_pack`(weight), made once and kept on it as `prepacked`
-    return kept_copy(weight, "mkl_prepacked", mkl_pack)
-
-
-def mkl_packed_matmul(x: Tensor, weight: Tensor, bias: Tensor = None) -> Tensor:
-    """x @ weight^T + bias on `mkl_prepacked`(weight). `_mkl_linear` takes the packed copy only when told the
-    rows it was packed for (else it multiplies `weight`); the copy serves any rows, so it is told x's
-    (`timed_many_rows` checks that on this machine, a test at many row counts)."""
-    return torch.ops.mkl._mkl_linear(x, mkl_prepacked(weight), weight, bias, x.numel() // x.shape[-1])
-
-
-@torch.library.custom_op("fishfast::packed_linear", mutates_args=())
-def packed_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
-    """`packed_matmul` on `prepacked`(weight) as one opaque op for compiled graphs (inductor cannot take
-    oneDNN's packed tensors as graph inputs: the op finds the copy kept on the weight)."""
-    return packed_matmul(x, prepacked(weight), bias)
-
-
-@packed_linear.register_fake
-def _(x, weight, bias):
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
-
-
-def step_at(steps, rows):  # steps [[from rows, choice], ...], the first from 0 -> the choice for rows
-    choice = steps[0][1]
-    for start, value in steps:  # a plain loop: compiled graphs trace it as constants
-        choice = value if start <= rows else choice
-    return choice
-
-
-def row_steps(wins) -> list:
-    """{rows: prepacked no slower} -> [[from rows, prepacked], ...]: each timed row count gets its own choice,
-    a row count between two timed ones the choice of the one below it (the first step starts from 0 rows),
-    and one above every timed one torch's own: untimed (a prefill, a one-shot decode's hundreds of rows)."""
-    steps = []
-    for rows in sorted(wins):
-        if not steps or wins[rows] != steps[-1][1]:
-            steps.append([rows if steps else 0, wins[rows]])
-    return (steps + [[max(wins) + 1, False]]) if steps[-1][1] else steps
-
-
-def is_row_steps(value) -> bool:
-    """Whether a decision file's value is `row_steps`: from 0 rows, rising, ending on torch's own."""
-    steps = value if isinstance(value, list) else []
-    if not all(isinstance(step, list) and [type(v) for v in step] == [int, bool] for step in steps):
-        return False
-    starts = [start for start, _ in steps]
-    return starts[:1] == [0] and starts == sorted(set(starts)) and steps[-1][1] is False
-
-
-def machine_key(device: torch.device, dtype: torch.dtype) -> str:
-    """What a timed decision holds for: the CPU kind, oneDNN's ISA cap, torch, threads, device, dtype."""
-    return (f"{torch.backends.cpu.get_cpu_capability()} {os.environ.get('ONEDNN_MAX_CPU_ISA', '')} torch"
-            f" {torch.__version__} threads {torch.get_num_threads()} {device.type} {dtype}")
-
-
-def machine_decision(path: Path, machine: str, valid, decide, what: str):
-    """A decision timed once per machine and kept in the file `path` ({machine: value}, in the compile
-    cache): the stored value where valid(value), else decide(the stored value or None), said on stderr
-    (`what`) and stored beside the other machines'. A file that cannot be read or written only costs the
-    timing again."""
-    try:
-        known = json.loads(path.read_text())
-    except (OSError, ValueError):
-        known = {}
-    known = known if isinstance(known, dict) else {}
-    if valid(known.get(machine)):
-        return known[machine]
-    print(f"{what}, once for this machine (kept in {path})", file=sys.stderr)
-    value = decide(known.get(machine))
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        text = json.dumps(dict(known, **{machine: value}), indent=1)
-        write_atomic(path, lambda tmp: Path(tmp).write_text(text))
-    except (OSError, UserError):
-        pass
-    return value
-
-
-ROWS_FILE = "few_rows_linear.json"  # in the compile cache folder: {machine: row_steps}
-ROW_PROBES = (1, 2, 3, 4, 8, 16, 32, 64)  # the row counts of a frame step (batch 1 to 64) timed
-PROBE_SHAPES = ((1536, 1024), (1024, 1024), (6144, 1024), (1024, 3072))  # a transformer layer's linears
-PROBE_LAYERS = 3  # 144 MB of fp32 weights: read from memory, as a real model's, not from a 32-96 MB cache
-
-
-def few_rows_steps() -> list:
-    """This machine's `row_steps` for fp32 linears: at which row counts oneDNN's matmul on a prepacked weight
-    is no slower than torch's own (MKL reads a weight for one row at ~40 GB/s on a Xeon but ~12 on an AMD
-    EPYC, where oneDNN reads ~24: docs/speed.md). Timed once (`timed_row_steps`), kept in ROWS_FILE."""
-    return machine_decision(use_compile_cache() / ROWS_FILE, machine_key(torch.device("cpu"), torch.float32),
-                            is_row_steps, lambda old: timed_row_steps(), "timing oneDNN's few-row matmuls")
-
-
-@torch.inference_mode()
-def timed_row_steps(repeats=3) -> list:
-    """A layer's linears PROBE_LAYERS times (random fp32 weights) at each of ROW_PROBES rows, F.linear and
-    prepacked in turn (the best of `repeats` each) -> `row_steps`. About 2 s."""
-    weights = [torch.rand(shape) for _ in range(PROBE_LAYERS) for shape in PROBE_SHAPES]
-    packed = [prepack(w) for w in weights]
-
-    def seconds(rows, matmul, ws):
-        xs = {i: torch.rand(rows, i) for i in {w.shape[1] for w in weights}}
-        start = time.perf_counter()
-        for w, plain in zip(ws, weights):
-            matmul(xs[plain.shape[1]], w)
-        return time.perf_counter() - start
-
-    wins = {}
-    for rows in ROW_PROBES:
-        best = {F.linear: [], packed_matmul: []}
-        for _ in range(1 + repeats):  # the first round warms up
-            for matmul, ws in ((F.linear, weights), (packed_matmul, packed)):
-                best[matmul].append(seconds(rows, matmul, ws))
-        wins[rows] = min(best[packed_matmul][1:]) <= min(best[F.linear][1:])
-    return row_steps(wins)
-
-
-# Whether compiled graphs may run few-row linears on oneDNN's prepacked weights too, where the steps take
-# them: on an AVX2-only CPU (an AMD EPYC: inductor's 4-row matmul read a weight at a third of oneDNN's speed)
-# or where MKL loses even at one row (an AVX-512 EPYC); on an AVX-512 Xeon, whose MKL wins at one row,
-# inductor's own 4-row plan beat the op though eager oneDNN won (docs/speed.md).
-AVX2_ONLY = torch.backends.cpu.get_cpu_capability() == "AVX2"
-
-
-class FewRowsLinear(nn.Linear):
-    """nn.Linear whose inference on CPU fp32 runs oneDNN on the weight `prepacked` at the row counts its
-    `steps` take it at (`row_steps`: this machine's `few_rows_steps` by default), eager, and compiled (as
-    the opaque `packed_linear`) at those its `compiled_steps` take; a compiled graph's one row is
-    `one_row_linear` where `one_row` says so, and the rows its `frozen_steps` take are F.linear (the graph
-    is compiled on frozen weights there: `use_frozen_gemms`); any other call is nn.Linear's. The copy
-    doubles the layer's memory, made at its first such call."""
-
-    steps = compiled_steps = frozen_steps = [[0, False]]
-    one_row = False
-
-    def forward(self, x: Tensor) -> Tensor:
-        compiling, rows = torch.compiler.is_compiling(), x.numel() // self.in_features
-        fp32_inference = x.dtype == torch.float32 and x.is_cpu and not torch.is_grad_enabled()
-        if compiling and self.one_row and rows == 1 and fp32_inference:
-            return one_row_linear(x, self.weight, self.bias)
-        if compiling and step_at(self.frozen_steps, rows) and fp32_inference:
-            return F.linear(x, self.weight, self.bias)  # a graph on frozen weights: inductor's own GEMM
-        if step_at(self.compiled_steps if compiling else self.steps, rows) and fp32_inference:
-            if not compiling:
-                return packed_matmul(x, prepacked(self.weight), self.bias)
-            return packed_linear(x, self.weight, self.bias)
-        return F.linear(x, self.weight, self.bias)
-
-
-def one_row_linear(x: Tensor, weight: Tensor, bias: Tensor = None) -> Tensor:
-    """F.linear of one row as a product and a sum: inductor fuses them into one pass over the weight (32 GB/s
-    on a Zen 4, where oneDNN's matmul read 24 and MKL's 12). Eager it would make the whole product: compiled
-    graphs only."""
-    y = (x.unsqueeze(-2) * weight).sum(-1)
-    return y if bias is None else y + bias
-
-
-ONE_ROW_KEY = "compiled one row"  # ROWS_FILE's entry for `compiled_one_row_wins`, after the machine key
-
-
-def compiled_one_row_wins(dtype: torch.dtype = torch.float32) -> bool:
-    """Whether this machine's compiled graphs run a one-row linear of `dtype` weights (fp32, or int8 as
-    QuantLinear's) faster as `one_row_linear` than the matmuls eager takes for it. Timed once
-    (`timed_one_row`: it compiles, 5-15 s), kept in ROWS_FILE."""
-    machine = f"{machine_key(torch.device('cpu'), dtype)} {ONE_ROW_KEY}"
-    return machine_decision(use_compile_cache() / ROWS_FILE, machine, lambda value: isinstance(value, bool),
-                            lambda old: timed_one_row(dtype), f"timing compiled one-row {dtype} linears")
-
-
-@torch.inference_mode()
-def timed_one_row(dtype: torch.dtype = torch.float32, repeats=5) -> bool:
-    """A layer's linears at one row, PROBE_LAYERS times for fp32 and 4x that for int8 (the same bytes):
-    `one_row_linear` compiled by inductor against torch's own matmul and, for fp32, oneDNN's prepacked one
-    (the best of `repeats` each, after a warm-up that compiles)."""
-    xs = {i: torch.rand(1, i) for i in {shape[1] for shape in PROBE_SHAPES}}
-    if dtype == torch.int8:
-        weights = [torch.randint(-127, 128, shape, dtype=torch.int8)
-                   for _ in range(4 * PROBE_LAYERS) for shape in PROBE_SHAPES]
-        scales = {w.shape[0]: torch.rand(w.shape[0]).bfloat16() for w in weights}
-        fused = torch.compile(lambda ws: [one_row_linear(xs[w.shape[1]], w) * scales[w.shape[0]] for w in ws],
-                              fullgraph=True)
-        kernel = torch.ops.aten._weight_int8pack_mm
-        runs = {"torch": lambda: [kernel(xs[w.shape[1]].bfloat16(), w, scales[w.shape[0]]) for w in weights]}
-    else:
-        weights = [torch.rand(shape) for _ in range(PROBE_LAYERS) for shape in PROBE_SHAPES]
-        fused = torch.compile(lambda ws: [one_row_linear(xs[w.shape[1]], w) for w in ws], fullgraph=True)
-        packed = [prepack(w) for w in weights]
-        runs = {"torch": lambda: [F.linear(xs[w.shape[1]], w) for w in weights],
-                "packed": lambda: [packed_matmul(xs[w.shape[1]], p) for w, p in zip(weights, packed)]}
-    runs["fused"] = lambda: fused(weights)
-    return beats_the_others(runs, "fused", repeats)
-
-
-def beats_the_others(runs: dict, name: str, repeats: int) -> bool:
-    """Whether runs[name] is strictly faster than every other run of `runs` ({name: fn}), each the best of
-    `repeats` calls, the runs taking turns after a first round that warms up (and compiles)."""
-    best = {}
-    for _ in range(1 + repeats):
-        for key, run in runs.items():
-            start = time.perf_counter()
-            run()
-            best.setdefault(key, []).append(time.perf_counter() - start)
-    fastest = min(best.pop(name)[1:])
-    return all(fastest < min(seconds[1:]) for seconds in best.values())
-
-
-MANY_ROWS_KEY = "many rows matmul"  # ROWS_FILE's entry for `many_rows_matmul`, after the machine key
-MANY_ROWS_PROBE = 320  # a whole sequence's rows (OmniVoice's flat row: a 3 s prompt, 4 s of audio twice)
-MANY_ROWS_MATMULS = ("torch", "onednn", "mkl")  # F.linear; oneDNN's or MKL's matmul on a packed weight
-
-
-def many_rows_matmul() -> str:
-    """Which fp32 matmul of MANY_ROWS_MATMULS runs a whole sequence's rows fastest here: oneDNN on a prepacked
-    weight ran 323-row products 1.2-1.5x faster than torch's own (MKL's plain sgemm) on a Zen 4 and no faster
-    on a Xeon, where MKL's packed sgemm ran them 1.1-1.3x faster (docs/omnivoice.md). Timed once
-    (`timed_many_rows`, about 1 s), kept in ROWS_FILE."""
-    machine = f"{machine_key(torch.device('cpu'), torch.float32)} {MANY_ROWS_KEY}"
-    return machine_decision(use_compile_cache() / ROWS_FILE, machine, MANY_ROWS_MATMULS.__contains__,
-                            lambda old: timed_many_rows(), "timing the many-row matmuls")
-
-
-def mkl_packs() -> bool:
-    return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_linear")
-
-
-@torch.inference_mode()
-def timed_many_rows(repeats=3) -> str:
-    """A layer's linears (random fp32 weights) at MANY_ROWS_PROBE rows on each matmul in turn, the best of
-    `repeats` each after a warm-up: compute-bound, so one copy of the layer is enough. A packed matmul is
-    taken only if strictly faster than torch's, each only where this torch has it, MKL's only where its packed
-    copy gives F.linear's products at other row counts too."""
-    weights = [torch.rand(shape) for shape in PROBE_SHAPES]
-    xs = [torch.rand(MANY_ROWS_PROBE, w.shape[1]) for w in weights]
-    runs = {"torch": lambda: [F.linear(x, w) for x, w in zip(xs, weights)]}
-    if torch.backends.mkldnn.is_available():
-        packed = [prepack(w) for w in weights]
-        runs["onednn"] = lambda: [packed_matmul(x, p) for x, p in zip(xs, packed)]
-    if mkl_packs() and mkl_packs_any_rows(weights):
-        runs["mkl"] = lambda: [mkl_packed_matmul(x, w) for x, w in zip(xs, weights)]
-    best = {name: [] for name in runs}
-    for _ in range(1 + repeats):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run()
-            best[name].append(time.perf_counter() - start)
-    return min(runs, key=lambda name: (min(best[name][1:]), name != "torch"))  # a tie: torch's
-
-
-def mkl_packs_any_rows(weights: list) -> bool:
-    """Whether MKL's copies packed for MANY_ROWS_PROBE rows give F.linear's products (to fp32 rounding) at
-    other row counts too, as `mkl_packed_matmul` assumes."""
-    for rows in (1, 7, MANY_ROWS_PROBE + 13):
-        for w in weights:
-            x = torch.rand(rows, w.shape[1])
-            expected = F.linear(x, w)
-            if not torch.allclose(mkl_packed_matmul(x, w), expected, rtol=1e-4, atol=1e-3):
-                return False
-    return True
-
-
-class ManyRowsLinear(nn.Linear):
-    """nn.Linear whose fp32 CPU inference runs `matmul` ("onednn" or "mkl") on a packed copy of its weight,
-    made at its first such call and kept on the weight (twice its memory); any other call is nn.Linear's."""
-
-    matmul = "torch"
-
-    def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == torch.float32 and x.is_cpu and not torch.is_grad_enabled():
-            if self.matmul == "mkl":
-                return mkl_packed_matmul(x, self.weight, self.bias)
-            if self.matmul == "onednn":
-                return packed_matmul(x, prepacked(self.weight), self.bias)
-        return F.linear(x, self.weight, self.bias)
-
-
-@contextlib.contextmanager
-def prepacked_linears(*modules: nn.Module):
-    """Within it, the plain fp32 CPU nn.Linears inside `modules` run this machine's `many_rows_matmul` on
-    packed copies of their weights (ManyRowsLinear, eager inference), where it is not torch's and the copies
-    not yet made fit in half of the memory available now; after it, nn.Linear again. The copies stay on the
-    weights (twice their memory). One forward at a time: it changes the modules while it lasts."""
-    linears = [m for module in modules for m in module.modules() if type(m) is nn.Linear
-               and m.weight.dtype == torch.float32 and m.weight.is_cpu] if not torch.is_grad_enabled() else []
-    matmul = many_rows_matmul() if linears else "torch"
-    copy = {"onednn": "prepacked", "mkl": "mkl_prepacked"}.get(matmul)  # torch's: none
-    missing = sum(m.weight.numel() * 4 for m in linears if getattr(m.weight, copy or "", None) is None)
-    if not (copy and missing <= available_memory_bytes() / 2):
-        linears = []
-    for m in linears:
-        m.__class__, m.matmul = ManyRowsLinear, matmul
-    try:
-        yield
-    finally:
-        for m in linears:
-            m.__class__ = nn.Linear
-            vars(m).pop("matmul", None)  # not `del`: a forward in another thread may have restored it
-
-
-def use_few_rows_linears(module: nn.Module, steps: list = None):
-    """Every plain fp32 CPU nn.Linear inside module -> FewRowsLinear (the same parameters and names) with
-    `steps` (default: this machine's `few_rows_steps`; compiled graphs: the same where AVX2_ONLY or they
-    take one row), where torch has oneDNN, some row count takes it and the prepacked copies fit in half of
-    the memory available now (else nothing changes)."""
-    linears = [m for m in module.modules() if type(m) in (nn.Linear, FewRowsLinear)
-               and m.weight.dtype == torch.float32 and m.weight.is_cpu]
-    size = sum(m.weight.numel() * m.weight.element_size() for m in linears)
-    if linears and torch.backends.mkldnn.is_available() and size <= available_memory_bytes() / 2:
-        steps = few_rows_steps() if steps is None else steps
-        compiled = steps if AVX2_ONLY or step_at(steps, 1) else [[0, False]]
-        for m in linears if any(fast for _, fast in steps) else ():
-            m.__class__, m.steps, m.compiled_steps = FewRowsLinear, steps, compiled
-
-
-def use_one_row_sums(module: nn.Module, wins: dict = None):
-    """For a module that runs compiled on CPU: its fp32 linear layers (as FewRowsLinear) and int8 QuantLinears
-    run one row as `one_row_linear` in compiled graphs where `wins` ({torch.float32: bool, torch.int8: bool})
-    says so; a dtype it lacks: this machine's `compiled_one_row_wins`, asked only if the module has one."""
-    layers = [m for m in module.modules() if (type(m) in (nn.Linear, FewRowsLinear) and m.weight.dtype
-              == torch.float32 or type(m) is QuantLinear and m.bits == 8) and m.weight.is_cpu]
-    wins = dict(wins or {})
-    for m in layers:
-        dtype = m.weight.dtype
-        if dtype not in wins:
-            wins[dtype] = compiled_one_row_wins(dtype)
-        if type(m) is nn.Linear and wins[dtype]:  # the same parameters, FewRowsLinear's forward
-            m.__class__ = FewRowsLinear
-        m.one_row = wins[dtype]
-
-
-FROZEN_KEY = "compiled frozen rows"  # ROWS_FILE's entry for `frozen_rows_steps`, after the machine key
-FROZEN_PROBES = (4, 8, 16)  # the batched frame steps' row counts (dualAR.batch_bucket) that are timed
-# Inductor's own GEMM (its CPP template: a register-blocked kernel on a copy of the weight it packs when it
-# compiles) takes only a graph's constants, so the weights are frozen; ATEN: a matmul the template cannot take
-FROZEN_GEMMS = dict(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP")
-
-
-def frozen_gemms():
-    """Graphs compiled within it take their weights as constants and their fp32 matmuls as inductor's GEMM
-    template where it applies. Only compiling reads it: a graph already compiled runs as it was compiled."""
-    return torch._inductor.config.patch(FROZEN_GEMMS)
-
-
-def frozen_rows_steps() -> list:
-    """This machine's `row_steps` for compiled graphs of fp32 linears: at which row counts the graph runs
-    them faster on frozen weights (`frozen_gemms`) than on the matmuls it takes otherwise (torch's, or
-    oneDNN's prepacked): at 4 rows a Zen 4 read a weight at 23 GB/s so, oneDNN at 17, MKL at 6; at 8 rows
-    the template lost (docs/speed.md). Timed once (`timed_frozen_rows`: it compiles, about a minute), kept
-    in ROWS_FILE."""
-    machine = f"{machine_key(torch.device('cpu'), torch.float32)} {FROZEN_KEY}"
-    return machine_decision(use_compile_cache() / ROWS_FILE, machine, is_row_steps,
-                            lambda old: timed_frozen_rows(), "timing compiled matmuls on frozen weights")
-
-
-@torch.inference_mode()
-def timed_frozen_rows(repeats=3) -> list:
-    """A layer's linears PROBE_LAYERS times (random fp32 weights) at each of FROZEN_PROBES rows: one graph
-    of them compiled within `frozen_gemms`, against F.linear and oneDNN's prepacked matmul eager (what a
-    plain graph calls), the best of `repeats` each after a warm-up that compiles -> `row_steps` (one row:
-    not frozen, the one-row sums are plain graphs)."""
-    linears = nn.ModuleList(nn.Linear(i, o, bias=False) for _ in range(PROBE_LAYERS) for o, i in PROBE_SHAPES)
-    weights = [m.weight for m in linears]
-    packed = [prepack(w) for w in weights]
-    from torch._inductor.codecache import PyCodeCache
-
-    wins, modules = {1: False}, PyCodeCache.modules  # what inductor loads, kept for good
-    for rows in FROZEN_PROBES:
-        xs, known = {i: torch.rand(rows, i) for i in {w.shape[1] for w in weights}}, len(modules)
-
-        def probe():
-            return [m(xs[m.in_features]) for m in linears]
-
-        runs = {"frozen": torch.compile(probe, fullgraph=True, dynamic=False),
-                "torch": lambda: [F.linear(xs[w.shape[1]], w) for w in weights],
-                "packed": lambda: [packed_matmul(xs[w.shape[1]], p) for w, p in zip(weights, packed)]}
-        with frozen_gemms():
-            wins[rows] = beats_the_others(runs, "frozen", repeats)
-        torch._C._dynamo.eval_frame.reset_code(probe.__code__)  # the graph and its weights' copies freed:
-        for module in modules[known:]:  # inductor keeps each module it loads with constants, and them
-            sys.modules.pop(module.__name__, None)
-        del modules[known:]
-    return row_steps(wins)
-
-
-def frozen_rows(module: nn.Module) -> list:
-    """The row counts (`row_steps`) at which a CPU fp32 unquantized module's compiled graphs go on frozen
-    weights: this machine's `frozen_rows_steps`, where its linear layers fit in an eighth of the memory
-    available now (each such graph packs its own copy, and compiling one peaked at ~5x their bytes at
-    s2-mid-b); else none."""
-    modules = list(module.modules())
-    size = sum(m.weight.numel() * 4 for m in modules if isinstance(m, nn.Linear))
-    if (size and not any(isinstance(m, (QuantLinear, W8A8Linear)) for m in modules)
-            and all(w.is_cpu and w.dtype == torch.float32 for w in module.parameters())
-            and size <= available_memory_bytes() / 8):
-        return frozen_rows_steps()
-    return [[0, False]]
-
-
-def frozen_graphs(compiled, steps: list, x: Tensor, *inputs):
-    """compiled(x, *inputs), whose graph for a row count of x (its first dim) that `steps` take is compiled
-    on frozen weights (`frozen_gemms`), every other plainly."""
-    if not step_at(steps, x.size(0)):
-        return compiled(x, *inputs)
-    with frozen_gemms():
-        return compiled(x, *inputs)
-
-
-def use_frozen_gemms(module: nn.Module, steps: list):
-    """Every fp32 CPU nn.Linear inside module -> FewRowsLinear (the same parameters) whose compiled graphs run
-    F.linear at the rows `steps` take (`row_steps`), for graphs compiled there within `frozen_gemms`."""
-    for m in module.modules():
-        if type(m) in (nn.Linear, FewRowsLinear) and m.weight.dtype == torch.float32 and m.weight.is_cpu:
-            m.__class__, m.frozen_steps = FewRowsLinear, steps
-
-
-# ----------------------------------------------------------------------------- half-precision linears (CPU)
-MANY_ROWS = 32  # from here on an fp32 matmul of the upcast weight beats a half one (AVX2 EPYC): docs/speed.md
-# Whether this CPU has matrix instructions for fp16 / bf16 (oneDNN's fast half-precision GEMMs): without them
-# torch's many-row half matmuls are 4-5x slower than fp32 (an AVX2 EPYC). Constants: dynamo reads them so.
-HALF_UNITS = {torch.bfloat16: CPU_FLAGS.get("avx512_bf16") or CPU_FLAGS.get("amx_bf16") or False,
-              torch.float16: CPU_FLAGS.get("avx512_fp16") or CPU_FLAGS.get("amx_fp16") or False}
-
-
-class HalfLinear(nn.Linear):
-    """nn.Linear with fp16 or bf16 weights on a CPU without matrix units for them: from MANY_ROWS rows on
-    (a prefill, OmniVoice's sequences: compute-bound) it runs in fp32, the weight upcast for the call and
-    the output rounded back, so the sum is fp32 as in the half GEMM; fewer rows (memory-bound frames) read
-    half the bytes in half precision, which is why the weight stays half."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        if x.numel() // self.in_features >= MANY_ROWS and x.is_cpu and x.dtype == self.weight.dtype:
-            bias = None if self.bias is None else self.bias.float()
-            return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
-        return F.linear(x, self.weight, self.bias)
-
-
-def runs_in_fp32(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether many-row linears of `dtype` on `device` run in fp32 (HalfLinear): half ones on such a CPU."""
-    return device.type == "cpu" and dtype in HALF_UNITS and not HALF_UNITS[dtype]
-
-
-def use_half_linears(module: nn.Module) -> nn.Module:
-    """Every plain nn.Linear inside module whose weight is fp16 or bf16 on a CPU without matrix units for
-    it -> HalfLinear (the same parameters and names) -> module."""
-    for m in module.modules():
-        if type(m) is nn.Linear and runs_in_fp32(m.weight.dtype, m.weight.device):
-            m.__class__ = HalfLinear
-    return module
 
 
 # ----------------------------------------------------------------------------- memory

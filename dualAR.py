@@ -8,8 +8,8 @@ Everything is written to give upstream fish-speech's codes for upstream's seed o
 
 How the file reads (sections, top to bottom):
     config          CONFIG (the real S2-Pro), config.json of either layout -> one flat dict
-    building blocks KVCache, Attention and Block (3 ways each), flex-decoding (RMSNorm, FeedForward, RoPE:
-                    codec.py's, whose transformers use the same arithmetic)
+    building blocks RMSNorm, FeedForward, RoPE (codec.py's transformers have the same), KVCache, Attention
+                    and Block (3 ways each), flex-decoding
     model           DualAR: embeddings, slow and fast transformers, the head; prefill, forward_slow/fast
     loading         sharded safetensors (HF names) -> the model, ids from the tokenizer
     quantization    int8/int4 on CPU (common.QuantLinear, torch's kernels), torchao on GPU; compile_model
@@ -45,12 +45,9 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from tqdm import tqdm
 
-import codec  # the CLI's audio, and the RMSNorm, FeedForward and RoPE of both transformers here
-from codec import FeedForward, RMSNorm, apply_rope, rope_table
-from common import (DTYPES, EngineClosed, EngineThread, Job, QuantLinear, QueueFull, UserError, cli,
-                    default_compile_cache, device_name, frozen_graphs, frozen_rows, peak_memory_gb,
-                    pick_device, pick_dtype, swap_linears, unreadable, use_compile_cache,
-                    use_few_rows_linears, use_frozen_gemms, use_half_linears, use_one_row_sums)
+from common import (DTYPES, ArgumentParser, EngineClosed, EngineThread, Job, QuantLinear, QueueFull, UserError,
+                    cli, default_compile_cache, device_name, peak_memory_gb, pick_device, pick_dtype,
+                    swap_linears, unreadable, use_compile_cache)
 
 # The real fishaudio/s2-pro dimensions, with upstream's flat `dual_ar` key names.
 CONFIG = dict(
@@ -133,6 +130,45 @@ def is_semantic(ids: Tensor, cfg: dict) -> Tensor:
 
 
 # ----------------------------------------------------------------------------- building blocks
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()  # upstream normalises in fp32
+        xf = xf * torch.rsqrt(torch.mean(xf * xf, dim=-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim, hidden):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def rope_table(length, head_dim, base, start=0):
+    """Positions start.. -> (length, head_dim / 2, 2): cos, sin."""
+    freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2)[: head_dim // 2].float() / head_dim))
+    angles = torch.outer(torch.arange(start, start + length), freqs)
+    rot = torch.polar(torch.ones_like(angles), angles)
+    return torch.stack([rot.real, rot.imag], -1).to(torch.bfloat16).float()  # upstream rounds it to bf16
+
+
+def apply_rope(x, rope):
+    """x (B, T, H, hd), rope (T or B, T, ...): rotates the interleaved pairs (x[2j], x[2j+1])."""
+    xs = x.float().reshape(*x.shape[:-1], -1, 2)
+    cos, sin = rope[..., None, :, 0], rope[..., None, :, 1]  # broadcast over heads
+    out = torch.stack([xs[..., 0] * cos - xs[..., 1] * sin, xs[..., 1] * cos + xs[..., 0] * sin], -1)
+    return out.flatten(3).type_as(x)
+
+
 class KVCache(nn.Module):
     """Static K/V buffers (rows, kv heads, positions, head_dim). Row b of the batch belongs to one request."""
 
@@ -557,13 +593,12 @@ def load(checkpoint, device="cpu", dtype=torch.float32, quant=None, compile=Fals
 
 
 def optimize(model: DualAR, quant=None, compile=False, compile_cache=None, fast_prefill=False) -> DualAR:
-    """Quantize and/or compile a loaded (or demo) model, and choose its frame step's fast passes. Linears
-    left in fp16 or bf16 on a CPU without matrix units for them prefill in fp32 (common.HalfLinear)."""
+    """Quantize and/or compile a loaded (or demo) model, and choose its frame step's fast passes (this CPU's
+    faster matmuls are cpu_fast.tune's, applied after this)."""
     check_quant(quant, model.embeddings.weight.device, model.embeddings.weight.dtype)
     model.fast_prefill = fast_prefill
     if quant and quant != "none":
         quantize(model, quant)
-    use_half_linears(model)
     if compile:
         compile_model(model, compile_cache)
     return model
@@ -650,28 +685,23 @@ RECOMPILE_GUARD = 64  # graphs of decode_step per process (dynamo's default, 8, 
 def compile_model(model: DualAR, cache=None, backend="inductor", step=None):
     """The frame step as one graph per (rows, cache) shape (see `batch_bucket`, `cache_bucket`), with
     flex-decoding inside; on CUDA replayed as CUDA graphs. Inductor keeps what it compiles in `cache`
-    (`common.use_compile_cache`): the next process with the same shapes
-    loads it instead of compiling again. backend="eager": the same graph capture, no codegen (smoke runs).
-    step: another function of (model, ...) compiled the same way (tests)."""
+    (`common.use_compile_cache`): the next process with the same shapes loads it instead of compiling
+    again. Process-wide, for good: it sets $TORCHINDUCTOR_CACHE_DIR (unless the user did) and raises
+    dynamo's recompile limit to RECOMPILE_GUARD. backend="eager": the same graph capture, no codegen (smoke
+    runs). step: another function of (model, ...) compiled the same way (tests)."""
     use_compile_cache(cache)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_GUARD)
     # the head's rows as a tensor of their own (a slice of the embedding table is a view into it)
     model.register_buffer("head_rows", model.head_weight[slice(*model.sampling_rows)].clone(),
                           persistent=False)
     step = functools.partial(step or decode_step, model)
-    use_one_row_sums(model)  # CPU: one-row linears as a product and a sum where this machine's timing says
     cuda = model.embeddings.weight.device.type == "cuda"
     mode = "reduce-overhead" if cuda and backend == "inductor" else None
     # QuantLinear's cast to bf16 would become an epilogue of CPU flex-attention, which cannot take one
     quant = not cuda and backend == "inductor" and any(isinstance(m, QuantLinear) for m in model.modules())
-    compiled = torch.compile(step, fullgraph=True, dynamic=False, backend=backend, mode=mode,
-                             options={"epilogue_fusion": False} if quant else None)
-    # CPU fp32: batched frame steps on frozen weights where this machine wins so (inductor's own GEMMs)
-    frozen = frozen_rows(model) if backend == "inductor" else [[0, False]]
-    model.compiled_step = compiled
-    if any(on for _, on in frozen):
-        use_frozen_gemms(model, frozen)
-        model.compiled_step = functools.partial(frozen_graphs, compiled, frozen)
+    model.compiled_step = torch.compile(step, fullgraph=True, dynamic=False, backend=backend, mode=mode,
+                                        options={"epilogue_fusion": False} if quant else None)
+    model.compile_backend = backend
 
 
 # ----------------------------------------------------------------------------- prompt
@@ -1052,7 +1082,6 @@ class Scheduler:
         self.rows, self.waiting, self.closed = [None] * slots, collections.deque(), False
         self.lock = threading.Lock()  # `waiting` is shared with the threads that submit (Engine)
         self.claim()
-        use_few_rows_linears(model)  # CPU fp32: oneDNN's prepacked matmuls where they win (FewRowsLinear)
         # inference tensors, as the caches: made outside inference mode, the compiled step would see
         # tensors of another kind (another dispatch key) and compile again
         with torch.inference_mode():
@@ -1366,6 +1395,7 @@ def demo_tokenizer(n_semantic: int):
 def demo_models(device, dtype) -> tuple:
     """A tiny random S2-Pro in the real layout (tokenizer, config, both transformers) and its codec, built
     in memory -> (model, codec model). Its 'speech' is noise: it only exercises the pipeline."""
+    import codec  # the audio (codec.py): the CLI and the demo need it, the model does not
     tokenizer = demo_tokenizer(CONFIG["codebook_size"])
     vocab_size = -(-tokenizer.get_vocab_size() // 64) * 64  # padded like the real vocabulary
     flat = dict(DEMO_DIMS, n_layer=2, vocab_size=vocab_size, rope_base=1e6, norm_eps=1e-6, max_seq_len=4096,
@@ -1385,6 +1415,7 @@ def demo_models(device, dtype) -> tuple:
 
 def demo_reference(args, device):
     """One second of a gliding tone, encoded by the demo codec, as the voice to 'clone'."""
+    import codec
     t = torch.arange(codec.CONFIG["sample_rate"]) / codec.CONFIG["sample_rate"]
     wave = 0.3 * torch.sin(2 * math.pi * (220 + 80 * t) * t)
     return [(codec.encode(codec_model(args, device), wave)[0].cpu(), "A one second test tone.")]
@@ -1407,6 +1438,8 @@ def add_model_args(ap: argparse.ArgumentParser, more_quant: tuple = (), more_qua
     ap.add_argument("--fast-prefill", action="store_true", help="the fast transformer's first two positions"
                     " (slow state, codebook 0) in one pass: 9 passes a frame instead of upstream's 10; its"
                     " logits round otherwise than upstream's (off by default, docs/speed.md)")
+    ap.add_argument("--no-tune", action="store_true", help="CPU: the plain model, without cpu_fast.tune's"
+                    " faster matmuls (timed once per machine and kept beside the compile cache)")
 
 
 def model_settings(args) -> tuple:
@@ -1428,6 +1461,7 @@ def read_transcript(path: Path) -> str:
 
 def default_references(folder=Path("prompt")) -> list:
     """Every prompt/<stem>.npy (or audio file) that has a prompt/<stem>.txt transcript."""
+    import codec
     refs = {}
     for path in sorted(folder.glob("*")) if folder.is_dir() else []:
         kind = "audio" if path.suffix.lower() in codec.AUDIO_EXTENSIONS else None
@@ -1457,6 +1491,7 @@ def load_references(args, model: DualAR, device) -> list:
 def reference_codes(kind: str, path: Path, cfg: dict, dac) -> Tensor:
     """A reference file -> codes (num_codebooks, T): a codes file as it is, an audio file through the codec
     (`dac()` gives it: codes alone never load it). A file that cannot be read is a UserError."""
+    import codec
     if kind == "codes":
         return codec.read_codes(path, rows=cfg["num_codebooks"], vocab=cfg["codebook_size"])
     return codec.encode(dac(), codec.load_audio(path))[0].cpu()
@@ -1464,6 +1499,7 @@ def reference_codes(kind: str, path: Path, cfg: dict, dac) -> Tensor:
 
 def codec_model(args, device):
     """The codec, in fp32 on every device: reference clips encode to the same codes everywhere."""
+    import codec
     if getattr(args, "codec", None) is None:
         args.codec = codec.load(args.checkpoint, device, torch.float32)
     return args.codec
@@ -1486,7 +1522,7 @@ def output_files(args):
 
 
 def parse_args(argv=None):
-    ap = codec.ArgumentParser(description="S2-Pro text-to-speech (Dual-AR): text -> codes -> wav.")
+    ap = ArgumentParser(description="S2-Pro text-to-speech (Dual-AR): text -> codes -> wav.")
     ap.add_argument("--checkpoint", help="dir with config.json, weights, tokenizer.json and codec.pth"
                     " (default ./s2-pro, or the demo if that is absent)")
     ap.add_argument("--text", help="the text to speak (<|speaker:N|> tags make a dialogue)")
@@ -1515,8 +1551,6 @@ def parse_args(argv=None):
                     " (default 300, as upstream)")
     add_model_args(ap)
     ap.add_argument("--demo", action="store_true", help="a tiny random checkpoint built on the fly (noise)")
-    ap.add_argument("--bench", action="store_true", help="time the frame step instead (frames/s, GB/s,"
-                    " prefill, time to first audio, peak memory): see `python bench.py --help`")
     return ap.parse_args(argv)
 
 
@@ -1536,6 +1570,7 @@ def check_args(args):
 
 
 def speak_cli(args):
+    import codec
     check_args(args)
     device, dtype, compiled = model_settings(args)
     codes_path, wav_path = output_files(args)
@@ -1555,8 +1590,11 @@ def speak_cli(args):
     references = load_references(args, model, device)
     if args.demo and not references:
         references = demo_reference(args, device)
-    if wav_path is not None and compiled and device.type == "cpu":  # decode only: references stay eager codes
-        codec.fast_path(codec_model(args, device))
+    if not args.no_tune:  # the input is good: this CPU's faster matmuls (timed once per machine, kept)
+        import cpu_fast
+        cpu_fast.tune(model, rows=1)
+        if wav_path is not None:  # decode only: reference codes stay eager, upstream's
+            cpu_fast.tune(codec_model(args, device))
     request = Request(model, args.text, references, seed=args.seed, temperature=args.temperature,
                       top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens,
                       chunk_length=args.chunk_length, max_context=args.max_context,
@@ -1572,6 +1610,7 @@ def speak_cli(args):
 
 def speak(model: DualAR, request: Request, wav_path, args) -> Tensor:
     """Run one request with a progress bar. With a wav path, decode and write each chunk as it comes."""
+    import codec
     with Scheduler(model) as scheduler, torch.inference_mode(), tqdm(unit="frame", leave=False) as bar:
         chunks = shown(chunks_until_done(scheduler, scheduler.add(request)), bar)
         if wav_path is None:
@@ -1599,6 +1638,7 @@ def shown(chunks, bar):
 
 def request_figures(request: Request, frames: int, device) -> str:
     """The final line: audio made, prefill tokens/s, frames/s, RTF, time to first audio, peak memory."""
+    import codec
     wall = time.perf_counter() - request.submitted
     seconds = frames * codec.hop_length() / codec.CONFIG["sample_rate"]
     line = (f"{frames} frames, {seconds:.2f} s of audio in {wall:.2f} s: prefill"
@@ -1611,9 +1651,6 @@ def request_figures(request: Request, frames: int, device) -> str:
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
-    if "--bench" in argv:  # the benchmark has its own file and flags: python bench.py --help
-        import bench
-        return bench.main([a for a in argv if a != "--bench"])
     args = parse_args(argv)
     if args.demo and args.checkpoint:
         raise UserError("--demo builds its own tiny checkpoint: drop --checkpoint")
@@ -1628,5 +1665,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    import dualAR  # this file as the module bench.py imports: one copy of its classes, not two
-    cli(dualAR.main)
+    cli(main)

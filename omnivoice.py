@@ -188,6 +188,9 @@ class OmniVoice(nn.Module):
         self.register_buffer("codebook_offsets", torch.arange(C) * V, persistent=False)
         self.tokenizer = self.audio_tokenizer = None  # set by load()
         self.compiled_hidden = None  # set by compile_forward()
+        # what the flat row's forward runs within: it need not round as upstream's rows do, so another
+        # matmul may serve its linears (cpu_fast.tune sets it); by default nothing changes
+        self.loose_matmuls = contextlib.nullcontext
 
     def embed(self, ids: Tensor, audio_mask: Tensor) -> Tensor:
         """Text rows embed codebook 0's id; audio positions sum the codebooks' embeddings."""
@@ -322,15 +325,13 @@ def quantize(model: OmniVoice, scheme) -> OmniVoice:
     kernels are written for a few rows); int4wo: int4 weights (a scale and zero per 128 inputs) through
     torch's int4 kernel, bf16 activations; w8a8: int8 weights and each row of their inputs rounded to int8,
     int8 products (common.W8A8Linear), but for the MLP's down projection (as int8wo). Embeddings and heads
-    stay in the model's dtype. A linear left in fp16 or bf16 on a CPU without matrix units for it runs its
-    whole sequences in fp32 (common.HalfLinear: 4-5x faster there)."""
+    stay in the model's dtype."""
     check_quant(scheme, model.audio_heads.weight.device)
     if scheme in CPU_LINEARS:
         for layer in model.layers:
             if scheme == "w8a8":  # SwiGLU's products have the outliers a row's int8 clips worst (SmoothQuant)
                 layer.down_proj = CPU_LINEARS["int8wo"](layer.down_proj)
             common.swap_linears(layer, CPU_LINEARS[scheme])
-    common.use_half_linears(model)
     return model
 
 
@@ -1165,9 +1166,10 @@ class Scheduler:
         if self.rows is None:
             self.rows = self.build_rows()
         rows, model = self.rows, self.model
-        # the flat row (packed guidance) takes a packed matmul where faster; upstream's rows: upstream's bits
+        # the flat row (packed guidance) does not round as upstream's rows anyway: its linears may take another
+        # matmul (cpu_fast.tune's); upstream's rows keep F.linear, upstream's bits
         flat = not isinstance(rows["mask"], Tensor)
-        with common.prepacked_linears(model.layers, model.audio_heads) if flat else contextlib.nullcontext():
+        with model.loose_matmuls() if flat else contextlib.nullcontext():
             hidden = self.forward(rows["ids"], rows["audio_mask"], rows["mask"], rows["positions"])
             for job, (c_row, c_at), (u_row, u_at) in zip(self.active, rows["cond"], rows["uncond"]):
                 k, T = job.schedule[job.step], job.item["target_len"]
@@ -1613,7 +1615,7 @@ def voice_path(name: str, folder: Path) -> Path:
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description="OmniVoice text-to-speech: voice cloning, design, auto voices"
-                                 " (`--bench`: its benchmark, `python omnivoice.py --bench --help`)")
+                                 " (its benchmark: `python bench.py omnivoice --help`)")
     ap.add_argument("--text", required=True, help="what to say ([laughter], [sigh]... are non-verbal tags)")
     ap.add_argument("--checkpoint", help=f"the k2-fsa/OmniVoice folder (default {DEFAULT_CHECKPOINT}; without"
                     " one: a tiny random demo model that makes noise)")
@@ -1645,14 +1647,13 @@ def parse_args(argv=None):
                     " golden but not its bits (see docs/omnivoice.md)")
     ap.add_argument("--compile", action="store_true", help="compile the LM's forward (torch.compile: minutes"
                     " the first time for each bucket of lengths; pays on GPU, see docs/omnivoice.md)")
+    ap.add_argument("--no-tune", action="store_true", help="CPU: the plain model, without cpu_fast.tune's"
+                    " faster matmuls for --packed (timed once per machine and kept beside the compile cache)")
     return ap.parse_args(argv)
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--bench" in argv:  # the benchmark lives with the others, in bench.py
-        import bench
-        return bench.omnivoice_main([a for a in argv if a != "--bench"])
     args = parse_args(argv)
     device = common.pick_device(args.device)
     dtype = common.pick_dtype(args.dtype, device)
@@ -1670,6 +1671,9 @@ def main(argv=None):
         model = quantize(demo_model(device, dtype), args.quant)
     if args.compile:
         compile_forward(model)
+    if not args.no_tune:
+        import cpu_fast  # this CPU's faster matmuls (the flat row's), timed once per machine
+        cpu_fast.tune(model)
     voice = load_voice(voice_path(args.voice, Path(args.voices)), model) if args.voice else None
     gen = dict(num_step=args.num_step, guidance_scale=args.guidance_scale, denoise=not args.no_denoise,
                class_temperature=args.class_temperature, preprocess_prompt=not args.no_preprocess,

@@ -627,46 +627,6 @@ def merge_checkpoint(args):
     print(f"merged {n} LoRA modules of {lora} into {base}: wrote {out} ({args.format}, {size:.2f} GiB)")
 
 
-# ----------------------------------------------------------------------------- benchmark
-def bench_training(args):
-    """`bench`: training steps/s and peak memory at the real S2-Pro size (or --config), random weights."""
-    device = common.pick_device(args.device)
-    dtype = common.pick_dtype(None, device)
-    import bench  # the timing helpers and random models live there; bench.py does not import this file
-    cfg = dict(dualAR.read_config(Path(args.config)) if args.config else dualAR.CONFIG)
-    cfg["n_layer"] = args.n_layer or cfg["n_layer"]
-    model = bench.random_model(cfg, device, dtype).train()
-    params = add_lora(model, RANK, ALPHA, DROPOUT)
-    optimizer = torch.optim.AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
-    text = "The quick brown fox jumps over the lazy dog."
-    frames = args.seq_len - sample_tokens(model, text, torch.zeros(cfg["num_codebooks"], 1))[0].size(1) + 1
-    if frames < 1:
-        raise UserError(f"--seq-len {args.seq_len} leaves no room for codes after the text prompt")
-    codes = torch.randint(0, cfg["codebook_size"], (args.batch_size, cfg["num_codebooks"], frames))
-    samples = [("", *sample_tokens(model, text, c)) for c in codes]  # one micro-batch: all of them
-    run = dict(lr=LR, warmup=WARMUP, batch_size=args.batch_size, grad_accum=1, seed=0)
-    n_params, n_lora = (sum(p.numel() for p in ps) / 1e6 for ps in (model.parameters(), params))
-    print(f"S2-Pro-shaped model ({n_params:.1f} M params, {cfg['n_layer']} slow layers), {dtype}, {device},"
-          f" LoRA rank {RANK} ({n_lora:.1f} M), batch {args.batch_size} x {args.seq_len} tokens")
-    for checkpointing in (True, False):
-        run["checkpointing"] = checkpointing
-        common.reset_peak_memory(device)
-        try:
-            for step in range(args.steps + 1):  # the first step warms up
-                if step == 1:
-                    bench.synchronize(device)  # the clock waits for the device's queued work
-                    start = time.perf_counter()
-                optimizer_step(model, params, optimizer, run, samples, step)
-            bench.synchronize(device)
-            rate = args.steps / (time.perf_counter() - start)
-            figures = (f"{rate:.3f} steps/s, {rate * args.batch_size * args.seq_len:.0f} tokens/s,"
-                       f" peak memory {common.peak_memory_gb(device):.2f} GB")
-        except torch.OutOfMemoryError:
-            optimizer.zero_grad(set_to_none=True)
-            figures = f"out of memory (peak memory {common.peak_memory_gb(device):.2f} GB)"
-        print(f"gradient checkpointing {'on ' if checkpointing else 'off'}: {figures}")
-
-
 # ----------------------------------------------------------------------------- CLI
 # the numeric flags, for --help and their checks: (flag, type, default, what a value must be, help)
 FLAGS = dict(train=[
@@ -683,19 +643,14 @@ FLAGS = dict(train=[
     ("--val-every", int, 100, ">= 1", "validate every N steps"),
     ("--save-every", int, 100, ">= 1", "checkpoint every N steps"),
     ("--seed", int, 42, None, "seeds the LoRA init, split, data order and dropout"),
-], bench=[
-    ("--n-layer", int, None, None, "override the number of slow layers"),
-    ("--batch-size", int, 4, ">= 1", "samples per step"),
-    ("--seq-len", int, 1024, ">= 1", "tokens per sample"),
-    ("--steps", int, 3, ">= 1", "timed steps after one warm-up step"),
 ])
 RULES = {">= 0": lambda v: v >= 0, ">= 1": lambda v: v >= 1, "> 0": lambda v: v > 0,
          "in [0, 1)": lambda v: 0 <= v < 1}
-COMMANDS = dict(prepare=prepare_dataset, train=train, merge=merge_checkpoint, bench=bench_training)
+COMMANDS = dict(prepare=prepare_dataset, train=train, merge=merge_checkpoint)
 
 
 def parse_args(argv=None):
-    ap = codec.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     device = argparse.ArgumentParser(add_help=False)
     device.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: cuda > mps > cpu")
@@ -724,12 +679,9 @@ def parse_args(argv=None):
                    " HF names, as fishaudio/s2-pro (default); dual_ar: upstream's flat config + model.pth")
     m.add_argument("--alpha", type=float, help=f"LoRA alpha of a file that does not store it (upstream's),"
                    f" default {ALPHA}")
-    b = sub.add_parser("bench", parents=[device], help="training steps/s and peak memory, random weights")
-    b.add_argument("--config", help="a config.json for smaller dimensions (default: the real S2-Pro)")
-    for parser, flags in ((t, FLAGS["train"]), (b, FLAGS["bench"])):
-        for flag, kind, default, _, help in flags:
-            shown = "" if default is None else f" (default {default})"
-            parser.add_argument(flag, type=kind, default=default, help=help + shown)
+    for flag, kind, default, _, help in FLAGS["train"]:
+        shown = "" if default is None else f" (default {default})"
+        t.add_argument(flag, type=kind, default=default, help=help + shown)
     args = ap.parse_args(argv)
     for flag, _, _, rule, _ in FLAGS.get(args.command, []):
         value = getattr(args, flag[2:].replace("-", "_"))

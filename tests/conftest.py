@@ -8,7 +8,9 @@ KV caches are sized and overwritten by each generation, so sharing them is safe 
 it); a test that swaps a method on a shared model puts it back in a `finally`.
 """
 import contextlib
+import functools
 import io
+import itertools
 import json
 import os
 import shutil
@@ -67,6 +69,20 @@ def ov_golden(name):
     return torch.from_numpy(np.load(OV_GOLDEN / name))
 
 
+def max_diff(a, b):
+    """The largest absolute difference of two arrays or tensors, in float64."""
+    return np.abs(np.asarray(a, dtype=np.float64) - np.asarray(b, dtype=np.float64)).max()
+
+
+def chunk_sizes(schedule, total):
+    """The schedule's sizes, repeated, cut to add up to total."""
+    sizes = []
+    for n in itertools.cycle(schedule):
+        if sum(sizes) >= total:
+            return sizes[:-1] + [total - sum(sizes[:-1])]
+        sizes.append(n)
+
+
 def run_main(main, args, cwd):
     """A CLI's main(argv) run as `python <script> args` would run it, in the folder cwd but in this process
     (no second start of Python and torch) -> its exit status, stdout and stderr. common.cli turns bad input
@@ -82,32 +98,51 @@ def run_main(main, args, cwd):
 
 
 def run_script(script, args, cwd, timeout=300):
-    """`python <script> args...` in a fresh process (for what only a process shows: exit status, stderr, a
-    cache left for the next process) -> CompletedProcess with text stdout and stderr."""
+    """`python <script> args...` in a fresh process (for what only a process shows: exit status, stderr),
+    its compile cache a folder of its own with this session's untimed decisions (`untimed_compile_cache`)
+    -> CompletedProcess with text stdout and stderr."""
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(untimed_compile_cache(Path(cwd) / ".compile-cache")))
     return subprocess.run([sys.executable, str(ROOT / script), *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout)
+                          text=True, timeout=timeout, env=env)
 
 
-def untimed_compile_cache(folder: Path) -> Path:
-    """A compile-cache folder for a CLI or server run in a process of its own (pass it as
-    $TORCHINDUCTOR_CACHE_DIR), holding this session's untimed linear choices (`choices_untimed`) for this
-    machine at every thread count: that process times nothing either, and the user's cache gets no file."""
+UNTIMED = dict(few_rows=[[0, False], [4, True], [65, False]],  # oneDNN at 4-64 rows (a Xeon's timing)
+               one_row=True, many_rows="onednn",  # compiled one-row sums; the flat row on oneDNN
+               frozen=[[0, False], [4, True], [8, False]])  # 4-row graphs on frozen weights (a Zen 4's)
+EVERY_SIZE = [[0, True], [1 << 62, False]]  # a prepacked codec op at every size
+
+
+@functools.cache
+def untimed_decisions() -> dict:
+    """cpu_fast's decisions as a machine would keep them, for every thread count of this one (UNTIMED; the
+    test codecs' ops all fast): a CLI, server or benchmark that tunes with them times nothing, and runs
+    alike on every machine."""
+    import cpu_fast
+    codecs = [codec.load(CKPT), dualAR.demo_models("cpu", torch.float32)[1]]
+    ops = {cpu_fast.op_key(m): True if cpu_fast.op_key(m) == "snake" else EVERY_SIZE
+           for dac in codecs for m in dac.modules() if cpu_fast.op_key(m) is not None}
     threads, known = torch.get_num_threads(), {}
     try:
         for n in range(1, max(os.cpu_count() or 1, threads) + 1):
             torch.set_num_threads(n)
-            known[common.machine_key(torch.device("cpu"), torch.float32)] = common.few_rows_steps()
-            for dtype in (torch.float32, torch.int8):
-                key = f"{common.machine_key(torch.device('cpu'), dtype)} {common.ONE_ROW_KEY}"
-                known[key] = common.compiled_one_row_wins(dtype)
-            key = f"{common.machine_key(torch.device('cpu'), torch.float32)} {common.MANY_ROWS_KEY}"
-            known[key] = common.many_rows_matmul()
-            known[f"{common.machine_key(torch.device('cpu'), torch.float32)} {common.FROZEN_KEY}"] = \
-                common.frozen_rows_steps()
+            fp32, int8 = (cpu_fast.machine_key(torch.device("cpu"), dtype) for dtype in (torch.float32, torch.int8))
+            known[fp32] = UNTIMED["few_rows"]
+            known[f"{fp32} {cpu_fast.ONE_ROW_KEY}"] = known[f"{int8} {cpu_fast.ONE_ROW_KEY}"] = UNTIMED["one_row"]
+            known[f"{fp32} {cpu_fast.MANY_ROWS_KEY}"] = UNTIMED["many_rows"]
+            known[f"{fp32} {cpu_fast.FROZEN_KEY}"] = UNTIMED["frozen"]
+            known[f"{fp32} {cpu_fast.CODEC_KEY}"] = ops
     finally:
         torch.set_num_threads(threads)
+    return known
+
+
+def untimed_compile_cache(folder: Path) -> Path:
+    """A compile-cache folder for a CLI or server run in a process of its own (pass it as
+    $TORCHINDUCTOR_CACHE_DIR), holding cpu_fast's `untimed_decisions`: that process times nothing either,
+    and the user's cache gets no file."""
+    import cpu_fast
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / common.ROWS_FILE).write_text(json.dumps(known, indent=1))
+    (folder / cpu_fast.DECISIONS).write_text(json.dumps(untimed_decisions(), indent=1))
     return folder
 
 
@@ -135,8 +170,11 @@ def free_port() -> int:
 # ----------------------------------------------------------------------------- models, once per session
 @pytest.fixture(scope="session")
 def model():
-    """The tiny S2-Pro (fp32, eager), shared: do not change its weights or keep it busy after a test."""
-    return dualAR.load(CKPT)
+    """The tiny S2-Pro (fp32, eager), tuned as the CLI and the server tune it (cpu_fast, this session's
+    untimed decisions: oneDNN's matmul at 4-64 rows), shared: do not change its weights or keep it busy
+    after a test. A test of the plain model loads its own (`dualAR.load(CKPT)`)."""
+    import cpu_fast
+    return cpu_fast.tune(dualAR.load(CKPT))
 
 
 @pytest.fixture(scope="session")
@@ -158,8 +196,10 @@ def eos_model(eos_checkpoint):
 @pytest.fixture(scope="session")
 def compiled_model():
     """The tiny S2-Pro with its frame step compiled by inductor, shared by every compiled test: each shape
-    it meets is compiled once per session (a few seconds with a warm cache) instead of once per test."""
-    return dualAR.load(CKPT, compile=True)
+    it meets is compiled once per session (a few seconds with a warm cache) instead of once per test. Tuned
+    (cpu_fast: one-row sums, 4-row graphs on frozen weights), as the CLI and the server run it."""
+    import cpu_fast
+    return cpu_fast.tune(dualAR.load(CKPT, compile=True))
 
 
 @pytest.fixture(scope="session")
@@ -168,13 +208,13 @@ def dac():
     return codec.load(CKPT)
 
 
-@pytest.fixture
-def fast_path_calls(monkeypatch):
-    """codec.fast_path, still working, with the `on` of each call recorded in the returned list."""
-    calls, fast_path = [], codec.fast_path
-    monkeypatch.setattr(codec, "fast_path", lambda dac, on=True, choices=None: calls.append(on)
-                        or fast_path(dac, on, choices))
-    return calls
+@pytest.fixture(scope="session")
+def one_shot(dac):
+    """codes_random (40 frames) and, as a second row, the same codes reversed -> each batch size's decode
+    without chunks (shared, read-only): what every chunked and streamed decode, eager or fast, must equal."""
+    codes = golden("codes_random.npy")
+    codes = torch.stack([codes, codes.flip(-1)])
+    return codes, {b: codec.decode(dac, codes[:b], chunk_frames=None) for b in (1, 2)}
 
 
 # ----------------------------------------------------------------------------- no state leaks between tests
@@ -191,21 +231,14 @@ def inductor_cache():
 
 
 @pytest.fixture(scope="session", autouse=True)
-def choices_untimed(tmp_path_factory):
-    """codec.fast_path takes every op fast, FewRowsLinear oneDNN's matmul at 4-64 rows (a Xeon's timing),
-    compiled graphs' one-row products (`one_row_linear`), 4-row graphs frozen weights (a Zen 4's
-    `frozen_rows_steps`) and OmniVoice's flat row oneDNN's matmul (`many_rows_matmul`), unless a test says
-    otherwise: tests time nothing, run alike on every machine, and
-    the user's compile cache gets no decision file from them."""
+def decisions_kept(tmp_path_factory):
+    """cpu_fast keeps its decisions in a file of this session's (`untimed_decisions`), not the user's: the
+    CLIs, servers and benchmarks run here tune without timing, alike on every machine."""
+    import cpu_fast
+    path = untimed_compile_cache(tmp_path_factory.mktemp("decisions")) / cpu_fast.DECISIONS
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(codec, "timed_choices", lambda model: {})
-        patch.setattr(codec, "checked_choices", lambda model, choices: choices)
-        patch.setattr(codec, "choices_folder", lambda: tmp_path_factory.mktemp("codec-choices"))
-        patch.setattr(common, "few_rows_steps", lambda: [[0, False], [4, True], [65, False]])
-        patch.setattr(common, "compiled_one_row_wins", lambda dtype=torch.float32: True)
-        patch.setattr(common, "many_rows_matmul", lambda: "onednn")
-        patch.setattr(common, "frozen_rows_steps", lambda: [[0, False], [4, True], [8, False]])
-        yield
+        patch.setattr(cpu_fast, "decisions_file", lambda: path)
+        yield path
 
 
 @pytest.fixture(autouse=True)

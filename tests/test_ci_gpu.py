@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import common
+import cpu_fast
 from conftest import untimed_compile_cache
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -15,7 +15,7 @@ STEPS = ["a preflight", "b goldens (tiny)", "c frame step + ttfa (tiny)", "d cod
 
 def test_gpu_script_cpu_smoke_runs_every_step_and_prints_the_summary(tmp_path):
     cache = untimed_compile_cache(tmp_path / "compile")
-    choices = json.loads((cache / common.ROWS_FILE).read_text())
+    choices = json.loads((cache / cpu_fast.DECISIONS).read_text())
     env = dict(os.environ, OUT=str(tmp_path), PYTHON=sys.executable, TORCHINDUCTOR_CACHE_DIR=str(cache))
     result = subprocess.run(["bash", str(ROOT / ".ci/gpu"), "--cpu-smoke"], env=env, capture_output=True,
                             text=True, timeout=600)
@@ -27,5 +27,5 @@ def test_gpu_script_cpu_smoke_runs_every_step_and_prints_the_summary(tmp_path):
     assert all(row[28:38].strip() == "ok" for row in summary[1:-1])
     assert "ttfa_ms=" in summary[3] and "frames_per_s=" in summary[6]  # the key figure of each step
     assert "RTF" in summary[7]
-    assert json.loads((cache / common.ROWS_FILE).read_text()) == choices  # found there: nothing timed
+    assert json.loads((cache / cpu_fast.DECISIONS).read_text()) == choices  # found there: nothing timed
     assert summary[-1].startswith("total ") and summary[-1].endswith(" 0 step(s) failed or timed out")

@@ -19,6 +19,7 @@ import torch
 import bench
 import codec
 import common
+import cpu_fast
 import dualAR
 from conftest import CASES, CKPT, GOLDEN, REAL, ROOT, MatmulDtypes, golden, run_main, run_script
 
@@ -227,9 +228,9 @@ def test_fast_codebook_logits_match_upstream(model):
 @torch.inference_mode()
 def test_one_row_step_logits_match_upstream_with_either_matmul(steps):
     """A frame's one-row slow and fast steps within the goldens' 1e-4 whichever matmul this machine's timing
-    picks (common.FewRowsLinear): oneDNN's prepacked weights at every row count, or torch's own."""
+    picks (cpu_fast.FewRowsLinear): oneDNN's prepacked weights at every row count, or torch's own."""
     model = dualAR.load(CKPT)
-    common.use_few_rows_linears(model, steps)
+    cpu_fast.use_few_rows_linears(model, steps)
     prompt, frames = golden("prompt_tokens.npy"), golden("continuation_frames.npy")
     _, hidden = prefill(model, prompt)
     for k in range(frames.size(1)):
@@ -413,14 +414,14 @@ def test_generation_matches_upstream_codes(model, name):
 @pytest.mark.parametrize("steps", [[[0, True], [65, False]], [[0, False]]], ids=["onednn", "torch"])
 @pytest.mark.parametrize("name", ["greedy", "seeded_topp"])
 def test_generation_matches_upstream_codes_with_either_matmul(name, steps, monkeypatch):
-    """Whichever matmul this machine's timing picks for a frame's rows (common.few_rows_steps), the codes are
-    upstream's: every linear on oneDNN's prepacked weight, or every one torch's own."""
-    monkeypatch.setattr(common, "few_rows_steps", lambda: steps)
-    model = dualAR.load(CKPT)
+    """Whichever matmul this machine's timing picks for a frame's rows (cpu_fast.few_rows_steps), the codes are
+    upstream's through cpu_fast.tune: every linear on oneDNN's prepacked weight, or every one torch's own."""
+    monkeypatch.setattr(cpu_fast, "few_rows_steps", lambda again=False: steps)
+    model = cpu_fast.tune(dualAR.load(CKPT))
     case = CASES[name]
     codes = run_case(model, case["call"])
     assert torch.equal(codes, golden(case["codes_file"]))
-    oneDNN = type(model.layers[0].attention.wqkv) is common.FewRowsLinear
+    oneDNN = type(model.layers[0].attention.wqkv) is cpu_fast.FewRowsLinear
     assert oneDNN == steps[0][1] and hasattr(model.fast_layers[0].attention.wo.weight, "prepacked") == oneDNN
 
 
@@ -840,8 +841,8 @@ def test_a_reused_row_starts_with_an_empty_repetition_window(model, solo):
 
 
 def test_a_partly_filled_engine_runs_the_smallest_batch_that_holds_its_rows(solo, monkeypatch):
-    monkeypatch.setattr(common, "few_rows_steps", lambda: [[0, False], [4, True], [65, False]])  # a Xeon's
-    model = dualAR.load(CKPT)  # its own: the engine makes its linears FewRowsLinear with those steps
+    model = dualAR.load(CKPT)  # its own, tuned as a Xeon's timing would (oneDNN at 4-64 rows)
+    cpu_fast.use_few_rows_linears(model, [[0, False], [4, True], [65, False]])
     engine = dualAR.Engine(model, slots=8)
     decode, rows_run = engine.decode, []
     engine.decode = lambda frames, *rest: rows_run.append(frames.size(0)) or decode(frames, *rest)
@@ -850,8 +851,8 @@ def test_a_partly_filled_engine_runs_the_smallest_batch_that_holds_its_rows(solo
         engine.run()
     assert rows_run[0] == 4 and rows_run[-1] == 1 and set(rows_run) == {1, 4}  # never 8: 4 rows were used
     assert all(torch.equal(r.codes(), c) for r, c in zip(made, solo[::-1], strict=True))
-    wqkv = model.layers[0].attention.wqkv  # the 4 rows ran oneDNN's prepacked matmul (common.FewRowsLinear)
-    assert type(wqkv) is common.FewRowsLinear and hasattr(wqkv.weight, "prepacked")
+    wqkv = model.layers[0].attention.wqkv  # the 4 rows ran oneDNN's prepacked matmul (cpu_fast.FewRowsLinear)
+    assert type(wqkv) is cpu_fast.FewRowsLinear and hasattr(wqkv.weight, "prepacked")
     assert wqkv.steps == [[0, False], [4, True], [65, False]]
 
 
@@ -965,14 +966,14 @@ def test_a_compiled_model_compiles_each_shape_once_and_many_shapes_fit():
 
 
 def test_a_compiled_one_row_step_sums_instead_of_its_matmuls_with_upstreams_codes(monkeypatch):
-    """Where this machine's timing takes `common.one_row_linear` (conftest: yes), a compiled batch-1 step
-    runs each linear layer as a product and a sum: every matmul the graph loses is one sum more, and the
-    goldens keep upstream's codes."""
+    """Where this machine's timing takes `cpu_fast.one_row_linear`, a compiled batch-1 step runs each linear
+    layer as a product and a sum: every matmul the graph loses is one sum more, and the goldens keep
+    upstream's codes."""
     calls = {}
     for one_row in (False, True):
-        monkeypatch.setattr(common, "compiled_one_row_wins", lambda dtype=torch.float32: one_row)
         model, backend = dualAR.load(CKPT), CountingBackend()
         dualAR.compile_model(model, backend=backend)
+        cpu_fast.use_one_row_sums(model, {torch.float32: one_row})
         names = ["greedy", "seeded"]
         many = dualAR.generate_many(model, [case_request(CASES[n]["call"]) for n in names], slots=1,
                                     context=512)
@@ -980,7 +981,7 @@ def test_a_compiled_one_row_step_sums_instead_of_its_matmuls_with_upstreams_code
         assert len(backend.calls) == 1 and model.fast_output.one_row is one_row
         calls[one_row] = backend.calls[0]
     fewer = calls[False].count("linear") - calls[True].count("linear")
-    linears = sum(type(m) is common.FewRowsLinear for m in model.modules())
+    linears = sum(type(m) is cpu_fast.FewRowsLinear for m in model.modules())
     assert fewer > linears and calls[True].count("sum") - calls[False].count("sum") == fewer
     assert "packed_linear" not in calls[True]
 
@@ -1005,13 +1006,14 @@ def test_compiled_kernels_go_to_our_cache_folder_unless_the_user_chose_one(monke
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(used)
 
 
-def test_a_second_process_loads_the_compiled_step_from_the_cache(model, tmp_path):
+def test_a_second_process_loads_the_compiled_step_from_the_cache(model, tmp_path, decisions_kept):
     """This process compiles a model's frame step (batch 1, a 256-position cache) into the session's
     compile cache, unless an earlier test did; then the compiled CLI in a new process, given that folder
     as --compile-cache, compiles nothing new: inductor finds the graph there (a cache hit, no miss, no
     bypass), no graph entry or kernel is added or changed (a hit may write the graph's Python source out
     again, seen when an earlier test's graph was reused in memory), and it writes the eager model's codes."""
     cache = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])  # the session's (conftest: inductor_cache)
+    decisions = decisions_kept
 
     def cache_files():  # path -> size of every compiled graph entry and kernel in the cache folder
         return {str(p.relative_to(cache)): p.stat().st_size for p in cache.rglob("*")
@@ -1029,13 +1031,9 @@ def test_a_second_process_loads_the_compiled_step_from_the_cache(model, tmp_path
             "--codes-only", "--compile", "--compile-cache", str(cache), "--max-context", "256",
             "--out", "run.npy"]
     # the CLI as `python dualAR.py`, which then prints inductor's graph cache counters on its last line; it
-    # takes this process's untimed choices (conftest): a timing would compile its probe into the cache
-    steps, one_row = common.few_rows_steps(), common.compiled_one_row_wins()
-    frozen = common.frozen_rows_steps()
+    # tunes with this session's untimed decisions (conftest): a timing would compile its probe into the cache
     cli = (f"import atexit, json, runpy, sys; sys.path.insert(0, {str(ROOT)!r}); sys.argv[1:] = {args!r}; "
-           f"import common; common.few_rows_steps = lambda: {steps!r}; "
-           f"common.compiled_one_row_wins = lambda dtype=None: {one_row!r}; "
-           f"common.frozen_rows_steps = lambda: {frozen!r}; "
+           f"import cpu_fast, pathlib; cpu_fast.decisions_file = lambda: pathlib.Path({str(decisions)!r}); "
            "from torch._dynamo.utils import counters; atexit.register(lambda: print(json.dumps(dict("
            "counters['inductor'])), file=sys.stderr)); "
            f"runpy.run_path({str(ROOT / 'dualAR.py')!r}, run_name='__main__')")
@@ -1082,16 +1080,16 @@ def test_cpu_quantization_runs_eager_and_compiled_and_its_logits_stay_close(mode
     precision path (docs/speed.md), as on a CPU without fp16 matrix units (its prefill's linears in fp32:
     HalfLinear): 0.12 / 0.12 at the prefill, 0.09 / 0.09 at a step; bound 0.5 %."""
     monkeypatch.setitem(common.HALF_UNITS, torch.float16, False)
-    quantized = dualAR.load(CKPT, dtype=dtype, quant=scheme)
+    quantized = cpu_fast.tune(dualAR.load(CKPT, dtype=dtype, quant=scheme))
     half = dtype == torch.float16
-    assert (type(quantized.layers[0].attention.wqkv) is common.HalfLinear) == half
+    assert (type(quantized.layers[0].attention.wqkv) is cpu_fast.HalfLinear) == half
     reference, eager = prefill_and_step_logits(model), prefill_and_step_logits(quantized)
     assert {logits.dtype for logits in eager} == {dtype}
     with torch.inference_mode():
         assert dualAR.generate(quantized, "Hi.", seed=0, max_new_tokens=6).shape == (10, 5)
     dualAR.compile_model(quantized, step=slow_and_fast_logits)  # one compile: the frame step's layers
-    # the int8 head's one row compiled as a product and a sum (conftest: this machine's timing takes them)
-    assert getattr(quantized.fast_output, "one_row", False) is (scheme != "none")
+    cpu_fast.tune(quantized)  # the int8 head's one row compiled as a product and a sum (conftest: it wins)
+    assert (type(quantized.fast_output) is cpu_fast.OneRowQuantLinear) is (scheme != "none")
     compiled = prefill_and_step_logits(quantized, quantized.compiled_step)
     for got in (eager, compiled):
         for ref, q in zip(reference, got, strict=True):
@@ -1188,7 +1186,7 @@ def test_bench_prints_a_table_and_one_machine_readable_line_per_batch(capsys):
     """The figures agree with each other: GB/s is the weight bytes one frame step reads times the frame
     steps per second (frames/s over the batch), % bandwidth is GB/s over the measured copy bandwidth of the
     header line, the table shows the line's figures, and the peak memory is this process's, in GB."""
-    dualAR.main(["--bench", "--config", "tiny", "--batch", "1,2", "--frames", "2", "--device", "cpu"])
+    bench.main(["s2", "--config", "tiny", "--batch", "1,2", "--frames", "2", "--device", "cpu"])
     machine, *out = capsys.readouterr().out.splitlines()
     capability = torch.backends.cpu.get_cpu_capability()
     assert machine.startswith(f"machine: cpu capability {capability} (")
@@ -1273,16 +1271,19 @@ def test_cli_stream_writes_the_same_wav_as_it_goes_and_reports_time_to_first_aud
     assert np.abs(wave - one_shot).max() <= 1 / 32768  # streamed decode == one-shot, up to PCM-16 rounding
 
 
-def test_cli_compiled_on_cpu_decodes_on_the_codec_fast_path(tmp_path, fast_path_calls):
-    """--compile on CPU: the frame step compiled (the shape the compile-cache test compiles) and the codec's
-    decode on its fast path: the eager run's codes, and its wav up to PCM-16 rounding."""
+def test_cli_tunes_the_model_and_the_codec_unless_told_not_to(tmp_path, monkeypatch):
+    """On CPU the CLI tunes the model (for one row) and the codec after the references are encoded
+    (cpu_fast.tune; --no-tune: neither), compiled or not: the plain eager run's codes, and its wav up to
+    PCM-16 rounding (the codec's fast path)."""
     import soundfile as sf
+    tuned, tune = [], cpu_fast.tune
+    monkeypatch.setattr(cpu_fast, "tune", lambda m, **kw: tuned.append((type(m).__name__, kw)) or tune(m, **kw))
     args = ["--checkpoint", str(CKPT), "--text", "Hi.", "--seed", "1", "--max-new-tokens", "8", "--no-prompt",
             "--max-context", "256"]
-    for name, flag in (("eager", "--no-compile"), ("compiled", "--compile")):
-        result = cli(args + [flag, "--out", f"{name}.wav"], tmp_path)
+    for name, flags in (("eager", ["--no-compile", "--no-tune"]), ("compiled", ["--compile"])):
+        result = cli(args + flags + ["--out", f"{name}.wav"], tmp_path)
         assert result.returncode == 0, result.stderr
-    assert fast_path_calls == [True]
+    assert tuned == [("DualAR", {"rows": 1}), ("DAC", {})]
     assert np.array_equal(np.load(tmp_path / "eager.npy"), np.load(tmp_path / "compiled.npy"))
     wave, eager = sf.read(tmp_path / "compiled.wav")[0], sf.read(tmp_path / "eager.wav")[0]
     assert wave.shape == eager.shape == (7 * 2048,) and np.abs(wave - eager).max() <= 1 / 32768

@@ -12,7 +12,9 @@ import numpy as np
 import pytest
 import torch
 
+import bench
 import common
+import cpu_fast
 import dualAR
 import omnivoice
 from conftest import CKPT as S2_CKPT, OV_CASES as CASES, OV_CKPT as CKPT, OV_GOLDEN as GOLDEN, OV_TINY as TINY
@@ -186,17 +188,27 @@ def test_generate_gives_upstreams_tokens_and_audio(model, case):
         assert_audio_close(audios[i], expected, case, i, tokens[i], model)
 
 
+TUNED = {}  # matmul -> the tiny model tuned by cpu_fast as a machine whose timing took that matmul
+
+
+def tuned_model(matmul: str, monkeypatch):
+    if matmul not in TUNED:
+        with monkeypatch.context() as patch:
+            patch.setattr(cpu_fast, "many_rows_matmul", lambda again=False: matmul)
+            TUNED[matmul] = cpu_fast.tune(omnivoice.load(CKPT))
+    return TUNED[matmul]
+
+
 @pytest.mark.parametrize("layout, matmul", [("flat_row", "onednn"), ("flat_row", "mkl"),
                                             ("flat_row", "torch"), ("packed_rows", "onednn")])
 @pytest.mark.parametrize("case", GENERATE_CASES)
-def test_packed_guidance_gives_upstreams_tokens(model, case, layout, matmul, monkeypatch):
+def test_packed_guidance_gives_upstreams_tokens(case, layout, matmul, monkeypatch):
     """generate() runs upstream's rows by default (test_generate_gives_upstreams_tokens_and_audio); packed
-    guidance, as CPU's flat row (packed=True; its linears on oneDNN's, MKL's packed or torch's matmul, as
-    this machine's timing decides) and as the GPU's packed rows (a row per request, a block mask), gives
-    every golden's codes too. Its hidden states agree with upstream's to ~1e-6, not bit for bit (attention
-    and matmuls sum in other orders over other shapes), and no golden's code moves."""
-    spec = CASES["generate"][case]
-    monkeypatch.setattr(common, "many_rows_matmul", lambda: matmul)
+    guidance, as CPU's flat row (packed=True; tuned, its linears on oneDNN's, MKL's packed or torch's
+    matmul, as this machine's timing decides) and as the GPU's packed rows (a row per request, a block
+    mask), gives every golden's codes too. Its hidden states agree with upstream's to ~1e-6, not bit for bit
+    (attention and matmuls sum in other orders over other shapes), and no golden's code moves."""
+    spec, model = CASES["generate"][case], tuned_model(matmul, monkeypatch)
     rows = getattr(omnivoice, layout)
     monkeypatch.setattr(omnivoice, "row_layout", lambda packed, model: rows)
     _, tokens = omnivoice.generate(model, **api_kwargs(case), seed=spec["seed"], return_tokens=True,
@@ -219,41 +231,44 @@ def test_upstreams_rows_are_the_default_and_packed_is_the_flat_row_on_cpu_only()
 
 
 @pytest.mark.parametrize("matmul", ["onednn", "mkl", "torch"])
-def test_prepacked_linears_run_the_flat_rows_layers_on_the_machines_matmul_then_restore_them(
-        model, matmul, monkeypatch):
-    """common.prepacked_linears: within it the layer linears run the matmul this machine's timing chose
-    (`many_rows_matmul`: oneDNN's or MKL's on packed copies of the weights, or torch's), and they are plain
-    nn.Linears again after it."""
+def test_a_tuned_models_linears_run_the_machines_matmul_within_loose_matmuls_alone(matmul, monkeypatch):
+    """cpu_fast.tune: the layers' and heads' linears run the matmul this machine's timing chose
+    (`many_rows_matmul`: oneDNN's or MKL's on packed copies of the weights, or torch's) within the model's
+    `loose_matmuls` (the flat row), and torch's own F.linear outside it (upstream's rows, upstream's bits)."""
     calls = {"onednn": [], "mkl": []}
     for name, fn in (("onednn", "packed_matmul"), ("mkl", "mkl_packed_matmul")):
-        real = getattr(common, fn)
-        monkeypatch.setattr(common, fn, lambda *a, real=real, name=name: calls[name].append(1) or real(*a))
-    monkeypatch.setattr(common, "many_rows_matmul", lambda: matmul)
+        real = getattr(cpu_fast, fn)
+        monkeypatch.setattr(cpu_fast, fn, lambda *a, real=real, name=name: calls[name].append(1) or real(*a))
+    model = tuned_model(matmul, monkeypatch)
     voice = omnivoice.load_voice(GOLDEN / "prompt_ref24.pt")
     items = omnivoice.plan(model, ["Hello there."], "en", None, None, [voice], None, None, None,
                            omnivoice.generation_config({}))
     linears = [m for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    kind = torch.nn.Linear if matmul == "torch" else cpu_fast.ManyRowsLinear
+    assert {type(m) for m in [*linears, model.audio_heads]} == {kind}
     rows = omnivoice.flat_row(model, items, True)
-    with torch.inference_mode(), common.prepacked_linears(model.layers):
+    with torch.inference_mode():
         model.hidden(rows["ids"], rows["audio_mask"], rows["mask"], rows["positions"])
+        assert calls == {"onednn": [], "mkl": []}  # outside loose_matmuls: F.linear
+        with model.loose_matmuls():
+            model.hidden(rows["ids"], rows["audio_mask"], rows["mask"], rows["positions"])
     assert {name: len(c) for name, c in calls.items()} == {
         name: len(linears) if name == matmul else 0 for name in calls}
-    assert all(type(m) is torch.nn.Linear and "matmul" not in vars(m) for m in linears)
 
 
 @pytest.mark.parametrize("packed", [True, False])
-def test_an_unmasking_step_hands_the_flat_rows_layers_and_heads_to_onednn_and_upstreams_rows_nothing(
+def test_an_unmasking_step_runs_the_flat_row_within_loose_matmuls_and_upstreams_rows_without(
         model, packed, monkeypatch):
     """Each step of the flat row runs the LM's layers (the forward) and its audio heads (the target rows'
-    logits) within common.prepacked_linears; upstream's rows ask it for nothing (upstream's bits)."""
-    handed, prepacked_linears = [], common.prepacked_linears
-    monkeypatch.setattr(common, "prepacked_linears", lambda *m: handed.append(m) or prepacked_linears(*m))
+    logits) within the model's loose_matmuls (where cpu_fast.tune may give them another matmul); upstream's
+    rows run without it (upstream's bits)."""
+    entered, loose = [], model.loose_matmuls
+    monkeypatch.setattr(model, "loose_matmuls", lambda: entered.append(1) or loose())
     voice = omnivoice.load_voice(GOLDEN / "prompt_ref24.pt")
     gen = dict(omnivoice.generation_config({}), num_step=3)
     items = omnivoice.plan(model, ["Hello there."], "en", None, None, [voice], None, None, None, gen)
     omnivoice.unmask(model, items, gen, torch.Generator().manual_seed(0), packed=packed)
-    assert handed == ([(model.layers, model.audio_heads)] * 3 if packed else [])
-    assert type(model.audio_heads) is torch.nn.Linear and "matmul" not in vars(model.audio_heads)
+    assert len(entered) == (3 if packed else 0)
 
 
 def test_the_flat_row_holds_every_sequence_once_as_a_span(model):
@@ -502,9 +517,9 @@ def test_bf16_int8_and_int4_keep_the_argmax_of_fp32_at_their_stated_share(model,
     W8A8 does). On a CPU with bf16 matrix units and on one without (whose bf16 linears and int8wo products
     then run in fp32)."""
     monkeypatch.setitem(common.HALF_UNITS, torch.bfloat16, units)
-    low = omnivoice.load(CKPT, dtype=dtype, quant=quant)
+    low = cpu_fast.tune(omnivoice.load(CKPT, dtype=dtype, quant=quant))
     half = dtype == torch.bfloat16 and not units
-    assert type(low.audio_heads) is (common.HalfLinear if half else torch.nn.Linear)
+    assert (type(low.audio_heads) is cpu_fast.HalfLinear) == half
     if quant:  # every linear layer of the transformer, and nothing else
         assert not any(isinstance(m, torch.nn.Linear) for m in low.layers.modules())
         gate = low.layers[0].gate_proj
@@ -570,7 +585,6 @@ def test_a_compiled_forward_compiles_each_bucket_once_and_keeps_the_goldens_code
 
 # ----------------------------------------------------------------------------- the benchmark
 def test_the_benchmark_counts_an_unmasking_steps_flops_by_hand():
-    import bench
     cfg = dict(dim=4, n_head=2, n_local_heads=1, head_dim=3, intermediate_size=5, num_codebooks=2,
                audio_vocab_size=7)
     # per position and layer: q, o 2*4*6; k, v 2*4*3; gate, up, down 3*4*5; attention 2*10 positions*6
@@ -585,7 +599,7 @@ def test_the_benchmark_counts_an_unmasking_steps_flops_by_hand():
 
 
 def test_the_benchmark_runs_on_the_tiny_checkpoint(capsys):
-    omnivoice.main(["--bench", "--config", "tiny", "--rounds", "1", "--seconds", "1", "--num-step", "2",
+    bench.main(["omnivoice", "--config", "tiny", "--rounds", "1", "--seconds", "1", "--num-step", "2",
                     "--packed", "--compare-packed", "--compare-quant", "w8a8"])
     out = capsys.readouterr().out
     assert out.startswith("machine: cpu capability ") and "matmul peak" in out.splitlines()[0]
@@ -600,7 +614,7 @@ def test_the_benchmark_runs_on_the_tiny_checkpoint(capsys):
 def test_the_benchmark_compares_a_quantized_copy_only_against_the_unquantized_model():
     with pytest.raises(common.UserError, match="--compare-quant times a quantized copy against the"
                                                " unquantized model: drop --quant"):
-        omnivoice.main(["--bench", "--config", "tiny", "--quant", "int8wo", "--compare-quant", "w8a8"])
+        bench.main(["omnivoice", "--config", "tiny", "--quant", "int8wo", "--compare-quant", "w8a8"])
 
 
 # ----------------------------------------------------------------------------- other dims

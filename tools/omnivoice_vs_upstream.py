@@ -29,6 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # omnivoice.py, from anywhere
 import common  # noqa: E402
+import cpu_fast  # noqa: E402
 import omnivoice  # noqa: E402
 
 TINY = ROOT / "tests/fixtures/omnivoice-tiny/checkpoint"
@@ -218,7 +219,7 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     wave, rate = read_reference(args)
     upstream = start_upstream(args)
-    model = omnivoice.load(args.checkpoint)
+    model = cpu_fast.tune(omnivoice.load(args.checkpoint))  # as omnivoice.py's CLI runs it
     info = upstream_answer(upstream)  # upstream has loaded
     print(f"checkpoint {args.checkpoint}: {len(model.layers)} layers; upstream {info['dtype']},"
           f" {info['attention']} attention; {args.threads} threads each; seed {args.seed}, {args.num_step}"

@@ -4,7 +4,7 @@ all and per request, time to first audio p50 / p95, and one machine-readable `be
 
 It lives outside the library because it is one measurement, made for the README's serving table, of how
 the engine and the codec share one machine under load, not a benchmark a user of dualAR.py needs:
-`dualAR.py --bench` keeps the frame step and the time to first audio at batch 1.
+`bench.py s2` keeps the frame step and the time to first audio at batch 1.
 
     python tools/serving_bench.py --config tiny --load 8 --rate 2 --slots 4 --frames 16
     python tools/serving_bench.py --config s2-mid --load 8 --rate 2 --slots 8 --frames 64   # README's table
@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # dualAR.py and codec.py, from anywhere
 import bench  # noqa: E402
+import cpu_fast  # noqa: E402
 import codec  # noqa: E402
 import common  # noqa: E402
 import dualAR  # noqa: E402
@@ -96,6 +97,8 @@ def main(argv=None) -> dict:
     else:
         model = dualAR.optimize(bench.random_model(args.config, device, dtype), args.quant, compiled,
                                 args.compile_cache, args.fast_prefill)
+    if not args.no_tune:
+        cpu_fast.tune(model, rows=args.slots)  # as the server does
     got = load_run(model, bench.bench_codec(args, device), args)
     print(f"load: {args.load} requests at {args.rate:g}/s into {args.slots} slots, {args.frames} frames each:"
           f" {got['frames_per_s']:.1f} frames/s in all, per request {got['request_min']:.1f}.."

@@ -1,0 +1,76 @@
+"""Clean rooms: each model file copies alone (its imports point one way), and a library call computes and
+returns: it times nothing, writes nothing the caller did not ask for, and leaves the process as it was."""
+import json
+import os
+import subprocess
+import sys
+
+from conftest import CKPT, OV_CKPT, ROOT
+
+# the repository's modules
+FILES = ("common", "codec", "cpu_fast", "dualAR", "bench", "omnivoice", "omnivoice_codec", "omnivoice_text",
+         "app", "train_lora")
+
+
+def imported_with(module: str) -> set:
+    """The other repository modules that `import module` brings in, in a fresh process."""
+    script = f"import sys, {module}; print(*(m for m in {FILES!r} if m in sys.modules and m != {module!r}))"
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return set(run.stdout.split())
+
+
+def test_imports_point_one_way_common_below_the_models_and_nothing_imports_the_benchmark():
+    assert imported_with("common") == set()  # no model: a model file is copied with common.py alone
+    assert imported_with("codec") == {"common"}
+    assert imported_with("dualAR") == {"common"}  # codec.py only inside the CLI and demo functions
+    assert imported_with("omnivoice_codec") == {"common"}
+    assert imported_with("omnivoice_text") == {"common"}
+    assert imported_with("omnivoice") == {"common", "omnivoice_codec", "omnivoice_text"}  # no S2 dragged in
+    assert imported_with("cpu_fast") == {"common"}  # it finds a model's own module through the model
+    for module in FILES:  # nothing imports the benchmark, at any depth (a circle would show here)
+        if module != "bench":
+            assert "bench" not in imported_with(module), module
+    for path in ROOT.glob("*.py"):  # nor inside a function
+        if path.stem != "bench":
+            assert "import bench" not in path.read_text(), path.name
+
+
+LIBRARY_CALLS = f"""
+import json, os, sys
+import torch, torch._dynamo, torch._inductor.config
+environ = dict(os.environ)
+configs = [c.get_config_copy() for c in (torch._dynamo.config, torch._inductor.config)]
+import codec, dualAR, omnivoice
+model = dualAR.load({str(CKPT)!r})
+codes = dualAR.generate(model, "Hi there.", seed=1, max_new_tokens=6)
+many = dualAR.generate_many(model, [dict(text="Hi.", seed=2, max_new_tokens=4)] * 2, slots=2)
+chunks = list(dualAR.stream(model, "Hi.", seed=3, max_new_tokens=4))
+dac = codec.load({str(CKPT)!r})
+wave = codec.decode(dac, codes)
+again = codec.encode(dac, wave[0])
+ov = omnivoice.load({str(OV_CKPT)!r})
+audio = omnivoice.generate(ov, "Hello there.", language="en", seed=0, num_step=4)
+packed = omnivoice.generate(ov, "Hello there.", language="en", seed=0, num_step=4, packed=True)
+print(json.dumps(dict(environ=dict(os.environ) == environ, configs=[
+    sorted(k for k, v in c.get_config_copy().items() if v != before[k])
+    for c, before in zip((torch._dynamo.config, torch._inductor.config), configs)])))
+"""
+
+
+def test_library_calls_time_nothing_write_nothing_and_leave_the_process_as_it_was(tmp_path):
+    """S2-Pro's generate / generate_many / stream, the codec's decode / encode and OmniVoice's generate
+    (upstream's rows and packed) on a plain model: in a fresh process with a fresh HOME, nothing is
+    printed about timing, no file appears under HOME (no decision file, no compile cache), os.environ and
+    dynamo's and inductor's configs are unchanged."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XDG_CACHE_HOME", "TORCHINDUCTOR_CACHE_DIR")}
+    env["HOME"] = str(tmp_path / "home")
+    (tmp_path / "home").mkdir()
+    run = subprocess.run([sys.executable, "-c", LIBRARY_CALLS], cwd=tmp_path, capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert json.loads(run.stdout.splitlines()[-1]) == dict(environ=True, configs=[[], []])
+    assert "cpu_fast" not in run.stderr and "timing" not in run.stderr
+    assert [p for p in (tmp_path / "home").rglob("*")] == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]

@@ -1,0 +1,840 @@
+"""cpu_fast.py: the CPU speed-ups applied from outside, their decisions and their timing rules."""
+import json
+import time
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import codec
+import common
+import cpu_fast
+from conftest import CKPT, GOLDEN, MatmulDtypes, chunk_sizes, golden, max_diff
+
+
+STEPS = [[0, False], [4, True], [65, False]]  # a machine where oneDNN wins at 4-64 rows (an Intel Xeon's)
+MKL_PACK = cpu_fast.mkl_pack
+
+
+def test_few_rows_linear_runs_onednn_at_the_rows_its_steps_take_and_torch_elsewhere(monkeypatch):
+    """A FewRowsLinear keeps nn.Linear's parameters; at the row counts its steps take (here 4-64) eager fp32
+    inference multiplies by its weight prepacked once (within 1e-5 of F.linear), made again when the weight
+    changes in place; other row counts and a call that records gradients are F.linear's own."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 40)
+    cpu_fast.use_few_rows_linears(layer, STEPS)
+    assert type(layer) is cpu_fast.FewRowsLinear and list(layer.state_dict()) == ["weight", "bias"]
+    calls, packed_matmul = [], cpu_fast.packed_matmul
+    monkeypatch.setattr(cpu_fast, "packed_matmul", lambda x, *a: calls.append(len(x)) or packed_matmul(x, *a))
+    with torch.inference_mode():
+        for rows in (1, 3, 4, 16, 64, 65):
+            x = torch.rand(rows, 1, 48)
+            y, want = layer(x), F.linear(x, layer.weight, layer.bias)
+            assert torch.equal(y, want) if rows not in (4, 16, 64) else torch.allclose(y, want, atol=1e-5)
+        assert calls == [4, 16, 64]
+        first = layer.weight.prepacked[1]
+        layer(x[:4])
+        assert layer.weight.prepacked[1] is first  # made once
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    with torch.inference_mode():
+        assert torch.allclose(layer(x[:4]), F.linear(x[:4], layer.weight, layer.bias), atol=1e-5)
+    y = layer(torch.rand(4, 1, 48))  # gradients recorded: nn.Linear's matmul
+    assert y.requires_grad and calls == [4, 16, 64, 4, 4]
+
+
+def test_few_rows_linears_are_taken_only_where_some_rows_win_and_the_copies_fit_in_half_the_memory(
+        monkeypatch):
+    layers = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+    size = (64 * 32 + 32 * 16) * 4  # fp32 weights
+    monkeypatch.setattr(cpu_fast, "available_memory_bytes", lambda: 2 * size - 1)
+    cpu_fast.use_few_rows_linears(layers, STEPS)
+    assert [type(m) for m in layers] == [torch.nn.Linear, torch.nn.ReLU, torch.nn.Linear]
+    monkeypatch.setattr(cpu_fast, "available_memory_bytes", lambda: 2 * size)
+    cpu_fast.use_few_rows_linears(layers, [[0, False]])  # a machine where torch's own always wins
+    assert [type(m) for m in layers] == [torch.nn.Linear, torch.nn.ReLU, torch.nn.Linear]
+    cpu_fast.use_few_rows_linears(layers.to(torch.bfloat16), STEPS)  # oneDNN's fp32 matmuls only
+    assert [type(m) for m in layers] == [torch.nn.Linear, torch.nn.ReLU, torch.nn.Linear]
+    cpu_fast.use_few_rows_linears(layers.float(), STEPS)
+    assert [type(m) for m in layers] == [cpu_fast.FewRowsLinear, torch.nn.ReLU, cpu_fast.FewRowsLinear]
+    assert layers[0].steps == STEPS
+
+
+def test_the_machines_row_steps_are_timed_once_and_kept_in_the_compile_cache(tmp_path, monkeypatch):
+    """few_rows_steps: timed on this machine's first call, then read from the compile cache's file beside
+    other machines' (a next process alike); an unreadable file or an odd value is timed again, never a
+    crash. use_few_rows_linears takes the machine's steps by default."""
+    monkeypatch.setattr(cpu_fast, "decisions_file", lambda: tmp_path / cpu_fast.DECISIONS)
+    timed, steps = [], [[0, True], [8, False]]
+    monkeypatch.setattr(cpu_fast, "timed_row_steps", lambda: timed.append(1) or steps)
+    path, machine = tmp_path / cpu_fast.DECISIONS, cpu_fast.machine_key(torch.device("cpu"), torch.float32)
+    path.write_text(json.dumps({"another machine": [[0, False]]}))
+    assert cpu_fast.few_rows_steps() == steps and cpu_fast.few_rows_steps() == steps and timed == [1]
+    assert json.loads(path.read_text()) == {"another machine": [[0, False]], machine: steps}
+    for odd in ("{not json", json.dumps({machine: [[0, True]]}), json.dumps({machine: [[1, False]]}),
+                json.dumps({machine: [[0, 1]]}), json.dumps([steps])):
+        path.write_text(odd)
+        assert cpu_fast.few_rows_steps() == steps
+    assert len(timed) == 6 and json.loads(path.read_text()) == {machine: steps}
+    layer = torch.nn.Linear(8, 4)
+    cpu_fast.use_few_rows_linears(layer, cpu_fast.few_rows_steps())
+    assert type(layer) is cpu_fast.FewRowsLinear and layer.steps == steps and len(timed) == 6
+
+
+def test_row_steps_give_each_timed_row_count_its_choice_and_torch_above_them():
+    assert cpu_fast.row_steps({1: True, 2: True, 4: False, 8: True, 16: True}) == [
+        [0, True], [4, False], [8, True], [17, False]]
+    assert cpu_fast.row_steps({1: False, 64: False}) == [[0, False]]
+    steps = cpu_fast.row_steps({1: False, 4: True, 64: True})
+    assert [cpu_fast.step_at(steps, rows) for rows in (0, 1, 3, 4, 64, 65, 999)] == [
+        False, False, False, True, True, False, False]
+    assert all(cpu_fast.is_row_steps(s) for s in (steps, [[0, False]]))
+    assert not any(cpu_fast.is_row_steps(s) for s in ([[0, True]], [], [[0, False], [0, False]], True))
+
+
+def test_timed_row_steps_time_both_matmuls_at_every_probed_row_count(monkeypatch):
+    """Each probe times F.linear and the prepacked matmul on the same weights, a warm-up round first: where
+    the prepacked one is no slower it is taken (a fake clock makes it win at 2 rows only)."""
+    monkeypatch.setattr(cpu_fast, "PROBE_SHAPES", ((24, 16), (16, 24)))
+    monkeypatch.setattr(cpu_fast, "ROW_PROBES", (1, 2, 4))
+    seen, now = [], [0.0]
+
+    def timed(kind, matmul):
+        def run(x, w, *rest):
+            seen.append((kind, len(x)))
+            now[0] += (1.0 if len(x) == 2 else 2.0) if kind == "packed" else 1.5
+            return matmul(x, w, *rest)
+        return run
+
+    monkeypatch.setattr(cpu_fast.F, "linear", timed("torch", F.linear))
+    monkeypatch.setattr(cpu_fast, "packed_matmul", timed("packed", cpu_fast.packed_matmul))
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    assert cpu_fast.timed_row_steps(repeats=2) == [[0, False], [2, True], [4, False]]  # 3 rows: as 2
+    for rows in (1, 2, 4):
+        for kind in ("torch", "packed"):  # a warm-up and 2 repeats, of 2 shapes PROBE_LAYERS times
+            assert seen.count((kind, rows)) == 3 * 2 * cpu_fast.PROBE_LAYERS
+
+
+def test_half_linears_run_many_rows_in_fp32_where_the_cpu_has_no_half_matmul_units(monkeypatch):
+    """fp16 / bf16 on a CPU without matrix units for them (an AVX2 one): torch's many-row half matmuls are
+    4-5x slower than fp32, so from MANY_ROWS rows on a HalfLinear multiplies the upcast weight in fp32 (the
+    output rounded back); fewer rows stay in half precision (half the bytes to read). With the units, or in
+    fp32, the linears stay nn.Linear."""
+    torch.manual_seed(0)
+    for dtype in (torch.float16, torch.bfloat16):
+        for units in (True, False):
+            monkeypatch.setitem(common.HALF_UNITS, dtype, units)
+            layers = torch.nn.Sequential(torch.nn.Linear(48, 40), torch.nn.ReLU(), torch.nn.Linear(40, 8))
+            layers, plain = layers.to(dtype), torch.nn.Linear(48, 8)
+            cpu_fast.use_half_linears(layers), cpu_fast.use_half_linears(plain)
+            kind = torch.nn.Linear if units else cpu_fast.HalfLinear
+            assert [type(m) for m in layers] == [kind, torch.nn.ReLU, kind] and type(plain) is torch.nn.Linear
+        layer = layers[0]
+        for shape, wide in (((cpu_fast.MANY_ROWS - 1, 48), False), ((cpu_fast.MANY_ROWS, 48), True),
+                            ((2, 20, 48), True), ((1, 4, 48), False)):
+            x = torch.rand(shape).to(dtype)
+            with MatmulDtypes() as seen:
+                y = layer(x)
+            assert seen.dtypes == [torch.float32 if wide else dtype] and y.dtype == dtype, shape
+            want = F.linear(x.float(), layer.weight.float(), layer.bias.float()).to(dtype) if wide else \
+                F.linear(x, layer.weight, layer.bias)
+            assert torch.equal(y, want)
+
+
+def test_compiled_few_rows_linears_run_one_packed_copy_at_the_rows_their_compiled_steps_take(monkeypatch):
+    """In a compiled graph a FewRowsLinear runs oneDNN's prepacked matmul as one opaque op where its steps
+    take the rows and either the CPU is AVX2-only or the steps take one row too (MKL loses there even at one
+    row): within 1e-5 of F.linear, the copy made at the first call and found on the weight by every later
+    one. Elsewhere (an AVX-512 Xeon's steps: from 4 rows) the graph keeps F.linear: no copy made."""
+    torch.manual_seed(0)
+    packs, prepack = [], cpu_fast.prepack
+    monkeypatch.setattr(cpu_fast, "prepack", lambda w: packs.append(tuple(w.shape)) or prepack(w))
+    cases = ((STEPS, True, True), (STEPS, False, False), ([[0, True], [65, False]], False, True),
+             ([[0, True], [4, False]], True, False))  # the last: 4 rows not taken
+    for steps, avx2, taken in cases:
+        torch._dynamo.reset()
+        monkeypatch.setattr(cpu_fast, "AVX2_ONLY", avx2)
+        layers = torch.nn.Sequential(torch.nn.Linear(48, 40), torch.nn.SiLU(), torch.nn.Linear(40, 8))
+        cpu_fast.use_few_rows_linears(layers, steps)
+        step, x = torch.compile(layers, fullgraph=True), torch.rand(4, 48)
+        with torch.inference_mode():
+            hidden = F.silu(F.linear(x, layers[0].weight, layers[0].bias))
+            want = F.linear(hidden, layers[2].weight, layers[2].bias)
+            for _ in range(3):
+                assert torch.allclose(step(x), want, atol=1e-5)
+        assert packs == ([(40, 48), (8, 40)] if taken else []), (steps, avx2)
+        assert all(hasattr(m.weight, "prepacked") == taken for m in layers[::2])
+        packs.clear()
+
+
+def graph_calls(layers, x) -> list:
+    """The functions a fullgraph compile of layers(x) calls, by name (the graph captured, run as it is)."""
+    calls = []
+
+    def backend(gm, example_inputs):
+        calls.extend(getattr(n.target, "__name__", str(n.target)) for n in gm.graph.nodes
+                     if n.op in ("call_function", "call_method"))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        y = torch.compile(layers, fullgraph=True, backend=backend)(x)
+    return y, calls
+
+
+def test_compiled_one_row_linears_are_a_product_and_a_sum_where_the_machine_takes_them():
+    """Where this machine's timing took `one_row_linear` (use_one_row_sums), a compiled graph multiplies one
+    row by each fp32 or int8 weight and sums: no matmul, no int8 kernel, within 1e-5 of the same arithmetic
+    as a matmul (int8: the dequantized weight times the kernel's bf16 x); 4 rows, eager calls and a machine
+    whose timing said no keep the matmuls, and only fp32 and int8 weights are touched."""
+
+    def model():
+        torch.manual_seed(0)
+        int8 = common.QuantLinear(torch.nn.Linear(48, 8), bits=8)
+        return torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.SiLU(), int8)
+
+    def reference(layers, x):
+        hidden = F.silu(F.linear(x, layers[0].weight, layers[0].bias)).bfloat16().float()
+        return F.linear(hidden, layers[2].weight.float()) * layers[2].scales.float() + layers[2].bias
+
+    for wins in (True, False):
+        layers = model()
+        cpu_fast.use_one_row_sums(layers, {torch.float32: wins, torch.int8: wins})
+        assert layers[0].one_row is wins
+        assert type(layers[2]) is (cpu_fast.OneRowQuantLinear if wins else common.QuantLinear)
+        assert type(layers[0]) is (cpu_fast.FewRowsLinear if wins else torch.nn.Linear)
+        for rows, x in ((1, torch.rand(1, 1, 32)), (4, torch.rand(4, 32))):
+            with torch.inference_mode():
+                want, eager = reference(layers, x), layers(x)
+            y, calls = graph_calls(layers, x)
+            summed = wins and rows == 1
+            assert torch.allclose(y, want, atol=1e-5) if summed else torch.equal(y, eager)
+            matmuls = (calls.count("linear"), calls.count("_weight_int8pack_mm"), calls.count("sum"))
+            assert matmuls == ((0, 0, 2) if summed else (1, 1, 0)), calls
+            with torch.inference_mode():
+                assert torch.equal(layers(x), eager)  # eager: the matmuls
+        assert not hasattr(layers[0].weight, "prepacked")
+    int4 = common.QuantLinear(torch.nn.Linear(64, 16), bits=4)
+    others = torch.nn.Sequential(torch.nn.Linear(8, 8).bfloat16(), int4)
+    cpu_fast.use_one_row_sums(others, {torch.float32: True, torch.int8: True})
+    assert type(others[0]) is torch.nn.Linear and not hasattr(others[0], "one_row")
+    assert others[1].bits == 4 and type(others[1]) is common.QuantLinear
+
+
+FROZEN = [[0, False], [4, True], [8, False]]  # a Zen 4's frozen_rows_steps: 4-row graphs on frozen weights
+
+
+def test_graphs_of_the_rows_frozen_steps_take_compile_on_frozen_weights_with_plain_linears(monkeypatch):
+    """frozen_graphs compiles a graph for the row counts its steps take within frozen_gemms (freezing, the
+    GEMM template), every other plainly; in those graphs a FewRowsLinear is F.linear (a matmul of a
+    constant weight, which the template takes), even where its compiled steps take oneDNN's op."""
+    monkeypatch.setattr(cpu_fast, "AVX2_ONLY", True)  # compiled graphs take oneDNN's op at 4-64 rows
+    layers = torch.nn.Sequential(torch.nn.Linear(48, 40), torch.nn.SiLU(), torch.nn.Linear(40, 8))
+    cpu_fast.use_few_rows_linears(layers, STEPS)
+    cpu_fast.use_frozen_gemms(layers, FROZEN)
+    assert [m.frozen_steps for m in layers[::2]] == [FROZEN, FROZEN]
+    compiled = []
+
+    def backend(gm, example_inputs):
+        calls = [getattr(n.target, "__name__", "") for n in gm.graph.nodes if n.op == "call_function"]
+        rows = next(t.size(0) for t in example_inputs if t.shape[-1] == 48 and t.size(0) != 40)  # x
+        compiled.append((rows, torch._inductor.config.freezing, calls))
+        return gm.forward
+
+    torch._dynamo.reset()
+    step = torch.compile(layers, fullgraph=True, dynamic=False, backend=backend)
+    with torch.inference_mode():
+        for rows in (1, 4, 8, 4):
+            x = torch.rand(rows, 48)
+            hidden = F.silu(F.linear(x, layers[0].weight, layers[0].bias))
+            want = F.linear(hidden, layers[2].weight, layers[2].bias)
+            assert torch.allclose(cpu_fast.frozen_graphs(step, FROZEN, x), want, atol=1e-5)
+    assert [(rows, freezing, calls.count("linear"), calls.count("packed_linear.default"))
+            for rows, freezing, calls in compiled] == [(1, False, 2, 0), (4, True, 2, 0), (8, False, 0, 2)]
+    assert torch._inductor.config.freezing is False  # patched only while compiling
+
+
+def test_inductors_gemm_on_frozen_weights_multiplies_each_models_own_weights():
+    """Within frozen_gemms inductor's GEMM template runs the 4-row linears (its packed copies of the
+    weights): within 1e-5 of F.linear; and a second model of the same shapes, whose graph inductor may find
+    in its caches, gets its own weights' result, not the copies packed for the first."""
+    from torch._dynamo.utils import counters
+
+    def model(seed):
+        torch.manual_seed(seed)
+        layers = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.SiLU(), torch.nn.Linear(96, 32))
+        cpu_fast.use_frozen_gemms(layers, FROZEN)
+        return layers
+
+    x = torch.rand(4, 64)
+    torch._dynamo.reset()
+    templated = counters["inductor"]["cpp_templated_kernel_counter"]
+    for seed in (0, 1):
+        layers = model(seed)
+        with torch.inference_mode():
+            want = layers(x)  # eager: F.linear
+            got = cpu_fast.frozen_graphs(torch.compile(layers, fullgraph=True, dynamic=False), FROZEN, x)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert counters["inductor"]["cpp_templated_kernel_counter"] - templated == 4  # 2 linears, 2 models
+
+
+def test_frozen_graphs_are_taken_only_for_cpu_fp32_unquantized_models_whose_copies_fit(monkeypatch):
+    """frozen_rows: this machine's steps for a CPU fp32 model whose linear layers fit in an eighth of the
+    memory available; none for a quantized or half-precision one, or where the copies would not fit."""
+    monkeypatch.setattr(cpu_fast, "available_memory_bytes", lambda: 8 * (48 * 40 + 40 * 8) * 4)
+    layers = torch.nn.Sequential(torch.nn.Linear(48, 40), torch.nn.SiLU(), torch.nn.Linear(40, 8))
+    assert cpu_fast.frozen_rows(layers) == FROZEN  # conftest's untimed steps
+    monkeypatch.setattr(cpu_fast, "available_memory_bytes", lambda: 8 * (48 * 40 + 40 * 8) * 4 - 1)
+    assert cpu_fast.frozen_rows(layers) == [[0, False]]
+    monkeypatch.setattr(cpu_fast, "available_memory_bytes", lambda: 2 ** 40)
+    int8 = torch.nn.Sequential(torch.nn.Linear(48, 40), common.QuantLinear(torch.nn.Linear(40, 8), bits=8))
+    for module in (int8, torch.nn.Sequential(torch.nn.Linear(48, 40).half()), torch.nn.SiLU()):
+        assert cpu_fast.frozen_rows(module) == [[0, False]]
+
+
+def test_the_frozen_rows_choice_is_timed_once_and_kept_beside_the_row_steps(tmp_path, monkeypatch):
+    """frozen_rows_steps: timed on this machine's first call, then read from the decisions file under its own key;
+    a value that is not row steps is timed again."""
+    monkeypatch.setattr(cpu_fast, "decisions_file", lambda: tmp_path / cpu_fast.DECISIONS)
+    timed = []
+    monkeypatch.setattr(cpu_fast, "timed_frozen_rows", lambda: timed.append(1) or FROZEN)
+    assert cpu_fast.frozen_rows_steps() == FROZEN and cpu_fast.frozen_rows_steps() == FROZEN and timed == [1]
+    key = f"{cpu_fast.machine_key(torch.device('cpu'), torch.float32)} {cpu_fast.FROZEN_KEY}"
+    assert json.loads((tmp_path / cpu_fast.DECISIONS).read_text()) == {key: FROZEN}
+    (tmp_path / cpu_fast.DECISIONS).write_text(json.dumps({key: True}))
+    assert cpu_fast.frozen_rows_steps() == FROZEN and timed == [1, 1]
+
+
+def test_the_compiled_one_row_choice_is_timed_once_per_weight_dtype_and_kept_beside_the_row_steps(
+        tmp_path, monkeypatch):
+    """compiled_one_row_wins: timed on this machine's first call for a weight dtype and kept in the decisions file
+    under that dtype's key (the row steps' entry untouched); an odd value is timed again. use_one_row_sums
+    asks it only for the dtypes the module has."""
+    monkeypatch.setattr(cpu_fast, "decisions_file", lambda: tmp_path / cpu_fast.DECISIONS)
+    timed = []
+    monkeypatch.setattr(cpu_fast, "timed_one_row", lambda dtype: timed.append(dtype) or dtype == torch.float32)
+    path, machine = tmp_path / cpu_fast.DECISIONS, cpu_fast.machine_key(torch.device("cpu"), torch.float32)
+    path.write_text(json.dumps({machine: [[0, False]]}))
+    cpu_fast.use_one_row_sums(torch.nn.Sequential(torch.nn.SiLU(), torch.nn.Linear(8, 4).bfloat16()))
+    assert timed == []
+    layers = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 4))
+    cpu_fast.use_one_row_sums(layers)
+    assert type(layers[0]) is cpu_fast.FewRowsLinear and layers[1].one_row and timed == [torch.float32]
+    int8 = common.QuantLinear(torch.nn.Linear(8, 4), bits=8)
+    cpu_fast.use_one_row_sums(torch.nn.Sequential(torch.nn.Linear(8, 4), int8))
+    assert type(int8) is common.QuantLinear and timed == [torch.float32, torch.int8]
+    assert cpu_fast.compiled_one_row_wins() is True and cpu_fast.compiled_one_row_wins(torch.int8) is False
+    fp32, int8 = (f"{cpu_fast.machine_key(torch.device('cpu'), dtype)} {cpu_fast.ONE_ROW_KEY}"
+                  for dtype in (torch.float32, torch.int8))
+    assert json.loads(path.read_text()) == {machine: [[0, False]], fp32: True, int8: False}
+    path.write_text(json.dumps({fp32: "yes"}))
+    assert cpu_fast.compiled_one_row_wins() is True and timed == [torch.float32, torch.int8, torch.float32]
+
+
+def test_the_many_rows_choice_is_timed_once_and_kept_beside_the_row_steps(tmp_path, monkeypatch):
+    """many_rows_matmul (OmniVoice's flat row): timed on this machine's first call, then read from the decisions file
+    under its own key, the row steps' entry untouched; a value that names no matmul is timed again."""
+    monkeypatch.setattr(cpu_fast, "decisions_file", lambda: tmp_path / cpu_fast.DECISIONS)
+    timed = []
+    monkeypatch.setattr(cpu_fast, "timed_many_rows", lambda: timed.append(1) or "mkl")
+    path, machine = tmp_path / cpu_fast.DECISIONS, cpu_fast.machine_key(torch.device("cpu"), torch.float32)
+    path.write_text(json.dumps({machine: [[0, False]]}))
+    assert cpu_fast.many_rows_matmul() == "mkl" and cpu_fast.many_rows_matmul() == "mkl" and timed == [1]
+    key = f"{machine} {cpu_fast.MANY_ROWS_KEY}"
+    assert json.loads(path.read_text()) == {machine: [[0, False]], key: "mkl"}
+    for odd in (True, "blas", [[0, True]]):  # an older file's bool included
+        path.write_text(json.dumps({key: odd}))
+        assert cpu_fast.many_rows_matmul() == "mkl"
+    assert timed == [1, 1, 1, 1]
+
+
+@pytest.mark.skipif(not cpu_fast.mkl_packs(), reason="this torch has no MKL (the choice never takes it there)")
+def test_mkl_packed_matmul_gives_f_linear_at_any_row_count_and_packs_once(monkeypatch):
+    """MKL's copy is packed for MANY_ROWS_PROBE rows; mkl_packed_matmul runs it at every row count (within
+    fp32 rounding of F.linear: odd shapes, a bias, 3-D inputs), makes it once, and again where the weight
+    changed in place."""
+    torch.manual_seed(0)
+    for out_features, in_features in ((40, 48), (8200, 64), (24, 3072)):
+        layer = torch.nn.Linear(in_features, out_features)
+        with torch.inference_mode():
+            for rows in (1, 3, 7, 100, cpu_fast.MANY_ROWS_PROBE, 446):
+                x = torch.rand(2, rows, in_features) - 0.5
+                want = F.linear(x.double(), layer.weight.double(), layer.bias.double())
+                assert torch.allclose(cpu_fast.mkl_packed_matmul(x, layer.weight, layer.bias).double(), want,
+                                      atol=1e-5 * in_features ** 0.5), (out_features, in_features, rows)
+    first = layer.weight.mkl_prepacked[1]
+    assert cpu_fast.mkl_prepacked(layer.weight) is first  # made once
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    x = torch.rand(5, in_features)
+    assert torch.allclose(cpu_fast.mkl_packed_matmul(x, layer.weight, layer.bias),
+                          F.linear(x, layer.weight, layer.bias), atol=1e-3)
+    assert layer.weight.mkl_prepacked[1] is not first
+    # the packed copy, not the weight, is what every row count multiplies: packed from twice the weight here
+    monkeypatch.setattr(cpu_fast, "mkl_pack", lambda w: MKL_PACK(2 * w))
+    fresh = torch.nn.Linear(in_features, 8, bias=False)
+    for rows in (1, 7, cpu_fast.MANY_ROWS_PROBE + 1):
+        x = torch.rand(rows, in_features)
+        assert torch.allclose(cpu_fast.mkl_packed_matmul(x, fresh.weight), 2 * F.linear(x, fresh.weight),
+                              atol=1e-3), rows
+
+
+@pytest.mark.skipif(not cpu_fast.mkl_packs(), reason="this torch has no MKL (the choice never takes it there)")
+def test_mkl_packs_any_rows_checks_the_products_at_other_row_counts(monkeypatch):
+    """timed_many_rows may take MKL only where its copy packed for MANY_ROWS_PROBE rows gives F.linear's
+    products at other row counts: true of this machine's MKL, false of one whose products are off there."""
+    weights = [torch.rand(24, 16), torch.rand(16, 24)]
+    assert cpu_fast.mkl_packs_any_rows(weights)
+    real = cpu_fast.mkl_packed_matmul
+    off = lambda x, w, b=None: real(x, w, b) * (1 if len(x) == cpu_fast.MANY_ROWS_PROBE else 1.01)  # noqa: E731
+    monkeypatch.setattr(cpu_fast, "mkl_packed_matmul", off)
+    assert not cpu_fast.mkl_packs_any_rows(weights)
+
+
+def test_timed_many_rows_takes_the_fastest_matmul_and_torchs_on_a_tie(monkeypatch):
+    """F.linear, oneDNN's and MKL's packed matmuls on MANY_ROWS_PROBE rows of a layer's shapes, a warm-up
+    round first: the fastest (a fake clock), torch's unless another is strictly faster; MKL's only where its
+    packed copy gives F.linear's products at other row counts."""
+    monkeypatch.setattr(cpu_fast, "PROBE_SHAPES", ((24, 16), (16, 24)))
+    monkeypatch.setattr(cpu_fast, "MANY_ROWS_PROBE", 8)
+    now, cost = [0.0], {}
+
+    def costs(kind, fn):
+        return lambda *args: now.__setitem__(0, now[0] + cost[kind]) or fn(*args)
+
+    monkeypatch.setattr(cpu_fast.F, "linear", costs("torch", F.linear))
+    monkeypatch.setattr(cpu_fast, "packed_matmul", costs("onednn", cpu_fast.packed_matmul))
+    monkeypatch.setattr(cpu_fast, "mkl_packed_matmul", costs("mkl", cpu_fast.mkl_packed_matmul))
+    monkeypatch.setattr(cpu_fast, "mkl_packs", lambda: True)
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    cases = (((2, 1, 3), "onednn"), ((2, 3, 1), "mkl"), ((1, 2, 2), "torch"), ((1, 1, 1), "torch"),
+             ((2, 1, 1), "onednn"))
+    for (torch_cost, onednn, mkl), fastest in cases:
+        cost.update(torch=torch_cost, onednn=onednn, mkl=mkl)
+        assert cpu_fast.timed_many_rows(repeats=2) == fastest, (torch_cost, onednn, mkl)
+    monkeypatch.setattr(cpu_fast, "mkl_packs_any_rows", lambda weights: False)
+    assert cpu_fast.timed_many_rows(repeats=2) == "onednn"  # (2, 1, 1): MKL's copy wrong elsewhere, not taken
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    prepacks = []
+    monkeypatch.setattr(cpu_fast, "prepack", lambda w: prepacks.append(w))
+    assert cpu_fast.timed_many_rows(repeats=2) == "torch" and prepacks == []  # a torch without oneDNN
+
+
+def test_timed_one_row_takes_the_compiled_sum_only_where_it_beats_every_matmul(monkeypatch):
+    """The compiled product and sum against F.linear and the prepacked matmul (fp32 weights) or aten's int8
+    kernel (int8 ones) on the same one-row probes, a warm-up round first; the sum is taken only if faster
+    than each of them (a fake clock; compile made a no-op so that nothing compiles here)."""
+    monkeypatch.setattr(cpu_fast, "PROBE_SHAPES", ((24, 16), (16, 24)))
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
+    now, cost = [0.0], {}
+
+    def timed(kind, fn):
+        def run(*args, **kwargs):
+            now[0] += cost[kind]
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(cpu_fast, "one_row_linear", timed("sum", cpu_fast.one_row_linear))
+    monkeypatch.setattr(cpu_fast.F, "linear", timed("torch", F.linear))
+    monkeypatch.setattr(cpu_fast, "packed_matmul", timed("packed", cpu_fast.packed_matmul))
+    int8_kernel = timed("int8", torch.ops.aten._weight_int8pack_mm)
+    monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", int8_kernel)
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    for sum_cost, torch_cost, packed_cost, wins in ((1, 2, 3, True), (2, 3, 1, False), (2, 1, 3, False),
+                                                    (2, 2, 2, False)):
+        cost.update(sum=sum_cost, torch=torch_cost, packed=packed_cost, int8=100)
+        assert cpu_fast.timed_one_row(torch.float32, repeats=2) is wins
+    for sum_cost, int8_cost, wins in ((1, 2, True), (2, 1, False), (2, 2, False)):
+        cost.update(sum=sum_cost, int8=int8_cost, torch=100, packed=100)
+        assert cpu_fast.timed_one_row(torch.int8, repeats=2) is wins
+
+
+# ----------------------------------------------------------------------------- the codec's fast path
+WAVE_ATOL = 1e-4  # fixture README: codec waveforms in fp32
+
+
+@pytest.fixture(scope="module")
+def fast_model():
+    return cpu_fast.codec_fast_path(codec.load(CKPT), choices={})  # every op fast, whatever this machine says
+
+
+def runs_fast(module):  # swapped for its fast class (a compiled Snake, an op on its prepacked weight)
+    return type(module) is not cpu_fast.eager_class(module)
+
+
+def codec_key(model):  # the codec's entry in the decisions file
+    p = next(model.parameters())
+    return f"{cpu_fast.machine_key(p.device, p.dtype)} {cpu_fast.CODEC_KEY}"
+
+
+def never_timed(model):  # cpu_fast.timed_choices where the decisions file decides every op
+    pytest.fail("timed although the file decides")
+
+
+def test_fast_path_one_shot_and_chunked_equal_eager_and_upstream(dac, fast_model):
+    codes = golden("codes_random.npy")  # 40 frames
+    for chunk in None, 16:
+        wave = codec.decode(fast_model, codes, chunk_frames=chunk)
+        assert max_diff(wave, codec.decode(dac, codes, chunk_frames=chunk)) <= 1e-5
+        assert max_diff(wave[0], golden("codec_decoded_from_given_codes.npy")) <= WAVE_ATOL
+    codes = codec.encode(fast_model, codec.load_audio(GOLDEN / "audio_in.wav"))
+    np.testing.assert_array_equal(codes[0].numpy(), golden("codec_codes.npy").numpy())
+    eager = cpu_fast.codec_fast_path(codec.load(CKPT), on=False)
+    assert type(eager.decoder.model[-2]) is codec.Snake
+    linears = [type(m) for m in fast_model.modules() if isinstance(m, torch.nn.Linear)]
+    assert set(linears) == {cpu_fast.PackedLinear}  # oneDNN's matmul on prepacked weights
+    assert {type(m) for m in eager.modules() if isinstance(m, torch.nn.Linear)} == {torch.nn.Linear}
+    assert not any(hasattr(m, "packed") for m in eager.modules())
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("schedule", [[1], [3], [4], [2, 5, 1, 9, 4]])
+def test_fast_path_stream_equals_eager(fast_model, one_shot, batch, schedule):
+    codes, waves = one_shot
+    chunks = codes[:batch].split(chunk_sizes(schedule, 40), -1)
+    fast = list(codec.decode_stream(fast_model, chunks))
+    assert [tuple(p.shape) for p in fast] == [(batch, c.shape[-1] * 2048) for c in chunks]
+    # eager streams equal eager one-shot decodes to 1e-5 (test_codec's test_stream_decode_equals_one_shot)
+    assert max_diff(torch.cat(fast, -1), waves[batch]) <= 1e-5
+
+
+def alternating_choices(model):
+    """Every other op key fast, the rest eager: tensors cross between the two layouts everywhere."""
+    keys = sorted({cpu_fast.op_key(m) for m in model.modules()} - {None})
+    steps = {True: [[0, True], [4096, False]], False: [[0, False]]}  # prepacked at every size seen here
+    return {key: i % 2 == 0 if key == "snake" else steps[i % 2 == 0] for i, key in enumerate(keys)}
+
+
+def test_fast_path_takes_a_cached_decision_files_choices_without_timing(one_shot, tmp_path, monkeypatch):
+    """A decision file for this machine decides each op (no timing), and any mix of fast and eager ops
+    still decodes, streams and encodes as eager does."""
+    monkeypatch.setattr(cpu_fast, "decisions_file", lambda: tmp_path / cpu_fast.DECISIONS)
+    monkeypatch.setattr(cpu_fast, "timed_choices", never_timed)
+    mixed = codec.load(CKPT)
+    choices = alternating_choices(mixed)
+    other = {key: True for key in choices}
+    (tmp_path / cpu_fast.DECISIONS).write_text(json.dumps({codec_key(mixed): choices, "other": other}))
+    cpu_fast.codec_fast_path(mixed)
+    fast = {key: choice if isinstance(choice, bool) else choice[0][1] for key, choice in choices.items()}
+    for module in mixed.modules():
+        key = cpu_fast.op_key(module)
+        if key == "snake":
+            assert (type(module) is cpu_fast.CompiledSnake) == fast[key]
+        elif key is not None:
+            assert hasattr(module, "packed") == runs_fast(module) == fast[key], key
+    assert {False, True} == set(fast.values())
+    codes, waves = one_shot
+    assert max_diff(codec.decode(mixed, codes[:2], chunk_frames=None), waves[2]) <= 1e-5
+    stream = torch.cat(list(codec.decode_stream(mixed, codes[:1].split(chunk_sizes([2, 5, 1], 40), -1))), -1)
+    assert max_diff(stream, waves[1]) <= 1e-5
+    audio = codec.load_audio(GOLDEN / "audio_in.wav")
+    np.testing.assert_array_equal(codec.encode(mixed, audio)[0].numpy(), golden("codec_codes.npy").numpy())
+
+
+def test_a_machine_without_decisions_is_timed_once_and_added_to_the_file(tmp_path, monkeypatch):
+    path = tmp_path / "cache" / cpu_fast.DECISIONS
+    monkeypatch.setattr(cpu_fast, "decisions_file", lambda: path)
+    timed = []
+    dac = codec.load(CKPT)
+    monkeypatch.setattr(cpu_fast, "timed_choices", lambda dac: timed.append(1) or alternating_choices(dac))
+    monkeypatch.setattr(cpu_fast, "checked_choices", lambda model, choices: choices)
+    path.parent.mkdir()
+    path.write_text(json.dumps({"another machine": {"snake": False}}))
+    cpu_fast.codec_fast_path(dac)
+    cpu_fast.codec_fast_path(codec.load(CKPT))  # the next load (a next process alike) reads the file
+    assert timed == [1]
+    kept = json.loads(path.read_text())
+    assert kept == {"another machine": {"snake": False}, codec_key(dac): alternating_choices(dac)}
+    path.write_text("{not json")  # unreadable: timed again, rewritten
+    cpu_fast.codec_fast_path(dac)
+    assert timed == [1, 1] and json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("edit, timed_again", [
+    (lambda entry, linear: entry, False),
+    (lambda entry, linear: dict(entry, **{linear: True}), True),  # the older format's one bool for all rows
+    (lambda entry, linear: dict(entry, **{linear: [[1, True]]}), True),  # no choice below 1 row
+    (lambda entry, linear: dict(entry, **{linear: [[0, True]]}), True),  # prepacked beyond its timed rows
+    (lambda entry, linear: dict(entry, **{linear: [[0, True], [0, False]]}), True),
+    (lambda entry, linear: dict(entry, **{linear: [[0, 1]]}), True),
+    (lambda entry, linear: dict(entry, snake=1), True),
+    (lambda entry, linear: dict(entry, snake=[[0, True], [8, False]]), True),
+    (lambda entry, linear: dict(entry, **{next(k for k in entry if k.startswith("Causal")): True}), True),
+    (lambda entry, linear: [entry], True)])
+def test_an_older_or_odd_decision_file_is_timed_again_and_replaced(tmp_path, monkeypatch, edit, timed_again):
+    """A decision file decides an op only with a value of its kind: a bool for Snake, size steps for a
+    prepacked op (a linear layer, a conv). Anything else (the older format's bool for a linear layer or a
+    conv, steps that leave sizes undecided or end prepacked, an entry that is not a dict) is timed again and
+    replaced, never a crash."""
+    monkeypatch.setattr(cpu_fast, "decisions_file", lambda: tmp_path / cpu_fast.DECISIONS)
+    dac = codec.load(CKPT)
+    keys = sorted({cpu_fast.op_key(m) for m in dac.modules()} - {None})
+    linear = next(key for key in keys if key.startswith("linear "))
+    steps = {True: [[0, False], [4, True], [65, False]], False: [[0, True], [16, False]]}[timed_again]
+    timed = {key: True if key == "snake" else steps for key in keys}
+    monkeypatch.setattr(cpu_fast, "timed_choices", lambda model: timed)
+    monkeypatch.setattr(cpu_fast, "checked_choices", lambda model, choices: choices)
+    decided = {key: True if key == "snake" else [[0, True], [16, False]] for key in keys}
+    entry = edit(decided, linear)
+    (tmp_path / cpu_fast.DECISIONS).write_text(json.dumps({codec_key(dac): entry}))
+    cpu_fast.codec_fast_path(dac)
+    kept = json.loads((tmp_path / cpu_fast.DECISIONS).read_text())[codec_key(dac)]
+    assert kept == (timed if timed_again else entry)
+    assert {str(m.steps) for m in dac.modules() if isinstance(m, cpu_fast.PackedLinear)} == {str(steps)}
+
+
+def fast_kinds(model):
+    """Which kinds of op run fast now: a conv on its prepacked weight, a linear layer's, a compiled Snake."""
+    kinds = {"conv": any(type(m) in (cpu_fast.PackedConv, cpu_fast.PackedConvT) for m in model.modules()),
+             "linear": any(isinstance(m, cpu_fast.PackedLinear) for m in model.modules()),
+             "snake": any(type(m) is cpu_fast.CompiledSnake for m in model.modules())}
+    return frozenset(kind for kind, fast in kinds.items() if fast)
+
+
+@pytest.mark.parametrize("costs, kept", [
+    ({"encode": {frozenset(): 1, frozenset({"conv", "linear", "snake"}): 0.5}}, "choices"),
+    ({"one shot": {frozenset(): 1, frozenset({"conv", "linear", "snake"}): 1.2,
+                   frozenset({"linear", "snake"}): 0.9}}, "convs eager"),
+    ({"stream 4": {frozenset(): 1, frozenset({"conv", "linear", "snake"}): 1.1,
+                   frozenset({"linear", "snake"}): 1.1, frozenset({"snake"}): 1.0}}, "snake only"),
+    ({"encode": {frozenset(): 1, frozenset({"conv", "linear", "snake"}): 0.5},
+      "stream 1": {frozenset(): 1, frozenset({"conv", "linear", "snake"}): 1.5,
+                   frozenset({"linear", "snake"}): 2, frozenset({"snake"}): 1.01}}, "eager")])
+def test_checked_choices_keep_the_first_fallback_no_slower_on_any_whole_path(monkeypatch, capsys, costs,
+                                                                             kept):
+    """Each op can win alone and a whole path still lose: checked_choices times every probe path eager and
+    with each fallback in turn (a fake clock: each path costs what its table says for the kinds of op fast
+    now, 1 where it does not say) and keeps the first that loses on none; the model is left eager."""
+    dac = codec.load(CKPT)
+    choices = {key: [[0, True], [4096, False]] if key.startswith("linear ") else True
+               for key in {cpu_fast.op_key(m) for m in dac.modules()} - {None}}
+    now, runs = [0.0], []
+
+    def path(name):
+        def run():
+            runs.append(name)
+            now[0] += costs.get(name, {}).get(fast_kinds(dac), 1)
+        return run
+
+    paths = ["encode", "stream 1", "stream 4", "one shot"]
+    monkeypatch.setattr(cpu_fast, "probe_paths", lambda model: {name: path(name) for name in paths})
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    candidates = cpu_fast.fallbacks(choices)
+    names = {"choices": 0, "convs eager": 1, "snake only": 2, "eager": 3}
+    assert cpu_fast.checked_choices(dac, choices) == candidates[names[kept]]
+    assert fast_kinds(dac) == frozenset()
+    tried = min(names[kept] + 1, 3)
+    assert len(runs) == 4 * 5 * tried  # 4 paths, 5 turns (a warm-up) per candidate tried
+    said = capsys.readouterr().err.splitlines()  # each candidate's speed on each path, said as it is timed
+    assert len(said) == tried and said[0].startswith("codec: whole paths with ")
+    if "encode" in costs:
+        assert "encode 2.00x" in said[0]
+
+
+def test_fallbacks_turn_the_convs_then_every_prepacked_op_eager():
+    conv, convt = "CausalConv [8, 8, 7] stride 1 dilation 1", "CausalConvT [8, 4, 4] stride 2 dilation 1"
+    choices = {"snake": True, "linear [8, 8]": [[0, True], [65, False]], conv: True, convt: True}
+    choices_, convs, snake, eager = cpu_fast.fallbacks(choices)
+    assert choices_ == choices
+    assert convs == dict(choices, **{conv: [[0, False]], convt: [[0, False]]})
+    assert snake == {"snake": True, "linear [8, 8]": [[0, False]], conv: [[0, False]], convt: [[0, False]]}
+    assert eager == dict(snake, snake=False)
+
+
+def test_checked_choices_on_the_tiny_codec_time_its_real_paths_and_keep_a_fallback():
+    """Untimed by a fake clock: whichever fallback wins here, it is one of them, every op is decided, and
+    the model is left eager and still decodes as eager does."""
+    dac = codec.load(CKPT)
+    choices = alternating_choices(dac)
+    assert set(cpu_fast.probe_paths(dac)) == {"encode", "stream 1", "stream 4", "stream 16", "one shot"}
+    kept = cpu_fast.checked_choices(dac, choices, rounds=1)
+    assert kept in cpu_fast.fallbacks(choices) and set(kept) == set(choices)
+    assert fast_kinds(dac) == frozenset()
+
+
+def test_timed_choices_time_every_op_in_every_probe_and_leave_the_model_eager(monkeypatch):
+    """The timing itself (its figures replaced by a fake clock: tests time nothing): Snake is fast only if
+    it is no slower in every probe (an encode, streams of 1, 4 and 16 frames), a prepacked op at each of its
+    sizes in them (here a conv that loses at a 1-frame stream's), and the model is left eager. A conv is
+    timed on a channels-last input, as the fast path hands it over (timed on contiguous ones, the convs that
+    won inside a 16-frame decode went eager on an AVX2 CPU)."""
+    dac = codec.load(CKPT)
+    probes = cpu_fast.probe_inputs(dac)
+    assert {probe for by_probe in probes.values() for probe in by_probe} == {"encode", "stream 1", "stream 4",
+                                                                            "stream 16"}
+    loser = dac.decoder.model[0]  # fast loses only in 1-frame streams (the first of its probes)
+    losing = probes[loser]["stream 1"]
+    assert len(probes[loser]) == 3 and not losing & (probes[loser]["stream 4"] | probes[loser]["stream 16"])
+    assert {cpu_fast.op_rows(loser, x) for x in losing} == {4}  # the latent's 4 positions a frame
+
+    layouts = set()  # (kind of op, its input channels-last in memory)
+
+    def fake_seconds(module, x):
+        if cpu_fast.eager_class(module) in (codec.CausalConv, codec.CausalConvT):
+            layouts.add((cpu_fast.eager_class(module).__name__, x.mT.is_contiguous()))
+        return 2.0 if runs_fast(module) and module is loser and tuple(x.shape) in losing else 1.0
+
+    monkeypatch.setattr(cpu_fast, "seconds", fake_seconds)
+    choices = cpu_fast.timed_choices(dac)
+    assert layouts == {("CausalConv", True), ("CausalConvT", True)}
+    top = {}  # a prepacked op's largest size in any probe: eager above it
+    for m, by_probe in probes.items():
+        if cpu_fast.eager_class(m) is not codec.Snake:
+            rows = max(cpu_fast.op_rows(m, x) for xs in by_probe.values() for x in xs)
+            top[cpu_fast.op_key(m)] = max(top.get(cpu_fast.op_key(m), 0), rows)
+    assert top[cpu_fast.op_key(loser)] == 64  # a 16-frame stream's
+    want = {key: [[0, True], [top[key] + 1, False]] for key in top}
+    want.update({"snake": True, cpu_fast.op_key(loser): [[0, False], [16, True], [65, False]]})
+    assert choices == want
+    assert not any(hasattr(m, "packed") for m in dac.modules())
+    assert all(type(m) is codec.Snake for m in dac.modules() if cpu_fast.eager_class(m) is codec.Snake)
+
+
+def test_timed_choices_decide_a_linear_layer_for_each_row_count(monkeypatch):
+    """A linear layer is timed by its inputs' rows (streams: 1 to 64 here, an encode 16 to 64) and takes
+    what won at each; a row count between two timed ones, what won at the one below it; above them, eager."""
+    dac = codec.load(CKPT)
+    attention, convnext = dac.quantizer.post_module.layers[0].attention, dac.quantizer.upsample[0][1]
+    qkv, out, pointwise = (cpu_fast.op_key(m) for m in (attention.wqkv, attention.wo, convnext.pwconv1))
+    losing = {qkv: lambda rows: rows >= 16, out: lambda rows: rows == 1, pointwise: lambda rows: rows == 8}
+
+    def fake_seconds(module, x):
+        loses = losing.get(cpu_fast.op_key(module), lambda rows: False)
+        return 2.0 if runs_fast(module) and loses(cpu_fast.linear_rows(x.shape)) else 1.0
+
+    monkeypatch.setattr(cpu_fast, "seconds", fake_seconds)
+    choices = cpu_fast.timed_choices(dac)
+    assert {key: choices[key] for key in losing} == {  # qkv and out: rows 1, 4, 16, 64; pointwise: 2 to 64
+        qkv: [[0, True], [16, False]], out: [[0, False], [4, True], [65, False]],
+        pointwise: [[0, True], [8, False], [16, True], [65, False]]}
+    assert [cpu_fast.step_at(choices[pointwise], rows) for rows in (1, 7, 8, 15, 16, 64, 65, 999)] == [
+        1, 1, 0, 0, 1, 1, 0, 0]
+    linears = {key for key in choices if key.startswith("linear ")}
+    assert {str(choices[key]) for key in linears - set(losing)} == {"[[0, True], [65, False]]"}
+    assert choices["snake"] is True and all(choices[key][0] == [0, True] for key in set(choices) - linears
+                                            - {"snake"})
+    assert not any(hasattr(m, "packed") for m in dac.modules())
+
+
+def test_a_conv_runs_prepacked_at_the_sizes_its_steps_say_even_within_one_stream(one_shot, monkeypatch):
+    """Every decoding conv and transposed conv prepacked below 3 frames' positions (the least of those of
+    its shape) and eager from there: in a stream of 1, 4, 2, 9 and 24 frames each conv takes both sides (its
+    past kept in one layout for both), a one-shot decode (40 frames) runs them all eager, and both equal
+    eager's to 1e-5."""
+    dac = codec.load(CKPT)
+    frame = {}  # each decoding conv's positions for one frame of codes
+    hooks = [m.register_forward_pre_hook(lambda m, args: frame.__setitem__(m, args[0].shape[-1]))
+             for m in dac.modules() if isinstance(m, (codec.CausalConv, codec.CausalConvT))]
+    codec.decode(dac, torch.zeros(10, 1, dtype=torch.long))
+    for hook in hooks:
+        hook.remove()
+    convs = list(frame)
+    choices = {cpu_fast.op_key(m): False if isinstance(m, codec.Snake) else [[0, False]]
+               for m in dac.modules() if cpu_fast.op_key(m)}
+    limit = {}  # convs of one shape share a choice: the smallest of their 3 frames' positions
+    for m in convs:
+        limit[cpu_fast.op_key(m)] = min(limit.get(cpu_fast.op_key(m), 3 * frame[m]), 3 * frame[m])
+    choices.update({key: [[0, True], [n, False]] for key, n in limit.items()})
+    cpu_fast.codec_fast_path(dac, choices=choices)  # the linear layers and Snakes eager
+    calls = []  # (conv, positions, prepacked)
+    conv_pointwise, matmul = torch.ops.mkldnn._convolution_pointwise, cpu_fast.packed_matmul
+    for m in convs:
+        m.register_forward_pre_hook(lambda m, args: calls.append((m, args[0].shape[-1], [])))
+    monkeypatch.setattr(torch.ops.mkldnn, "_convolution_pointwise",
+                        lambda *args: calls[-1][2].append(1) or conv_pointwise(*args), raising=False)
+    monkeypatch.setattr(cpu_fast, "packed_matmul", lambda *args: calls[-1][2].append(1) or matmul(*args))
+    codes, waves = one_shot
+    stream = torch.cat(list(codec.decode_stream(dac, codes[:1].split([1, 4, 2, 9, 24], -1))), -1)
+    assert max_diff(stream, waves[1]) <= 1e-5
+    assert {(n < limit[cpu_fast.op_key(m)]) == bool(packed) for m, n, packed in calls} == {True}
+    assert {bool(packed) for _, _, packed in calls} == {True, False}
+    prepacked, eager = ({m for m, _, packed in calls if bool(packed) == side} for side in (True, False))
+    assert prepacked == eager == set(convs)
+    calls.clear()
+    assert max_diff(codec.decode(dac, codes[:1], chunk_frames=None), waves[1]) <= 1e-5
+    assert calls and not any(packed for _, _, packed in calls)
+
+
+def test_timing_both_sides_makes_each_prepacked_weight_once_and_frees_the_unused_after():
+    """Inside keeping_copies (the choices' timing, the benchmark) an op turned fast, eager and fast again
+    gets the same prepacked weight back: no hundreds of MB made and freed between timed calls. Outside it,
+    each turn makes its own, and a copy no op holds is not kept."""
+    dac = codec.load(CKPT)
+    conv, linear = dac.decoder.model[0], dac.quantizer.post_module.layers[0].attention.wqkv
+    with cpu_fast.keeping_copies():
+        firsts = []
+        for module in (conv, linear):
+            cpu_fast.use_fast(module, True)
+            firsts.append(module.packed)
+            cpu_fast.use_fast(module, False)
+            assert not hasattr(module, "packed")
+            cpu_fast.use_fast(module, [[0, True], [8, False]])
+            assert module.packed is firsts[-1]
+        with cpu_fast.keeping_copies():  # nested: the same copies
+            cpu_fast.use_fast(conv, True)
+            assert conv.packed is firsts[0]
+        cpu_fast.use_fast(linear, False)
+    assert cpu_fast.KEPT_COPIES is None and conv.packed is firsts[0]  # in use: kept by the op
+    cpu_fast.use_fast(conv, False)
+    cpu_fast.use_fast(conv, True)
+    assert conv.packed is not None and conv.packed is not firsts[0]
+    assert torch.equal(conv.packed.to_dense(), firsts[0].to_dense())
+
+
+def test_an_op_turned_fast_and_eager_again_gets_its_own_class_back_with_the_same_parameters():
+    """use_fast swaps a module's class (the same parameters and names), remembering the eager one; eager
+    again, the class is restored and nothing of the fast path stays on the module."""
+    dac = codec.load(CKPT)
+    ops = {"snake": dac.decoder.model[-2], "conv": dac.decoder.model[0],
+           "linear": dac.quantizer.post_module.layers[0].attention.wqkv}
+    fast = {"snake": cpu_fast.CompiledSnake, "conv": cpu_fast.PackedConv, "linear": cpu_fast.PackedLinear}
+    for kind, module in ops.items():
+        eager, names = type(module), list(module.state_dict())
+        cpu_fast.use_fast(module, True)
+        assert type(module) is fast[kind] and cpu_fast.eager_class(module) is eager
+        assert list(module.state_dict()) == names
+        cpu_fast.use_fast(module, False)
+        assert type(module) is eager and cpu_fast.eager_class(module) is eager, kind
+        assert not {"eager", "steps", "packed"} & set(vars(module)), kind
+
+
+def test_only_weights_onednn_can_reorder_on_this_cpu_are_prepacked():
+    """fp32 always; bf16 only where the CPU converts it in hardware (AVX-512 BW/VL/DQ or AVX-NE-CONVERT):
+    elsewhere oneDNN's reorder raises, and the benchmark's matmul peak in bf16 crashed on an AVX2 EPYC."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        weight = torch.rand(16, 8).to(dtype)
+        try:
+            cpu_fast.prepack(weight)
+            reorders = True
+        except RuntimeError:
+            reorders = False
+        assert cpu_fast.can_prepack(weight) == (reorders and dtype != torch.float16), dtype
+    assert not cpu_fast.can_prepack(torch.rand(16, 8, dtype=torch.float64))
+
+
+def test_a_linear_layer_runs_prepacked_at_the_row_counts_its_steps_say(one_shot, tmp_path, monkeypatch):
+    """A decision file's step between a stream's rows and an encode's: each linear layer's call takes the
+    prepacked weight below it and nn.Linear's matmul from it on; the stream and the encode stay as eager's."""
+    monkeypatch.setattr(cpu_fast, "decisions_file", lambda: tmp_path / cpu_fast.DECISIONS)
+    monkeypatch.setattr(cpu_fast, "timed_choices", never_timed)
+    dac = codec.load(CKPT)
+    keys = {cpu_fast.op_key(m): m for m in dac.modules()}
+    choices = {key: [[0, True], [8, False]] if isinstance(m, torch.nn.Linear) else False if key == "snake"
+               else [[0, False]] for key, m in keys.items() if key}
+    (tmp_path / cpu_fast.DECISIONS).write_text(json.dumps({codec_key(dac): choices}))
+    cpu_fast.codec_fast_path(dac)
+    packed, eager = [], []  # rows of each linear layer's call (every other op is eager: no packed_matmul)
+    packed_matmul, linear = cpu_fast.packed_matmul, torch.nn.Linear.forward
+    rows = cpu_fast.linear_rows
+    monkeypatch.setattr(cpu_fast, "packed_matmul", lambda x, *args: packed.append(rows(x.shape))
+                        or packed_matmul(x, *args))
+    monkeypatch.setattr(torch.nn.Linear, "forward", lambda self, x: eager.append(rows(x.shape))
+                        or linear(self, x))
+    codes, waves = one_shot
+    stream = torch.cat(list(codec.decode_stream(dac, codes[:1].split(chunk_sizes([1, 4], 40), -1))), -1)
+    assert max_diff(stream, waves[1]) <= 1e-5
+    assert (set(packed), set(eager)) == ({1, 2, 4}, {8, 16})  # the upsampling ConvNeXts' 2 and 4 a frame
+    audio = codec.load_audio(GOLDEN / "audio_in.wav")
+    np.testing.assert_array_equal(codec.encode(dac, audio)[0].numpy(), golden("codec_codes.npy").numpy())
+    assert max(packed) < 8 <= min(eager) and max(eager) == 64  # the encode: 6 to 64 rows

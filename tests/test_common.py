@@ -16,7 +16,8 @@ from common import write_atomic
 from conftest import ROOT, MatmulDtypes
 
 # the repository's modules
-FILES = ("common", "codec", "dualAR", "bench", "omnivoice", "omnivoice_codec", "app", "train_lora")
+FILES = ("common", "codec", "dualAR", "bench", "omnivoice", "omnivoice_codec", "omnivoice_text", "app",
+         "train_lora")
 
 
 def imported_with(module: str) -> set:
@@ -33,7 +34,8 @@ def test_imports_point_one_way_common_below_the_models_and_no_model_below_its_be
     assert imported_with("codec") == {"common"}  # not dualAR.py: the codec stands alone
     assert imported_with("dualAR") == {"common", "codec"}  # bench.py is imported only to run a benchmark
     assert imported_with("omnivoice_codec") == {"common"}
-    assert imported_with("omnivoice") == {"common", "omnivoice_codec"}  # copying OmniVoice drags in no S2
+    assert imported_with("omnivoice_text") == {"common"}  # the front end needs no model
+    assert imported_with("omnivoice") == {"common", "omnivoice_codec", "omnivoice_text"}  # and no S2
 
 
 def test_a_file_written_atomically_gets_the_usual_permissions_not_safetensors_owner_only(tmp_path):

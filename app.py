@@ -49,6 +49,7 @@ import common
 import cpu_fast
 import dualAR
 import omnivoice
+import omnivoice_text
 
 # ----------------------------------------------------------------------------- limits and validation
 MAX_TEXT = 4096  # characters of text to speak (OpenAI's limit)
@@ -408,10 +409,10 @@ def omnivoice_options(body: dict) -> dict:
         if value is not None and not isinstance(value, str):
             raise common.UserError(f"{key} must be a string")
     try:
-        omnivoice.resolve_instruct(instruct)
+        omnivoice_text.resolve_instruct(instruct)
     except common.UserError as e:  # its words are the library's: `instruct`
         raise common.UserError("instructions" + str(e).removeprefix("instruct")) from None
-    omnivoice.resolve_language(language)
+    omnivoice_text.resolve_language(language)
     num_step = number_field(body, "num_step", omnivoice.GENERATION["num_step"], integer=True, low=1)
     if num_step > MAX_STEPS:
         raise common.UserError(f"num_step must be 1 to {MAX_STEPS}, got {num_step}")
@@ -786,9 +787,9 @@ class OmniVoiceModel:
         return speech.input_tokens, sum(codes.shape[1] for codes in speech.tokens)
 
     def page(self) -> dict:
-        attributes = {name: list(items) for name, items in omnivoice.INSTRUCT_TRANSLATED.items()}
-        attributes.update(accent=list(omnivoice.ACCENTS), dialect=list(omnivoice.DIALECTS))
-        return dict(attributes=attributes, languages=sorted(omnivoice.languages()[1]),
+        attributes = {name: list(items) for name, items in omnivoice_text.INSTRUCT_TRANSLATED.items()}
+        attributes.update(accent=list(omnivoice_text.ACCENTS), dialect=list(omnivoice_text.DIALECTS))
+        return dict(attributes=attributes, languages=sorted(omnivoice_text.languages()[1]),
                     numStep=omnivoice.GENERATION["num_step"], maxSteps=MAX_STEPS, speeds=OPENAI_SPEEDS)
 
 

@@ -17,6 +17,7 @@ import common
 import cpu_fast
 import dualAR
 import omnivoice
+import omnivoice_text
 from conftest import CKPT as S2_CKPT, OV_CASES as CASES, OV_CKPT as CKPT, OV_GOLDEN as GOLDEN, OV_TINY as TINY
 from conftest import ROOT, ov_golden as golden, run_main
 
@@ -82,8 +83,8 @@ def audio_gain(case, i, tokens, model):
     if rms is not None:
         return rms / 0.1 if rms < 0.1 else 1.0
     waves = [omnivoice.decode(model, t)[None] for t in (tokens if isinstance(tokens, list) else [tokens])]
-    wave = omnivoice.cross_fade_chunks(waves, model.sample_rate) if len(waves) > 1 else waves[0]
-    trimmed = omnivoice.remove_silence(wave, model.sample_rate, mid_sil=500, lead_sil=100, trail_sil=100)
+    wave = omnivoice_text.cross_fade_chunks(waves, model.sample_rate) if len(waves) > 1 else waves[0]
+    trimmed = omnivoice_text.remove_silence(wave, model.sample_rate, mid_sil=500, lead_sil=100, trail_sil=100)
     return 0.5 / np.abs(trimmed).max()
 
 

@@ -1,6 +1,6 @@
 """omnivoice.py's serving side: the step engine (Scheduler, Engine: requests batched, each with its own random
-stream), sentence streaming (Speech, split_sentences) and the streamed cross-fade (CrossFade), against
-generate() and upstream's goldens on the tiny checkpoint."""
+stream), sentence streaming (Speech, and omnivoice_text's split_sentences) and the streamed cross-fade
+(CrossFade), against generate() and upstream's goldens on the tiny checkpoint."""
 import threading
 
 import numpy as np
@@ -9,6 +9,7 @@ import torch
 
 import common
 import omnivoice
+import omnivoice_text
 from conftest import OV_CASES as CASES, OV_CKPT as CKPT, OV_GOLDEN as GOLDEN, ov_golden as golden
 from test_omnivoice import api_kwargs  # a golden case's generate() arguments, its voices read
 
@@ -36,8 +37,8 @@ def test_the_streamed_cross_fade_is_upstreams_join_exactly(lengths, pad, fade):
     cross-fade's 0.1 s."""
     rng = np.random.default_rng(len(lengths))
     chunks = [rng.standard_normal(n).astype(np.float32) for n in lengths]
-    joined = omnivoice.cross_fade_chunks([c[None] for c in chunks], SR)
-    want = omnivoice.fade_and_pad(joined, pad, fade, SR)[0]
+    joined = omnivoice_text.cross_fade_chunks([c[None] for c in chunks], SR)
+    want = omnivoice_text.fade_and_pad(joined, pad, fade, SR)[0]
     join = omnivoice.CrossFade(SR, pad, fade)
     pieces = [join.push(chunk) for chunk in chunks]
     got = np.concatenate([*pieces, join.end()])
@@ -59,17 +60,17 @@ def test_the_cross_fade_leaves_the_chunks_it_is_given_alone():
 # ----------------------------------------------------------------------------- sentences
 def test_text_is_cut_at_sentence_ends_not_at_commas_nor_abbreviations():
     text = "Hello there, Dr. Smith! How are you? Fine, thanks. 你好，世界！今天天气很好。"
-    assert omnivoice.split_sentences(text, 1000) == ["Hello there, Dr. Smith!", "How are you?",
-                                                     "Fine, thanks.", "你好，世界！", "今天天气很好。"]
-    assert omnivoice.split_sentences("No end mark at all", 1000) == ["No end mark at all"]
+    assert omnivoice_text.split_sentences(text, 1000) == ["Hello there, Dr. Smith!", "How are you?",
+                                                          "Fine, thanks.", "你好，世界！", "今天天气很好。"]
+    assert omnivoice_text.split_sentences("No end mark at all", 1000) == ["No end mark at all"]
 
 
 def test_a_sentence_longer_than_upstreams_chunk_is_cut_as_upstream_cuts_one():
     long = "One clause here, another clause there, and a third to end it."
-    assert omnivoice.split_sentences(f"Short. {long}", 20) == [
-        "Short.", *omnivoice.chunk_text_punctuation(long, 20)]
-    assert omnivoice.chunk_text_punctuation(long, 20) == ["One clause here,", "another clause there,",
-                                                          "and a third to end it."]
+    assert omnivoice_text.split_sentences(f"Short. {long}", 20) == [
+        "Short.", *omnivoice_text.chunk_text_punctuation(long, 20)]
+    assert omnivoice_text.chunk_text_punctuation(long, 20) == ["One clause here,", "another clause there,",
+                                                               "and a third to end it."]
 
 
 @pytest.mark.parametrize("case", ["long_chunked_ref", "long_chunked_noref"])

@@ -9,6 +9,7 @@ import http.server
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -802,6 +803,26 @@ def test_health_models_and_page(server):
             else:
                 assert body == b"" and {"GET", "HEAD"} <= set(response.headers["Allow"].split(", "))
     conn.close()
+
+
+def test_the_page_is_app_html_with_its_placeholders_filled(server):
+    source = app.PAGE_FILE.read_text(encoding="utf-8")
+    names = re.findall(r"\{\{(\w+)\}\}", source)
+    page = call(server, "GET", "/")[2].decode()
+    # every byte between the placeholders is the file's
+    found = re.fullmatch("(.*?)".join(map(re.escape, re.split(r"\{\{\w+\}\}", source))), page, re.S)
+    fills = dict(zip(names, found.groups()))
+    assert names == ["title", "banner", "config"] and "{{" not in page
+    assert fills["title"] == "S2-Pro" and fills["banner"] == ""  # no demo: no banner
+    assert json.loads(fills["config"])["kind"] == "s2-pro"
+
+
+def test_a_missing_page_is_one_line_at_start(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(app, "PAGE_FILE", tmp_path / "app.html")
+    with pytest.raises(SystemExit) as exited:
+        common.cli(app.main, ["--checkpoint", str(CKPT), "--device", "cpu", "--port", "0"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.startswith("error: cannot read the page") and err.count("\n") == 1
 
 
 def test_api_key_is_required_on_the_api_when_set(locked):

@@ -10,9 +10,9 @@ fish-speech's /v1/tts, on the standard library's HTTP server.
 
 One engine thread owns the model (dualAR.Engine or omnivoice.Engine: --slots rows, continuous batching). Each
 HTTP request runs in its own thread: it validates, submits, and turns the codes into audio as they come. The
-server talks to each model through the same few verbs (S2ProModel, OmniVoiceModel: load, a reference from a
-clip, a saved voice read and written, submit, the waves of a request, its usage), so the handler and the page
-know no model but through them.
+server talks to each model through the same few verbs (SpeechModel: load, a reference from a clip, a saved
+voice read and written, submit, the waves of a request, its usage), so the handler and the page know no model
+but through them: a third model is a third class beside S2ProModel and OmniVoiceModel.
 """
 import base64
 import contextlib
@@ -37,6 +37,7 @@ import time
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Protocol
 from urllib.parse import parse_qs, unquote
 
 import numpy as np
@@ -598,16 +599,82 @@ class Gate:
             self.turn.notify_all()
 
 
+class ModelEngine(Protocol):
+    """What the server uses of a model's engine (dualAR.Engine, omnivoice.Engine)."""
+    thread: threading.Thread
+
+    def check_room(self): ...  # a 503 (common.QueueFull) when no request can wait
+    def stats(self) -> dict: ...  # busy, free, queued, ... for /health
+    def close(self): ...
+
+
+class SpeechRequest(Protocol):
+    """What the server uses of a request a model's `submit` returns (dualAR.Request, omnivoice.Speech)."""
+    done: bool
+    cancelled: bool
+
+    def cancel(self): ...
+    def finish(self, error: Exception): ...
+
+
+class SpeechModel(Protocol):
+    """The verbs the server speaks to a model, built from the command line as `Model(args)` and listed in
+    MODELS. A reference is whatever the model's `submit` takes (S2-Pro: codes and transcript; OmniVoice: a
+    voice prompt), from a clip or a saved voice (its own files in the shared voices folder)."""
+    kind: str  # --model's name, and the model a listed voice is for
+    model_types: tuple  # the model_type values of its checkpoints' config.json
+    title: str
+    owner: str  # /v1/models' owned_by
+    fish_api: bool  # whether it serves upstream fish-speech's routes (/v1/tts, /v1/vqgan: FishSpeechModel)
+    sample_rate: int
+    hop: int  # samples per frame
+    max_references: int
+    engine: ModelEngine
+    demo: bool  # a tiny random model (no checkpoint): `notice` says its audio is noise
+    notice: str
+    name: str
+    info: dict  # what /health says of it
+
+    @staticmethod
+    def options(body: dict) -> dict: ...  # its fields of a speech request -> the job's options
+
+    @staticmethod
+    def check_references(count: int): ...  # before any clip is encoded
+
+    @staticmethod
+    def voice_files(folder: Path) -> dict: ...  # -> {name: (kind, path)}, its voices in the folder
+
+    @staticmethod
+    def voice_paths(folder: Path, name: str) -> list: ...  # a voice's files, in the order they are removed
+
+    def read_voice(self, kind: str, path: Path, codec_work): ...  # -> a reference
+    def clip_reference(self, samples: np.ndarray, rate: int, text: str): ...  # -> a reference
+    def write_voice(self, folder: Path, name: str, reference) -> dict: ...  # -> what POST answers
+    def submit(self, job: dict, references: list) -> SpeechRequest: ...
+    def waves(self, request: SpeechRequest): ...  # -> 1-D waves at sample_rate, as they are made
+    def whole(self, request: SpeechRequest): ...  # -> the whole wave
+    def usage(self, request: SpeechRequest, samples: int) -> tuple: ...  # -> (input tokens, output tokens)
+    def page(self) -> dict: ...  # its part of the page's CONFIG
+
+
+class FishSpeechModel(SpeechModel, Protocol):
+    """A model with `fish_api`: upstream's /v1/vqgan routes use its codec too."""
+    def encode(self, samples: np.ndarray, rate: int) -> torch.Tensor: ...
+    def check_codes(self, codes, what: str) -> torch.Tensor: ...
+    def decode(self, codes: torch.Tensor) -> torch.Tensor: ...
+
+
 class S2ProModel:
-    """S2-Pro behind the server's verbs (OmniVoiceModel has the same ones): the model, codec and engine loaded
-    (`engine`: check_room, stats, thread, close); `options(body)`: its fields of a speech request; a
-    reference from a clip (`clip_reference`) or a saved voice (`voice_files`, `read_voice`, `write_voice`,
-    `voice_paths`: its files in the voices folder); `submit(job, references)` -> a request (done, cancelled,
-    cancel, finish); `waves(request)` as they are made, `whole(request)`, `usage(request, samples)`;
-    `page()`: what its page shows. Also fish-speech's own routes (/v1/tts, /v1/vqgan): `fish_api`."""
+    """S2-Pro behind the server's verbs (SpeechModel, and FishSpeechModel's for fish-speech's own routes):
+    the model, codec and engine loaded; a reference is codes (10, T) and a transcript."""
     kind, title, owner, fish_api = "s2-pro", "S2-Pro", "fishaudio", True
+    model_types = ("fish_qwen3_omni", "dual_ar")
     sample_rate, hop, options = SAMPLE_RATE, HOP, staticmethod(s2_options)
-    max_references, check_references = dualAR.MAX_REFERENCES, staticmethod(dualAR.check_reference_count)
+    max_references = dualAR.MAX_REFERENCES
+
+    @staticmethod
+    def check_references(count: int):
+        dualAR.check_reference_count(count)
 
     def __init__(self, args):
         self.device, dtype, compiled = dualAR.model_settings(args)  # as the CLI
@@ -681,6 +748,9 @@ class S2ProModel:
             raise common.UserError(f"{what} must be {rows} equal lists of 1 to {frames} integers >= 0")
         return codes.to(self.device)
 
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        return codec.decode(self.dac, codes)[0]
+
     def submit(self, job: dict, references: list):
         sampling = dict(job["options"])
         if self.demo and not sampling["max_new_tokens"]:  # random weights rarely stop: the page's length
@@ -706,10 +776,10 @@ class S2ProModel:
 
 
 class OmniVoiceModel:
-    """OmniVoice behind the same verbs (see S2ProModel): omnivoice.Engine batches the requests' sentences,
+    """OmniVoice behind the same verbs (SpeechModel): omnivoice.Engine batches the requests' sentences,
     each request an omnivoice.Speech (sentence streaming, its own random stream); a reference is a voice
     prompt (codes, transcript, level), saved as <name>.omnivoice.safetensors."""
-    kind, title, owner, fish_api = "omnivoice", "OmniVoice", "k2-fsa", False
+    kind, title, owner, fish_api, model_types = "omnivoice", "OmniVoice", "k2-fsa", False, ("omnivoice",)
     options, max_references = staticmethod(omnivoice_options), 1
 
     @staticmethod
@@ -757,26 +827,26 @@ class OmniVoiceModel:
         """upstream's voice-clone prompt of the clip (its own resampling, level, silence trimming)."""
         return omnivoice.voice_prompt(self.model, (samples, rate), text)
 
-    def write_voice(self, folder: Path, name: str, voice: dict) -> dict:
-        omnivoice.save_voice(folder / f"{name}{omnivoice.VOICE_SUFFIX}", voice)  # one file, written whole
-        frames = voice["codes"].shape[1]
+    def write_voice(self, folder: Path, name: str, reference: dict) -> dict:
+        omnivoice.save_voice(folder / f"{name}{omnivoice.VOICE_SUFFIX}", reference)  # one file, written whole
+        frames = reference["codes"].shape[1]
         return dict(name=name, frames=frames, seconds=round(frames / self.model.frame_rate, 2))
 
     def submit(self, job: dict, references: list) -> omnivoice.Speech:
         voice = references[0] if references else None
         return omnivoice.Speech(self.model, self.engine, job["text"], voice=voice, **job["options"])
 
-    def waves(self, speech: omnivoice.Speech):
-        return iter(speech)
+    def waves(self, request: omnivoice.Speech):
+        return iter(request)
 
-    def whole(self, speech: omnivoice.Speech) -> np.ndarray:
-        pieces = list(speech)
-        if speech.cancelled:  # the client hung up
+    def whole(self, request: omnivoice.Speech) -> np.ndarray:
+        pieces = list(request)
+        if request.cancelled:  # the client hung up
             raise ConnectionError("the client hung up")
         return np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
 
-    def usage(self, speech: omnivoice.Speech, samples: int) -> tuple:
-        return speech.input_tokens, sum(codes.shape[1] for codes in speech.tokens)
+    def usage(self, request: omnivoice.Speech, samples: int) -> tuple:
+        return request.input_tokens, sum(codes.shape[1] for codes in request.tokens)
 
     def page(self) -> dict:
         attributes = {name: list(items) for name, items in omnivoice.INSTRUCT_TRANSLATED.items()}
@@ -785,7 +855,7 @@ class OmniVoiceModel:
                     numStep=omnivoice.GENERATION["num_step"], maxSteps=MAX_STEPS, speeds=OPENAI_SPEEDS)
 
 
-MODELS = {model.kind: model for model in (S2ProModel, OmniVoiceModel)}
+MODELS: dict[str, type[SpeechModel]] = {model.kind: model for model in (S2ProModel, OmniVoiceModel)}
 
 
 def model_kind(args) -> str:
@@ -794,7 +864,8 @@ def model_kind(args) -> str:
     if args.checkpoint:
         with contextlib.suppress(OSError, ValueError, AttributeError):  # the loader says what is wrong
             found = json.loads((Path(args.checkpoint) / "config.json").read_text(encoding="utf-8"))
-            kind = "omnivoice" if found.get("model_type") == "omnivoice" else "s2-pro"
+            model_type = found.get("model_type")  # one no model has: S2-Pro's loader says what is wrong
+            kind = next((name for name, model in MODELS.items() if model_type in model.model_types), "s2-pro")
         if args.model and args.model != kind:
             raise common.UserError(f"--checkpoint {args.checkpoint} holds {MODELS[kind].title}, not"
                                    f" {MODELS[args.model].title} (its config.json says): leave out --model")
@@ -802,12 +873,11 @@ def model_kind(args) -> str:
 
 
 class App:
-    """The model (S2ProModel or OmniVoiceModel), its engine and the voices folder, shared by every request
-    thread."""
+    """The model (a SpeechModel), its engine and the voices folder, shared by every request thread."""
 
     def __init__(self, args):
         self.page = read_page()  # before the model: a missing file is told at once, not after the load
-        self.model = MODELS[model_kind(args)](args)
+        self.model: SpeechModel = MODELS[model_kind(args)](args)
         self.engine, self.demo, self.info, self.name = (self.model.engine, self.model.demo, self.model.info,
                                                         self.model.name)
         self.voices, self.api_key = Path(args.voices), args.api_key
@@ -1188,7 +1258,7 @@ class Handler(BaseHTTPRequestHandler):
         for codes, what in self.batch("tokens"):
             codes = self.app.model.check_codes(codes, what)
             with self.app.codec_work():
-                waves.append(codec.decode(self.app.model.dac, codes)[0])
+                waves.append(self.app.model.decode(codes))
         self.send_json(dict(audios=[wave.cpu().numpy().astype("<f2").tobytes() for wave in waves]))
 
     def answer(self, job: dict):

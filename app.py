@@ -1,5 +1,5 @@
-"""fishfast's web demo and speech server: one page, an OpenAI-compatible API and upstream fish-speech's
-/v1/tts, on the standard library's HTTP server.
+"""fishfast's web demo and speech server: one page (app.html), an OpenAI-compatible API and upstream
+fish-speech's /v1/tts, on the standard library's HTTP server.
 
     python app.py            # -> http://127.0.0.1:7560 (the tiny demo model, noise, if ./s2-pro is absent)
     curl -s localhost:7560/v1/audio/speech -H 'Content-Type: application/json' \
@@ -10,9 +10,9 @@
 
 One engine thread owns the model (dualAR.Engine or omnivoice.Engine: --slots rows, continuous batching). Each
 HTTP request runs in its own thread: it validates, submits, and turns the codes into audio as they come. The
-server talks to each model through the same few verbs (S2ProModel, OmniVoiceModel: load, a reference from a
-clip, a saved voice read and written, submit, the waves of a request, its usage), so the handler and the page
-know no model but through them.
+server talks to each model through the same few verbs (SpeechModel: load, a reference from a clip, a saved
+voice read and written, submit, the waves of a request, its usage), so the handler and the page know no model
+but through them: a third model is a third class beside S2ProModel and OmniVoiceModel.
 """
 import base64
 import contextlib
@@ -37,6 +37,7 @@ import time
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
+from typing import Protocol
 from urllib.parse import parse_qs, unquote
 
 import numpy as np
@@ -600,16 +601,82 @@ class Gate:
             self.turn.notify_all()
 
 
+class ModelEngine(Protocol):
+    """What the server uses of a model's engine (dualAR.Engine, omnivoice.Engine)."""
+    thread: threading.Thread
+
+    def check_room(self): ...  # a 503 (common.QueueFull) when no request can wait
+    def stats(self) -> dict: ...  # busy, free, queued, ... for /health
+    def close(self): ...
+
+
+class SpeechRequest(Protocol):
+    """What the server uses of a request a model's `submit` returns (dualAR.Request, omnivoice.Speech)."""
+    done: bool
+    cancelled: bool
+
+    def cancel(self): ...
+    def finish(self, error: Exception): ...
+
+
+class SpeechModel(Protocol):
+    """The verbs the server speaks to a model, built from the command line as `Model(args)` and listed in
+    MODELS. A reference is whatever the model's `submit` takes (S2-Pro: codes and transcript; OmniVoice: a
+    voice prompt), from a clip or a saved voice (its own files in the shared voices folder)."""
+    kind: str  # --model's name, and the model a listed voice is for
+    model_types: tuple  # the model_type values of its checkpoints' config.json
+    title: str
+    owner: str  # /v1/models' owned_by
+    fish_api: bool  # whether it serves upstream fish-speech's routes (/v1/tts, /v1/vqgan: FishSpeechModel)
+    sample_rate: int
+    hop: int  # samples per frame
+    max_references: int
+    engine: ModelEngine
+    demo: bool  # a tiny random model (no checkpoint): `notice` says its audio is noise
+    notice: str
+    name: str
+    info: dict  # what /health says of it
+
+    @staticmethod
+    def options(body: dict) -> dict: ...  # its fields of a speech request -> the job's options
+
+    @staticmethod
+    def check_references(count: int): ...  # before any clip is encoded
+
+    @staticmethod
+    def voice_files(folder: Path) -> dict: ...  # -> {name: (kind, path)}, its voices in the folder
+
+    @staticmethod
+    def voice_paths(folder: Path, name: str) -> list: ...  # a voice's files, in the order they are removed
+
+    def read_voice(self, kind: str, path: Path, codec_work): ...  # -> a reference
+    def clip_reference(self, samples: np.ndarray, rate: int, text: str): ...  # -> a reference
+    def write_voice(self, folder: Path, name: str, reference) -> dict: ...  # -> what POST answers
+    def submit(self, job: dict, references: list) -> SpeechRequest: ...
+    def waves(self, request: SpeechRequest): ...  # -> 1-D waves at sample_rate, as they are made
+    def whole(self, request: SpeechRequest): ...  # -> the whole wave
+    def usage(self, request: SpeechRequest, samples: int) -> tuple: ...  # -> (input tokens, output tokens)
+    def page(self) -> dict: ...  # its part of the page's CONFIG
+
+
+class FishSpeechModel(SpeechModel, Protocol):
+    """A model with `fish_api`: upstream's /v1/vqgan routes use its codec too."""
+    def encode(self, samples: np.ndarray, rate: int) -> torch.Tensor: ...
+    def check_codes(self, codes, what: str) -> torch.Tensor: ...
+    def decode(self, codes: torch.Tensor) -> torch.Tensor: ...
+
+
 class S2ProModel:
-    """S2-Pro behind the server's verbs (OmniVoiceModel has the same ones): the model, codec and engine loaded
-    (`engine`: check_room, stats, thread, close); `options(body)`: its fields of a speech request; a
-    reference from a clip (`clip_reference`) or a saved voice (`voice_files`, `read_voice`, `write_voice`,
-    `voice_paths`: its files in the voices folder); `submit(job, references)` -> a request (done, cancelled,
-    cancel, finish); `waves(request)` as they are made, `whole(request)`, `usage(request, samples)`;
-    `page()`: what its page shows. Also fish-speech's own routes (/v1/tts, /v1/vqgan): `fish_api`."""
+    """S2-Pro behind the server's verbs (SpeechModel, and FishSpeechModel's for fish-speech's own routes):
+    the model, codec and engine loaded; a reference is codes (10, T) and a transcript."""
     kind, title, owner, fish_api = "s2-pro", "S2-Pro", "fishaudio", True
+    model_types = ("fish_qwen3_omni", "dual_ar")
     sample_rate, hop, options = SAMPLE_RATE, HOP, staticmethod(s2_options)
-    max_references, check_references = dualAR.MAX_REFERENCES, staticmethod(dualAR.check_reference_count)
+    max_references = dualAR.MAX_REFERENCES
+
+    @staticmethod
+    def check_references(count: int):
+        dualAR.check_reference_count(count)
 
     def __init__(self, args):
         self.device, dtype, compiled = dualAR.model_settings(args)  # as the CLI
@@ -687,6 +754,9 @@ class S2ProModel:
             raise common.UserError(f"{what} must be {rows} equal lists of 1 to {frames} integers >= 0")
         return codes.to(self.device)
 
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        return codec.decode(self.dac, codes)[0]
+
     def submit(self, job: dict, references: list):
         sampling = dict(job["options"])
         if self.demo and not sampling["max_new_tokens"]:  # random weights rarely stop: the page's length
@@ -712,10 +782,10 @@ class S2ProModel:
 
 
 class OmniVoiceModel:
-    """OmniVoice behind the same verbs (see S2ProModel): omnivoice.Engine batches the requests' sentences,
+    """OmniVoice behind the same verbs (SpeechModel): omnivoice.Engine batches the requests' sentences,
     each request an omnivoice.Speech (sentence streaming, its own random stream); a reference is a voice
     prompt (codes, transcript, level), saved as <name>.omnivoice.safetensors."""
-    kind, title, owner, fish_api = "omnivoice", "OmniVoice", "k2-fsa", False
+    kind, title, owner, fish_api, model_types = "omnivoice", "OmniVoice", "k2-fsa", False, ("omnivoice",)
     options, max_references = staticmethod(omnivoice_options), 1
 
     @staticmethod
@@ -765,26 +835,26 @@ class OmniVoiceModel:
         """upstream's voice-clone prompt of the clip (its own resampling, level, silence trimming)."""
         return omnivoice.voice_prompt(self.model, (samples, rate), text)
 
-    def write_voice(self, folder: Path, name: str, voice: dict) -> dict:
-        omnivoice.save_voice(folder / f"{name}{omnivoice.VOICE_SUFFIX}", voice)  # one file, written whole
-        frames = voice["codes"].shape[1]
+    def write_voice(self, folder: Path, name: str, reference: dict) -> dict:
+        omnivoice.save_voice(folder / f"{name}{omnivoice.VOICE_SUFFIX}", reference)  # one file, written whole
+        frames = reference["codes"].shape[1]
         return dict(name=name, frames=frames, seconds=round(frames / self.model.frame_rate, 2))
 
     def submit(self, job: dict, references: list) -> omnivoice.Speech:
         voice = references[0] if references else None
         return omnivoice.Speech(self.model, self.engine, job["text"], voice=voice, **job["options"])
 
-    def waves(self, speech: omnivoice.Speech):
-        return iter(speech)
+    def waves(self, request: omnivoice.Speech):
+        return iter(request)
 
-    def whole(self, speech: omnivoice.Speech) -> np.ndarray:
-        pieces = list(speech)
-        if speech.cancelled:  # the client hung up
+    def whole(self, request: omnivoice.Speech) -> np.ndarray:
+        pieces = list(request)
+        if request.cancelled:  # the client hung up
             raise ConnectionError("the client hung up")
         return np.concatenate(pieces) if pieces else np.zeros(0, np.float32)
 
-    def usage(self, speech: omnivoice.Speech, samples: int) -> tuple:
-        return speech.input_tokens, sum(codes.shape[1] for codes in speech.tokens)
+    def usage(self, request: omnivoice.Speech, samples: int) -> tuple:
+        return request.input_tokens, sum(codes.shape[1] for codes in request.tokens)
 
     def page(self) -> dict:
         attributes = {name: list(items) for name, items in omnivoice_text.INSTRUCT_TRANSLATED.items()}
@@ -793,7 +863,7 @@ class OmniVoiceModel:
                     numStep=omnivoice.GENERATION["num_step"], maxSteps=MAX_STEPS, speeds=OPENAI_SPEEDS)
 
 
-MODELS = {model.kind: model for model in (S2ProModel, OmniVoiceModel)}
+MODELS: dict[str, type[SpeechModel]] = {model.kind: model for model in (S2ProModel, OmniVoiceModel)}
 
 
 def model_kind(args) -> str:
@@ -802,7 +872,8 @@ def model_kind(args) -> str:
     if args.checkpoint:
         with contextlib.suppress(OSError, ValueError, AttributeError):  # the loader says what is wrong
             found = json.loads((Path(args.checkpoint) / "config.json").read_text(encoding="utf-8"))
-            kind = "omnivoice" if found.get("model_type") == "omnivoice" else "s2-pro"
+            model_type = found.get("model_type")  # one no model has: S2-Pro's loader says what is wrong
+            kind = next((name for name, model in MODELS.items() if model_type in model.model_types), "s2-pro")
         if args.model and args.model != kind:
             raise common.UserError(f"--checkpoint {args.checkpoint} holds {MODELS[kind].title}, not"
                                    f" {MODELS[args.model].title} (its config.json says): leave out --model")
@@ -810,11 +881,11 @@ def model_kind(args) -> str:
 
 
 class App:
-    """The model (S2ProModel or OmniVoiceModel), its engine and the voices folder, shared by every request
-    thread."""
+    """The model (a SpeechModel), its engine and the voices folder, shared by every request thread."""
 
     def __init__(self, args):
-        self.model = MODELS[model_kind(args)](args)
+        self.page = read_page()  # before the model: a missing file is told at once, not after the load
+        self.model: SpeechModel = MODELS[model_kind(args)](args)
         self.engine, self.demo, self.info, self.name = (self.model.engine, self.model.demo, self.model.info,
                                                         self.model.name)
         self.voices, self.api_key = Path(args.voices), args.api_key
@@ -1195,7 +1266,7 @@ class Handler(BaseHTTPRequestHandler):
         for codes, what in self.batch("tokens"):
             codes = self.app.model.check_codes(codes, what)
             with self.app.codec_work():
-                waves.append(codec.decode(self.app.model.dac, codes)[0])
+                waves.append(self.app.model.decode(codes))
         self.send_json(dict(audios=[wave.cpu().numpy().astype("<f2").tobytes() for wave in waves]))
 
     def answer(self, job: dict):
@@ -1363,7 +1434,19 @@ class Server(ThreadingHTTPServer):  # its `app` and `max_connections` are set by
 
 
 # ----------------------------------------------------------------------------- the page
+PAGE_FILE = Path(__file__).with_name("app.html")  # HTML, CSS and script in one file: nothing fetched, offline
+
+
+def read_page() -> str:
+    try:
+        return PAGE_FILE.read_text(encoding="utf-8")
+    except OSError as e:
+        raise common.UserError(f"cannot read the page {PAGE_FILE}: {e.strerror or e} (it ships beside app.py:"
+                               " git checkout app.html)") from None
+
+
 def render_page(app: App) -> str:
+    """app.html with the model's title, the demo's banner and the script's CONFIG filled in."""
     model = app.model
     banner = f'<p class="demo">{model.notice}</p>' if app.demo else ""
     config = dict(sampleRate=model.sample_rate, hop=model.hop, auth=app.api_key is not None,
@@ -1371,276 +1454,8 @@ def render_page(app: App) -> str:
                   model=f"{app.info['model']} on {app.info['device']} ({app.info['dtype']})",
                   maxReferences=model.max_references, **model.page())
     config = json.dumps(config).replace("<", "\\u003c")  # nothing in it can close the <script>
-    return PAGE.replace("{{title}}", model.title).replace("{{banner}}", banner).replace("{{config}}", config)
-
-
-PAGE = r"""<!doctype html>
-<html lang="en"><head><meta charset="utf-8"><title>fishfast: {{title}} text-to-speech</title>
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<link rel="icon" href="data:image/svg+xml,%3Csvg xmlns='http://www.w3.org/2000/svg'
- viewBox='0 0 16 16'%3E%3Cpath fill='%231f5fd1' d='M1 8q5-6 11 0q-6 6-11 0zM11 8l4-4v8z'/%3E%3C/svg%3E">
-<style>
-body { font: 15px/1.45 system-ui, sans-serif; color: #1d2330; background: #f4f6f9; max-width: 860px;
-       margin: 1.2rem auto; padding: 0 1rem; } [hidden] { display: none !important; }
-h1 { font-size: 1.35rem; margin: 0; } .sub { color: #5b6475; margin: .1rem 0 .8rem; } audio { width: 100%; }
-.hint { font-size: .82rem; color: #6b7385; } #figures { font-variant-numeric: tabular-nums; color: #2b3342; }
-.demo { background: #b3261e; color: #fff; padding: .6rem .8rem; border-radius: 6px; font-weight: 600; }
-section { background: #fff; border: 1px solid #d9dee7; border-radius: 8px; padding: .8rem 1rem;
-          margin: .7rem 0; } #message { color: #1d7a3a; } #error { color: #b3261e; white-space: pre-wrap; }
-textarea { width: 100%; box-sizing: border-box; min-height: 5.5rem; font: inherit; padding: .4rem; }
-input, select { font: inherit; padding: .2rem .3rem; } input[type=number] { width: 5.5rem; }
-code { background: #eef1f6; padding: 0 .2rem; border-radius: 3px; }
-.row { display: flex; gap: .7rem; flex-wrap: wrap; align-items: end; margin: .3rem 0; }
-.row label { display: flex; flex-direction: column; font-size: .85rem; color: #434b5c; }
-.clip { display: grid; grid-template-columns: 13rem 1fr 9rem auto auto; gap: .4rem; margin: .4rem 0; }
-#language { width: 9rem; }
-button { font: inherit; padding: .3rem .8rem; border-radius: 6px; border: 1px solid #9aa3b5; background: #fff;
-         cursor: pointer; } button:disabled { opacity: .5; cursor: default; }
-button.primary { background: #1f5fd1; border-color: #1f5fd1; color: #fff; font-weight: 600; }
-canvas { width: 100%; height: 80px; background: #f7f9fc; border-radius: 4px; }
-</style></head>
-<body>
-<h1>fishfast</h1>
-<p class="sub"><span data-model="s2-pro">Fish Audio S2-Pro</span><span data-model="omnivoice">k2-fsa
-  OmniVoice</span> text-to-speech &middot; <span id="model"></span></p>
-{{banner}}
-<section><textarea id="text" placeholder="Type what to say. Hello! This is my cloned voice."></textarea>
-  <div class="hint" data-model="s2-pro">A dialogue: <code>&lt;|speaker:0|&gt;Hi, Bob.&lt;|speaker:1|&gt;Hi,
-    Alice!</code> &mdash; speaker N speaks in the Nth voice below (the saved voice first, then the
-    clips).</div>
-  <div class="hint" data-model="omnivoice">Spoken sentence by sentence: the first one plays while the rest
-    is made. Non-verbal tags: <code>[laughter]</code>, <code>[sigh]</code>, <code>[surprise-oh]</code>
-    &hellip;</div></section>
-<section><div class="row">
-    <label>Voice <select id="voice"><option value="" id="no-voice"></option></select></label>
-    <button id="delete-voice" type="button">Delete voice</button>
-    <label id="key-label" hidden>API key <input id="api-key" type="password" autocomplete="off"></label></div>
-  <div id="clips"></div><button id="add-clip" type="button">+ reference clip</button>
-  <template id="clip"><form class="clip"><input type="file" name="audio" accept="audio/*" class="clip-file">
-    <input name="text" class="clip-text" placeholder="transcript: exactly what the clip says">
-    <input name="name" class="clip-name" placeholder="name to save as">
-    <button type="button" class="clip-save">Save as voice</button>
-    <button type="button" class="clip-remove" title="remove">&#x2715;</button></form></template>
-  <span class="hint" data-model="s2-pro">1&ndash;4 clips of a few seconds (wav, flac, ogg, mp3), each with
-    its transcript; a clip can be saved as a voice.</span>
-  <span class="hint" data-model="omnivoice">one clip of a few seconds (wav, flac, ogg, mp3) with its
-    transcript, to clone; it can be saved as a voice.</span></section>
-<section data-model="omnivoice"><div class="row" id="design"></div>
-  <span class="hint">Voice design: any of these attributes, with or without a voice to clone; no voice and no
-    attribute: the model picks a voice.</span></section>
-<section><div class="row"><label data-model="s2-pro">temperature
-    <input id="temperature" type="number" value="0.7" min="0.05" max="1.95" step="0.05"></label>
-  <label data-model="s2-pro">top-p <input id="top_p" type="number" value="0.7" min="0.05" max="1"
-    step="0.05"></label>
-  <label data-model="s2-pro">top-k <input id="top_k" type="number" value="30" min="0" step="1"></label>
-  <label data-model="omnivoice">language <input id="language" list="languages" placeholder="any"></label>
-  <datalist id="languages"></datalist>
-  <label data-model="omnivoice">speed <input id="speed" type="number" value="1" step="0.05"></label>
-  <label data-model="omnivoice">steps <input id="num_step" type="number" min="1" step="1"></label>
-  <label>seed <input id="seed" type="number" placeholder="random" min="0" step="1"></label>
-  <label data-model="s2-pro">max frames <input id="max_new_tokens" type="number" value="0" min="0" step="1">
-  </label>
-  <span class="hint" data-model="s2-pro">max frames: 0 = until the model stops; 21.5 frames = 1 s</span>
-  </div></section>
-<section><div class="row"><button id="generate" class="primary" type="button">Generate</button>
-    <button id="stop" type="button" disabled>Stop</button>
-    <a id="download" download="fishfast.wav" hidden>Download WAV</a></div>
-  <audio id="audio" controls></audio><canvas id="wave" width="820" height="80"></canvas>
-  <div id="figures"></div><div id="message"></div><div id="error" role="alert"></div></section>
-<script>
-const CONFIG = {{config}};
-const $ = id => document.getElementById(id);
-const player = window.player = {state: 'idle'};  // read by the browser test
-const text = (id, value) => { $(id).textContent = value || ''; };
-const say = (error, message) => [text('error', error), text('message', message)];
-const headers = json => ({...(json && {'Content-Type': 'application/json'}),
-                          ...($('api-key').value && {Authorization: 'Bearer ' + $('api-key').value})});
-const errorOf = res => res.json().then(body => body.error.message)
-  .catch(() => res.status + ' ' + res.statusText);
-
-async function loadVoices(select) {
-  const res = await fetch('/v1/audio/voices', {headers: headers()});
-  if (!res.ok) return say(await errorOf(res));
-  say();  // a 401 shown before the key was entered is answered now
-  const voices = (await res.json()).voices, box = $('voice'), keep = select ?? box.value;
-  box.length = 1;
-  for (const name of voices) box.add(new Option(name, name));
-  box.value = voices.includes(keep) ? keep : '';
-}
-async function changeVoices(path, method, body, done, select) {  // save or delete, then list them again
-  const res = await fetch(path, {method, body, headers: headers()});
-  if (!res.ok) return say(await errorOf(res));
-  await loadVoices(select);
-  say('', done);
-}
-function addClip() {
-  if ($('clips').children.length >= CONFIG.maxReferences)
-    return say('at most ' + CONFIG.maxReferences + ' reference clip' + (CONFIG.maxReferences > 1 ? 's' : ''));
-  const row = $('clips').appendChild($('clip').content.firstElementChild.cloneNode(true));
-  row.querySelector('.clip-remove').onclick = () => row.remove();
-  row.querySelector('.clip-save').onclick = () => saveVoice(row);
-}
-async function saveVoice(row) {  // the row is a form of the upload's fields: audio, text, name
-  say();
-  const form = new FormData(row), name = form.get('name').trim();
-  if (!form.get('audio').name) return say('choose an audio file first');
-  form.set('name', name);
-  await changeVoices('/v1/audio/voices', 'POST', form, 'saved voice ' + name, name);
-}
-async function deleteVoice() {
-  const name = $('voice').value;
-  if (name && confirm('Delete voice ' + name + '?'))
-    await changeVoices('/v1/audio/voices/' + encodeURIComponent(name), 'DELETE', null, 'deleted ' + name);
-}
-const base64 = file => new Promise((ok, fail) => {
-  const reader = Object.assign(new FileReader(), {onerror: () => fail(reader.error)});
-  reader.onload = () => ok(reader.result.split(',')[1]);
-  reader.readAsDataURL(file);
-});
-
-function showFigures(t0) {
-  const wall = (performance.now() - t0) / 1000, seconds = player.samples / CONFIG.sampleRate;
-  const frames = player.samples / CONFIG.hop;
-  text('figures', ({generating: 'generating\u2026 ', stopped: 'stopped: '}[player.state] || '')
-    + 'first audio after ' + player.firstAudio.toFixed(2) + ' s \u00b7 ' + frames.toFixed(0) + ' frames in '
-    + wall.toFixed(2) + ' s = ' + (frames / wall).toFixed(1) + ' frames/s \u00b7 RTF '
-    + (wall / seconds).toFixed(2) + ' (' + seconds.toFixed(2) + ' s of audio)');
-}
-const BLOCK = 512;  // samples of one [min, max] pair of the waveform
-function addPeaks(pcm) {
-  for (let i = 0; i < pcm.length; i += BLOCK) {
-    const block = pcm.subarray(i, i + BLOCK);
-    player.peaks.push([Math.min(0, ...block) / 32768, Math.max(0, ...block) / 32768]);
-  }
-}
-function draw() {  // the waveform as it arrives (it fills the canvas, then shrinks to fit), the playhead red
-  const canvas = $('wave'), g = canvas.getContext('2d'), peaks = player.peaks || [];
-  const w = canvas.width, h = canvas.height, scale = w / Math.max(w, peaks.length);
-  g.clearRect(0, 0, w, h);
-  g.fillStyle = '#1f5fd1';
-  peaks.forEach(([low, high], i) => g.fillRect(i * scale, (1 - high) * h / 2, 1,
-                                               Math.max(1, (high - low) * h / 2)));
-  const audio = $('audio'), t = audio.src && !audio.srcObject ? audio.currentTime  // in the whole file,
-    : player.start != null ? Math.max(0, player.ctx.currentTime - player.start) : null;  // else the stream
-  g.fillStyle = '#b3261e';
-  if (t !== null) g.fillRect(t * CONFIG.sampleRate / BLOCK * scale, 0, 2, h);
-  requestAnimationFrame(draw);
-}
-
-// 16-bit PCM arrives as the server makes it; each piece is scheduled on the Web Audio clock right after the
-// one before and played through the <audio> element (a MediaStream), so playback starts with the first piece.
-async function play(reader, t0) {
-  const ctx = player.ctx = new AudioContext({sampleRate: CONFIG.sampleRate});
-  const out = ctx.createMediaStreamDestination(), audio = $('audio');
-  let carry = new Uint8Array(0), next = 0;
-  for (let read; !(read = await reader.read()).done;) {
-    const bytes = new Uint8Array(await new Blob([carry, read.value]).arrayBuffer());
-    const even = bytes.length & ~1;  // an odd byte waits for its other half
-    carry = bytes.slice(even);
-    if (!even) continue;
-    const pcm = new Int16Array(bytes.slice(0, even).buffer);
-    const buffer = ctx.createBuffer(1, pcm.length, CONFIG.sampleRate);
-    buffer.getChannelData(0).set(Float32Array.from(pcm, v => v / 32768));
-    player.pieces.push(pcm);
-    addPeaks(pcm);
-    const source = player.last = Object.assign(ctx.createBufferSource(), {buffer});
-    source.connect(out);
-    if (player.firstAudio === null) {
-      player.firstAudio = (performance.now() - t0) / 1000;
-      audio.removeAttribute('src');
-      audio.srcObject = out.stream;
-      audio.play();
-      player.start = next = ctx.currentTime + 0.05;
-    }
-    next = Math.max(next, ctx.currentTime);
-    source.start(next);
-    next += buffer.duration;
-    player.samples += pcm.length;
-    showFigures(t0);
-  }
-}
-function offer(t0) {  // the figures and a download of what was made: all of it, or what came before Stop
-  showFigures(t0);
-  const header = new DataView(Uint8Array.from(atob(CONFIG.wavHeader), c => c.charCodeAt(0)).buffer);
-  header.setUint32(4, 36 + 2 * player.samples, true);  // the server's 44 bytes, the sizes known now
-  header.setUint32(40, 2 * player.samples, true);
-  const url = URL.createObjectURL(new Blob([header, ...player.pieces], {type: 'audio/wav'}));
-  Object.assign($('download'), {href: url, hidden: false});
-  const toFile = () => {  // then the element replays (and seeks in) the file
-    Object.assign($('audio'), {srcObject: null, src: url});
-    player.ctx.close();
-  };
-  if (player.state === 'done') player.last.onended = toFile;
-  else toFile();  // stopped or failed: the player ends now
-}
-const busy = generating => [$('generate').disabled, $('stop').disabled] = [generating, !generating];
-async function generate() {
-  say();
-  text('figures');
-  $('download').hidden = true;
-  const body = {model: CONFIG.kind, input: $('text').value, response_format: 'pcm', stream_format: 'audio'};
-  if ($('voice').value) body.voice = $('voice').value;
-  const clips = [...$('clips').children].map(row => new FormData(row)).filter(clip => clip.get('audio').name);
-  if (clips.length) body.references = await Promise.all(clips.map(async clip =>
-    ({audio: await base64(clip.get('audio')), text: clip.get('text')})));
-  const omni = CONFIG.kind === 'omnivoice';
-  for (const key of omni ? ['speed', 'num_step', 'seed'] : ['temperature', 'top_p', 'top_k', 'seed',
-                                                            'max_new_tokens'])
-    if ($(key).value !== '') body[key] = Number($(key).value);
-  const design = [...$('design').querySelectorAll('select')].map(box => box.value).filter(Boolean);
-  if (omni && design.length) body.instructions = design.join(', ');
-  if (omni && $('language').value.trim()) body.language = $('language').value.trim();
-  Object.assign(player, {abort: new AbortController(), state: 'generating', pieces: [], peaks: [], samples: 0,
-                         firstAudio: null, start: null, last: null});
-  busy(true);
-  const t0 = performance.now();
-  try {
-    const res = await fetch('/v1/audio/speech', {method: 'POST', headers: headers(true),
-                                                  body: JSON.stringify(body), signal: player.abort.signal});
-    if (!res.ok) throw new Error(await errorOf(res));
-    await play(res.body.getReader(), t0);
-    player.state = 'done';
-    if (!player.last) throw new Error('the model said nothing (it stopped at once): try another seed, text');
-  } catch (e) {
-    player.state = e.name === 'AbortError' ? 'stopped' : 'failed';
-    say(player.state === 'failed' ? e.message : '', player.state === 'failed' ? '' : 'stopped');
-  }
-  if (player.samples) offer(t0);
-  else if (player.ctx && player.ctx.state !== 'closed') player.ctx.close();
-  busy(false);
-}
-
-text('model', CONFIG.model);
-for (const part of document.querySelectorAll('[data-model]'))  // this model's fields only
-  part.hidden = part.dataset.model !== CONFIG.kind;
-text('no-voice', CONFIG.kind === 'omnivoice' ? 'none: designed (below) or auto'
-     : 'none: plain text-to-speech');
-if (CONFIG.kind === 'omnivoice') {  // the design attributes, one list per category; the languages
-  for (const [category, items] of Object.entries(CONFIG.attributes)) {
-    const box = $('design').appendChild(document.createElement('label'));
-    box.append(category, document.createElement('select'));
-    box.lastChild.add(new Option('\u2014', ''));
-    for (const item of items) box.lastChild.add(new Option(item, item));
-  }
-  for (const name of CONFIG.languages) $('languages').append(new Option(name));
-  Object.assign($('num_step'), {value: CONFIG.numStep, max: CONFIG.maxSteps});
-  Object.assign($('speed'), {min: CONFIG.speeds[0], max: CONFIG.speeds[1]});
-} else $('max_new_tokens').value = CONFIG.maxFrames;
-$('key-label').hidden = !CONFIG.auth;
-$('api-key').value = localStorage.getItem('fishfast-key') || '';
-$('api-key').onchange = () => {
-  localStorage.setItem('fishfast-key', $('api-key').value);
-  loadVoices();
-};
-$('add-clip').onclick = addClip;
-$('delete-voice').onclick = deleteVoice;
-$('generate').onclick = generate;
-$('stop').onclick = () => player.abort && player.abort.abort();
-loadVoices();
-draw();
-</script>
-</body></html>
-"""
+    return app.page.replace("{{title}}", model.title).replace("{{banner}}", banner) \
+        .replace("{{config}}", config)
 
 
 # ----------------------------------------------------------------------------- main

@@ -6,9 +6,11 @@ import contextlib
 import functools
 import http.client
 import http.server
+import inspect
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -33,7 +35,7 @@ import app
 import codec
 import common
 import dualAR
-from conftest import CKPT, CLIP, free_port, serve, stop_server, untimed_compile_cache
+from conftest import CKPT, CLIP, OV_CKPT, free_port, serve, stop_server, untimed_compile_cache
 
 TEXT = "Hello from the server test."
 SPEECH = "/v1/audio/speech"
@@ -803,6 +805,50 @@ def test_health_models_and_page(server):
                 assert body == b"" and {"GET", "HEAD"} <= set(response.headers["Allow"].split(", "))
     conn.close()
 
+
+def test_the_page_is_app_html_with_its_placeholders_filled(server):
+    source = app.PAGE_FILE.read_text(encoding="utf-8")
+    names = re.findall(r"\{\{(\w+)\}\}", source)
+    page = call(server, "GET", "/")[2].decode()
+    # every byte between the placeholders is the file's
+    found = re.fullmatch("(.*?)".join(map(re.escape, re.split(r"\{\{\w+\}\}", source))), page, re.S)
+    fills = dict(zip(names, found.groups()))
+    assert names == ["title", "banner", "config"] and "{{" not in page
+    assert fills["title"] == "S2-Pro" and fills["banner"] == ""  # no demo: no banner
+    assert json.loads(fills["config"])["kind"] == "s2-pro"
+
+
+def test_a_missing_page_is_one_line_at_start(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(app, "PAGE_FILE", tmp_path / "app.html")
+    with pytest.raises(SystemExit) as exited:
+        common.cli(app.main, ["--checkpoint", str(CKPT), "--device", "cpu", "--port", "0"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.startswith("error: cannot read the page") and err.count("\n") == 1
+
+
+def parameters(function) -> list:
+    return [(p.name, p.kind) for p in inspect.signature(function).parameters.values()]
+
+
+def test_both_models_speak_every_verb_of_the_protocols(server):
+    """Each adapter class has every verb of SpeechModel (FishSpeechModel's where it serves fish-speech's
+    routes) with the same parameters, a staticmethod where the protocol's is one; each adapter and its
+    engine has every attribute the protocols declare."""
+    omni = app.OmniVoiceModel(app.parse_args(["--checkpoint", str(OV_CKPT), "--device", "cpu"]))
+    models = [server.app.model, omni]
+    try:
+        assert {type(model) for model in models} == set(app.MODELS.values())
+        for protocol, objects in ((app.SpeechModel, models), (app.ModelEngine, [m.engine for m in models]),
+                                  (app.FishSpeechModel, [m for m in models if m.fish_api])):
+            verbs = [name for name in vars(protocol) if not name.startswith("_")]
+            for instance in objects:
+                for name in verbs:
+                    got = parameters(getattr(type(instance), name))
+                    assert got == parameters(getattr(protocol, name)), (type(instance).__name__, name)
+                missing = [name for name in protocol.__annotations__ if not hasattr(instance, name)]
+                assert not missing, (type(instance).__name__, missing)
+    finally:
+        omni.engine.close()
 
 def test_api_key_is_required_on_the_api_when_set(locked):
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "secret"}):

@@ -39,6 +39,7 @@ def test_imports_point_one_way_common_below_the_models_and_nothing_imports_the_b
 
 LIBRARY_CALLS = f"""
 import json, os, sys
+sys.path.insert(0, {str(ROOT)!r})
 import torch, torch._dynamo, torch._inductor.config
 environ = dict(os.environ)
 configs = [c.get_config_copy() for c in (torch._dynamo.config, torch._inductor.config)]
@@ -53,7 +54,8 @@ again = codec.encode(dac, wave[0])
 ov = omnivoice.load({str(OV_CKPT)!r})
 audio = omnivoice.generate(ov, "Hello there.", language="en", seed=0, num_step=4)
 packed = omnivoice.generate(ov, "Hello there.", language="en", seed=0, num_step=4, packed=True)
-print(json.dumps(dict(environ=dict(os.environ) == environ, configs=[
+classes = sorted({{type(m).__name__ for net in (model, dac, ov) for m in net.modules() if isinstance(m, torch.nn.Linear)}})
+print(json.dumps(dict(classes=classes, environ=dict(os.environ) == environ, configs=[
     sorted(k for k, v in c.get_config_copy().items() if v != before[k])
     for c, before in zip((torch._dynamo.config, torch._inductor.config), configs)])))
 """
@@ -63,14 +65,15 @@ def test_library_calls_time_nothing_write_nothing_and_leave_the_process_as_it_wa
     """S2-Pro's generate / generate_many / stream, the codec's decode / encode and OmniVoice's generate
     (upstream's rows and packed) on a plain model: in a fresh process with a fresh HOME, nothing is
     printed about timing, no file appears under HOME (no decision file, no compile cache), os.environ and
-    dynamo's and inductor's configs are unchanged."""
+    dynamo's and inductor's configs are unchanged, and the models keep plain nn.Linear layers."""
     env = {k: v for k, v in os.environ.items() if k not in ("XDG_CACHE_HOME", "TORCHINDUCTOR_CACHE_DIR")}
     env["HOME"] = str(tmp_path / "home")
     (tmp_path / "home").mkdir()
     run = subprocess.run([sys.executable, "-c", LIBRARY_CALLS], cwd=tmp_path, capture_output=True, text=True,
                          env=env, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert json.loads(run.stdout.splitlines()[-1]) == dict(environ=True, configs=[[], []])
+    got = json.loads(run.stdout.splitlines()[-1])
+    assert got == dict(classes=["Linear"], environ=True, configs=[[], []])  # the model is left plain
     assert "cpu_fast" not in run.stderr and "timing" not in run.stderr
     assert [p for p in (tmp_path / "home").rglob("*")] == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]

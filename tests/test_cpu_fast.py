@@ -838,3 +838,53 @@ def test_a_linear_layer_runs_prepacked_at_the_row_counts_its_steps_say(one_shot,
     audio = codec.load_audio(GOLDEN / "audio_in.wav")
     np.testing.assert_array_equal(codec.encode(dac, audio)[0].numpy(), golden("codec_codes.npy").numpy())
     assert max(packed) < 8 <= min(eager) and max(eager) == 64  # the encode: 6 to 64 rows
+
+
+# ----------------------------------------------------------------------------- decisions and the busy rule
+@pytest.mark.parametrize("others, kept", [((0.0, 0.05), True), ((0.0, 3.0), False)], ids=["idle", "busy"])
+def test_a_timing_while_other_processes_use_the_cpu_is_used_once_and_not_kept(others, kept, tmp_path,
+                                                                             monkeypatch, capsys):
+    """decision: the other processes' CPU seconds during the timing (here 0.05 or 3 core-seconds over a
+    1-second timing, on a machine whose cores our threads all use): a busy machine's decision is used
+    this once, said on stderr and not kept (the next call times again); an idle one's is kept and read."""
+    monkeypatch.setattr(cpu_fast, "decisions_file", lambda: tmp_path / cpu_fast.DECISIONS)
+    monkeypatch.setattr(cpu_fast.os, "cpu_count", lambda: torch.get_num_threads())
+    clock = iter([0.0, 1.0] * 2)
+    monkeypatch.setattr(cpu_fast.time, "perf_counter", lambda: next(clock))
+    readings = iter(others * 2)
+    monkeypatch.setattr(cpu_fast, "others_cpu_seconds", lambda: next(readings))
+    timed = []
+    for _ in range(2):
+        assert cpu_fast.decision("key", lambda v: v == "x", lambda old: timed.append(1) or "x", "timing x") == "x"
+    err = capsys.readouterr().err
+    assert timed == ([1] if kept else [1, 1])
+    assert json.loads((tmp_path / cpu_fast.DECISIONS).read_text()) == {"key": "x"} if kept else \
+        not (tmp_path / cpu_fast.DECISIONS).exists()
+    assert ("NOT kept: other processes used 300% of a core" in err) != kept
+    assert (f"kept in {tmp_path / cpu_fast.DECISIONS}" in err) == kept
+
+
+def test_busy_share_leaves_the_cores_our_threads_do_not_use_to_others(monkeypatch):
+    monkeypatch.setattr(cpu_fast.os, "cpu_count", lambda: torch.get_num_threads() + 2)
+    assert cpu_fast.busy_share(2.2, 1.0) is None  # two free cores, and a quarter of one more
+    assert cpu_fast.busy_share(2.3, 1.0) == pytest.approx(2.3)
+    assert cpu_fast.busy_share(None, 1.0) is None  # no /proc
+    assert cpu_fast.busy_share(9.0, cpu_fast.BUSY_MIN_SECONDS / 2) is None  # too short to count in ticks
+
+
+def test_the_cli_lists_the_kept_decisions(tmp_path, monkeypatch, capsys):
+    path = tmp_path / cpu_fast.DECISIONS
+    monkeypatch.setattr(cpu_fast, "decisions_file", lambda: path)
+    cpu_fast.show_decisions([])
+    assert capsys.readouterr().out == f"{path}: no decisions kept yet\n"
+    path.write_text(json.dumps({"AVX512 fp32": [[0, False]], "AVX512 codec fast path": {"snake": True}}))
+    cpu_fast.show_decisions([])
+    assert capsys.readouterr().out.splitlines() == [
+        f"{path}: 2 decision(s)", "  AVX512 fp32: [[0, false]]", "  AVX512 codec fast path: 1 ops"]
+
+
+def test_tune_takes_the_three_models_and_refuses_anything_else():
+    with pytest.raises(TypeError, match="cpu_fast.tune takes a DualAR, DAC or OmniVoice, not Linear"):
+        cpu_fast.tune(torch.nn.Linear(2, 2))
+    meta = torch.nn.Linear(2, 2, device="meta")
+    assert cpu_fast.tune(meta) is meta and type(meta) is torch.nn.Linear  # not on the CPU: left as it is

@@ -689,8 +689,8 @@ class S2ProModel:
             self.model = dualAR.load(self.checkpoint, self.device, dtype, args.quant, compiled,
                                      args.compile_cache, args.fast_prefill)
             self.dac = codec.load(self.checkpoint, self.device, torch.float32)  # references encode in fp32
-        # this CPU's faster matmuls for the engine's batches (the codec stays eager: clips encode to upstream's
-        # codes)
+        # this CPU's faster matmuls for the engine's batches (the codec stays eager: clips encode to
+        # upstream's codes)
         if not args.no_tune:
             cpu_fast.tune(self.model, rows=args.slots)
         self.max_context = min(args.max_context, self.model.config["max_seq_len"])

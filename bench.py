@@ -6,7 +6,7 @@ encode / decode / streaming speed, eager and cpu_fast's path, OmniVoice's unmask
 GFLOP/s (% of the matmul peak) and its audio tokenizer's RTF, and S2-Pro LoRA training steps/s. Each model
 is timed as the CLIs run it: after cpu_fast.tune (`--no-tune`: the plain model).
 
-    python bench.py s2 --config s2-mid --batch 1,4 --frames 64 --compile --quant int8wo   # `s2` may be left out
+    python bench.py s2 --config s2-mid --batch 1,4 --frames 64 --compile --quant int8wo  # or without `s2`
     python bench.py codec --compile
     python bench.py omnivoice --config omnivoice --layers 4 --seconds 10 --threads 2
     python bench.py lora --config tests/fixtures/s2-tiny/checkpoint/config.json --seq-len 256
@@ -440,7 +440,7 @@ def codec_speed(args):
     cpu_fast.codec_fast_path(dac, False)
 
 
-# ----------------------------------------------------------------------------- OmniVoice (`bench.py omnivoice`)
+# ------------------------------------------------------------------------ OmniVoice (`bench.py omnivoice`)
 OV_TINY = Path(__file__).resolve().parent / "tests/fixtures/omnivoice-tiny/checkpoint"
 OV_TEXT = "The quick brown fox jumps over the lazy dog, then it runs far away into the woods. "
 OV_CHARS_PER_SECOND = 14  # about what the length estimate gives English speech
@@ -673,18 +673,21 @@ def omnivoice_speed(args):
 
 
 
-# ----------------------------------------------------------------------------- LoRA training (`bench.py lora`)
+# ---------------------------------------------------------------------------- LoRA training (`bench.py lora`)
 def lora_speed(args):
-    """`python bench.py lora`: LoRA training steps/s and peak memory at the real S2-Pro size (or --config), random weights."""
+    """`python bench.py lora`: LoRA training steps/s and peak memory at the real S2-Pro size (or --config),
+    random weights."""
     device = common.pick_device(args.device)
     dtype = common.pick_dtype(None, device)
     cfg = dict(dualAR.read_config(Path(args.config)) if args.config else dualAR.CONFIG)
     cfg["n_layer"] = args.n_layer or cfg["n_layer"]
     model = random_model(cfg, device, dtype).train()
     params = train_lora.add_lora(model, train_lora.RANK, train_lora.ALPHA, train_lora.DROPOUT)
-    optimizer = torch.optim.AdamW(params, lr=train_lora.LR, betas=train_lora.BETAS, eps=train_lora.EPS, weight_decay=0.0)
+    optimizer = torch.optim.AdamW(params, lr=train_lora.LR, betas=train_lora.BETAS, eps=train_lora.EPS,
+                                  weight_decay=0.0)
     text = "The quick brown fox jumps over the lazy dog."
-    frames = args.seq_len - train_lora.sample_tokens(model, text, torch.zeros(cfg["num_codebooks"], 1))[0].size(1) + 1
+    prompt = train_lora.sample_tokens(model, text, torch.zeros(cfg["num_codebooks"], 1))[0]
+    frames = args.seq_len - prompt.size(1) + 1
     if frames < 1:
         raise common.UserError(f"--seq-len {args.seq_len} leaves no room for codes after the text prompt")
     codes = torch.randint(0, cfg["codebook_size"], (args.batch_size, cfg["num_codebooks"], frames))

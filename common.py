@@ -88,7 +88,8 @@ def device_name(text: str) -> str:
 
 # ----------------------------------------------------------------------------- files
 def default_compile_cache() -> Path:
-    """Where compiled kernels (and cpu_fast's decisions) are kept unless told: $XDG_CACHE_HOME/fishfast/compile."""
+    """Where compiled kernels (and cpu_fast's decisions) are kept unless told:
+    $XDG_CACHE_HOME/fishfast/compile."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fishfast" / "compile"
 
 
@@ -162,8 +163,9 @@ def save_npy(path, array):
 
 # ----------------------------------------------------------------------------- CPU quantization
 INT4_GROUP = 128  # int4 inputs sharing one scale and zero
-INT8_MATMUL_ROWS = 128  # from here on one matmul of the converted int8 weight beats torch's int8 kernel: 1.4x
-# at 128 rows, 1.9x at 1000 on an AVX2 EPYC (fp32 there; below ~96 rows the kernel wins): docs/speed.md
+# from here on one matmul of the converted int8 weight beats torch's int8 kernel, which is written for a few
+# rows (docs/speed.md)
+INT8_MATMUL_ROWS = 128
 # torch's CPU kernels read whole vectors (16 lanes on AVX-512, 8 on AVX2) with no tail: the int8 one's inputs
 # and the int4 one's outputs must come in whole 16s, or they crash or return garbage (torch 2.13)
 KERNEL_LANES = 16
@@ -222,11 +224,12 @@ class QuantLinear(nn.Module):
 
 
 CPU_FLAGS = torch._C._cpu._get_cpu_capability()  # what this CPU has: {"avx2": True, "avx512_vnni": ...}
-# Whether this CPU has int8 dot products (VNNI, AMX) for torch._int_mm: without them (an AVX2 EPYC) it ran
+# Whether this CPU has int8 dot products (VNNI, AMX) for torch._int_mm: without them (AVX2 only) it ran
 # OmniVoice's layers 20x slower than fp32 (docs/omnivoice.md). A constant: dynamo reads it so.
 INT8_UNITS = any(CPU_FLAGS.get(unit) for unit in ("avx512_vnni", "avx_vnni", "amx_int8"))
 # Whether this CPU has matrix instructions for fp16 / bf16 (oneDNN's fast half-precision GEMMs): without them
-# torch's many-row half matmuls are several times slower than fp32 (AVX2 CPUs). Constants: dynamo reads them so.
+# torch's many-row half matmuls are several times slower than fp32 (AVX2 CPUs). Constants: dynamo reads them
+# so.
 HALF_UNITS = {torch.bfloat16: CPU_FLAGS.get("avx512_bf16") or CPU_FLAGS.get("amx_bf16") or False,
               torch.float16: CPU_FLAGS.get("avx512_fp16") or CPU_FLAGS.get("amx_fp16") or False}
 EXACT_TERMS = 2 ** 24 // 127 ** 2  # 1040 int8 x int8 products: each partial sum an exact fp32 integer
@@ -253,8 +256,8 @@ class W8A8Linear(nn.Module):
     """nn.Linear as int8 x int8 products summed exactly in int32 (`int_mm`: oneDNN's VNNI kernels on a CPU
     that has them): int8 weights with a scale per output row (as QuantLinear's) and each input row rounded
     on the fly to int8 with a scale of its own (dynamic, symmetric: OpenVINO's W8A8). For compute-bound
-    whole sequences: 2.3x oneDNN's fp32 matmul at 323 rows on a Zen 4. Rounding the activations too costs
-    more argmax agreement than the weight-only schemes do (docs/omnivoice.md)."""
+    whole sequences; rounding the activations too costs more argmax agreement than the weight-only schemes
+    do (docs/omnivoice.md has both)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()

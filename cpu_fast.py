@@ -135,8 +135,9 @@ def decision(key: str, valid, decide, what: str, again=False):
     busy = busy_share(others_cpu_seconds() - others, wall)
     shown = f": {value}" if not isinstance(value, dict) else ""
     if busy is not None:
-        print(f"cpu_fast: {what} took {wall:.1f} s{shown}, NOT kept: other processes used {busy:.0%} of a core"
-              " meanwhile (time it again on an idle machine: python cpu_fast.py --again)", file=sys.stderr)
+        print(f"cpu_fast: {what} took {wall:.1f} s{shown}, NOT kept: other processes used {busy:.0%} of a"
+              " core meanwhile (time it again on an idle machine: python cpu_fast.py --again)",
+              file=sys.stderr)
         return value
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -317,8 +318,8 @@ def few_rows_steps(again=False) -> list:
     """This machine's `row_steps` for fp32 linears: at which row counts oneDNN's matmul on a prepacked weight
     is no slower than torch's own (MKL reads a weight for a few rows at a third of the bandwidth on some
     CPUs, where oneDNN reads it faster: docs/speed.md). Timed once (`timed_row_steps`, ~2 s)."""
-    return decision(machine_key(torch.device("cpu"), torch.float32), is_row_steps, lambda old: timed_row_steps(),
-                    "timing oneDNN's few-row matmuls", again)
+    return decision(machine_key(torch.device("cpu"), torch.float32), is_row_steps,
+                    lambda old: timed_row_steps(), "timing oneDNN's few-row matmuls", again)
 
 
 @torch.inference_mode()
@@ -573,8 +574,8 @@ def many_rows_matmul(again=False) -> str:
     weight, MKL's packed sgemm or torch's own (MKL's plain sgemm, which packs the weight again at every call)
     win on different CPUs (docs/speed.md). Timed once (`timed_many_rows`, about 1 s)."""
     return decision(f"{machine_key(torch.device('cpu'), torch.float32)} {MANY_ROWS_KEY}",
-                    MANY_ROWS_MATMULS.__contains__, lambda old: timed_many_rows(), "timing the many-row matmuls",
-                    again)
+                    MANY_ROWS_MATMULS.__contains__, lambda old: timed_many_rows(),
+                    "timing the many-row matmuls", again)
 
 
 def mkl_packs() -> bool:
@@ -756,7 +757,7 @@ class CompiledSnake(nn.Module):
 
 
 @functools.cache
-def fused_snake(snake):  # one compiled snake for every model; it compiles on first use, a graph per batch size
+def fused_snake(snake):  # one compiled snake for all models; it compiles on first use, a graph per batch size
     return torch.compile(snake, dynamic=True)  # (made here, not at import: torch.compile imports dynamo)
 
 

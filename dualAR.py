@@ -45,9 +45,9 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from tqdm import tqdm
 
-from common import (DTYPES, ArgumentParser, EngineClosed, EngineThread, Job, QuantLinear, QueueFull, UserError,
-                    cli, default_compile_cache, device_name, peak_memory_gb, pick_device, pick_dtype,
-                    swap_linears, unreadable, use_compile_cache)
+from common import (DTYPES, ArgumentParser, EngineClosed, EngineThread, Job, QuantLinear, QueueFull,
+                    UserError, cli, default_compile_cache, device_name, peak_memory_gb, pick_device,
+                    pick_dtype, swap_linears, unreadable, use_compile_cache)
 
 # The real fishaudio/s2-pro dimensions, with upstream's flat `dual_ar` key names.
 CONFIG = dict(
@@ -649,7 +649,7 @@ def quant_config(scheme: str):
 def block_scheme(scheme: str, fast: bool, cpu: bool) -> str:
     """Group-wise int4 (tinygemm) breaks the fast transformer on GPU (reported): it gets int8 there. On CPU
     int4 there costs about the logit error and codes of int4 in the slow transformer alone, and makes the
-    frame's linear layers 1.8x faster than int8 there (docs/speed.md)."""
+    frame's linear layers faster than int8 there (docs/speed.md)."""
     return "int8wo" if fast and scheme == "int4wo" and not cpu else scheme
 
 

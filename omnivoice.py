@@ -344,7 +344,9 @@ def compile_forward(model: OmniVoice, backend="inductor", cache=None) -> OmniVoi
     """The LM's forward (hidden) as one graph per (rows, bucket) shape: unmask then lays every batch out
     as packed_rows padded to a multiple of LENGTH_BUCKET positions, the padding attending to itself, so
     requests of different lengths within a bucket reuse the graph. backend="eager": the same capture, no
-    codegen (tests). cache: where inductor keeps its kernels for the next process (use_compile_cache)."""
+    codegen (tests). cache: where inductor keeps its kernels for the next process (use_compile_cache).
+    Process-wide, for good: it sets $TORCHINDUCTOR_CACHE_DIR (unless the user did) and raises dynamo's
+    recompile limit to RECOMPILE_GUARD."""
     common.use_compile_cache(cache)
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_GUARD)
     model.compiled_hidden = torch.compile(model.hidden, fullgraph=True, dynamic=False, backend=backend)
@@ -734,8 +736,8 @@ class Scheduler:
         if self.rows is None:
             self.rows = self.build_rows()
         rows, model = self.rows, self.model
-        # the flat row (packed guidance) does not round as upstream's rows anyway: its linears may take another
-        # matmul (cpu_fast.tune's); upstream's rows keep F.linear, upstream's bits
+        # the flat row (packed guidance) does not round as upstream's rows anyway: its linears may take
+        # another matmul (cpu_fast.tune's); upstream's rows keep F.linear, upstream's bits
         flat = not isinstance(rows["mask"], Tensor)
         with model.loose_matmuls() if flat else contextlib.nullcontext():
             hidden = self.forward(rows["ids"], rows["audio_mask"], rows["mask"], rows["positions"])

@@ -54,7 +54,8 @@ again = codec.encode(dac, wave[0])
 ov = omnivoice.load({str(OV_CKPT)!r})
 audio = omnivoice.generate(ov, "Hello there.", language="en", seed=0, num_step=4)
 packed = omnivoice.generate(ov, "Hello there.", language="en", seed=0, num_step=4, packed=True)
-classes = sorted({{type(m).__name__ for net in (model, dac, ov) for m in net.modules() if isinstance(m, torch.nn.Linear)}})
+linears = [m for net in (model, dac, ov) for m in net.modules() if isinstance(m, torch.nn.Linear)]
+classes = sorted({{type(m).__name__ for m in linears}})
 print(json.dumps(dict(classes=classes, environ=dict(os.environ) == environ, configs=[
     sorted(k for k, v in c.get_config_copy().items() if v != before[k])
     for c, before in zip((torch._dynamo.config, torch._inductor.config), configs)])))

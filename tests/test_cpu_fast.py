@@ -294,7 +294,8 @@ def test_frozen_graphs_are_taken_only_for_cpu_fp32_unquantized_models_whose_copi
 
 
 def test_the_frozen_rows_choice_is_timed_once_and_kept_beside_the_row_steps(tmp_path, monkeypatch):
-    """frozen_rows_steps: timed on this machine's first call, then read from the decisions file under its own key;
+    """frozen_rows_steps: timed on this machine's first call, then read from the decisions file under its own
+    key;
     a value that is not row steps is timed again."""
     monkeypatch.setattr(cpu_fast, "decisions_file", lambda: tmp_path / cpu_fast.DECISIONS)
     timed = []
@@ -308,12 +309,14 @@ def test_the_frozen_rows_choice_is_timed_once_and_kept_beside_the_row_steps(tmp_
 
 def test_the_compiled_one_row_choice_is_timed_once_per_weight_dtype_and_kept_beside_the_row_steps(
         tmp_path, monkeypatch):
-    """compiled_one_row_wins: timed on this machine's first call for a weight dtype and kept in the decisions file
+    """compiled_one_row_wins: timed on this machine's first call for a weight dtype and kept in the decisions
+    file
     under that dtype's key (the row steps' entry untouched); an odd value is timed again. use_one_row_sums
     asks it only for the dtypes the module has."""
     monkeypatch.setattr(cpu_fast, "decisions_file", lambda: tmp_path / cpu_fast.DECISIONS)
     timed = []
-    monkeypatch.setattr(cpu_fast, "timed_one_row", lambda dtype: timed.append(dtype) or dtype == torch.float32)
+    monkeypatch.setattr(cpu_fast, "timed_one_row",
+                        lambda dtype: timed.append(dtype) or dtype == torch.float32)
     path, machine = tmp_path / cpu_fast.DECISIONS, cpu_fast.machine_key(torch.device("cpu"), torch.float32)
     path.write_text(json.dumps({machine: [[0, False]]}))
     cpu_fast.use_one_row_sums(torch.nn.Sequential(torch.nn.SiLU(), torch.nn.Linear(8, 4).bfloat16()))
@@ -333,7 +336,8 @@ def test_the_compiled_one_row_choice_is_timed_once_per_weight_dtype_and_kept_bes
 
 
 def test_the_many_rows_choice_is_timed_once_and_kept_beside_the_row_steps(tmp_path, monkeypatch):
-    """many_rows_matmul (OmniVoice's flat row): timed on this machine's first call, then read from the decisions file
+    """many_rows_matmul (OmniVoice's flat row): timed on this machine's first call, then read from the
+    decisions file
     under its own key, the row steps' entry untouched; a value that names no matmul is timed again."""
     monkeypatch.setattr(cpu_fast, "decisions_file", lambda: tmp_path / cpu_fast.DECISIONS)
     timed = []
@@ -349,7 +353,7 @@ def test_the_many_rows_choice_is_timed_once_and_kept_beside_the_row_steps(tmp_pa
     assert timed == [1, 1, 1, 1]
 
 
-@pytest.mark.skipif(not cpu_fast.mkl_packs(), reason="this torch has no MKL (the choice never takes it there)")
+@pytest.mark.skipif(not cpu_fast.mkl_packs(), reason="no MKL in this torch (the choice never takes it there)")
 def test_mkl_packed_matmul_gives_f_linear_at_any_row_count_and_packs_once(monkeypatch):
     """MKL's copy is packed for MANY_ROWS_PROBE rows; mkl_packed_matmul runs it at every row count (within
     fp32 rounding of F.linear: odd shapes, a bias, 3-D inputs), makes it once, and again where the weight
@@ -380,14 +384,17 @@ def test_mkl_packed_matmul_gives_f_linear_at_any_row_count_and_packs_once(monkey
                               atol=1e-3), rows
 
 
-@pytest.mark.skipif(not cpu_fast.mkl_packs(), reason="this torch has no MKL (the choice never takes it there)")
+@pytest.mark.skipif(not cpu_fast.mkl_packs(), reason="no MKL in this torch (the choice never takes it there)")
 def test_mkl_packs_any_rows_checks_the_products_at_other_row_counts(monkeypatch):
     """timed_many_rows may take MKL only where its copy packed for MANY_ROWS_PROBE rows gives F.linear's
     products at other row counts: true of this machine's MKL, false of one whose products are off there."""
     weights = [torch.rand(24, 16), torch.rand(16, 24)]
     assert cpu_fast.mkl_packs_any_rows(weights)
     real = cpu_fast.mkl_packed_matmul
-    off = lambda x, w, b=None: real(x, w, b) * (1 if len(x) == cpu_fast.MANY_ROWS_PROBE else 1.01)  # noqa: E731
+
+    def off(x, w, b=None):
+        return real(x, w, b) * (1 if len(x) == cpu_fast.MANY_ROWS_PROBE else 1.01)
+
     monkeypatch.setattr(cpu_fast, "mkl_packed_matmul", off)
     assert not cpu_fast.mkl_packs_any_rows(weights)
 
@@ -855,7 +862,8 @@ def test_a_timing_while_other_processes_use_the_cpu_is_used_once_and_not_kept(ot
     monkeypatch.setattr(cpu_fast, "others_cpu_seconds", lambda: next(readings))
     timed = []
     for _ in range(2):
-        assert cpu_fast.decision("key", lambda v: v == "x", lambda old: timed.append(1) or "x", "timing x") == "x"
+        decided = cpu_fast.decision("key", lambda v: v == "x", lambda old: timed.append(1) or "x", "timing x")
+        assert decided == "x"
     err = capsys.readouterr().err
     assert timed == ([1] if kept else [1, 1])
     assert json.loads((tmp_path / cpu_fast.DECISIONS).read_text()) == {"key": "x"} if kept else \

@@ -414,8 +414,9 @@ def test_generation_matches_upstream_codes(model, name):
 @pytest.mark.parametrize("steps", [[[0, True], [65, False]], [[0, False]]], ids=["onednn", "torch"])
 @pytest.mark.parametrize("name", ["greedy", "seeded_topp"])
 def test_generation_matches_upstream_codes_with_either_matmul(name, steps, monkeypatch):
-    """Whichever matmul this machine's timing picks for a frame's rows (cpu_fast.few_rows_steps), the codes are
-    upstream's through cpu_fast.tune: every linear on oneDNN's prepacked weight, or every one torch's own."""
+    """Whichever matmul this machine's timing picks for a frame's rows (cpu_fast.few_rows_steps), the codes
+    are upstream's through cpu_fast.tune: every linear on oneDNN's prepacked weight, or every one torch's
+    own."""
     monkeypatch.setattr(cpu_fast, "few_rows_steps", lambda again=False: steps)
     model = cpu_fast.tune(dualAR.load(CKPT))
     case = CASES[name]
@@ -1277,7 +1278,8 @@ def test_cli_tunes_the_model_and_the_codec_unless_told_not_to(tmp_path, monkeypa
     PCM-16 rounding (the codec's fast path)."""
     import soundfile as sf
     tuned, tune = [], cpu_fast.tune
-    monkeypatch.setattr(cpu_fast, "tune", lambda m, **kw: tuned.append((type(m).__name__, kw)) or tune(m, **kw))
+    monkeypatch.setattr(cpu_fast, "tune",
+                        lambda m, **kw: tuned.append((type(m).__name__, kw)) or tune(m, **kw))
     args = ["--checkpoint", str(CKPT), "--text", "Hi.", "--seed", "1", "--max-new-tokens", "8", "--no-prompt",
             "--max-context", "256"]
     for name, flags in (("eager", ["--no-compile", "--no-tune"]), ("compiled", ["--compile"])):

@@ -8,7 +8,7 @@ fish-speech's /v1/tts, on the standard library's HTTP server.
     python app.py --checkpoint OmniVoice     # k2-fsa/OmniVoice (the kind is read from config.json)
     python app.py --model omnivoice          # ./OmniVoice, or OmniVoice's tiny demo model
 
-One engine thread owns the model (dualAR.Engine or omnivoice.Engine: --slots rows, continuous batching). Each
+One engine thread owns the model (common.EngineThread, its Scheduler: --slots rows, continuous batching). Each
 HTTP request runs in its own thread: it validates, submits, and turns the codes into audio as they come. The
 server talks to each model through the same few verbs (SpeechModel: load, a reference from a clip, a saved
 voice read and written, submit, the waves of a request, its usage), so the handler and the page know no model
@@ -695,12 +695,11 @@ class S2ProModel:
             cpu_fast.tune(self.model, rows=args.slots)
         self.max_context = min(args.max_context, self.model.config["max_seq_len"])
         # a fixed cache of --max-context positions a row: each row count's frame step is compiled once, here
-        self.engine = dualAR.Engine(self.model, slots=args.slots, context=self.max_context,
-                                    max_queue=args.queue)
+        scheduler = dualAR.Scheduler(self.model, slots=args.slots, context=self.max_context)
         if compiled:
             print("compiling the frame step for each row count the engine runs (--compile)", file=sys.stderr)
-            self.engine.warm_up(lambda n, seconds: print(f"  {n} row(s): {seconds:.1f} s", file=sys.stderr))
-        self.engine.start()
+            scheduler.warm_up(lambda n, seconds: print(f"  {n} row(s): {seconds:.1f} s", file=sys.stderr))
+        self.engine = common.EngineThread(scheduler, max_queue=args.queue).start()
         self.name, self.notice = "fishfast-demo" if self.demo else "s2-pro", DEMO_NOTICE
         self.info = dict(model=self.name, checkpoint=str(self.checkpoint), device=str(self.device),
                          dtype=str(dtype).replace("torch.", ""), quant=args.quant or "none", compile=compiled,
@@ -761,8 +760,8 @@ class S2ProModel:
         sampling = dict(job["options"])
         if self.demo and not sampling["max_new_tokens"]:  # random weights rarely stop: the page's length
             sampling["max_new_tokens"] = DEMO_FRAMES
-        return self.engine.submit(dict(text=job["text"], references=references, max_context=self.max_context,
-                                       **sampling))
+        return self.engine.submit(dualAR.Request(self.model, job["text"], references,
+                                                 max_context=self.max_context, **sampling))
 
     def waves(self, request):
         for wave in codec.decode_stream(self.dac, request):  # decoded as the codes come
@@ -782,8 +781,8 @@ class S2ProModel:
 
 
 class OmniVoiceModel:
-    """OmniVoice behind the same verbs (SpeechModel): omnivoice.Engine batches the requests' sentences,
-    each request an omnivoice.Speech (sentence streaming, its own random stream); a reference is a voice
+    """OmniVoice behind the same verbs (SpeechModel): its engine (common.EngineThread) batches the requests'
+    sentences, each request an omnivoice.Speech (sentence streaming, its own random stream); a reference is a voice
     prompt (codes, transcript, level), saved as <name>.omnivoice.safetensors."""
     kind, title, owner, fish_api, model_types = "omnivoice", "OmniVoice", "k2-fsa", False, ("omnivoice",)
     options, max_references = staticmethod(omnivoice_options), 1
@@ -808,8 +807,8 @@ class OmniVoiceModel:
         if not args.no_tune:
             cpu_fast.tune(self.model)  # this CPU's faster matmuls (--packed's flat row)
         self.sample_rate, self.hop = self.model.sample_rate, self.model.audio_tokenizer.hop_length
-        self.engine = omnivoice.Engine(self.model, max_batch=args.slots, max_queue=args.queue,
-                                       packed=args.packed).start()
+        scheduler = omnivoice.Scheduler(self.model, max_batch=args.slots, packed=args.packed)
+        self.engine = common.EngineThread(scheduler, max_queue=args.queue).start()
         self.name = "omnivoice-demo" if self.demo else "omnivoice"
         self.notice = ("DEMO: no checkpoint found, so a tiny RANDOM OmniVoice is serving and the audio is"
                        f" NOISE. For speech, download k2-fsa/OmniVoice into {omnivoice.DEFAULT_CHECKPOINT}"

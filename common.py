@@ -1,11 +1,11 @@
 """What every fishfast model and tool shares, and nothing model-specific: the error users see, device and
-dtype choice, atomic writes, audio files, CPU quantization as a swap of nn.Linear, peak memory, an engine's
+dtype choice, atomic writes, audio files, CPU quantization as a swap of nn.Linear, peak memory, the engine
 thread. It imports no model file, so a model file can be copied with this one alone. (What makes a model
 faster on one kind of CPU is cpu_fast.py's, applied from outside.)
 
 Sections: errors and the CLI wrapper, devices and dtypes, files (atomic writes, audio, the compile cache),
-CPU quantization (QuantLinear, W8A8Linear, swap_linears), memory, engines (the thread that drives a
-scheduler).
+CPU quantization (QuantLinear, W8A8Linear, swap_linears), memory, engines (Job, and EngineThread: the thread
+that steps either model's Scheduler).
 """
 import argparse
 import math
@@ -337,35 +337,90 @@ class Job:
 
 
 class EngineThread:
-    """What makes a model's scheduler an engine (dualAR.Engine, omnivoice.Engine): a thread of its own that
-    steps it while it is busy. `start()` it, `wake.set()` when work comes, `close()` at the end. The
-    scheduler gives `busy`, `step()`, `fail(error)` (ends what is in flight), `closed` and its own
-    `close()`, and sets `thread = None`, `wake = threading.Event()` when it is made."""
+    """A scheduler stepped by a thread of its own, so one thread owns the model: `submit(job)` from any
+    thread (the first starts the thread), the thread steps the scheduler while it is busy, `close()` ends
+    it. `max_queue` jobs may wait beyond the scheduler's free rows (QueueFull past that; 0: no waiting room,
+    a free row still takes a job). The scheduler (dualAR.Scheduler, omnivoice.Scheduler, tests/test_common's
+    tiny one) speaks these verbs:
+        submit(job)    queue a Job (EngineClosed once closed), from any thread
+        step()         one step: admit waiting jobs into free rows, run them, end those that are done
+        busy           whether a job runs or waits
+        slots, running how many jobs its rows hold, and hold now
+        waiting        the deque of jobs waiting for a row
+        fail(error)    end the running jobs with `error` (a step broke): the waiting ones run next
+        close()        end every job (EngineClosed)
+    and is given `thread` when the thread starts (dualAR's then keeps its model's KV caches even while idle:
+    work may come at any moment)."""
+
+    def __init__(self, scheduler, max_queue: int = 16):
+        self.scheduler, self.max_queue = scheduler, max_queue
+        self.thread, self.wake, self.closed = None, threading.Event(), False
+        self.lock = threading.Lock()  # a job's room checked and taken at once
 
     def start(self):
         if self.closed:
             raise EngineClosed("the engine was closed")
         if self.thread is None:
             self.thread = threading.Thread(target=self.loop, name="fishfast-engine", daemon=True)
+            self.scheduler.thread = self.thread
             self.thread.start()
         return self
 
+    def submit(self, job, new_request: bool = True):
+        """Queue `job` -> `job`, starting the thread if `start()` was not called. new_request=False: the
+        next part of a request already taken (a sentence of an omnivoice.Speech) is never refused."""
+        self.start()
+        with self.lock:
+            if new_request:
+                self.check_room()
+            self.scheduler.submit(job)
+        self.wake.set()
+        return job
+
+    def wait(self, job):
+        """`job`'s codes() once the thread has run it (omnivoice.Scheduler's `wait` steps it instead: an
+        omnivoice.Speech runs on either)."""
+        return job.codes()
+
+    def queued(self) -> int:
+        """Jobs waiting for a row (not those cancelled meanwhile)."""
+        return sum(not job.cancelled for job in list(self.scheduler.waiting))
+
+    def check_room(self):
+        """QueueFull if a new job could neither take a free row nor wait for one (a server asks before costly
+        work)."""
+        free = self.scheduler.slots - self.scheduler.running
+        if self.queued() >= self.max_queue + free:
+            raise QueueFull(f"{self.max_queue} requests are waiting already: try again later")
+
+    def stats(self) -> dict:
+        slots, busy = self.scheduler.slots, self.scheduler.running
+        return dict(slots=slots, busy=busy, free=slots - busy, queued=self.queued())
+
     def loop(self):
+        scheduler = self.scheduler
         with torch.inference_mode():
             while not self.closed:
-                if not self.busy:
+                if not scheduler.busy:
                     self.wake.wait(0.1)
                     self.wake.clear()
                     continue
                 try:
-                    self.step()
-                except Exception as e:  # a bug or a device error: fail the requests in flight, keep serving
+                    scheduler.step()
+                except Exception as e:  # a bug or a device error: fail the jobs in flight, keep serving
                     traceback.print_exc()
-                    self.fail(RuntimeError(f"generation failed: {type(e).__name__}: {e}"))
+                    scheduler.fail(RuntimeError(f"generation failed: {type(e).__name__}: {e}"))
 
     def close(self):
+        """Stop the thread (after its step), then close the scheduler: what is left ends with EngineClosed."""
         self.closed = True
         self.wake.set()
         if self.thread is not None and self.thread is not threading.current_thread():
             self.thread.join()
-        super().close()
+        self.scheduler.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()

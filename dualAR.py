@@ -17,7 +17,7 @@ How the file reads (sections, top to bottom):
     sampling        upstream's top-k/top-p filter and exponential race, its random numbers
     one frame       sample_frame (slow token with repetition-aware sampling, then the codebooks), decode_step
     requests        Request: checks, text batches, frames -> codes chunks
-    engine          Scheduler (rows, admit -> one batched frame -> hand out), Engine (its thread, a queue)
+    engine          Scheduler (rows, admit -> one batched frame -> hand out; common.EngineThread steps it)
     generation      generate, generate_many, stream
     demo            a tiny random model and codec, built in memory
     CLI             flags, references, `python dualAR.py` (devices, errors, atomic writes: common.py)
@@ -45,9 +45,9 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from tqdm import tqdm
 
-from common import (DTYPES, ArgumentParser, EngineClosed, EngineThread, Job, QuantLinear, QueueFull,
-                    UserError, cli, default_compile_cache, device_name, peak_memory_gb, pick_device,
-                    pick_dtype, swap_linears, unreadable, use_compile_cache)
+from common import (DTYPES, ArgumentParser, EngineClosed, Job, QuantLinear, UserError, cli,
+                    default_compile_cache, device_name, peak_memory_gb, pick_device, pick_dtype, swap_linears,
+                    unreadable, use_compile_cache)
 
 # The real fishaudio/s2-pro dimensions, with upstream's flat `dual_ar` key names.
 CONFIG = dict(
@@ -345,7 +345,7 @@ class DualAR(nn.Module):
         self.quant = None  # the quantization scheme, set by `quantize`
         # 9 fast passes a frame (`sample_frame`); off: fp32 rounds codebook 1's logits otherwise (speed.md)
         self.fast_prefill = False
-        self.engine = None  # a weak reference to the Engine that owns the KV caches
+        self.engine = None  # a weak reference to the Scheduler that owns the KV caches
         self.make_rope()
 
     def make_rope(self):
@@ -1066,13 +1066,14 @@ class Request(Job):
 
 # ----------------------------------------------------------------------------- engine
 class Scheduler:
-    """`slots` rows of KV cache and one (compiled) frame step for all of them, run synchronously: `add`
+    """`slots` rows of KV cache and one (compiled) frame step for all of them, run synchronously: `submit`
     requests, then `step()` until `busy` is false (nano-vllm's shape: step = admit -> run -> hand out).
     Requests are admitted into free rows between two frames, prefilled alone, then join the batched step;
     they leave when they end. Each row samples with its own parameters and random stream, so its codes do
     not depend on the others. A frame runs only the first `batch_bucket` rows that hold every busy row; a
     free row stays at position 0 (its attention reads one cache block). One scheduler owns a model's KV
-    caches at a time: another one is refused while this one is live."""
+    caches at a time: another one is refused while this one is live. common.EngineThread steps it from a
+    thread of its own (a server's engine)."""
 
     def __init__(self, model: DualAR, slots: int = 1, context: int = None, sync_every: int = None):
         cfg, device = model.config, model.embeddings.weight.device
@@ -1080,7 +1081,8 @@ class Scheduler:
         # frames made on the device before the host reads them: on CUDA the GPU then never waits for Python
         self.sync_every = sync_every or (4 if device.type == "cuda" else 1)
         self.rows, self.waiting, self.closed = [None] * slots, collections.deque(), False
-        self.lock = threading.Lock()  # `waiting` is shared with the threads that submit (Engine)
+        self.lock = threading.Lock()  # `waiting` is shared with the threads that submit (common.EngineThread)
+        self.thread = None  # the engine thread that steps it, if any
         self.claim()
         # inference tensors, as the caches: made outside inference mode, the compiled step would see
         # tensors of another kind (another dispatch key) and compile again
@@ -1099,26 +1101,35 @@ class Scheduler:
     def busy(self) -> bool:
         return any(self.rows) or bool(self.waiting)
 
+    @property
+    def running(self) -> int:
+        return sum(r is not None for r in self.rows)
+
     def live_engine(self) -> bool:
-        """Whether its rows' KV cache must stay as it is."""
-        return self.busy
+        """Whether its rows' KV cache must stay as it is: it has work, or a thread that may take some at any
+        moment (idle is not free)."""
+        return self.busy or (self.thread is not None and self.thread.is_alive())
 
     @torch.inference_mode()
     def claim(self):
         """Take the model's KV caches (sized for these rows), unless another live engine has them."""
         owner = self.model.engine and self.model.engine()
         if owner is not None and owner is not self and owner.live_engine():
-            raise RuntimeError("this model's KV caches belong to another live Engine: close it (or let it"
+            raise RuntimeError("this model's KV caches belong to another live engine: close it (or let it"
                                " finish) first, or submit to it")
         self.model.engine = weakref.ref(self)
         self.model.setup_caches(self.slots, self.fixed_context or cache_bucket(1, self.model.config))
 
-    def add(self, request: Request) -> Request:
+    def submit(self, request: Request) -> Request:
         if self.closed:
             raise EngineClosed("the engine was closed")
         if not self.busy and not (self.model.engine and self.model.engine() is self):
             self.claim()
-        self.waiting.append(request)
+        with self.lock:
+            for gone in [r for r in self.waiting if r.cancelled]:  # hung up while waiting: no room taken
+                self.waiting.remove(gone)
+                gone.finish()
+            self.waiting.append(request)
         return request
 
     @torch.inference_mode()
@@ -1243,6 +1254,13 @@ class Scheduler:
             error = RuntimeError(f"generation failed: {type(error).__name__}: {error}")
         request.finish(error)
 
+    def fail(self, error: Exception):
+        """End the requests in the rows (a step failed): the waiting ones run next."""
+        for row, request in enumerate(self.rows):
+            if request is not None:
+                self.free(row)
+                request.finish(error)
+
     def warm_up(self, report=None):
         """Compile (on CUDA also record) the frame step for every row count this engine runs, before the
         first request pays for it. report(rows, seconds) after each."""
@@ -1266,58 +1284,6 @@ class Scheduler:
             if request is not None and not request.done:
                 request.finish(EngineClosed("the engine was closed"))
         self.rows, self.waiting = [None] * self.slots, collections.deque()
-
-
-class Engine(EngineThread, Scheduler):
-    """A Scheduler driven by its own thread (common.EngineThread): `start()`, then `submit()` from any thread
-    and iterate the returned request; `close()` at the end. `max_queue` requests may wait for a row
-    (QueueFull beyond)."""
-
-    def __init__(self, model: DualAR, slots: int = 1, context: int = None, max_queue: int = 64,
-                 sync_every: int = None):
-        super().__init__(model, slots, context, sync_every)
-        self.max_queue, self.thread, self.wake = max_queue, None, threading.Event()
-
-    def live_engine(self) -> bool:
-        return self.busy or (self.thread is not None and not self.closed)
-
-    def submit(self, request: dict) -> Request:
-        """Validate and enqueue a request (generate's keyword arguments) -> the request to iterate.
-        Starts the engine's thread if `start()` was not called."""
-        new = Request(self.model, **request)
-        self.start()
-        self.add(new)
-        self.wake.set()
-        return new
-
-    def add(self, request: Request) -> Request:
-        with self.lock:  # room checked and taken at once
-            for gone in [r for r in self.waiting if r.cancelled]:  # hung up while waiting: no room taken
-                self.waiting.remove(gone)
-                gone.finish()
-            self.check_room()
-            return super().add(request)
-
-    def queued(self) -> int:
-        """Requests waiting for a row (not those cancelled meanwhile)."""
-        return sum(not r.cancelled for r in list(self.waiting))
-
-    def check_room(self):
-        """QueueFull if a new request could neither take a free row nor wait for one (a server asks before
-        costly work). max_queue 0: no waiting room, a free row still takes a request."""
-        free = sum(r is None for r in self.rows)
-        if self.queued() >= self.max_queue + free:
-            raise QueueFull(f"{self.max_queue} requests are waiting already: try again later")
-
-    def stats(self) -> dict:
-        busy = sum(r is not None for r in self.rows)
-        return dict(slots=self.slots, busy=busy, free=self.slots - busy, queued=self.queued())
-
-    def fail(self, error: Exception):
-        for row, request in enumerate(self.rows):
-            if request is not None:
-                self.free(row)
-                request.finish(error)
 
 
 def batch_bucket(rows: int) -> int:
@@ -1349,7 +1315,7 @@ def stream(model: DualAR, text: str, **kwargs):
     """Speak `text` (same arguments as `generate`), yielding codes chunks (num_codebooks, n) as they are
     made: the first as soon as one frame of speech exists, then every `chunk_frames` frames."""
     with Scheduler(model) as scheduler:  # closed also when the reader stops early: the model is free
-        yield from chunks_until_done(scheduler, scheduler.add(Request(model, text, **kwargs)))
+        yield from chunks_until_done(scheduler, scheduler.submit(Request(model, text, **kwargs)))
 
 
 @torch.inference_mode()
@@ -1360,7 +1326,7 @@ def generate_many(model: DualAR, requests: list, slots: int = None, context: int
     batch = [Request(model, **r) for r in requests]  # every request is checked before any work
     with Scheduler(model, slots=slots or len(batch), context=context) as scheduler:
         for request in batch:
-            scheduler.add(request)
+            scheduler.submit(request)
         scheduler.run()
     return [request.codes() for request in batch]
 
@@ -1612,7 +1578,7 @@ def speak(model: DualAR, request: Request, wav_path, args) -> Tensor:
     """Run one request with a progress bar. With a wav path, decode and write each chunk as it comes."""
     import codec
     with Scheduler(model) as scheduler, torch.inference_mode(), tqdm(unit="frame", leave=False) as bar:
-        chunks = shown(chunks_until_done(scheduler, scheduler.add(request)), bar)
+        chunks = shown(chunks_until_done(scheduler, scheduler.submit(request)), bar)
         if wav_path is None:
             collections.deque(chunks, maxlen=0)  # run to the end
             return request.codes()

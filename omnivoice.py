@@ -21,8 +21,8 @@ How the file reads (sections, top to bottom):
     requests         generate()'s arguments -> one item per text (target length, style, reference)
     unmasking        the schedule (time_steps, count_schedule), the batch's rows (upstream's, packed,
                      flat), CFG in log-prob space, layer penalty, Gumbel reveal; the engine: Unmasking (one
-                     text), Scheduler.step() (texts batched, each its own stream), Engine (a Scheduler on its
-                     own thread), unmask (generate()'s batch)
+                     text), Scheduler.step() (texts batched, each its own stream; common.EngineThread steps
+                     it for a server), unmask (generate()'s batch)
     generation       encode, decode, generate (short and chunked), post-processing; Speech (a text sentence
                      by sentence, the server's streaming unit), CrossFade (the join, streamed), stream
     demo             a tiny random model and tokenizer, built in memory
@@ -698,22 +698,29 @@ class Scheduler:
     batch order, as upstream's batch draws from its global one."""
 
     def __init__(self, model: OmniVoice, max_batch: int = 8, packed: bool = False):
-        self.model, self.max_batch, self.packed = model, max_batch, packed
+        self.model, self.slots, self.packed = model, max_batch, packed
         # (ids, audio_mask, mask, positions) -> hidden states
         self.forward = model.compiled_hidden or model.hidden
         self.device, self.mask_id = model.audio_heads.weight.device, model.cfg["audio_mask_id"]
         self.active, self.waiting, self.rows, self.closed = [], collections.deque(), None, False
-        self.lock = threading.Lock()  # `waiting` is shared with the threads that submit (Engine)
+        self.lock = threading.Lock()  # `waiting` is shared with the threads that submit (common.EngineThread)
 
     @property
     def busy(self) -> bool:
         return bool(self.active or self.waiting)
 
+    @property
+    def running(self) -> int:
+        return len(self.active)
+
     def submit(self, job: Unmasking, new_request: bool = True) -> Unmasking:
-        """Queue a text (new_request: a server's room check, see Engine)."""
+        """Queue a text (new_request: common.EngineThread's room check; a Speech submits to either)."""
         if self.closed:
             raise common.EngineClosed("the engine was closed")
         with self.lock:
+            for gone in [j for j in self.waiting if j.cancelled]:  # hung up while waiting: no room taken
+                self.waiting.remove(gone)
+                gone.finish()
             self.waiting.append(job)
         return job
 
@@ -760,7 +767,7 @@ class Scheduler:
     def admit(self) -> bool:
         """Waiting texts into the batch while it has room -> whether any joined."""
         joined = False
-        while len(self.active) < self.max_batch:
+        while len(self.active) < self.slots:
             with self.lock:
                 job = self.waiting.popleft() if self.waiting else None
             if job is None:
@@ -792,47 +799,6 @@ class Scheduler:
         for job in jobs:
             if not job.done:
                 job.finish(common.EngineClosed("the engine was closed"))
-
-
-class Engine(common.EngineThread, Scheduler):
-    """A Scheduler driven by its own thread (one thread owns the model, common.EngineThread): submit() from
-    any thread, then codes() or wait(); close() at the end. `max_batch` texts run together, `max_queue` new
-    requests may wait beyond them (QueueFull past that); a request's later sentences (new_request=False) are
-    never refused."""
-
-    def __init__(self, model: OmniVoice, max_batch: int = 8, max_queue: int = 16, packed: bool = False):
-        super().__init__(model, max_batch, packed)
-        self.max_queue, self.thread, self.wake = max_queue, None, threading.Event()
-
-    def submit(self, job: Unmasking, new_request: bool = True) -> Unmasking:
-        self.start()
-        with self.lock:  # room checked and taken at once
-            for gone in [j for j in self.waiting if j.cancelled]:  # hung up while waiting: no room taken
-                self.waiting.remove(gone)
-                gone.finish()
-            if new_request:
-                self.check_room()
-            if self.closed:
-                raise common.EngineClosed("the engine was closed")
-            self.waiting.append(job)
-        self.wake.set()
-        return job
-
-    def wait(self, job: Unmasking) -> Tensor:
-        return job.codes()
-
-    def queued(self) -> int:
-        return sum(not job.cancelled for job in list(self.waiting))
-
-    def check_room(self):
-        """QueueFull if a new request could neither join the batch nor wait (a server asks before costly
-        work). max_queue 0: no waiting room, a free place in the batch still takes a request."""
-        if self.queued() >= self.max_queue + self.max_batch - len(self.active):
-            raise common.QueueFull(f"{self.max_queue} requests are waiting already: try again later")
-
-    def stats(self) -> dict:
-        busy = len(self.active)
-        return dict(slots=self.max_batch, busy=busy, free=self.max_batch - busy, queued=self.queued())
 
     def fail(self, error: Exception):
         """End the texts in flight (a step failed): the waiting ones run next."""
@@ -1044,7 +1010,7 @@ def generate(model: OmniVoice, text, language=None, ref_audio=None, ref_text=Non
 
 
 class Speech:
-    """One text spoken sentence by sentence through a Scheduler or an Engine (the server's streaming unit).
+    """One text spoken sentence by sentence on a Scheduler or an EngineThread (the server's streaming unit).
     Made in the caller's thread: every argument checked (generate()'s, one text), a clip encoded, the text
     split at sentence ends (split_sentences, upstream's chunk length for very long ones) and the first
     sentence submitted. Iterated: 1-D float32 pieces at model.sample_rate, each sentence's as soon as it is

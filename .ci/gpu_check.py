@@ -17,6 +17,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+import common  # noqa: E402
 import dualAR  # noqa: E402
 
 TINY = ROOT / "tests/fixtures/s2-tiny"
@@ -89,8 +90,8 @@ def streamed(model, solo):
 
 @check("bf16 compiled engine thread (4 slots) rows == their solo codes")
 def threaded(model, solo):
-    with dualAR.Engine(model, slots=4).start() as engine:
-        handles = [engine.submit(r) for r in REQUESTS]
+    with common.EngineThread(dualAR.Scheduler(model, slots=4)).start() as engine:
+        handles = [engine.submit(dualAR.Request(model, **r)) for r in REQUESTS]
         rows = [h.codes().cpu() for h in handles]
     same = [torch.equal(r, s) for r, s in zip(rows, solo, strict=True)]
     return all(same), f"rows equal: {same}"

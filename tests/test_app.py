@@ -924,12 +924,12 @@ def test_codec_work_from_requests_has_its_own_bound_and_a_503_beyond(tmp_path, m
 def test_a_failed_frame_step_is_a_500_and_the_server_keeps_serving(tmp_path):
     server = start_server(tmp_path, "--slots", "1")
     engine = server.app.engine
-    working = engine.decode
+    working = engine.scheduler.decode
 
     def broken_step(*args):
         raise RuntimeError("a simulated failure in the frame step")
 
-    engine.decode = broken_step
+    engine.scheduler.decode = broken_step
     try:
         status, _, body = call(server, "POST", "/v1/tts", dict(text=TEXT, max_new_tokens=8))
         assert status == 500 and json.loads(body)["error"]["type"] == "server_error"  # not a hang
@@ -938,7 +938,7 @@ def test_a_failed_frame_step_is_a_500_and_the_server_keeps_serving(tmp_path):
         conn.close()
         assert events[-1]["type"] == "error" and events[-1]["error"]["type"] == "server_error"
         assert "simulated failure" in events[-1]["error"]["message"]
-        engine.decode = working
+        engine.scheduler.decode = working
         assert call(server, "GET", "/health")[0] == 200
         assert call(server, "POST", "/v1/tts", dict(text=TEXT, max_new_tokens=8))[0] == 200
         engine.close()  # the engine thread is gone: the server says so instead of hanging

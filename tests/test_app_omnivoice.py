@@ -151,15 +151,16 @@ def test_every_format_and_stream_format(server, model):
 def test_audio_arrives_before_the_last_sentence_is_generated(server, model, monkeypatch):
     """The engine is held once the first of three sentences is unmasked: its audio still arrives, so the
     first audio comes after the first sentence, not after the whole text."""
-    made, engine, release = speeches(monkeypatch, server), server.app.engine, threading.Event()
-    forward = engine.forward
+    made, release = speeches(monkeypatch, server), threading.Event()
+    scheduler = server.app.engine.scheduler
+    forward = scheduler.forward
 
     def held(*args):  # every step after the first sentence waits for the test
         if made and made[0].tokens:
             release.wait(60)
         return forward(*args)
 
-    monkeypatch.setattr(engine, "forward", held)
+    monkeypatch.setattr(scheduler, "forward", held)
     text = "The first sentence is here. Is this the second one? Yes, and the third ends it."
     conn, response = open_stream(server, dict(input=text, seed=33, num_step=8, response_format="pcm"))
     try:
@@ -201,15 +202,15 @@ def test_eight_concurrent_requests_run_batched_and_each_gets_its_solo_audio(requ
                 dict(input="Two of them here. And another, longer one to end.", guidance_scale=1.0),
                 dict(input="The last request.", num_step=8, language="English")]
     bodies = [dict(body, seed=100 + i, response_format="pcm") for i, body in enumerate(requests)]
-    engine, sizes, arrived = server.app.engine, [], threading.Event()
-    forward = engine.forward
+    scheduler, sizes, arrived = server.app.engine.scheduler, [], threading.Event()
+    forward = scheduler.forward
 
     def counted(*args):  # the first step waits until every request has been submitted
         arrived.wait(60)
-        sizes.append(len(engine.active))
+        sizes.append(len(scheduler.active))
         return forward(*args)
 
-    monkeypatch.setattr(engine, "forward", counted)
+    monkeypatch.setattr(scheduler, "forward", counted)
     made = speeches(monkeypatch, server)
     results = [None] * len(bodies)
 
@@ -232,15 +233,16 @@ def test_eight_concurrent_requests_run_batched_and_each_gets_its_solo_audio(requ
 
 
 def test_a_client_that_hangs_up_frees_its_place_in_the_batch(server, monkeypatch):
-    made, engine, release = speeches(monkeypatch, server), server.app.engine, threading.Event()
-    forward = engine.forward
+    made, release = speeches(monkeypatch, server), threading.Event()
+    scheduler = server.app.engine.scheduler
+    forward = scheduler.forward
 
     def held(*args):
         if made and made[0].tokens:
             release.wait(60)
         return forward(*args)
 
-    monkeypatch.setattr(engine, "forward", held)
+    monkeypatch.setattr(scheduler, "forward", held)
     conn, response = open_stream(server, dict(input="One sentence. Then the next. And one more.", seed=1,
                                               response_format="pcm"))
     try:
@@ -382,11 +384,11 @@ BAD = [  # (body, words of the message): each new field's bad values, each one 4
 
 @pytest.mark.parametrize("body, message", BAD, ids=[f"{i}-{next(iter(b))}" for i, (b, _) in enumerate(BAD)])
 def test_bad_input_is_a_400_that_says_what_and_changes_nothing(server, root, body, message):
-    before, engine = tree(root), server.app.engine
+    before, scheduler = tree(root), server.app.engine.scheduler
     status, _, data = call(server, "POST", SPEECH, dict(body, input="Hello there."))
     error = json.loads(data)["error"]
     assert (status, error["type"]) == (400, "invalid_request_error") and message in error["message"], error
-    assert tree(root) == before and not engine.busy
+    assert tree(root) == before and not scheduler.busy
 
 
 def test_fish_speechs_own_routes_are_s2pros(server):

@@ -1,6 +1,8 @@
 """common.py: the helpers every model shares."""
+import collections
 import os
 import stat
+import threading
 
 import pytest
 import torch
@@ -113,3 +115,87 @@ def test_int8_products_are_torchs_int_mm_bit_for_bit_with_or_without_int8_units(
     assert want[0, 0] % 2 == 1 and want[0, 0] > 2 ** 24
     assert (big_a.float() @ big_b.float()).double().ne(want.double()).all()  # one fp32 sum rounds: chunks
 
+
+# ----------------------------------------------------------------------------- the engine thread
+class Countdown(common.Job):
+    """A job of `steps` steps; codes() waits for its end -> the steps it ran."""
+
+    def __init__(self, steps: int):
+        super().__init__()
+        self.steps, self.ran = steps, 0
+
+    def codes(self) -> int:
+        with self.changed:
+            self.changed.wait_for(lambda: self.done, timeout=30)
+        if self.error:
+            raise self.error
+        return self.ran
+
+
+class Rows:
+    """Every verb common.EngineThread drives, and no model: `slots` rows; step() admits waiting jobs into free
+    rows, runs one step of each, ends those that ran all theirs. Clear `go` to hold the steps."""
+
+    def __init__(self, slots: int):
+        self.slots, self.rows, self.waiting, self.closed = slots, [], collections.deque(), False
+        self.go = threading.Event()
+        self.go.set()
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.rows or self.waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self.rows)
+
+    def submit(self, job: Countdown) -> Countdown:
+        if self.closed:
+            raise common.EngineClosed("the engine was closed")
+        self.waiting.append(job)  # one deque operation: atomic, as the step thread's popleft
+        return job
+
+    def step(self):
+        self.go.wait(30)
+        while self.waiting and len(self.rows) < self.slots:
+            self.rows.append(self.waiting.popleft())
+        for job in self.rows:
+            job.ran += 1
+        for job in [job for job in self.rows if job.ran == job.steps]:
+            self.rows.remove(job)
+            job.finish()
+
+    def fail(self, error: Exception):
+        jobs, self.rows = self.rows, []
+        for job in jobs:
+            job.finish(error)
+
+    def close(self):
+        self.closed = True
+        for job in [*self.rows, *self.waiting]:
+            job.finish(common.EngineClosed("the engine was closed"))
+        self.rows, self.waiting = [], collections.deque()
+
+
+def test_an_engine_thread_steps_any_scheduler_and_bounds_its_queue():
+    """submit() starts the thread, which steps a job to its end; a free row and max_queue waiting jobs are
+    taken, one more is refused (never a request's next part); close() stops the thread, then refuses."""
+    scheduler = Rows(slots=1)
+    engine = common.EngineThread(scheduler, max_queue=1)
+    try:
+        assert engine.wait(engine.submit(Countdown(3))) == 3 and engine.thread.is_alive()
+        assert engine.stats() == dict(slots=1, busy=0, free=1, queued=0)
+        scheduler.go.clear()  # the thread's next step waits: what comes now waits for a row
+        first, second = engine.submit(Countdown(2)), engine.submit(Countdown(2))  # the free row, the queue
+        with pytest.raises(common.QueueFull):
+            engine.submit(Countdown(2))
+        later = engine.submit(Countdown(1), new_request=False)
+        assert engine.stats() == dict(slots=1, busy=0, free=1, queued=3)
+        scheduler.go.set()
+        assert [engine.wait(job) for job in (first, second, later)] == [2, 2, 1]
+    finally:
+        scheduler.go.set()
+        engine.close()
+    assert not engine.thread.is_alive() and scheduler.closed
+    with pytest.raises(common.EngineClosed):
+        engine.submit(Countdown(1))

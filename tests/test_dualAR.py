@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -430,10 +431,10 @@ def run_request(model, call):  # -> the request, with every raw frame of every t
     request = dualAR.Request(model, call["text"], references(call), seed=call["torch_manual_seed"],
                              temperature=call["temperature"], top_p=call["top_p"], top_k=call["top_k"],
                              max_new_tokens=call["max_new_tokens"], chunk_length=call["chunk_length"])
-    engine = dualAR.Engine(model)
-    engine.add(request)
+    scheduler = dualAR.Scheduler(model)
+    scheduler.submit(request)
     with torch.inference_mode():
-        engine.run()
+        scheduler.run()
     return request
 
 
@@ -661,51 +662,50 @@ def test_stream_chunks_concatenate_to_generate(model, eos_model, name, chunk_fra
 
 
 def test_request_admitted_mid_way_gets_its_solo_codes(model, solo):
-    engine = dualAR.Engine(model, slots=3)
-    first = [engine.add(dualAR.Request(model, **r)) for r in MIXED[:2]]
+    scheduler = dualAR.Scheduler(model, slots=3)
+    first = [scheduler.submit(dualAR.Request(model, **r)) for r in MIXED[:2]]
     with torch.inference_mode():
         for _ in range(5):
-            engine.step()
-        late = engine.add(dualAR.Request(model, **MIXED[3]))
-        engine.step()
+            scheduler.step()
+        late = scheduler.submit(dualAR.Request(model, **MIXED[3]))
+        scheduler.step()
         assert late.row == 2 and first[0].row == 0  # joined between two frames, the others mid-way
-        engine.run()
+        scheduler.run()
     made = [r.codes() for r in first + [late]]
     assert all(torch.equal(a, b) for a, b in zip(made, solo[:2] + solo[3:], strict=True))
 
 
 def test_cancelled_request_frees_its_row_and_the_others_continue(model, solo):
-    engine = dualAR.Engine(model, slots=2)
-    kept, cancelled = (engine.add(dualAR.Request(model, **r)) for r in (MIXED[0], MIXED[3]))
-    waiting = engine.add(dualAR.Request(model, **MIXED[1]))
+    scheduler = dualAR.Scheduler(model, slots=2)
+    kept, cancelled = (scheduler.submit(dualAR.Request(model, **r)) for r in (MIXED[0], MIXED[3]))
+    waiting = scheduler.submit(dualAR.Request(model, **MIXED[1]))
     with torch.inference_mode():
         for _ in range(4):
-            engine.step()
+            scheduler.step()
         cancelled.cancel()
-        engine.step()
-        assert engine.rows[1] is waiting and cancelled.done  # the freed row went to the waiting request
-        engine.run()
+        scheduler.step()
+        assert scheduler.rows[1] is waiting and cancelled.done  # the freed row went to the waiting request
+        scheduler.run()
     assert cancelled.codes().size(1) < 39
     assert torch.equal(kept.codes(), solo[0]) and torch.equal(waiting.codes(), solo[1])
 
 
 def test_a_request_cancelled_while_it_waits_ends_with_no_codes(model, solo):
-    engine = dualAR.Engine(model, slots=1)
-    first, second = (engine.add(dualAR.Request(model, **r)) for r in (MIXED[1], MIXED[3]))
+    scheduler = dualAR.Scheduler(model, slots=1)
+    first, second = (scheduler.submit(dualAR.Request(model, **r)) for r in (MIXED[1], MIXED[3]))
     second.cancel()
     with torch.inference_mode():
-        engine.run()
+        scheduler.run()
     assert second.done and second.codes().shape == (10, 0)  # done first: else codes() would wait forever
     assert torch.equal(first.codes(), solo[1])
 
 
 def test_engine_thread_serves_requests_submitted_from_several_threads(model, solo):
-    import threading
-    engine = dualAR.Engine(model, slots=2).start()
+    engine = common.EngineThread(dualAR.Scheduler(model, slots=2)).start()
     results = {}
 
     def client(i):
-        results[i] = torch.cat(list(engine.submit(MIXED[i])), dim=1)
+        results[i] = torch.cat(list(engine.submit(dualAR.Request(model, **MIXED[i]))), dim=1)
 
     try:
         threads = [threading.Thread(target=client, args=(i,)) for i in range(len(MIXED))]
@@ -726,85 +726,93 @@ def test_frames_read_every_few_steps_give_the_same_codes(model, eos_model, sync_
     dialogue, eos = CASES["seeded_dialogue"]["call"], CASES["eos"]["eos"]["call"]
     cases = [(model, dialogue, "seeded_dialogue_codes.npy"), (eos_model, eos, "eos_codes.npy")]
     for m, call, expected in cases:
-        engine = dualAR.Engine(m, slots=2, sync_every=sync_every)
-        made = [engine.add(dualAR.Request(m, call["text"], references(call), seed=call["torch_manual_seed"],
-                                          top_k=call["top_k"], max_new_tokens=call["max_new_tokens"],
-                                          chunk_length=call["chunk_length"])),
-                engine.add(dualAR.Request(m, **MIXED[1]))]
+        scheduler = dualAR.Scheduler(m, slots=2, sync_every=sync_every)
+        first = dualAR.Request(m, call["text"], references(call), seed=call["torch_manual_seed"],
+                               top_k=call["top_k"], max_new_tokens=call["max_new_tokens"],
+                               chunk_length=call["chunk_length"])
+        made = [scheduler.submit(first), scheduler.submit(dualAR.Request(m, **MIXED[1]))]
         with torch.inference_mode():
-            engine.run()
+            scheduler.run()
         assert torch.equal(made[0].codes(), golden(expected))
         assert torch.equal(made[1].codes(), dualAR.generate(m, **MIXED[1]))
 
 
 def test_engine_thread_fails_the_requests_in_flight_when_a_step_breaks_and_keeps_serving(model, solo):
-    engine = dualAR.Engine(model, slots=2).start()
+    scheduler = dualAR.Scheduler(model, slots=2)
+    engine = common.EngineThread(scheduler).start()
     try:
-        broken = engine.decode
-        engine.decode = lambda *args: 1 / 0
-        doomed = engine.submit(MIXED[1])
+        broken = scheduler.decode
+        scheduler.decode = lambda *args: 1 / 0
+        doomed = engine.submit(dualAR.Request(model, **MIXED[1]))
         with pytest.raises(RuntimeError, match="generation failed: ZeroDivisionError"):
             doomed.codes()
-        engine.decode = broken
-        assert torch.equal(engine.submit(MIXED[1]).codes(), solo[1])
+        scheduler.decode = broken
+        assert torch.equal(engine.submit(dualAR.Request(model, **MIXED[1])).codes(), solo[1])
     finally:
         engine.close()
 
 
-def test_engine_rejects_bad_requests_and_a_full_queue(model):
-    engine = dualAR.Engine(model, slots=1, max_queue=1)
+def test_bad_requests_are_refused_before_they_reach_an_engine(model):
     with pytest.raises(common.UserError, match="text to speak is empty"):
-        engine.submit(dict(text=" "))
+        dualAR.Request(model, text=" ")
     with pytest.raises(common.UserError, match="0 < top_p <= 1"):
-        engine.submit(dict(text="Hi.", top_p=1.5))
+        dualAR.Request(model, text="Hi.", top_p=1.5)
     with pytest.raises(common.UserError, match="top_k < 2\\*\\*31"):  # would not fit the step's tensor
-        engine.submit(dict(text="Hi.", top_k=1e30))
+        dualAR.Request(model, text="Hi.", top_k=1e30)
     with pytest.raises(common.UserError, match="seed must be an integer"):
-        engine.submit(dict(text="Hi.", seed=2**64))
-    first, second = (engine.add(dualAR.Request(model, "Hi.")) for _ in range(2))  # the free row, the queue
-    with pytest.raises(dualAR.QueueFull):
-        engine.add(dualAR.Request(model, "Hi."))
-    first.cancel()  # its client hung up while it waited: its place is free again
-    engine.add(dualAR.Request(model, "Hi."))
-    assert first.done and engine.stats()["queued"] == 2
-    second.cancel()
-    assert engine.stats() == dict(slots=1, busy=0, free=1, queued=1)
+        dualAR.Request(model, text="Hi.", seed=2**64)
+
+
+def test_an_engine_thread_bounds_its_queue_and_a_cancelled_waiting_request_takes_no_room(model):
+    scheduler, held = dualAR.Scheduler(model, slots=1), threading.Event()
+    scheduler.step = lambda: held.wait(30)  # its thread takes nothing: every request waits
+    engine = common.EngineThread(scheduler, max_queue=1)
+    try:
+        first, second = (engine.submit(dualAR.Request(model, "Hi.")) for _ in range(2))  # its row, the queue
+        with pytest.raises(common.QueueFull):
+            engine.submit(dualAR.Request(model, "Hi."))
+        first.cancel()  # its client hung up while it waited: its place is free again
+        engine.submit(dualAR.Request(model, "Hi."))
+        assert first.done and engine.stats()["queued"] == 2
+        second.cancel()
+        assert engine.stats() == dict(slots=1, busy=0, free=1, queued=1)
+    finally:
+        held.set()
+        engine.close()
 
 
 def test_no_waiting_room_still_serves_a_free_row(model, solo):
-    engine = dualAR.Engine(model, slots=1, max_queue=0)
-    served = engine.add(dualAR.Request(model, **MIXED[1]))
-    with pytest.raises(dualAR.QueueFull):
-        engine.add(dualAR.Request(model, "Hi."))
-    with torch.inference_mode():
-        engine.run()
-    assert torch.equal(served.codes(), solo[1])
+    with common.EngineThread(dualAR.Scheduler(model, slots=1), max_queue=0) as engine:
+        served = engine.submit(dualAR.Request(model, **MIXED[1]))
+        with pytest.raises(common.QueueFull):
+            engine.submit(dualAR.Request(model, "Hi."))
+        assert torch.equal(served.codes(), solo[1])
 
 
 def test_a_request_whose_prefill_breaks_fails_alone(model, solo):
-    engine = dualAR.Engine(model, slots=2)
-    kept = engine.add(dualAR.Request(model, **MIXED[1]))
-    broken = engine.add(dualAR.Request(model, **MIXED[3]))
+    scheduler = dualAR.Scheduler(model, slots=2)
+    kept = scheduler.submit(dualAR.Request(model, **MIXED[1]))
+    broken = scheduler.submit(dualAR.Request(model, **MIXED[3]))
     with torch.inference_mode():
-        engine.step()
+        scheduler.step()
         model.prefill = lambda *args: 1 / 0  # an instance attribute over the method, deleted below
-        doomed = engine.add(dualAR.Request(model, **MIXED[0]))
+        doomed = scheduler.submit(dualAR.Request(model, **MIXED[0]))
         broken.cancel()
         try:
-            engine.step()  # the freed row's prefill fails
+            scheduler.step()  # the freed row's prefill fails
         finally:
             del model.prefill
-        engine.run()
+        scheduler.run()
     with pytest.raises(RuntimeError, match="generation failed: ZeroDivisionError"):
         doomed.codes()
     assert torch.equal(kept.codes(), solo[1])
 
 
 def test_fixed_context_engine_refuses_what_does_not_fit(model):
-    engine = dualAR.Engine(model, slots=1, context=256)
-    request = engine.add(dualAR.Request(model, "Hi.", max_new_tokens=300))
+    scheduler = dualAR.Scheduler(model, slots=1, context=256)
+    request = scheduler.submit(dualAR.Request(model, "Hi.", max_new_tokens=300))
     with torch.inference_mode():
-        engine.run()
+        scheduler.run()
     with pytest.raises(common.UserError, match="engine's context is 256"):
         request.codes()
 
@@ -812,44 +820,45 @@ def test_fixed_context_engine_refuses_what_does_not_fit(model):
 # ----------------------------------------------------------------------------- engine rows, shapes, owner
 def test_a_free_row_goes_back_to_position_0_and_stays_there(model, solo):
     """A row without a request reads one cache block per frame (flex), not the cache up to the end."""
-    engine = dualAR.Engine(model, slots=2)
-    short, long = (engine.add(dualAR.Request(model, **r)) for r in (MIXED[1], MIXED[3]))
+    scheduler = dualAR.Scheduler(model, slots=2)
+    short, long = (scheduler.submit(dualAR.Request(model, **r)) for r in (MIXED[1], MIXED[3]))
     with torch.inference_mode():
         while not short.done:
-            engine.step()
-        assert engine.rows[0] is None and (engine.pos[0], engine.live[0]) == (0, 0) and engine.pos[1] > 0
+            scheduler.step()
+        assert scheduler.rows[0] is None and (scheduler.pos[0], scheduler.live[0]) == (0, 0)
+        assert scheduler.pos[1] > 0
         for _ in range(5):
-            engine.step()
-        assert engine.pos[0] == 0
-        engine.run()
-    assert engine.pos.tolist() == [0, 0]
+            scheduler.step()
+        assert scheduler.pos[0] == 0
+        scheduler.run()
+    assert scheduler.pos.tolist() == [0, 0]
     assert torch.equal(long.codes(), solo[3])
 
 
 def test_a_reused_row_starts_with_an_empty_repetition_window(model, solo):
     """Two identical seeded requests, one after the other through one row: the second is admitted with an
     empty window (not the first one's last tokens), and both give the solo codes."""
-    engine = dualAR.Engine(model, slots=1)
-    first = engine.add(dualAR.Request(model, **MIXED[0]))
+    scheduler = dualAR.Scheduler(model, slots=1)
+    first = scheduler.submit(dualAR.Request(model, **MIXED[0]))
     with torch.inference_mode():
-        engine.run()
-        assert engine.recent[0].ne(0).any()  # the first request's last tokens
-        second = engine.add(dualAR.Request(model, **MIXED[0]))
-        engine.admit()
-        assert engine.rows[0] is second and engine.recent[0].eq(0).all()
-        engine.run()
+        scheduler.run()
+        assert scheduler.recent[0].ne(0).any()  # the first request's last tokens
+        second = scheduler.submit(dualAR.Request(model, **MIXED[0]))
+        scheduler.admit()
+        assert scheduler.rows[0] is second and scheduler.recent[0].eq(0).all()
+        scheduler.run()
     assert torch.equal(first.codes(), solo[0]) and torch.equal(second.codes(), solo[0])
 
 
 def test_a_partly_filled_engine_runs_the_smallest_batch_that_holds_its_rows(solo, monkeypatch):
     model = dualAR.load(CKPT)  # its own, tuned as a Xeon's timing would (oneDNN at 4-64 rows)
     cpu_fast.use_few_rows_linears(model, [[0, False], [4, True], [65, False]])
-    engine = dualAR.Engine(model, slots=8)
-    decode, rows_run = engine.decode, []
-    engine.decode = lambda frames, *rest: rows_run.append(frames.size(0)) or decode(frames, *rest)
-    made = [engine.add(dualAR.Request(model, **r)) for r in MIXED[::-1]]  # the longest in row 0
+    scheduler = dualAR.Scheduler(model, slots=8)
+    decode, rows_run = scheduler.decode, []
+    scheduler.decode = lambda frames, *rest: rows_run.append(frames.size(0)) or decode(frames, *rest)
+    made = [scheduler.submit(dualAR.Request(model, **r)) for r in MIXED[::-1]]  # the longest in row 0
     with torch.inference_mode():
-        engine.run()
+        scheduler.run()
     assert rows_run[0] == 4 and rows_run[-1] == 1 and set(rows_run) == {1, 4}  # never 8: 4 rows were used
     assert all(torch.equal(r.codes(), c) for r, c in zip(made, solo[::-1], strict=True))
     wqkv = model.layers[0].attention.wqkv  # the 4 rows ran oneDNN's prepacked matmul (cpu_fast.FewRowsLinear)
@@ -870,15 +879,15 @@ def test_cache_buckets_are_powers_of_two_from_256_up_to_the_context():
 def test_a_second_engine_on_a_live_model_is_refused(model):
     """Two engines on one model would write the same KV cache rows: the second is refused while the first
     has work (or its thread), and takes the model once the first is done."""
-    first = dualAR.Engine(model, slots=1)
-    first.add(dualAR.Request(model, **MIXED[1]))
-    for make in (lambda: dualAR.Engine(model, slots=2), lambda: dualAR.generate(model, "Hi.")):
-        with pytest.raises(RuntimeError, match="belong to another live Engine"):
+    first = dualAR.Scheduler(model, slots=1)
+    first.submit(dualAR.Request(model, **MIXED[1]))
+    for make in (lambda: dualAR.Scheduler(model, slots=2), lambda: dualAR.generate(model, "Hi.")):
+        with pytest.raises(RuntimeError, match="belong to another live engine"):
             make()
     with torch.inference_mode():
         first.run()
     solo = dualAR.generate(model, **MIXED[1])  # a new engine takes the model
-    again = first.add(dualAR.Request(model, **MIXED[1]))  # and the idle first one takes it back
+    again = first.submit(dualAR.Request(model, **MIXED[1]))  # and the idle first one takes it back
     with torch.inference_mode():
         first.run()
     assert torch.equal(again.codes(), solo)
@@ -886,9 +895,9 @@ def test_a_second_engine_on_a_live_model_is_refused(model):
 
 def test_an_idle_engine_whose_thread_runs_keeps_the_model(model):
     """Its thread may take a submitted request at any moment: idle is not free."""
-    engine = dualAR.Engine(model, slots=1).start()
+    engine = common.EngineThread(dualAR.Scheduler(model, slots=1)).start()
     try:
-        with pytest.raises(RuntimeError, match="belong to another live Engine"):
+        with pytest.raises(RuntimeError, match="belong to another live engine"):
             dualAR.generate(model, "Hi.")
     finally:
         engine.close()
@@ -903,15 +912,16 @@ def test_a_stream_left_early_frees_the_model(model):
 
 
 def test_a_closed_engine_is_a_server_error_not_bad_input(model, solo):
-    engine = dualAR.Engine(model, slots=1)
+    engine = common.EngineThread(dualAR.Scheduler(model, slots=1))
     try:  # submit starts the thread of an engine nobody started
-        assert torch.equal(engine.submit(MIXED[1]).codes(), solo[1]) and engine.thread.is_alive()
+        assert torch.equal(engine.submit(dualAR.Request(model, **MIXED[1])).codes(), solo[1])
+        assert engine.thread.is_alive()
     finally:
         engine.close()
     with pytest.raises(dualAR.EngineClosed, match="the engine was closed"):
-        engine.submit(MIXED[1])
-    engine = dualAR.Engine(model, slots=1)
-    waiting = engine.add(dualAR.Request(model, **MIXED[1]))
+        engine.submit(dualAR.Request(model, **MIXED[1]))
+    engine = common.EngineThread(dualAR.Scheduler(model, slots=1))
+    waiting = engine.scheduler.submit(dualAR.Request(model, **MIXED[1]))  # its thread never started
     engine.close()
     with pytest.raises(dualAR.EngineClosed):
         waiting.codes()
@@ -949,8 +959,9 @@ def test_a_compiled_model_compiles_each_shape_once_and_many_shapes_fit():
                    for i in range(20)]
         assert lengths == list(range(1, 21))
         dualAR.generate_many(model, texts[::-1], slots=4)  # the longest in row 0: 4 rows, then 1
-        with dualAR.Engine(model, slots=4).start() as engine:
-            assert [r.codes().size(1) for r in [engine.submit(t) for t in texts]] == [7, 10, 13]
+        with common.EngineThread(dualAR.Scheduler(model, slots=4)).start() as engine:
+            made = [engine.submit(dualAR.Request(model, **t)) for t in texts]
+            assert [r.codes().size(1) for r in made] == [7, 10, 13]
 
     serve()
     # one row with the first cache (1 row x 256), then 4 rows and 1 row with the grown cache (4 x 256)
@@ -959,8 +970,8 @@ def test_a_compiled_model_compiles_each_shape_once_and_many_shapes_fit():
     assert len(backend.graphs) == 3
     warmed = []
     for context in (512, 1024):  # 6 graphs more: 9 in all, one past dynamo's default limit
-        with dualAR.Engine(model, slots=8, context=context) as engine:
-            engine.warm_up(lambda rows, seconds: warmed.append((context, rows)))
+        with dualAR.Scheduler(model, slots=8, context=context) as scheduler:
+            scheduler.warm_up(lambda rows, seconds: warmed.append((context, rows)))
     assert warmed == [(c, r) for c in (512, 1024) for r in (1, 4, 8)] and len(backend.graphs) == 9
     assert dualAR.generate(model, "Hi.", seed=0, max_new_tokens=5).size(1) == 4  # no 10th graph
     assert len(backend.graphs) == 9

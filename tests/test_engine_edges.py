@@ -17,7 +17,7 @@ def test_a_row_that_ends_mid_group_stays_inside_a_fixed_cache(model):
     made = [dualAR.Request(model, **r) for r in (long, short)]
     with dualAR.Scheduler(model, slots=2, context=256, sync_every=4) as scheduler, torch.inference_mode():
         for r in made:
-            scheduler.add(r)
+            scheduler.submit(r)
         scheduler.run()
     long_codes, short_codes = (r.codes() for r in made)
     assert long_codes.size(1) == request.frame_budget() - 1 < short_codes.size(1)  # to the cache's end

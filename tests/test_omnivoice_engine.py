@@ -1,5 +1,6 @@
-"""omnivoice.py's serving side: the step engine (Scheduler, Engine: requests batched, each with its own random
-stream), sentence streaming (Speech, and omnivoice_text's split_sentences) and the streamed cross-fade
+"""omnivoice.py's serving side: the step engine (Scheduler, on a common.EngineThread: requests batched, each
+with its own random stream), sentence streaming (Speech, and omnivoice_text's split_sentences) and the streamed
+cross-fade
 (CrossFade), against generate() and upstream's goldens on the tiny checkpoint."""
 import threading
 
@@ -218,12 +219,13 @@ def test_texts_joining_and_leaving_at_other_steps_get_their_solo_codes(model, vo
 
 
 def test_the_engine_thread_batches_submitters_and_bounds_its_queue(model):
-    engine = omnivoice.Engine(model, max_batch=2, max_queue=1)
+    scheduler = omnivoice.Scheduler(model, max_batch=2)
+    engine = common.EngineThread(scheduler, max_queue=1)
     gen = omnivoice.generation_config(dict(num_step=4))
     [item] = omnivoice.plan(model, ["Hello there."], None, None, None, None, None, None, None, gen)
     gate, release = threading.Event(), threading.Event()
-    forward = engine.forward
-    engine.forward = lambda *args: (gate.set(), release.wait(30), forward(*args))[2]
+    forward = scheduler.forward
+    scheduler.forward = lambda *args: (gate.set(), release.wait(30), forward(*args))[2]
     try:
         jobs = [engine.submit(omnivoice.Unmasking(model, item, gen, torch.Generator().manual_seed(i)))
                 for i in range(2)]
@@ -250,19 +252,20 @@ def test_the_engine_thread_batches_submitters_and_bounds_its_queue(model):
 
 
 def test_a_failed_step_fails_its_texts_and_the_engine_keeps_serving(model):
-    engine = omnivoice.Engine(model)
+    scheduler = omnivoice.Scheduler(model)
+    engine = common.EngineThread(scheduler)
     gen = omnivoice.generation_config(dict(num_step=2))
     [item] = omnivoice.plan(model, ["Hello there."], None, None, None, None, None, None, None, gen)
-    forward = engine.forward
+    forward = scheduler.forward
 
     def broken(*args):
         raise RuntimeError("a simulated failure")
-    engine.forward = broken
+    scheduler.forward = broken
     try:
         job = engine.submit(omnivoice.Unmasking(model, item, gen, torch.Generator()))
         with pytest.raises(RuntimeError, match="generation failed: RuntimeError: a simulated failure"):
             job.codes()
-        engine.forward = forward
+        scheduler.forward = forward
         job = engine.submit(omnivoice.Unmasking(model, item, gen, torch.Generator()))
         assert engine.wait(job).shape == (8, item["target_len"])
     finally:

@@ -27,12 +27,13 @@ import dualAR  # noqa: E402
 TEXT = bench.BENCH_TEXT
 
 
-def timed_request(engine: dualAR.Engine, dac, seed: int, frames: int, delay: float = 0.0) -> dict:
+def timed_request(engine: common.EngineThread, dac, seed: int, frames: int, delay: float = 0.0) -> dict:
     """Submit one request after `delay` s and decode its audio as it streams -> its figures (seconds since
     submission: first audio samples ready, last frame)."""
     time.sleep(delay)
-    request = engine.submit(dict(text=TEXT, seed=seed, max_new_tokens=frames, chunk_frames=8))
-    first, made, device = None, 0, engine.pos.device
+    model = engine.scheduler.model
+    request = engine.submit(dualAR.Request(model, TEXT, seed=seed, max_new_tokens=frames, chunk_frames=8))
+    first, made, device = None, 0, engine.scheduler.pos.device
     with torch.inference_mode():
         for samples in codec.decode_stream(dac, (c[None].to(device) for c in request)):
             bench.synchronize(device)
@@ -50,7 +51,8 @@ def load_run(model: dualAR.DualAR, dac, args) -> dict:
     """The engine warmed up (and compiled) by one request, then the timed arrivals -> the figures."""
     prompt = dualAR.build_prompt(model, [], [], TEXT).size(1)
     context = dualAR.cache_bucket(prompt + args.frames + 1, model.config)
-    with dualAR.Engine(model, slots=args.slots, context=context, max_queue=args.load).start() as engine:
+    scheduler = dualAR.Scheduler(model, slots=args.slots, context=context)
+    with common.EngineThread(scheduler, max_queue=args.load).start() as engine:
         timed_request(engine, dac, 0, args.frames)
         results = [None] * args.load
 

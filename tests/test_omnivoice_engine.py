@@ -1,7 +1,6 @@
 """omnivoice.py's serving side: the step engine (Scheduler, on a common.EngineThread: requests batched, each
-with its own random stream), sentence streaming (Speech, and omnivoice_text's split_sentences) and the streamed
-cross-fade
-(CrossFade), against generate() and upstream's goldens on the tiny checkpoint."""
+with its own random stream), sentence streaming (Speech, and omnivoice_text's split_sentences) and the
+streamed cross-fade (CrossFade), against generate() and upstream's goldens on the tiny checkpoint."""
 import threading
 
 import numpy as np

@@ -252,18 +252,58 @@ def time_to_first_audio(model: DualAR, dac, frames: int, repeats: int = 3) -> fl
 
 def quant_agreement(model: DualAR, scheme: str, change=None, against="unquantized"):
     """Quantize `model` (or change(model)) and print its logit error and code agreement against itself
-    unquantized (as it was)."""
+    unquantized (as it was); for int8wo / int4wo also ggml's Q8_0 / Q4_0 of the same weights, the error of a
+    well-known scheme beside ours (how large an error is depends on the weights: docs/speed.md)."""
     reference, codes = head_logits(model), seeded_frames(model, CODES_FRAMES)
+    ggml = ggml_copy(model, CPU_BITS[scheme]) if scheme in CPU_BITS and not change else None
     model = change(model) if change else dualAR.quantize(model, scheme) or model
-    for part, ref, got in zip(("slow", "fast"), reference, head_logits(model), strict=True):
-        error = ((got - ref).abs().max() / ref.abs().max()).item()
-        same = (got.argmax(-1) == ref.argmax(-1)).float().mean().item()
-        print(f"{scheme} {part} logits vs {against}: max error {100 * error:.2f} % of the largest"
-              f" logit, same argmax {100 * same:.0f} %")
+    print_logit_error(scheme, reference, head_logits(model), against)
+    if ggml is not None:
+        print_logit_error(f"ggml Q{CPU_BITS[scheme]}_0 (fp32)", reference, head_logits(ggml), against)
     same = (seeded_frames(model, CODES_FRAMES, codes) == codes).all(-1).float().mean().item()
     print(f"{scheme}: {100 * same:.0f} % of {CODES_FRAMES} seeded frames (eager, each from the"
           f" {against} model's previous frame) have all the {against} model's codes")
     return model
+
+
+def print_logit_error(what: str, reference: tuple, got: tuple, against: str):
+    for part, ref, logits in zip(("slow", "fast"), reference, got, strict=True):
+        error = ((logits - ref).abs().max() / ref.abs().max()).item()
+        same = (logits.argmax(-1) == ref.argmax(-1)).float().mean().item()
+        print(f"{what} {part} logits vs {against}: max error {100 * error:.2f} % of the largest"
+              f" logit, same argmax {100 * same:.0f} %")
+
+
+GGML_BLOCK = 32  # ggml's Q8_0 and Q4_0: one scale per 32 inputs
+
+
+def ggml_rounded(w: Tensor, bits: int) -> Tensor:
+    """w as ggml's Q8_0 (bits 8: scale = the largest |value| / 127) or Q4_0 (bits 4: scale = the value of
+    largest magnitude / -8, q = floor(w / scale + 8.5) capped at 15) stores it, dequantized."""
+    blocks = w.float().reshape(-1, GGML_BLOCK)
+    if bits == 8:
+        scale = blocks.abs().amax(-1, keepdim=True) / 127
+        q = torch.round(blocks / scale.clamp(min=1e-12))
+    else:
+        scale = blocks.gather(-1, blocks.abs().argmax(-1, keepdim=True)) / -8
+        q = torch.floor(blocks / scale.where(scale != 0, 1) + 8.5).clamp(max=15) - 8
+    return (q * scale).view_as(w).to(w.dtype)
+
+
+def ggml_copy(model: DualAR, bits: int):
+    """A copy of the model whose transformers' linear layers hold ggml's rounding of their weights (the fast
+    head Q8_0, as ours is int8), in the model's dtype; None where an input count is not whole blocks."""
+    linears = [m for part in (model.layers, model.fast_layers) for m in part.modules()
+               if isinstance(m, nn.Linear)] + [model.fast_output]
+    if any(m.in_features % GGML_BLOCK for m in linears):
+        return None
+    rounded = copy.deepcopy(model)
+    for part in (rounded.layers, rounded.fast_layers):
+        for m in part.modules():
+            if isinstance(m, nn.Linear):
+                m.weight.data = ggml_rounded(m.weight.data, bits)
+    rounded.fast_output.weight.data = ggml_rounded(rounded.fast_output.weight.data, 8)
+    return rounded
 
 
 def bench(args):

@@ -1449,3 +1449,17 @@ def test_cli_without_codec_pth_writes_only_the_codes(tmp_path):
     assert "has no codec.pth" in result.stderr
     assert np.load(tmp_path / "z.npy").shape == (10, 2)
     assert not (tmp_path / "z.wav").exists()
+
+
+def test_the_benchmark_rounds_weights_as_ggml_q8_0_and_q4_0_for_its_reference_error():
+    """bench.ggml_rounded: blocks of 32 inputs, Q8_0 with the block's largest |value| as 127, Q4_0 with the
+    value of largest magnitude as -8 (so it comes back exactly) and 16 levels a block."""
+    w = torch.cat([torch.linspace(-1, 0.5, 32), torch.linspace(0, 2, 32)])[None]
+    q8, q4 = bench.ggml_rounded(w, 8), bench.ggml_rounded(w, 4)
+    scales = torch.tensor([1 / 127] * 32 + [2 / 127] * 32)
+    torch.testing.assert_close(q8, torch.round(w / scales) * scales, atol=1e-7, rtol=0)
+    first, second = q4[0, :32], q4[0, 32:]
+    assert first[0] == -1 and second[-1] == 2  # the largest magnitude: -8 x its block's scale
+    assert len(first.unique()) <= 16 and len(second.unique()) <= 16
+    assert (first - w[0, :32]).abs().max() <= 0.125 / 2 + 1e-7  # scale 1/8: within half a step
+    assert torch.equal(bench.ggml_rounded(torch.zeros(1, 32), 4), torch.zeros(1, 32))

@@ -782,10 +782,15 @@ def test_an_engine_thread_bounds_its_queue_and_a_cancelled_waiting_request_takes
 
 
 def test_no_waiting_room_still_serves_a_free_row(model, solo):
-    with common.EngineThread(dualAR.Scheduler(model, slots=1), max_queue=0) as engine:
-        served = engine.submit(dualAR.Request(model, **MIXED[1]))
+    scheduler, held = dualAR.Scheduler(model, slots=1), threading.Event()
+    step = scheduler.step
+    scheduler.step = lambda: held.wait(30) and step()  # the first request cannot end before the second comes
+    with common.EngineThread(scheduler, max_queue=0) as engine:
+        served, refused = dualAR.Request(model, **MIXED[1]), dualAR.Request(model, "Hi.")
+        engine.submit(served)
         with pytest.raises(common.QueueFull):
-            engine.submit(dualAR.Request(model, "Hi."))
+            engine.submit(refused)
+        held.set()
         assert torch.equal(served.codes(), solo[1])
 
 

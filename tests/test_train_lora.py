@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import codec
+import bench
 import common
 import dualAR
 import train_lora
@@ -679,8 +680,8 @@ def test_cli_prints_one_error_line_and_exits_2(tmp_path, capsys):
 
 
 def test_bench_reports_steps_per_second_with_and_without_checkpointing(capsys):
-    train_lora.main(["bench", "--device", "cpu", "--config", str(CKPT / "config.json"), "--seq-len", "160",
-                     "--steps", "1"])
+    bench.main(["lora", "--device", "cpu", "--config", str(CKPT / "config.json"), "--seq-len", "160",
+                "--steps", "1"])
     out = capsys.readouterr().out
     assert "batch 4 x 160 tokens" in out
     line = r"gradient checkpointing (on |off): ([\d.]+) steps/s, (\d+) tokens/s, peak memory ([\d.]+) GB"

@@ -896,3 +896,28 @@ def test_tune_takes_the_three_models_and_refuses_anything_else():
         cpu_fast.tune(torch.nn.Linear(2, 2))
     meta = torch.nn.Linear(2, 2, device="meta")
     assert cpu_fast.tune(meta) is meta and type(meta) is torch.nn.Linear  # not on the CPU: left as it is
+
+
+def test_tune_takes_frozen_graphs_only_where_batches_of_their_rows_come():
+    """A compiled S2 model's batched steps go on frozen weights where this machine's decision takes them (the
+    session's: 4-row graphs) and the caller's rows say batches come: the one-row CLI (rows=1) never compiles
+    one (a minute each process); an eager model or a second tune wraps nothing more."""
+    import dualAR
+    from conftest import CKPT
+
+    def tuned(rows, compile=True):
+        model = dualAR.load(CKPT)
+        if compile:
+            dualAR.compile_model(model)  # inductor; nothing compiles until the step first runs
+        return cpu_fast.tune(model, rows=rows)
+
+    def frozen(model):
+        return getattr(model.compiled_step, "func", None) is cpu_fast.frozen_graphs
+
+    assert not frozen(tuned(1)) and frozen(tuned(4)) and frozen(tuned(None))
+    assert tuned(4, compile=False).compiled_step is None
+    twice = tuned(4)
+    step = twice.compiled_step
+    assert cpu_fast.tune(twice, rows=4).compiled_step is step  # not wrapped again
+    layer = twice.layers[0].attention.wqkv
+    assert type(layer) is cpu_fast.FewRowsLinear and layer.frozen_steps == [[0, False], [4, True], [8, False]]

@@ -162,7 +162,8 @@ def others_cpu_seconds() -> Optional[float]:
 
 
 def family_ticks() -> int:
-    """CPU ticks of this process and its descendants (utime + stime of each, from /proc/<pid>/stat)."""
+    """CPU ticks of this process and its descendants, living (utime + stime of each, from /proc/<pid>/stat)
+    or ended and waited for (cutime + cstime: the compilers inductor runs)."""
     parents, ticks = {}, {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -170,7 +171,7 @@ def family_ticks() -> int:
         except (OSError, IndexError):
             continue  # it ended meanwhile
         pid = int(stat.parent.name)
-        parents[pid], ticks[pid] = int(fields[1]), int(fields[11]) + int(fields[12])
+        parents[pid], ticks[pid] = int(fields[1]), sum(map(int, fields[11:15]))
     family, me = 0, os.getpid()
     for pid in ticks:
         p = pid

@@ -132,7 +132,7 @@ def decision(key: str, valid, decide, what: str, again=False):
     start, others = time.perf_counter(), others_cpu_seconds()
     value = decide(known.get(key))
     wall = time.perf_counter() - start
-    busy = busy_share(others_cpu_seconds() - others, wall)
+    busy = busy_share(others, others_cpu_seconds(), wall)
     shown = f": {value}" if not isinstance(value, dict) else ""
     if busy is not None:
         print(f"cpu_fast: {what} took {wall:.1f} s{shown}, NOT kept: other processes used {busy:.0%} of a"
@@ -177,18 +177,19 @@ def family_ticks() -> int:
         p = pid
         while p not in (0, 1, me) and p in parents:
             p = parents[p]
-        family += ticks[pid] if p == me or pid == me else 0
+        family += ticks[pid] if p == me else 0
     return family
 
 
-def busy_share(others: Optional[float], wall: float) -> Optional[float]:
-    """Others' share of a core during a timing when it is more than the cores this process leaves free can
-    take (plus BUSY_SLACK); None where it was not more, or cannot be known (no /proc, or a timing shorter
-    than BUSY_MIN_SECONDS: the kernel counts CPU time in ticks of ~10 ms)."""
-    if others is None or wall < BUSY_MIN_SECONDS:
+def busy_share(before: Optional[float], after: Optional[float], wall: float) -> Optional[float]:
+    """Others' share of a core during a timing (`others_cpu_seconds` before and after it) when it is more
+    than the cores this process leaves free can take (plus BUSY_SLACK); None where it was not more, or cannot
+    be known (no /proc, or a timing shorter than BUSY_MIN_SECONDS: the kernel counts CPU time in ticks of
+    ~10 ms)."""
+    if before is None or after is None or wall < BUSY_MIN_SECONDS:
         return None
     free = max(0, (os.cpu_count() or 1) - torch.get_num_threads())
-    share = others / wall
+    share = (after - before) / wall
     return share if share > free + BUSY_SLACK else None
 
 

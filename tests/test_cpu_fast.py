@@ -874,10 +874,10 @@ def test_a_timing_while_other_processes_use_the_cpu_is_used_once_and_not_kept(ot
 
 def test_busy_share_leaves_the_cores_our_threads_do_not_use_to_others(monkeypatch):
     monkeypatch.setattr(cpu_fast.os, "cpu_count", lambda: torch.get_num_threads() + 2)
-    assert cpu_fast.busy_share(2.2, 1.0) is None  # two free cores, and a quarter of one more
-    assert cpu_fast.busy_share(2.3, 1.0) == pytest.approx(2.3)
-    assert cpu_fast.busy_share(None, 1.0) is None  # no /proc
-    assert cpu_fast.busy_share(9.0, cpu_fast.BUSY_MIN_SECONDS / 2) is None  # too short to count in ticks
+    assert cpu_fast.busy_share(1.0, 3.2, 1.0) is None  # two free cores, and a quarter of one more
+    assert cpu_fast.busy_share(1.0, 3.3, 1.0) == pytest.approx(2.3)
+    assert cpu_fast.busy_share(None, None, 1.0) is None  # no /proc: nothing to subtract, no error
+    assert cpu_fast.busy_share(0.0, 9.0, cpu_fast.BUSY_MIN_SECONDS / 2) is None  # too short to count in ticks
 
 
 def test_the_cli_lists_the_kept_decisions(tmp_path, monkeypatch, capsys):
@@ -933,3 +933,12 @@ def test_the_cpu_time_of_children_that_ended_counts_as_ours_not_as_other_process
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass"
     subprocess.run([sys.executable, "-c", burn], check=True)
     assert cpu_fast.family_ticks() - before >= 0.4 * os.sysconf("SC_CLK_TCK")
+
+
+def test_a_machine_without_proc_keeps_its_decisions(tmp_path, monkeypatch):
+    """Where the other processes' CPU time cannot be read (no /proc: macOS), a timing is kept as on an idle
+    machine, never a crash."""
+    monkeypatch.setattr(cpu_fast, "decisions_file", lambda: tmp_path / cpu_fast.DECISIONS)
+    monkeypatch.setattr(cpu_fast, "others_cpu_seconds", lambda: None)
+    assert cpu_fast.decision("key", lambda v: v == "x", lambda old: "x", "timing x") == "x"
+    assert json.loads((tmp_path / cpu_fast.DECISIONS).read_text()) == {"key": "x"}

@@ -602,7 +602,7 @@ class Gate:
 
 
 class ModelEngine(Protocol):
-    """What the server uses of a model's engine (dualAR.Engine, omnivoice.Engine)."""
+    """What the server uses of a model's engine (common.EngineThread)."""
     thread: threading.Thread
 
     def check_room(self): ...  # a 503 (common.QueueFull) when no request can wait
@@ -782,8 +782,8 @@ class S2ProModel:
 
 class OmniVoiceModel:
     """OmniVoice behind the same verbs (SpeechModel): its engine (common.EngineThread) batches the requests'
-    sentences, each request an omnivoice.Speech (sentence streaming, its own random stream); a reference is a voice
-    prompt (codes, transcript, level), saved as <name>.omnivoice.safetensors."""
+    sentences, each request an omnivoice.Speech (sentence streaming, its own random stream); a reference is
+    a voice prompt (codes, transcript, level), saved as <name>.omnivoice.safetensors."""
     kind, title, owner, fish_api, model_types = "omnivoice", "OmniVoice", "k2-fsa", False, ("omnivoice",)
     options, max_references = staticmethod(omnivoice_options), 1
 

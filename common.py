@@ -336,6 +336,15 @@ class Job:
         self.cancelled = True
 
 
+def queue_job(waiting, job: Job):
+    """A scheduler's queue gets `job`, and the jobs cancelled while they waited (their clients hung up) leave
+    it, finished: they take no room. The caller holds the lock that guards `waiting`."""
+    for gone in [j for j in waiting if j.cancelled]:
+        waiting.remove(gone)
+        gone.finish()
+    waiting.append(job)
+
+
 class EngineThread:
     """A scheduler stepped by a thread of its own, so one thread owns the model: `submit(job)` from any
     thread (the first starts the thread), the thread steps the scheduler while it is busy, `close()` ends

@@ -46,8 +46,8 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from tqdm import tqdm
 
 from common import (DTYPES, ArgumentParser, EngineClosed, Job, QuantLinear, UserError, cli,
-                    default_compile_cache, device_name, peak_memory_gb, pick_device, pick_dtype, swap_linears,
-                    unreadable, use_compile_cache)
+                    default_compile_cache, device_name, peak_memory_gb, pick_device, pick_dtype, queue_job,
+                    swap_linears, unreadable, use_compile_cache)
 
 # The real fishaudio/s2-pro dimensions, with upstream's flat `dual_ar` key names.
 CONFIG = dict(
@@ -1126,10 +1126,7 @@ class Scheduler:
         if not self.busy and not (self.model.engine and self.model.engine() is self):
             self.claim()
         with self.lock:
-            for gone in [r for r in self.waiting if r.cancelled]:  # hung up while waiting: no room taken
-                self.waiting.remove(gone)
-                gone.finish()
-            self.waiting.append(request)
+            queue_job(self.waiting, request)
         return request
 
     @torch.inference_mode()

@@ -718,10 +718,7 @@ class Scheduler:
         if self.closed:
             raise common.EngineClosed("the engine was closed")
         with self.lock:
-            for gone in [j for j in self.waiting if j.cancelled]:  # hung up while waiting: no room taken
-                self.waiting.remove(gone)
-                gone.finish()
-            self.waiting.append(job)
+            common.queue_job(self.waiting, job)
         return job
 
     def wait(self, job: Unmasking) -> Tensor:

@@ -345,6 +345,7 @@ class DualAR(nn.Module):
         self.quant = None  # the quantization scheme, set by `quantize`
         # 9 fast passes a frame (`sample_frame`); off: fp32 rounds codebook 1's logits otherwise (speed.md)
         self.fast_prefill = False
+        self.removal_for = None  # top_k -> a faster `sorted_removal` (`top_removal`; cpu_fast.tune sets it)
         self.engine = None  # a weak reference to the Scheduler that owns the KV caches
         self.make_rope()
 
@@ -777,14 +778,12 @@ def sampling_rows(cfg: dict) -> tuple:
 
 
 def logits_to_probs(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor,
-                    candidates: int = None) -> Tensor:
+                    removal=None) -> Tensor:
     """Upstream's filter, one row per request: top-k and top-p on the UNSCALED logits (the token that
     crosses top_p is dropped too, unlike HF), the best token always kept, then the temperature.
-    candidates (>= every row's top_k): only that many best tokens are put in order (`top_candidates`)."""
-    if candidates is None or candidates >= logits.size(-1):
-        remove = sorted_removal(logits, top_p, top_k)
-    else:
-        remove = top_candidates(logits, top_p, top_k, candidates)
+    removal(logits, top_p, top_k): which tokens the filter removes (default `sorted_removal`; one that finds
+    the same faster may be set on the model: `top_removal`)."""
+    remove = (removal or sorted_removal)(logits, top_p, top_k)
     logits = torch.where(remove, float("-inf"), logits)
     return F.softmax(logits / torch.clip(temperature, min=1e-5)[:, None], dim=-1)
 
@@ -799,65 +798,17 @@ def sorted_removal(logits: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:
     return remove.scatter(-1, order, remove)  # back to vocabulary order
 
 
-CUMULATIVE_SLACK = 1e-4  # far above the rounding of a cumulative probability summed in another order
-
-
-def top_candidates(logits: Tensor, top_p: Tensor, top_k: Tensor, candidates: int) -> Tensor:
-    """`sorted_removal` from the best candidates + 1 tokens alone: top-k drops every later rank, and what
-    is kept is a prefix of the order. Two things depend on more than the candidates, and for them the row
-    is sorted whole, as upstream: a tie across the kept prefix's end (which of the tied tokens upstream's
-    unstable sort puts first), and a cumulative probability within CUMULATIVE_SLACK of top_p (its softmax
-    sums the row in sorted order, rounding otherwise than in vocabulary order)."""
-    values, ids = torch.topk(logits, candidates + 1, dim=-1)  # (B, candidates + 1), best first
-    # softmax, not exp of the whole row: on CPU that one is split across threads, 100x slower for 4k values
-    cum_probs = torch.cumsum(F.softmax(logits, dim=-1).gather(-1, ids), dim=-1)
-    ranks = torch.arange(candidates + 1, device=logits.device)
-    remove = (cum_probs > top_p[:, None]) | (ranks >= top_k[:, None])
-    remove[:, 0] = False
-    kept = (~remove).sum(-1, keepdim=True)  # 1 .. candidates: rank `candidates` is past every top_k
-    last, first_out = values.gather(-1, kept - 1), values.gather(-1, kept)
-    tie = (last == first_out) & (last > float("-inf"))
-    near = (cum_probs - top_p[:, None]).abs() < CUMULATIVE_SLACK
-    args = logits, ids, remove, tie.any() | near.any(), top_p, top_k
-    if torch.compiler.is_compiling():
-        return candidates_or_sorted(*args)
-    return removal_in_vocabulary_order(*args)  # the op's body: the op's dispatch costs ~60 us a draw eager
-
-
-def removal_in_vocabulary_order(logits, ids, remove, unsure, top_p, top_k) -> Tensor:
-    """`top_candidates`' removal (B, vocabulary): from the candidates' `remove`, or `sorted_removal` of
-    the whole row where `unsure`."""
-    if unsure:
-        return sorted_removal(logits, top_p, top_k)
-    return torch.ones_like(logits, dtype=torch.bool).scatter(-1, ids, remove)
-
-
-# One opaque op, so that a compiled step branches on the host: torch.cond here made inductor compile two
-# subgraphs per draw (22 a frame) and refuse to cache the graph ("Can't cache HigherOrderOperator: cond").
-@torch.library.custom_op("fishfast::candidates_or_sorted", mutates_args=())
-def candidates_or_sorted(logits: Tensor, ids: Tensor, remove: Tensor, unsure: Tensor, top_p: Tensor,
-                         top_k: Tensor) -> Tensor:
-    return removal_in_vocabulary_order(logits, ids, remove, unsure, top_p, top_k)
-
-
-@candidates_or_sorted.register_fake
-def _(logits, ids, remove, unsure, top_p, top_k):
-    return torch.empty_like(logits, dtype=torch.bool)
-
-
-def candidate_count(model: "DualAR", top_k: int):
-    """How many best tokens the sampler orders for rows of top_k at most: a power of two (one compiled
-    graph per count), None (the whole row) on GPUs, where sorting it costs nothing that shows."""
-    if model.embeddings.weight.device.type != "cpu":
-        return None
-    return max(32, 1 << max(int(top_k) - 1, 0).bit_length())
+def top_removal(model: "DualAR", top_k: int):
+    """The removal the sampler uses for rows of top_k at most: the model's `removal_for` (cpu_fast.tune sets
+    one that sorts only the best candidates, equal bit for bit), else None: `sorted_removal`."""
+    return model.removal_for(top_k) if model.removal_for else None
 
 
 def sample(logits: Tensor, noise: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor,
-           candidates: int = None) -> Tensor:
+           removal=None) -> Tensor:
     """One draw per row: argmax(p / noise), noise = -log(u), u ~ U(0,1) in vocabulary order (upstream's
     exponential race). Always in fp32: bf16 probabilities tie and the lowest id would win."""
-    probs = logits_to_probs(logits.float(), temperature, top_p, top_k, candidates)
+    probs = logits_to_probs(logits.float(), temperature, top_p, top_k, removal)
     return torch.argmax(probs / noise, dim=-1)
 
 
@@ -888,9 +839,9 @@ def sample_frame(model: DualAR, logits: Tensor, hidden: Tensor, recent: Tensor, 
     cfg = model.config
     start = model.sampling_rows[0]
     logits = logits.float() + p["bias"]
-    k = p["candidates"]
-    main = start + sample(logits, slow_noise[:, 0], p["temperature"], p["top_p"], p["top_k"], k)
-    high = start + sample(logits, slow_noise[:, 1], p["ras_temperature"], p["ras_top_p"], p["top_k"], k)
+    top_k, removal = p["top_k"], p["removal"]
+    main = start + sample(logits, slow_noise[:, 0], p["temperature"], p["top_p"], top_k, removal)
+    high = start + sample(logits, slow_noise[:, 1], p["ras_temperature"], p["ras_top_p"], top_k, removal)
     # repetition-aware sampling: a semantic token among the recent ones is replaced by the hotter draw
     main = torch.where((recent == main[:, None]).any(-1) & is_semantic(main, cfg), high, main)
     code = torch.clamp(main - cfg["semantic_begin_id"], 0, cfg["codebook_size"] - 1)
@@ -901,7 +852,7 @@ def sample_frame(model: DualAR, logits: Tensor, hidden: Tensor, recent: Tensor, 
         model.forward_fast(hidden[:, None], 0, logits=False)  # fills the fast cache, output unused (upstream)
     for i in range(1, cfg["num_codebooks"]):
         fast_logits = model.forward_fast(x, i)
-        code = sample(fast_logits, fast_noise[:, i - 1], p["temperature"], p["top_p"], p["top_k"], k)
+        code = sample(fast_logits, fast_noise[:, i - 1], p["temperature"], p["top_p"], top_k, removal)
         codes.append(code)
         x = model.fast_embeddings(code)[:, None]
     return torch.stack(codes, dim=1)
@@ -917,8 +868,8 @@ def decode_step(model: DualAR, frames: Tensor, pos: Tensor, recent: Tensor, p: d
 
 def sampling_params(model: DualAR, sampling: list) -> dict:
     """Per-row [(temperature, top_p, top_k)] -> fp32 device tensors (B,), the bias that lets the slow
-    model say only a semantic token or <|im_end|> (over the sampling rows), and the candidates the
-    sampler orders (`candidate_count`)."""
+    model say only a semantic token or <|im_end|> (over the sampling rows), and the sampler's removal
+    (`top_removal`)."""
     cfg, device = model.config, model.embeddings.weight.device
     ids = torch.arange(*model.sampling_rows)
     allowed = is_semantic(ids, cfg) | (ids == cfg["im_end_id"])
@@ -931,7 +882,7 @@ def sampling_params(model: DualAR, sampling: list) -> dict:
     return dict(bias=torch.where(allowed, 0.0, float("-inf")).to(device), temperature=floats(temperature),
                 top_p=floats(top_p), top_k=torch.tensor(top_k, device=device),
                 ras_temperature=floats([RAS_TEMPERATURE] * rows), ras_top_p=floats([RAS_TOP_P] * rows),
-                candidates=candidate_count(model, max(top_k)))
+                removal=top_removal(model, max(top_k)))
 
 
 # ----------------------------------------------------------------------------- requests
@@ -1182,7 +1133,7 @@ class Scheduler:
         for key in ("temperature", "top_p", "top_k"):
             self.params[key][row] = params[key][0]
         # every row runs the sampler, a free one with its last request's top_k
-        self.params["candidates"] = candidate_count(model, int(self.params["top_k"].max()))
+        self.params["removal"] = top_removal(model, int(self.params["top_k"].max()))
         self.frames[row], self.pos[row], self.live[row] = frame[0], prompt.size(1), 1
         self.recent[row] = 0
         self.rows[row], request.row = request, row
@@ -1205,7 +1156,7 @@ class Scheduler:
         (sync_every, slots, 1 + num_codebooks) on the host (one sync), and each row's generator state
         before each frame (a text batch that ends early rewinds to it)."""
         states = []
-        rows = {k: v if k in ("bias", "candidates") else v[:n] for k, v in self.params.items()}
+        rows = {k: v if k in ("bias", "removal") else v[:n] for k, v in self.params.items()}
         for i in range(self.sync_every):
             if self.sync_every > 1:
                 states.append([g and g.get_state() for g in generators])

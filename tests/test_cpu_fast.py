@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import codec
 import common
 import cpu_fast
+import dualAR
 from conftest import CKPT, GOLDEN, MatmulDtypes, chunk_sizes, golden, max_diff
 
 
@@ -942,3 +943,67 @@ def test_a_machine_without_proc_keeps_its_decisions(tmp_path, monkeypatch):
     monkeypatch.setattr(cpu_fast, "others_cpu_seconds", lambda: None)
     assert cpu_fast.decision("key", lambda v: v == "x", lambda old: "x", "timing x") == "x"
     assert json.loads((tmp_path / cpu_fast.DECISIONS).read_text()) == {"key": "x"}
+
+
+# ----------------------------------------------------------------------------- S2's sampler
+def random_logits(kind, rows, size, generator):
+    """Logits of one kind: continuous, on a coarse grid (ties everywhere, as bf16 logits have), bf16-rounded,
+    or mostly -inf (the slow head's bias)."""
+    logits = torch.randn(rows, size, generator=generator) * 3
+    if kind == "grid":
+        return torch.round(logits * 2) / 2
+    if kind == "bf16":
+        return logits.bfloat16().float()
+    if kind == "masked":
+        return torch.where(torch.rand(rows, size, generator=generator) < 0.9, float("-inf"), logits)
+    return logits
+
+
+@pytest.mark.parametrize("kind", ["continuous", "grid", "bf16", "masked"])
+def test_ordering_only_the_best_candidates_samples_what_the_full_sort_samples(kind, monkeypatch):
+    """The top-k candidates then a small sort give the probabilities of upstream's whole-row sort bit for
+    bit, ties included, over many rows and parameters; a batch is sorted whole only where it must be (ties
+    across the kept tokens' end: often on a coarse grid, rarely for continuous logits)."""
+    sort, whole = dualAR.sorted_removal, []
+    monkeypatch.setattr(dualAR, "sorted_removal", lambda *args: whole.append(1) or sort(*args))
+    generator, batches = torch.Generator().manual_seed(0), 0
+    for top_k in (0, 1, 2, 7, 30, 32, 100, 1000):
+        for top_p in (0.05, 0.3, 0.7, 0.9, 1.0):
+            logits = random_logits(kind, 16, 4096, generator)
+            top_ks = torch.randint(0, top_k + 1, (16,), generator=generator)
+            top_ks[0] = top_k
+            params = torch.full((16,), 0.7), torch.full((16,), top_p), top_ks
+            got = dualAR.logits_to_probs(logits, *params, cpu_fast.candidate_removal("dualAR", top_k))
+            assert torch.equal(got, probs_by_full_sort(sort, logits, *params)), (top_k, top_p)
+            batches += 1
+    if kind == "continuous":  # (top_p = 1 is near a cumulative probability wherever the tail is tiny)
+        assert len(whole) <= batches // 10
+    elif kind == "grid":
+        assert len(whole) > 0
+
+
+def test_a_compiled_sampler_branches_in_one_graph_and_sorts_the_whole_row_only_where_it_must(monkeypatch):
+    """Compiled (one graph, inductor), the candidates' removal is upstream's whole-row one, taken from the
+    candidates for continuous logits and from the whole sorted row for logits with ties."""
+    sort, whole = dualAR.sorted_removal, []
+    monkeypatch.setattr(dualAR, "sorted_removal", lambda *args: whole.append(1) or sort(*args))
+    compiled = torch.compile(cpu_fast.top_candidates, fullgraph=True, backend="inductor")
+    generator = torch.Generator().manual_seed(0)
+    top_p, top_k = torch.full((16,), 0.7), torch.randint(0, 31, (16,), generator=generator)
+    for kind, sorted_whole in (("continuous", []), ("grid", [1])):
+        logits = random_logits(kind, 16, 4096, generator)
+        assert torch.equal(compiled(logits, top_p, top_k, 32, "dualAR"), sort(logits, top_p, top_k)), kind
+        assert whole == sorted_whole, kind
+
+
+def probs_by_full_sort(sort, logits, temperature, top_p, top_k):
+    logits = torch.where(sort(logits, top_p, top_k), float("-inf"), logits)
+    return torch.softmax(logits / temperature[:, None], dim=-1)
+
+
+def test_candidates_cover_every_busy_rows_top_k_and_a_tuned_model_samples_with_them():
+    counts = [cpu_fast.candidate_removal("dualAR", k).keywords["candidates"] for k in (0, 1, 30, 32, 33, 4096)]
+    assert counts == [32, 32, 32, 32, 64, 4096]
+    model = cpu_fast.tune(dualAR.load(CKPT), rows=1)
+    removal = dualAR.sampling_params(model, [(0.7, 0.7, 30), (0.7, 0.7, 100)])["removal"]
+    assert removal is cpu_fast.candidate_removal("dualAR", 100) and removal.keywords["candidates"] == 128

@@ -319,65 +319,10 @@ def test_trimmed_head_draws_what_the_full_head_draws():
         assert torch.equal(torch.argmax(full / noise, dim=-1), draws)
 
 
-def random_logits(kind, rows, size, generator):
-    """Logits of one kind: continuous, on a coarse grid (ties everywhere, as bf16 logits have), bf16-rounded,
-    or mostly -inf (the slow head's bias)."""
-    logits = torch.randn(rows, size, generator=generator) * 3
-    if kind == "grid":
-        return torch.round(logits * 2) / 2
-    if kind == "bf16":
-        return logits.bfloat16().float()
-    if kind == "masked":
-        return torch.where(torch.rand(rows, size, generator=generator) < 0.9, float("-inf"), logits)
-    return logits
-
-
-@pytest.mark.parametrize("kind", ["continuous", "grid", "bf16", "masked"])
-def test_ordering_only_the_best_candidates_samples_what_the_full_sort_samples(model, kind, monkeypatch):
-    """The top-k candidates then a small sort give the probabilities of upstream's whole-row sort bit for
-    bit, ties included, over many rows and parameters; a batch is sorted whole only where it must be (ties
-    across the kept tokens' end: often on a coarse grid, rarely for continuous logits)."""
-    sort, whole = dualAR.sorted_removal, []
-    monkeypatch.setattr(dualAR, "sorted_removal", lambda *args: whole.append(1) or sort(*args))
-    generator, batches = torch.Generator().manual_seed(0), 0
-    for top_k in (0, 1, 2, 7, 30, 32, 100, 1000):
-        for top_p in (0.05, 0.3, 0.7, 0.9, 1.0):
-            logits = random_logits(kind, 16, 4096, generator)
-            top_ks = torch.randint(0, top_k + 1, (16,), generator=generator)
-            top_ks[0] = top_k
-            params = torch.full((16,), 0.7), torch.full((16,), top_p), top_ks
-            candidates = dualAR.candidate_count(model, top_k)
-            got = dualAR.logits_to_probs(logits, *params, candidates)
-            assert torch.equal(got, probs_by_full_sort(sort, logits, *params)), (top_k, top_p)
-            batches += 1
-    if kind == "continuous":  # (top_p = 1 is near a cumulative probability wherever the tail is tiny)
-        assert len(whole) <= batches // 10
-    elif kind == "grid":
-        assert len(whole) > 0
-
-
-def test_a_compiled_sampler_branches_in_one_graph_and_sorts_the_whole_row_only_where_it_must(monkeypatch):
-    """Compiled (one graph, inductor), the candidates' removal is upstream's whole-row one, taken from the
-    candidates for continuous logits and from the whole sorted row for logits with ties."""
-    sort, whole = dualAR.sorted_removal, []
-    monkeypatch.setattr(dualAR, "sorted_removal", lambda *args: whole.append(1) or sort(*args))
-    compiled = torch.compile(dualAR.top_candidates, fullgraph=True, backend="inductor")
-    generator = torch.Generator().manual_seed(0)
-    top_p, top_k = torch.full((16,), 0.7), torch.randint(0, 31, (16,), generator=generator)
-    for kind, sorted_whole in (("continuous", []), ("grid", [1])):
-        logits = random_logits(kind, 16, 4096, generator)
-        assert torch.equal(compiled(logits, top_p, top_k, 32), sort(logits, top_p, top_k)), kind
-        assert whole == sorted_whole, kind
-
-
-def probs_by_full_sort(sort, logits, temperature, top_p, top_k):
-    logits = torch.where(sort(logits, top_p, top_k), float("-inf"), logits)
-    return torch.softmax(logits / temperature[:, None], dim=-1)
-
-
-def test_candidates_cover_every_busy_rows_top_k(model):
-    assert [dualAR.candidate_count(model, k) for k in (0, 1, 30, 32, 33, 4096)] == [32, 32, 32, 32, 64, 4096]
-    assert dualAR.sampling_params(model, [(0.7, 0.7, 30), (0.7, 0.7, 100)])["candidates"] == 128
+def test_a_plain_model_sorts_the_whole_row_as_upstream():
+    plain = dualAR.load(CKPT)
+    assert plain.removal_for is None and dualAR.top_removal(plain, 30) is None
+    assert dualAR.sampling_params(plain, [(0.7, 0.7, 30)])["removal"] is None
 
 
 def test_bf16_model_samples_without_bias():
@@ -1038,7 +983,8 @@ def test_a_second_process_loads_the_compiled_step_from_the_cache(model, tmp_path
 
     eager = dualAR.generate(model, "Hi.", seed=1, max_new_tokens=8, max_context=256)
     start = time.perf_counter()
-    compiled = dualAR.load(CKPT, compile=True)  # fresh caches: 1 row x 256 positions, as the CLI's below
+    # fresh caches: 1 row x 256 positions, tuned for one row, as the CLI's below
+    compiled = cpu_fast.tune(dualAR.load(CKPT, compile=True), rows=1)
     assert torch.equal(dualAR.generate(compiled, "Hi.", seed=1, max_new_tokens=8, max_context=256), eager)
     assert compiled.cache_len == 256
     files = [cache_files()]
@@ -1230,8 +1176,12 @@ def test_bench_prints_a_table_and_one_machine_readable_line_per_batch(capsys):
         assert 0.1 < float(row["peak_mem_gb"]) <= min(peak_so_far + 0.005, ram)  # torch alone is > 0.1 GB
         assert float(row["compile_s"]) == 0  # not compiled
         assert cells[1:4] == [row["frames_per_s"], row["gb_per_s"], row["bandwidth_pct"]]
-        rtf = 1 / steps / (codec.hop_length() / codec.CONFIG["sample_rate"])
-        assert abs(float(cells[4]) - rtf) <= 0.005 + 1e-3 * rtf
+        # the RTF shown (2 decimals) is the exact figure's; frames/s is shown rounded: on a slow (loaded)
+        # machine its rounding moves the RTF recomputed from it by more than the RTF's own rounding
+        half = 0.5 * 10.0 ** -len(row["frames_per_s"].partition(".")[2])
+        hop_seconds = codec.hop_length() / codec.CONFIG["sample_rate"]
+        fastest, slowest = batch / (fps + half) / hop_seconds, batch / max(fps - half, 1e-9) / hop_seconds
+        assert fastest - 0.005 <= float(cells[4]) <= slowest + 0.005
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -90,7 +90,8 @@ def build_model(checkpoint, tokenizer_dir=None, device="cpu") -> omnivoice.OmniV
     --tokenizer overlay, .codebook_weights upstream's normalized loss weights."""
     ckpt = Path(checkpoint)
     if not (ckpt / "config.json").is_file():
-        raise UserError(f"checkpoint dir {ckpt} has no config.json — download k2-fsa/OmniVoice (see README)")
+        raise UserError(f"checkpoint dir {ckpt} has no config.json — download k2-fsa/OmniVoice"
+                        " (see README)")
     cfg = omnivoice.read_config(ckpt / "config.json")  # an S2-Pro checkpoint: its one-line error
     source = Path(tokenizer_dir) if tokenizer_dir else ckpt
     if not (source / "tokenizer.json").is_file():
@@ -102,7 +103,8 @@ def build_model(checkpoint, tokenizer_dir=None, device="cpu") -> omnivoice.OmniV
                         f" {cfg['vocab_size']} rows: pass --tokenizer DIR, an overlay whose tokenizer.json"
                         f" pads the vocabulary to {cfg['vocab_size']} (see docs/training.md)")
     if missing := [t for t in OMNIVOICE_TOKENS if tokenizer.token_to_id(t) is None]:
-        raise UserError(f"{source / 'tokenizer.json'} lacks OmniVoice's token {missing[0]}: not its tokenizer")
+        raise UserError(f"{source / 'tokenizer.json'} lacks OmniVoice's token {missing[0]}:"
+                        " not its tokenizer")
     weights = json.loads((ckpt / "config.json").read_text()).get("audio_codebook_weights",
                                                                   [8, 8, 6, 6, 4, 4, 2, 2])
     if len(weights) != cfg["num_codebooks"]:
@@ -124,7 +126,8 @@ class LoRALinear(nn.Module):
         super().__init__()
         self.base_layer = base
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        # peft's draws, on the CPU generator: A and B made as nn.Linear (one init each), A drawn again, B zeroed
+        # peft's draws, on the CPU generator: A and B made as nn.Linear (one init each), A drawn again,
+        # B zeroed
         self.lora_A = nn.Linear(base.in_features, r, bias=False)
         self.lora_B = nn.Linear(r, base.out_features, bias=False)
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
@@ -282,13 +285,15 @@ def optimizer_step(run: dict, step: int) -> dict:
 # ----------------------------------------------------------------------------- run
 # upstream's TrainingConfig fields with examples/config/train_config_finetune_sdpa.json's values
 TRAIN_DEFAULTS = dict(
-    audio_vocab_size=1025, audio_mask_id=1024, num_audio_codebook=8, audio_codebook_weights=[8, 8, 6, 6, 4, 4, 2, 2],
+    audio_vocab_size=1025, audio_mask_id=1024, num_audio_codebook=8,
+    audio_codebook_weights=[8, 8, 6, 6, 4, 4, 2, 2],
     drop_cond_ratio=0.1, prompt_ratio_range=[0.0, 0.3], mask_ratio_range=[0.0, 1.0], language_ratio=0.8,
     use_pinyin_ratio=0.0, instruct_ratio=0.0, only_instruct_ratio=0.0, resume_from_checkpoint=None,
     init_from_checkpoint=None, learning_rate=1e-5, weight_decay=0.01, max_grad_norm=1.0, steps=5000, seed=42,
     lr_scheduler_type="cosine", warmup_type="ratio", warmup_ratio=0.01, warmup_steps=0, batch_tokens=8192,
     gradient_accumulation_steps=1, num_workers=2, mixed_precision="bf16", allow_tf32=True,
-    max_sample_tokens=2000, min_sample_tokens=50, max_batch_size=64, save_steps=500, keep_last_n_checkpoints=-1)
+    max_sample_tokens=2000, min_sample_tokens=50, max_batch_size=64, save_steps=500,
+    keep_last_n_checkpoints=-1)
 # fields of upstream's config that do not apply here, and why (read, then left out)
 IGNORED_FIELDS = dict(
     llm_name_or_path="training starts from init_from_checkpoint (or --checkpoint)",
@@ -356,7 +361,8 @@ def run_config(args, stored: dict = None) -> dict:
             raise UserError(f"{key} must be an integer >= 1 (it is {settings[key]!r})")
     data_config = args.data_config or stored.get("data_config")
     if data_config is None:
-        raise UserError("train needs --data-config D.json (upstream's: {\"train\": [{\"manifest_path\": [...]}]})")
+        raise UserError("train needs --data-config D.json (upstream's:"
+                        " {\"train\": [{\"manifest_path\": [...]}]})")
     method = args.method or stored.get("method", "full")
     if method != "lora" and args.lora_config:
         raise UserError("--lora-config is for --method lora")
@@ -375,11 +381,12 @@ def resumed_config(args, out: Path) -> dict:
     """--resume: the stored run's config; what the command line gives must not change it."""
     stored = read_json(out / RUN_CONFIG, "run config")
     config = run_config(args, stored)
-    for key in sorted(set(stored) | set(config)):
+    for key in list(config) + [k for k in stored if k not in config]:
         old, new = stored.get(key), config.get(key)
         if key == "train_config" and isinstance(old, dict):
             diff = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
-            key, old, new = (f"train_config.{diff[0]}", old.get(diff[0]), new.get(diff[0])) if diff else (key, 0, 0)
+            if diff:
+                key, old, new = f"train_config.{diff[0]}", old.get(diff[0]), new.get(diff[0])
         if key not in RESUMABLE and old != new:
             raise UserError(f"--resume: {out} was started with {key}={old!r}, this command gives {new!r}:"
                             " resume with the same settings, or start a new run")
@@ -442,7 +449,8 @@ def adapter_config(config: dict) -> dict:
     return dict(
         alora_invocation_tokens=None, alpha_pattern={}, arrow_config=None,
         auto_mapping=dict(base_model_class="OmniVoice", parent_library="omnivoice.models.omnivoice"),
-        base_model_name_or_path=config["train_config"]["init_from_checkpoint"], bias="none", corda_config=None,
+        base_model_name_or_path=config["train_config"]["init_from_checkpoint"], bias="none",
+        corda_config=None,
         ensure_weight_tying=False, eva_config=None, exclude_modules=None, fan_in_fan_out=False,
         inference_mode=True, init_lora_weights=True, kasa_config=None, layer_replication=None,
         layers_pattern=None, layers_to_transform=None, loftq_config={}, lora_alpha=lora["lora_alpha"],
@@ -486,20 +494,22 @@ def save_checkpoint(run: dict, out: Path, state: dict):
 
 def checkpoints(out: Path) -> list:
     """The run's checkpoint folders, oldest first."""
-    found = [p for p in out.glob(f"{CHECKPOINT_PREFIX}*") if p.is_dir() and p.name[len(CHECKPOINT_PREFIX):].isdigit()]
-    return sorted(found, key=lambda p: int(p.name[len(CHECKPOINT_PREFIX):]))
+    steps = {int(p.name[len(CHECKPOINT_PREFIX):]): p for p in out.glob(f"{CHECKPOINT_PREFIX}*")
+             if p.is_dir() and p.name[len(CHECKPOINT_PREFIX):].isdigit()}
+    return [steps[n] for n in sorted(steps)]
 
 
 def load_checkpoint(run: dict, folder: Path) -> dict:
     """checkpoint-N/ back into the model, AdamW and this process's random state -> the loop's state."""
+    full = run["config"]["method"] == "full"
     try:
         saved = torch.load(folder / STATE, map_location="cpu", weights_only=True)
-        weights = load_file(folder / ("model.safetensors" if run["config"]["method"] == "full" else ADAPTER_FILE))
+        weights = load_file(folder / ("model.safetensors" if full else ADAPTER_FILE))
     except Exception as e:
         raise common.unreadable(folder, e) from None
     if len(saved["rng"]) != run["world"]:
         raise UserError(f"--resume: {folder} was saved by {len(saved['rng'])} process(es): resume on as many")
-    names = {peft_name(n) if run["config"]["method"] == "lora" else n: p for n, p in run["trainable"]}
+    names = {n if full else peft_name(n): p for n, p in run["trainable"]}
     if missing := sorted(set(names) - set(weights)):
         raise UserError(f"--resume: {folder} lacks {missing[0]}: not this run's checkpoint")
     with torch.no_grad():
@@ -665,7 +675,8 @@ def train(args, batches_for_epoch=None):
 
 
 # ----------------------------------------------------------------------------- export
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "chat_template.jinja")
 
 
 def export(args):

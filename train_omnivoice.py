@@ -285,9 +285,7 @@ def optimizer_step(run: dict, step: int) -> dict:
 # ----------------------------------------------------------------------------- run
 # upstream's TrainingConfig fields with examples/config/train_config_finetune_sdpa.json's values
 TRAIN_DEFAULTS = dict(
-    audio_vocab_size=1025, audio_mask_id=1024, num_audio_codebook=8,
-    audio_codebook_weights=[8, 8, 6, 6, 4, 4, 2, 2],
-    drop_cond_ratio=0.1, prompt_ratio_range=[0.0, 0.3], mask_ratio_range=[0.0, 1.0], language_ratio=0.8,
+    audio_vocab_size=1025, audio_mask_id=1024, num_audio_codebook=8, drop_cond_ratio=0.1, prompt_ratio_range=[0.0, 0.3], mask_ratio_range=[0.0, 1.0], language_ratio=0.8,
     use_pinyin_ratio=0.0, instruct_ratio=0.0, only_instruct_ratio=0.0, resume_from_checkpoint=None,
     init_from_checkpoint=None, learning_rate=1e-5, weight_decay=0.01, max_grad_norm=1.0, steps=5000, seed=42,
     lr_scheduler_type="cosine", warmup_type="ratio", warmup_ratio=0.01, warmup_steps=0, batch_tokens=8192,

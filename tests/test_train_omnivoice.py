@@ -91,14 +91,14 @@ def trained(tmp_path_factory):
                     grads.extend(p.grad.clone() for p in params)
                 return clip(params, max_norm)
             T.clip_gradients = recording_clip
-            threads = torch.get_num_threads()
+            threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
             torch.set_num_threads(1)
+            torch.use_deterministic_algorithms(True)
             try:
                 with torch.random.fork_rng():
-                    torch.use_deterministic_algorithms(True)
                     run = T.train(T.parse_args(case_argv(case, folder)), golden_batches(case, seeds=seeds))
             finally:
-                torch.use_deterministic_algorithms(False)
+                torch.use_deterministic_algorithms(deterministic)
                 T.clip_gradients = clip
                 torch.set_num_threads(threads)
             names = [name for name, _ in run["trainable"]]
@@ -262,6 +262,20 @@ def test_resume_is_bit_for_bit(trained, tmp_path, case):
     assert all(torch.equal(x["torch"], y["torch"]) for x, y in zip(a["rng"], b["rng"]))
     for p, q in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
         assert all(torch.equal(p[k], q[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+
+
+def test_checkpointing_changes_no_number(trained, tmp_path):
+    """--checkpointing recomputes each layer in backward, its LoRA dropout replayed from the saved random
+    state: the same losses, epoch seeds and adapter as without it."""
+    seeds = []
+    with torch.random.fork_rng():
+        T.train(T.parse_args(case_argv("lora_w1", tmp_path, "--checkpointing")),
+                golden_batches("lora_w1", seeds=seeds))
+    whole = trained("lora_w1")["run_dir"]
+    assert seeds == CASES["train"]["lora_w1"]["base_seeds"]
+    assert (tmp_path / "run" / T.METRICS).read_text() == (whole / T.METRICS).read_text()
+    assert (tmp_path / "run/checkpoint-4" / T.ADAPTER_FILE).read_bytes() == \
+        (whole / "checkpoint-4" / T.ADAPTER_FILE).read_bytes()
 
 
 # ----------------------------------------------------------------------------- several processes

@@ -171,8 +171,8 @@ def add_lora(model: omnivoice.OmniVoice, lora: dict) -> list:
     for name, module in list(model.named_modules()):
         if name and targeted(upstream_name(name), lora["target_modules"]):
             if not isinstance(module, nn.Linear):
-                raise UserError(f"LoRA target {upstream_name(name)} is a {type(module).__name__}: only"
-                                " nn.Linear layers take a LoRA (train it fully with modules_to_save)")
+                raise UserError(f"LoRA target {upstream_name(name)} is an nn.{type(module).__name__}, not"
+                                " an nn.Linear: train it fully with modules_to_save instead")
             model.set_submodule(name, LoRALinear(module, lora["r"], lora["lora_alpha"], lora["lora_dropout"]))
             wrapped.append(name)
     if not wrapped:
@@ -322,6 +322,9 @@ def read_json(path, what: str) -> dict:
 def train_settings(given: dict, source: str) -> dict:
     """An upstream train config (dict) over TRAIN_DEFAULTS; an unknown field is one error."""
     settings = dict(TRAIN_DEFAULTS)
+    if ignored := [k for k in given if k in IGNORED_FIELDS]:
+        print(f"note: {source}: not read here: " + "; ".join(f"{k} ({IGNORED_FIELDS[k]})" for k in ignored),
+              file=sys.stderr)
     for key, value in given.items():
         if key in IGNORED_FIELDS:
             continue

@@ -168,6 +168,27 @@ def test_lora_init_draws_as_peft():
     assert lora.base_layer is q and lora.scaling == 2.0 and lora.lora_dropout.p == 0.05
 
 
+def test_lora_settings_and_modules_to_save():
+    """Another rank, alpha, dropout and targets; modules_to_save train fully, saved under peft's names."""
+    model = T.build_model(CKPT, OVERLAY)
+    lora = T.lora_config(dict(r=4, lora_alpha=6, lora_dropout=0.0, target_modules=["q_proj", "down_proj"],
+                              modules_to_save=["audio_heads"], task_type=None))
+    wrapped = T.add_lora(model, lora)
+    assert wrapped == ["layers.0.self_attn.q_proj", "layers.0.down_proj", "layers.1.self_attn.q_proj",
+                       "layers.1.down_proj"]
+    q = model.layers[0].self_attn.q_proj
+    assert q.scaling == 1.5 and isinstance(q.lora_dropout, torch.nn.Identity)
+    assert q.lora_A.weight.shape == (4, 64)
+    names = [T.peft_name(n) for n, _ in T.trainable_parameters(model)]
+    assert names[:2] == ["base_model.model.llm.layers.0.self_attn.q_proj.lora_A.weight",
+                         "base_model.model.llm.layers.0.self_attn.q_proj.lora_B.weight"]
+    assert names[-1] == "base_model.model.audio_heads.weight" and len(names) == 9
+    with pytest.raises(UserError, match="audio_embeddings is an nn.Embedding, not an nn.Linear"):
+        T.add_lora(T.build_model(CKPT, OVERLAY), T.lora_config(dict(target_modules=["audio_embeddings"])))
+    with pytest.raises(UserError, match="unknown key 'rank'"):
+        T.lora_config(dict(rank=8))
+
+
 @pytest.mark.parametrize("case", ("lora_w1", "lora_w2"))
 def test_lora_adapter_and_adam_state_match_upstream(trained, case):
     got = trained(case)

@@ -285,7 +285,8 @@ def optimizer_step(run: dict, step: int) -> dict:
 # ----------------------------------------------------------------------------- run
 # upstream's TrainingConfig fields with examples/config/train_config_finetune_sdpa.json's values
 TRAIN_DEFAULTS = dict(
-    audio_vocab_size=1025, audio_mask_id=1024, num_audio_codebook=8, drop_cond_ratio=0.1, prompt_ratio_range=[0.0, 0.3], mask_ratio_range=[0.0, 1.0], language_ratio=0.8,
+    audio_vocab_size=1025, audio_mask_id=1024, num_audio_codebook=8, drop_cond_ratio=0.1,
+    prompt_ratio_range=[0.0, 0.3], mask_ratio_range=[0.0, 1.0], language_ratio=0.8,
     use_pinyin_ratio=0.0, instruct_ratio=0.0, only_instruct_ratio=0.0, resume_from_checkpoint=None,
     init_from_checkpoint=None, learning_rate=1e-5, weight_decay=0.01, max_grad_norm=1.0, steps=5000, seed=42,
     lr_scheduler_type="cosine", warmup_type="ratio", warmup_ratio=0.01, warmup_steps=0, batch_tokens=8192,
@@ -349,7 +350,7 @@ def run_config(args, stored: dict = None) -> dict:
     if args.train_config:
         settings = train_settings(read_json(args.train_config, "--train-config"), args.train_config)
     else:
-        settings = train_settings(stored.get("train_config", {}), "the default config")
+        settings = train_settings(stored.get("train_config", {}), "the run's config" if stored else "defaults")
     flags = dict(init_from_checkpoint=args.checkpoint, num_workers=args.num_workers, steps=args.max_steps,
                  gradient_accumulation_steps=args.grad_accum, batch_tokens=args.batch_tokens,
                  learning_rate=args.lr, save_steps=args.save_steps)

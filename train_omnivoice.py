@@ -350,7 +350,8 @@ def run_config(args, stored: dict = None) -> dict:
     if args.train_config:
         settings = train_settings(read_json(args.train_config, "--train-config"), args.train_config)
     else:
-        settings = train_settings(stored.get("train_config", {}), "the run's config" if stored else "defaults")
+        source = "the run's config" if stored else "the defaults"
+        settings = train_settings(stored.get("train_config", {}), source)
     flags = dict(init_from_checkpoint=args.checkpoint, num_workers=args.num_workers, steps=args.max_steps,
                  gradient_accumulation_steps=args.grad_accum, batch_tokens=args.batch_tokens,
                  learning_rate=args.lr, save_steps=args.save_steps)

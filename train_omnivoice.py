@@ -244,9 +244,9 @@ def warmup_steps(settings: dict) -> int:
 
 
 def make_optimizer(params: list, settings: dict) -> torch.optim.AdamW:
-    """torch's AdamW, its single-tensor path (upstream's on CPU), every parameter in one group."""
-    return torch.optim.AdamW(params, lr=settings["learning_rate"], weight_decay=settings["weight_decay"],
-                             foreach=False)
+    """torch's AdamW as upstream makes it: one group, no exclusions from weight decay; torch's default
+    implementation (single-tensor on CPU, as the goldens; foreach on CUDA)."""
+    return torch.optim.AdamW(params, lr=settings["learning_rate"], weight_decay=settings["weight_decay"])
 
 
 def clip_gradients(params: list, max_norm: float) -> tuple:

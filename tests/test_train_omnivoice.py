@@ -7,6 +7,7 @@ these tests check what happens to a batch: losses, learning rates, gradients, cl
 epoch's base seed, checkpoints, resume and export. Tolerances are the fixture README's.
 """
 import hashlib
+import importlib.util
 import json
 import os
 import shutil
@@ -332,6 +333,22 @@ def test_two_processes_give_one_process_update(trained, tmp_path):
     state = load_file(tmp_path / "run/checkpoint-4/model.safetensors")
     for name, tensor in load_file(GOLD / "full_w1_export_model.safetensors").items():
         torch.testing.assert_close(state[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+def test_memory_tool_runs_small(capsys):
+    """tools/omnivoice_train_memory.py (the docs' memory figures) on the tiny dims: LoRA trains 2 x r x
+    (in + out) per projection, full every parameter."""
+    spec = importlib.util.spec_from_file_location("mem", ROOT / "tools/omnivoice_train_memory.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    with torch.random.fork_rng():
+        lora = tool.main(["--config", str(CKPT / "config.json"), "--length", "60", "--checkpointing"])
+        full = tool.main(["--config", str(CKPT / "config.json"), "--length", "60", "--method", "full"])
+    per_layer = 16 * ((64 + 128) + 2 * (64 + 64) + (128 + 64) + 2 * (64 + 96) + (96 + 64))  # r 16
+    assert lora["trained"] == 2 * per_layer
+    assert full["trained"] == sum(t.numel() for t in load_file(CKPT / "model.safetensors").values()) - 8
+    assert lora["peak_gib"] >= lora["built_gib"] > 0
+    assert "lora, checkpointing True, 60 tokens: 0.0 M trained parameters" in capsys.readouterr().out
 
 
 # ----------------------------------------------------------------------------- errors

@@ -610,12 +610,14 @@ def train_loop(run: dict, batches_for_epoch, out: Path, log):
                 if batch is None:
                     raise UserError(f"epoch {state['epoch']} has no batch: every sample was filtered out")
             state["position"] += 1
+            record = dict(micro_step=state["micro_step"], epoch=state["epoch"])
+            if "ids" in batch:  # the loader's sample ids: which clips this micro-batch holds
+                record["ids"] = list(batch["ids"])
             batch = {k: v.to(device) for k, v in batch.items() if isinstance(v, Tensor)}
             with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
                 loss = training_loss(model, batch, run["config"]["checkpointing"])
             (loss / accum).backward()  # accelerate's backward: the GA micro-batches' gradients add up
-            log(dict(micro_step=state["micro_step"], loss=mean_over_processes(loss.item(), run),
-                     epoch=state["epoch"]))
+            log(dict(record, loss=mean_over_processes(loss.item(), run)))
             state["micro_step"] += 1
             if state["micro_step"] % accum:
                 continue
@@ -670,7 +672,9 @@ def train(args, batches_for_epoch=None):
         raise UserError(f"interrupted at step {run['state']['step']}: continue from the last checkpoint with"
                         " --resume") from None
     steps = run["state"]["step"] - started
-    if rank == 0:
+    if rank == 0 and not steps:
+        print(f"{out} is already at step {started} of {run['settings']['steps']}: nothing to do")
+    elif rank == 0:
         wall = time.perf_counter() - start
         print(f"{steps} steps in {wall:.1f} s ({steps / max(wall, 1e-9):.2f} steps/s), epoch"
               f" {run['state']['epoch']}: wrote {out / (CHECKPOINT_PREFIX + str(run['state']['step']))}")

@@ -52,7 +52,8 @@ def golden_batches(case: str, rank=None, world=1, seeds=None):
             seeds.append(base_seed)
         for m in steps:
             if m["epoch"] == epoch and (rank is None or m["index"] % world == rank):
-                yield {k: torch.from_numpy(npz[f"mb{m['index']}_{k}"]) for k in BATCH_KEYS}
+                batch = {k: torch.from_numpy(npz[f"mb{m['index']}_{k}"]) for k in BATCH_KEYS}
+                yield dict(batch, ids=m["samples"], worker=m["sample_workers"])  # as the loader's
     return batches
 
 
@@ -117,7 +118,7 @@ def test_losses_lrs_and_norms_match_upstream(trained, case):
     assert [m["micro_step"] for m in micro] == list(range(len(c["micro_steps"])))
     for m, want in zip(micro, c["micro_steps"]):
         assert abs(m["loss"] - want["loss"]) <= 1e-5, (m, want["loss"])
-        assert m["epoch"] == want["epoch"]
+        assert m["epoch"] == want["epoch"] and m["ids"] == want["samples"]
     assert [s["step"] for s in steps] == [o["step"] for o in c["optimizer_steps"]] == [1, 2, 3, 4]
     for s, want in zip(steps, c["optimizer_steps"]):
         assert s["lr"] == want["lr_used"] and s["lr_after"] == want["lr_after"]  # exact

@@ -150,6 +150,26 @@ def test_step1_gradients_match_upstream(trained, case):
     assert norms == pytest.approx(c["optimizer_steps"][0]["tensor_norms"], rel=1e-5, abs=1e-12)
 
 
+def test_cli_batch_source_is_the_data_sections_loader(trained, tmp_path, monkeypatch):
+    """Without a batch source, train reads the data config's shards (paths from its folder) and asks
+    epoch_batches for each epoch with the run's settings, tokenizer, base seed and --num-workers."""
+    calls, source = [], golden_batches("full_w1")
+
+    def epoch_batches(shards, settings, tokenizer, epoch, base_seed, num_workers, rank=0, world=1):
+        calls.append((shards, settings["batch_tokens"], tokenizer.get_vocab_size(), epoch, base_seed,
+                      num_workers, rank, world))
+        return source(epoch, base_seed)
+    monkeypatch.setattr(T, "train_shards", lambda data, base: [data["train"], base], raising=False)
+    monkeypatch.setattr(T, "epoch_batches", epoch_batches, raising=False)
+    with torch.random.fork_rng():
+        T.train(T.parse_args(case_argv("full_w1", tmp_path, "--num-workers", "3")))
+    shards = [[{"manifest_path": ["tokens/data.lst"]}], tmp_path]
+    seeds = CASES["train"]["full_w1"]["base_seeds"]
+    assert calls == [(shards, 320, 1040, e, seeds[e], 3, 0, 1) for e in (0, 1)]
+    whole = trained("full_w1")["run_dir"]
+    assert (tmp_path / "run" / T.METRICS).read_text() == (whole / T.METRICS).read_text()
+
+
 # ----------------------------------------------------------------------------- LoRA
 def test_lora_init_draws_as_peft():
     """After torch.manual_seed(stage seed): per targeted Linear in module order, peft's three draws."""

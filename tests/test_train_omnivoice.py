@@ -1,0 +1,400 @@
+"""train_omnivoice.py's training (model, loss, LoRA, optimizer, run folder, export) against upstream
+OmniVoice 0.2.1's own training of the tiny checkpoint (tests/fixtures/omnivoice-tiny/train, CPU fp32,
+1 thread).
+
+The batches are the goldens' (`golden/<case>_batches.npz`), handed to `train` as its batch source, so
+these tests check what happens to a batch: losses, learning rates, gradients, clipping, AdamW, LoRA, the
+epoch's base seed, checkpoints, resume and export. Tolerances are the fixture README's.
+"""
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import omnivoice
+import train_omnivoice as T
+from common import UserError
+
+ROOT = Path(__file__).resolve().parent.parent
+FIX = ROOT / "tests/fixtures/omnivoice-tiny/train"
+CKPT, OVERLAY, GOLD = FIX.parent / "checkpoint", FIX / "init_tokenizer", FIX / "golden"
+CASES = json.loads((FIX / "cases.json").read_text())
+BATCH_KEYS = ("input_ids", "labels", "audio_mask", "position_ids", "attention_mask")
+ALL = ("full_w1", "lora_w1", "full_w2", "lora_w2")
+
+
+@pytest.fixture(autouse=True)
+def one_thread(monkeypatch):
+    """The goldens' setting; tokens_parser comes from the data section (a stub where it is not merged yet)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    monkeypatch.setattr(T, "tokens_parser", getattr(T, "tokens_parser", lambda sub: None), raising=False)
+    yield
+    torch.set_num_threads(threads)
+
+
+def golden_batches(case: str, rank=None, world=1, seeds=None):
+    """batches_for_epoch from the case's recorded micro-batches; rank r of `world` gets every world-th."""
+    npz = np.load(GOLD / f"{case}_batches.npz")
+    steps = CASES["train"][case]["micro_steps"]
+
+    def batches(epoch, base_seed):
+        if seeds is not None:
+            seeds.append(base_seed)
+        for m in steps:
+            if m["epoch"] == epoch and (rank is None or m["index"] % world == rank):
+                batch = {k: torch.from_numpy(npz[f"mb{m['index']}_{k}"]) for k in BATCH_KEYS}
+                yield dict(batch, ids=m["samples"], worker=m["sample_workers"])  # as the loader's
+    return batches
+
+
+def case_argv(case: str, folder: Path, *extra) -> list:
+    """The case's train command: its exact upstream train config (checkpoint given by flag), the overlay."""
+    c = CASES["train"][case]
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "train.json").write_text(json.dumps(c["train_config"]))
+    (folder / "data.json").write_text(json.dumps({"train": [{"manifest_path": ["tokens/data.lst"]}]}))
+    argv = ["train", "--train-config", str(folder / "train.json"), "--data-config", str(folder / "data.json"),
+            "--checkpoint", str(CKPT), "--tokenizer", str(OVERLAY), "--out", str(folder / "run"),
+            "--device", "cpu"]
+    if c["method"] == "lora":
+        (folder / "lora.json").write_text(json.dumps(CASES["lora"]["lora_config"]))
+        argv += ["--method", "lora", "--lora-config", str(folder / "lora.json"),
+                 "--lora-seed", str(CASES["lora"]["stage_seed"])]
+    return argv + list(extra)
+
+
+def metrics(run_dir: Path) -> tuple:
+    lines = [json.loads(line) for line in (run_dir / T.METRICS).read_text().splitlines()]
+    return [r for r in lines if "micro_step" in r], [r for r in lines if "step" in r]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Each case trained once (cached): its run folder, base seeds drawn, step-1 gradients, the run."""
+    done = {}
+
+    def get(case: str) -> dict:
+        if case not in done:
+            folder, seeds, grads = tmp_path_factory.mktemp(case), [], []
+            clip = T.clip_gradients
+
+            def recording_clip(params, max_norm):
+                if not grads:
+                    grads.extend(p.grad.clone() for p in params)
+                return clip(params, max_norm)
+            T.clip_gradients = recording_clip
+            threads, deterministic = torch.get_num_threads(), torch.are_deterministic_algorithms_enabled()
+            torch.set_num_threads(1)
+            torch.use_deterministic_algorithms(True)
+            try:
+                with torch.random.fork_rng():
+                    run = T.train(T.parse_args(case_argv(case, folder)), golden_batches(case, seeds=seeds))
+            finally:
+                torch.use_deterministic_algorithms(deterministic)
+                T.clip_gradients = clip
+                torch.set_num_threads(threads)
+            names = [name for name, _ in run["trainable"]]
+            done[case] = dict(folder=folder, run_dir=folder / "run", seeds=seeds, run=run,
+                              grads=dict(zip(names, grads)))
+        return done[case]
+    return get
+
+
+# ----------------------------------------------------------------------------- losses, lr, norms
+@pytest.mark.parametrize("case", ALL)
+def test_losses_lrs_and_norms_match_upstream(trained, case):
+    c, got = CASES["train"][case], trained(case)
+    micro, steps = metrics(got["run_dir"])
+    assert [m["micro_step"] for m in micro] == list(range(len(c["micro_steps"])))
+    for m, want in zip(micro, c["micro_steps"]):
+        assert abs(m["loss"] - want["loss"]) <= 1e-5, (m, want["loss"])
+        assert m["epoch"] == want["epoch"] and m["ids"] == want["samples"]
+    assert [s["step"] for s in steps] == [o["step"] for o in c["optimizer_steps"]] == [1, 2, 3, 4]
+    for s, want in zip(steps, c["optimizer_steps"]):
+        assert s["lr"] == want["lr_used"] and s["lr_after"] == want["lr_after"]  # exact
+        assert s["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+        assert s["clip_coef"] == pytest.approx(want["clip_coef"], rel=1e-5)
+    assert steps[0]["lr"] == 0.0  # warm-up's first step
+
+
+@pytest.mark.parametrize("case", ALL)
+def test_epoch_base_seeds_match_upstream(trained, case):
+    """Full: consecutive draws after seed 42. LoRA: epoch 1's seed comes after 5 or 6 micro-steps of
+    dropout draws (q, k, v, o, gate, up, down per layer), so it checks their number, shapes and order."""
+    assert trained(case)["seeds"] == CASES["train"][case]["base_seeds"]
+
+
+@pytest.mark.parametrize("case", ALL)
+def test_step1_gradients_match_upstream(trained, case):
+    """Accumulated gradients of optimizer step 1, before clipping, in upstream's parameter order."""
+    c, got = CASES["train"][case], trained(case)
+    names = [T.peft_name(n, saved=False) if c["method"] == "lora" else n for n in got["grads"]]
+    assert names == c["param_order_with_grad"]
+    grads = dict(zip(names, got["grads"].values()))
+    file = GOLD / f"{case}_grads_step1.safetensors"  # full_w2 has the per-tensor norms alone
+    want = load_file(file) if case != "full_w2" else {}
+    assert want.keys() <= grads.keys() and (len(want) >= 16 or not file.exists())
+    for name, tensor in want.items():
+        torch.testing.assert_close(grads[name], tensor, rtol=1e-5, atol=1e-8, msg=name)
+    norms = [float(torch.linalg.vector_norm(g)) for g in got["grads"].values()]
+    assert norms == pytest.approx(c["optimizer_steps"][0]["tensor_norms"], rel=1e-5, abs=1e-12)
+
+
+def test_cli_batch_source_is_the_data_sections_loader(trained, tmp_path, monkeypatch):
+    """Without a batch source, train reads the data config's shards (paths from its folder) and asks
+    epoch_batches for each epoch with the run's settings, tokenizer, base seed and --num-workers."""
+    calls, source = [], golden_batches("full_w1")
+
+    def epoch_batches(shards, settings, tokenizer, epoch, base_seed, num_workers, rank=0, world=1):
+        calls.append((shards, settings["batch_tokens"], tokenizer.get_vocab_size(), epoch, base_seed,
+                      num_workers, rank, world))
+        return source(epoch, base_seed)
+    monkeypatch.setattr(T, "train_shards", lambda data, base: [data["train"], base], raising=False)
+    monkeypatch.setattr(T, "epoch_batches", epoch_batches, raising=False)
+    with torch.random.fork_rng():
+        T.train(T.parse_args(case_argv("full_w1", tmp_path, "--num-workers", "3")))
+    shards = [[{"manifest_path": ["tokens/data.lst"]}], tmp_path]
+    seeds = CASES["train"]["full_w1"]["base_seeds"]
+    assert calls == [(shards, 320, 1040, e, seeds[e], 3, 0, 1) for e in (0, 1)]
+    whole = trained("full_w1")["run_dir"]
+    assert (tmp_path / "run" / T.METRICS).read_text() == (whole / T.METRICS).read_text()
+
+
+# ----------------------------------------------------------------------------- LoRA
+def test_lora_init_draws_as_peft():
+    """After torch.manual_seed(stage seed): per targeted Linear in module order, peft's three draws."""
+    model = T.build_model(CKPT, OVERLAY)
+    q = model.layers[0].self_attn.q_proj
+    with torch.random.fork_rng():
+        torch.manual_seed(CASES["lora"]["stage_seed"])
+        T.add_lora(model, T.lora_config(CASES["lora"]["lora_config"]))
+    got = {T.peft_name(n, saved=False): p for n, p in T.trainable_parameters(model)}
+    for case in ("lora_w1", "lora_w2"):
+        want = load_file(GOLD / f"{case}_lora_init.safetensors")
+        assert sorted(got) == sorted(want)
+        for name, tensor in want.items():
+            assert torch.equal(got[name], tensor), name
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert len(frozen) == 26 and all(".lora_" not in n for n in frozen)  # every base weight, none copied
+    lora = model.layers[0].self_attn.q_proj
+    assert lora.base_layer is q and lora.scaling == 2.0 and lora.lora_dropout.p == 0.05
+
+
+def test_lora_settings_and_modules_to_save():
+    """Another rank, alpha, dropout and targets; modules_to_save train fully, saved under peft's names."""
+    model = T.build_model(CKPT, OVERLAY)
+    lora = T.lora_config(dict(r=4, lora_alpha=6, lora_dropout=0.0, target_modules=["q_proj", "down_proj"],
+                              modules_to_save=["audio_heads"], task_type=None))
+    wrapped = T.add_lora(model, lora)
+    assert wrapped == ["layers.0.self_attn.q_proj", "layers.0.down_proj", "layers.1.self_attn.q_proj",
+                       "layers.1.down_proj"]
+    q = model.layers[0].self_attn.q_proj
+    assert q.scaling == 1.5 and isinstance(q.lora_dropout, torch.nn.Identity)
+    assert q.lora_A.weight.shape == (4, 64)
+    names = [T.peft_name(n) for n, _ in T.trainable_parameters(model)]
+    assert names[:2] == ["base_model.model.llm.layers.0.self_attn.q_proj.lora_A.weight",
+                         "base_model.model.llm.layers.0.self_attn.q_proj.lora_B.weight"]
+    assert names[-1] == "base_model.model.audio_heads.weight" and len(names) == 9
+    with pytest.raises(UserError, match="audio_embeddings is an nn.Embedding, not an nn.Linear"):
+        T.add_lora(T.build_model(CKPT, OVERLAY), T.lora_config(dict(target_modules=["audio_embeddings"])))
+    with pytest.raises(UserError, match="unknown key 'rank'"):
+        T.lora_config(dict(rank=8))
+
+
+@pytest.mark.parametrize("case", ("lora_w1", "lora_w2"))
+def test_lora_adapter_and_adam_state_match_upstream(trained, case):
+    got = trained(case)
+    ckpt = got["run_dir"] / "checkpoint-4"
+    adapter, want = load_file(ckpt / T.ADAPTER_FILE), load_file(GOLD / f"{case}_adapter_model.safetensors")
+    assert adapter.keys() == want.keys()
+    for name, tensor in want.items():
+        torch.testing.assert_close(adapter[name], tensor, rtol=0, atol=1e-6, msg=name)
+    config = json.loads((ckpt / T.ADAPTER_CONFIG).read_text())
+    golden_config = json.loads((GOLD / f"{case}_adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(CKPT)
+    assert {**config, "base_model_name_or_path": "<init checkpoint>"} == golden_config
+    optimizer = got["run"]["optimizer"]
+    adam = load_file(GOLD / f"{case}_adam_state.safetensors")
+    for name, p in got["run"]["trainable"]:
+        state, key = optimizer.state[p], T.peft_name(name, saved=False)
+        assert float(state["step"]) == CASES["train"][case]["adam_step"]
+        for moment in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(state[moment], adam[f"{key}.{moment}"], rtol=0, atol=1e-6, msg=key)
+
+
+# ----------------------------------------------------------------------------- export
+def tensor_sha(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.numpy().tobytes()).hexdigest()
+
+
+def test_full_export_is_upstreams_file(trained, tmp_path):
+    got = trained("full_w1")
+    out = tmp_path / "export"
+    T.main(["export", str(got["run_dir"]), "--out", str(out)])
+    golden = (GOLD / "full_w1_export_model.safetensors").read_bytes()
+    assert (out / "model.safetensors").read_bytes() == golden
+    assert (out / "tokenizer.json").read_bytes() == (OVERLAY / "tokenizer.json").read_bytes()
+    assert (out / "config.json").read_bytes() == (CKPT / "config.json").read_bytes()
+    assert not (out / "adapter").exists()
+    model = omnivoice.load(out)  # what omnivoice.py --checkpoint OUT does
+    assert model.audio_tokenizer is not None and model.tokenizer.get_vocab_size() == 1040
+    # full_w2: its partial golden within 1e-6, every other tensor by sha256
+    state = load_file(trained("full_w2")["run_dir"] / "checkpoint-4/model.safetensors")
+    partial = load_file(GOLD / "full_w2_export_partial.safetensors")
+    for name, info in CASES["train"]["full_w2"]["export"]["tensors"].items():
+        if name in partial:
+            torch.testing.assert_close(state[name], partial[name], rtol=0, atol=1e-6, msg=name)
+        else:
+            assert tensor_sha(state[name]) == info["sha256"], name
+
+
+@pytest.mark.parametrize("case", ("lora_w1", "lora_w2"))
+def test_lora_export_merges_as_peft(trained, tmp_path, case):
+    got = trained(case)
+    out = tmp_path / "export"
+    T.main(["export", str(got["run_dir"]), "--out", str(out), "--step", "4"])
+    state, base = load_file(out / "model.safetensors"), load_file(CKPT / "model.safetensors")
+    assert state.keys() == base.keys()
+    merged = load_file(GOLD / "lora_w1_export_merged.safetensors") if case == "lora_w1" else {}
+    tensors = CASES["train"][case]["export"]["tensors"]
+    for name, info in tensors.items():
+        if name in merged:
+            torch.testing.assert_close(state[name], merged[name], rtol=0, atol=1e-6, msg=name)
+        elif info["changed"]:
+            assert tensor_sha(state[name]) == info["sha256"], name
+        else:
+            assert torch.equal(state[name], base[name]), name
+    assert sum(info["changed"] for info in tensors.values()) == 14
+    for name in (T.ADAPTER_FILE, T.ADAPTER_CONFIG):
+        assert (out / "adapter" / name).read_bytes() == (got["run_dir"] / "checkpoint-4" / name).read_bytes()
+    assert omnivoice.load(out).cfg["vocab_size"] == 1040
+
+
+# ----------------------------------------------------------------------------- resume
+@pytest.mark.parametrize("case", ("full_w1", "lora_w1"))
+def test_resume_is_bit_for_bit(trained, tmp_path, case):
+    """Checkpoint at step 2 (inside epoch 0), the run killed after it; --resume ends where the whole run did:
+    same weights, AdamW state and metrics (LoRA: epoch 1's base seed after restored dropout draws)."""
+    whole = trained(case)["run_dir"]
+    argv = case_argv(case, tmp_path, "--save-steps", "2")
+    with torch.random.fork_rng():
+        T.train(T.parse_args(argv), golden_batches(case))
+    run_dir = tmp_path / "run"
+    shutil.rmtree(run_dir / "checkpoint-4")  # killed after checkpoint-2
+    seeds = []
+    with torch.random.fork_rng():
+        T.train(T.parse_args(argv + ["--resume"]), golden_batches(case, seeds=seeds))
+    assert seeds == CASES["train"][case]["base_seeds"]  # epoch 0's from the checkpoint, epoch 1's drawn
+    assert (run_dir / T.METRICS).read_text() == (whole / T.METRICS).read_text()
+    for f in sorted((whole / "checkpoint-4").iterdir()):
+        if f.name != T.STATE:
+            assert (run_dir / "checkpoint-4" / f.name).read_bytes() == f.read_bytes(), f.name
+    a, b = (torch.load(d / "checkpoint-4" / T.STATE, weights_only=True) for d in (run_dir, whole))
+    loop = ("step", "micro_step", "epoch", "position", "base_seed")
+    assert [a[k] for k in loop] == [b[k] for k in loop] == [4, 8, 1, 3, CASES["train"][case]["base_seeds"][1]]
+    assert all(torch.equal(x["torch"], y["torch"]) for x, y in zip(a["rng"], b["rng"]))
+    for p, q in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
+        assert all(torch.equal(p[k], q[k]) for k in ("step", "exp_avg", "exp_avg_sq"))
+
+
+def test_checkpointing_changes_no_number(trained, tmp_path):
+    """--checkpointing recomputes each layer in backward, its LoRA dropout replayed from the saved random
+    state: the same losses, epoch seeds and adapter as without it."""
+    seeds = []
+    with torch.random.fork_rng():
+        T.train(T.parse_args(case_argv("lora_w1", tmp_path, "--checkpointing")),
+                golden_batches("lora_w1", seeds=seeds))
+    whole = trained("lora_w1")["run_dir"]
+    assert seeds == CASES["train"]["lora_w1"]["base_seeds"]
+    assert (tmp_path / "run" / T.METRICS).read_text() == (whole / T.METRICS).read_text()
+    assert (tmp_path / "run/checkpoint-4" / T.ADAPTER_FILE).read_bytes() == \
+        (whole / "checkpoint-4" / T.ADAPTER_FILE).read_bytes()
+
+
+# ----------------------------------------------------------------------------- several processes
+WORKER = """
+import os, sys, torch
+sys.path[:0] = [{root!r}, {tests!r}]
+torch.set_num_threads(1)
+import train_omnivoice as T
+import test_train_omnivoice as t
+T.tokens_parser = lambda sub: None
+try:
+    T.train(T.parse_args({argv!r}), t.golden_batches("full_w1", int(os.environ["RANK"]), 2))
+finally:
+    T.dist.destroy_process_group()
+"""
+
+
+def test_two_processes_give_one_process_update(trained, tmp_path):
+    """torchrun, 2 CPU processes (gloo), 1 micro-batch each per step = 1 process accumulating 2: the same
+    gradients (halved, then summed), so the same norms and weights, here bit for bit (stated: 1e-6)."""
+    script = tmp_path / "worker.py"
+    argv = case_argv("full_w1", tmp_path, "--grad-accum", "1")
+    script.write_text(WORKER.format(root=str(ROOT), tests=str(ROOT / "tests"), argv=argv))
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               str(script)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          env=env, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    _, steps = metrics(tmp_path / "run")
+    want = CASES["train"]["full_w1"]["optimizer_steps"]
+    assert [s["grad_norm"] for s in steps] == pytest.approx([o["grad_norm"] for o in want], rel=1e-5)
+    state = load_file(tmp_path / "run/checkpoint-4/model.safetensors")
+    for name, tensor in load_file(GOLD / "full_w1_export_model.safetensors").items():
+        torch.testing.assert_close(state[name], tensor, rtol=0, atol=1e-6, msg=name)
+
+
+def test_memory_tool_runs_small(capsys):
+    """tools/omnivoice_train_memory.py (the docs' memory figures) on the tiny dims: LoRA trains 2 x r x
+    (in + out) per projection, full every parameter."""
+    spec = importlib.util.spec_from_file_location("mem", ROOT / "tools/omnivoice_train_memory.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    with torch.random.fork_rng():
+        lora = tool.main(["--config", str(CKPT / "config.json"), "--length", "60", "--checkpointing"])
+        full = tool.main(["--config", str(CKPT / "config.json"), "--length", "60", "--method", "full"])
+    per_layer = 16 * ((64 + 128) + 2 * (64 + 64) + (128 + 64) + 2 * (64 + 96) + (96 + 64))  # r 16
+    assert lora["trained"] == 2 * per_layer
+    assert full["trained"] == sum(t.numel() for t in load_file(CKPT / "model.safetensors").values()) - 8
+    assert lora["peak_gib"] >= lora["built_gib"] > 0
+    assert "lora, checkpointing True, 60 tokens: 0.0 M trained parameters" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- errors
+def test_errors_are_one_line(trained, tmp_path):
+    base = case_argv("full_w1", tmp_path / "a")
+    without_overlay = [a for a in base if a not in ("--tokenizer", str(OVERLAY))]
+    with pytest.raises(UserError, match=r"has 733 tokens, .* 1040 rows: pass --tokenizer DIR"):
+        T.train(T.parse_args(without_overlay), golden_batches("full_w1"))
+    s2 = [str(ROOT / "tests/fixtures/s2-tiny/checkpoint") if a == str(CKPT) else a for a in base]
+    with pytest.raises(UserError, match="S2-Pro checkpoint"):
+        T.train(T.parse_args(s2), golden_batches("full_w1"))
+    (tmp_path / "bad.json").write_text(json.dumps({"learning_rat": 1e-3}))
+    with pytest.raises(UserError, match="unknown field 'learning_rat'"):
+        T.run_config(T.parse_args(base[:2] + [str(tmp_path / "bad.json")] + base[3:]))
+    (tmp_path / "lora.json").write_text(json.dumps({"r": 4, "use_dora": True}))
+    with pytest.raises(UserError, match="use_dora=True is not supported"):
+        T.run_config(T.parse_args(base + ["--method", "lora", "--lora-config", str(tmp_path / "lora.json")]))
+    done = trained("full_w1")["folder"]
+    again = case_argv("full_w1", done)
+    with pytest.raises(UserError, match="is not empty: pass --resume"):
+        T.train(T.parse_args(again), golden_batches("full_w1"))
+    with pytest.raises(UserError, match=r"with train_config.learning_rate=0.001, this command gives 0.5"):
+        T.train(T.parse_args(again + ["--resume", "--lr", "0.5"]), golden_batches("full_w1"))
+    with pytest.raises(UserError, match="started with method='full', this command gives 'lora'"):
+        T.train(T.parse_args(again + ["--resume", "--method", "lora"]), golden_batches("full_w1"))
+    with pytest.raises(UserError, match="has no checkpoint-7"):
+        T.export(T.parse_args(["export", str(done / "run"), "--out", str(tmp_path / "x"), "--step", "7"]))
+    assert not (tmp_path / "x").exists() and not (tmp_path / "a" / "run").exists()

@@ -60,7 +60,7 @@ def jsonl_records(path: Path) -> list:
         raise UserError(f"--input-jsonl {path} not found")
     records = []
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_text(encoding="utf-8").split("\n")  # not splitlines: U+2028 may sit in a text
     except (OSError, UnicodeDecodeError) as e:
         raise common.unreadable(path, e) from None
     for number, line in enumerate(lines, 1):
@@ -238,7 +238,7 @@ def make_tokens(args):
         raise UserError("give either --input-jsonl DATA.jsonl or a FOLDER of clips with transcripts")
     if args.samples_per_shard < 1 or args.min_num_shards < 1:
         raise UserError("--samples-per-shard and --min-num-shards must be at least 1")
-    out = Path(args.out)
+    out = Path(os.path.abspath(args.out))  # data.lst names it (as upstream: absolute, links kept)
     if out.exists() and (not out.is_dir() or any(out.iterdir()) and not (out / "data.lst").is_file()):
         raise UserError(f"--out {out} exists and is not a tokens folder (no data.lst): choose a new folder")
     if args.folder is not None:
@@ -298,7 +298,7 @@ def read_manifest(path: Path) -> list:
     """data.lst -> [(tar, label jsonl, count, seconds)]. Relative paths are taken from data.lst's folder
     (upstream reads them from the working folder, but writes absolute ones)."""
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        lines = Path(path).read_text(encoding="utf-8").split("\n")
     except (OSError, UnicodeDecodeError) as e:
         raise common.unreadable(path, e) from None
     shards = []
@@ -330,6 +330,8 @@ def train_shards(data_config: dict, base: Path, split="train") -> list:
         if unknown := sorted(set(item) - {"manifest_path", "repeat", "language_id"}):  # language_id: a label
             raise UserError(f"data config: unknown field(s) {', '.join(unknown)} in a '{split}' entry")
         repeat = item.get("repeat", 1)
+        if not isinstance(repeat, int) or repeat < 0:
+            raise UserError(f"data config: repeat {repeat!r} is not a whole number")
         for manifest in paths:
             manifest = Path(base) / manifest
             if not manifest.is_file():
@@ -352,9 +354,11 @@ def worker_seed(base_seed: int, worker: int, num_workers: int, rank: int) -> int
 def worker_shards(shards: list, epoch: int, num_workers: int, rank: int, world: int,
                   evaluation=False) -> list:
     """Each loader worker's shards on this rank: the list shuffled by random.Random(epoch) (training), then
-    webdataset's split_by_node (every world-th from rank: it reads RANK/WORLD_SIZE, which torchrun sets) and
-    split_by_worker (every num_workers-th of those); upstream's shard shuffle after them is a no-op
-    (shardshuffle=False)."""
+    split as upstream's WebDataset splits it (checked in webdataset 1.0.2): split_by_node first (every
+    world-th from rank; it reads RANK and WORLD_SIZE, which torchrun sets, else torch.distributed), then
+    split_by_worker (every num_workers-th of those); its shard shuffle after them is a no-op
+    (shardshuffle=False). Upstream hands the loader to no accelerate wrapper: each rank runs its own, with the
+    same base seed (set_seed is not per device) and worker seeds offset by rank (worker_seed)."""
     shards = list(shards)
     if not evaluation:
         random.Random(epoch).shuffle(shards)
@@ -369,7 +373,7 @@ def worker_shards(shards: list, epoch: int, num_workers: int, rank: int, world: 
 
 def read_labels(path: Path) -> dict:
     try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
+        lines = Path(path).read_text(encoding="utf-8").split("\n")
         items = [json.loads(line) for line in lines if line.strip()]
     except (OSError, UnicodeDecodeError, ValueError) as e:
         raise common.unreadable(path, e) from None

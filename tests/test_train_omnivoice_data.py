@@ -407,3 +407,38 @@ def test_loader_settings_upstream_refuses_are_one_line(fixture_shards, tokenizer
     six = r"^sample s\d\d has 8 codebooks, the train config's num_audio_codebook is 6$"
     with pytest.raises(UserError, match=six):
         next(T.epoch_batches(fixture_shards, dict(settings, num_audio_codebook=6), tokenizer, 0, 0, 1))
+
+
+def test_the_sample_shuffle_reads_two_and_emits_one_until_the_end():
+    """webdataset's buffer: a sample and one more per step (below bufsize); an emission once `initial` are
+    held, at randint(0, len - 1), the last moved into its slot."""
+    read = []
+    emitted = T.shuffled((read.append(i) or i for i in range(300)), random.Random(7))
+    first = next(emitted)
+    assert len(read) == 100 and first == random.Random(7).randint(0, 99)
+    for k in range(2, 50):
+        next(emitted)
+        assert len(read) == 100 + 2 * (k - 1)
+    read = []
+    emitted = list(T.shuffled((read.append(i) or i for i in range(300)), random.Random(7)))
+    assert sorted(emitted) == list(range(300)) and emitted[0] == first
+    read = []
+    capped = T.shuffled((read.append(i) or i for i in range(30)), random.Random(0), bufsize=10, initial=5)
+    next(capped)
+    assert len(read) == 6  # 2 + 2 + 2 read, 6 >= 5 held
+    assert len(list(capped)) == 29 and len(read) == 30
+
+
+def test_the_mask_ratio_is_compared_in_float32(tokenizer, fixture_shards):
+    """torch rounds the python ratio to float32 before comparing: a draw equal to that rounding stays
+    unmasked even though the float64 ratio is a hair above it."""
+    sample = next(T.read_shard(*fixture_shards[0][:2]))
+    settings = dict(CASES["train"]["full_w1"]["train_config"], drop_cond_ratio=0.0, prompt_ratio_range=[0, 0])
+    draw = torch.rand(1, generator=torch.Generator().manual_seed(5)).item()  # the mask's first draw
+    ratio = draw + 1e-12
+    assert np.float32(ratio) == np.float32(draw) and draw < ratio
+    processed = T.process_sample(sample, dict(settings, mask_ratio_range=[ratio, ratio]), tokenizer,
+                                 random.Random(0), torch.Generator().manual_seed(5))
+    start = int(processed["audio_mask"].int().argmax())
+    assert processed["labels"][0, start] == T.IGNORE
+    assert processed["input_ids"][0, start] == sample["codes"][0, 0] != settings["audio_mask_id"]

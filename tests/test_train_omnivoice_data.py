@@ -442,3 +442,29 @@ def test_the_mask_ratio_is_compared_in_float32(tokenizer, fixture_shards):
     start = int(processed["audio_mask"].int().argmax())
     assert processed["labels"][0, start] == T.IGNORE
     assert processed["input_ids"][0, start] == sample["codes"][0, 0] != settings["audio_mask_id"]
+
+
+def test_a_denoise_label_keeps_its_condition_and_prompt(tokenizer, fixture_shards):
+    """clean_start_token_idx: no condition-dropout draw, <|denoise|> first, the prompt up to that frame."""
+    sample = next(T.read_shard(*fixture_shards[0][:2]))
+    sample["label"] = dict(sample["label"], clean_start_token_idx=30)
+    settings = dict(CASES["train"]["full_w1"]["train_config"], drop_cond_ratio=1.0, mask_ratio_range=[1, 1])
+    rng = Recording(0)
+    processed = T.process_sample(sample, settings, tokenizer, rng, torch.Generator().manual_seed(0))
+    assert [r for _, r in rng.draws] == [[0.0, 0.3], [0, 1], [0, 1], [1, 1]]  # no drop draw
+    assert processed["input_ids"][0, 0] == tokenizer.token_to_id("<|denoise|>")
+    start = int(processed["audio_mask"].int().argmax())
+    audio_labels = processed["labels"][:, start:]
+    assert (audio_labels[:, :30] == T.IGNORE).all()
+    assert torch.equal(audio_labels[:, 30:], sample["codes"][:, 30:])
+
+
+def test_evaluation_reads_shards_and_samples_in_order(tokenizer, fixture_shards, monkeypatch):
+    seen = []
+    process = T.process_sample
+    monkeypatch.setattr(T, "process_sample",
+                        lambda sample, *args: seen.append(sample["id"]) or process(sample, *args))
+    settings = CASES["train"]["full_w1"]["train_config"]
+    batches = list(T.epoch_batches(fixture_shards, settings, tokenizer, 3, 0, 1, evaluation=True))
+    assert seen == TOKENS["reader_order"]  # data.lst's shards, each in member order
+    assert sorted(i for b in batches for i in b["ids"]) == sorted(i for i in seen if i != "s09")

@@ -231,16 +231,10 @@ def replace_folder(tmp: Path, out: Path):
     shutil.rmtree(old, ignore_errors=True)
 
 
-def make_tokens(args):
-    """`tokens`: upstream's extract_audio_tokens on a JSONL (or a folder of clips) -> OUT/data.lst, audios/,
-    txts/; the order is the reader's, as upstream's with one encoding job at a time."""
+def tokens_input(args) -> tuple:
+    """-> (records in the reader's order, {id: clip path}, the count upstream sizes shards by)."""
     if (args.folder is None) == (args.input_jsonl is None):
         raise UserError("give either --input-jsonl DATA.jsonl or a FOLDER of clips with transcripts")
-    if args.samples_per_shard < 1 or args.min_num_shards < 1:
-        raise UserError("--samples-per-shard and --min-num-shards must be at least 1")
-    out = Path(os.path.abspath(args.out))  # data.lst names it (as upstream: absolute, links kept)
-    if out.exists() and (not out.is_dir() or any(out.iterdir()) and not (out / "data.lst").is_file()):
-        raise UserError(f"--out {out} exists and is not a tokens folder (no data.lst): choose a new folder")
     if args.folder is not None:
         folder = Path(args.folder)
         records, base, where = folder_records(folder), folder, str(folder)
@@ -254,33 +248,50 @@ def make_tokens(args):
     clips = dict(zip((r["id"] for r in records), check_records(records, base, where)))
     if not args.no_shuffle:
         random.Random(args.shuffle_seed).shuffle(records)  # upstream reseeds the global random: same order
+    return records, clips, total
+
+
+def encode_records(records: list, clips: dict, tokenizer, cached: bool) -> tuple:
+    """-> ([(label: the record + audio_duration + num_tokens, npy bytes)], clips encoded)."""
+    samples, encoded = [], 0
+    for record in tqdm(records, desc="encode", unit="clip"):
+        path = clips[record["id"]]
+        data, seconds, fresh = encode_clip(path, tokenizer, path.with_name(path.stem + CODES_CACHE)
+                                           if cached else None)
+        encoded += fresh
+        frames = np.load(io.BytesIO(data)).shape[1]
+        samples.append((dict(record, audio_duration=seconds, num_tokens=frames), data))
+    return samples, encoded
+
+
+def make_tokens(args):
+    """`tokens`: upstream's extract_audio_tokens on a JSONL (or a folder of clips) -> OUT/data.lst, audios/,
+    txts/, in the reader's order (upstream's own with one encoding job at a time)."""
+    if args.samples_per_shard < 1 or args.min_num_shards < 1:
+        raise UserError("--samples-per-shard and --min-num-shards must be at least 1")
+    out = Path(os.path.abspath(args.out))  # data.lst names it (as upstream: absolute, links kept)
+    if out.exists() and (not out.is_dir() or any(out.iterdir()) and not (out / "data.lst").is_file()):
+        raise UserError(f"--out {out} exists and is not a tokens folder (no data.lst): choose a new folder")
+    records, clips, total = tokens_input(args)
     tokenizer = audio_tokenizer(Path(args.checkpoint), common.pick_device(args.device))
     per_shard = shard_size(total, args.samples_per_shard, args.min_num_shards)
-    tmp = out.with_name(f".{out.name}.part")
+    start, tmp = time.perf_counter(), out.with_name(f".{out.name}.part")
     shutil.rmtree(tmp, ignore_errors=True)
-    start, samples, encoded = time.perf_counter(), [], 0
     try:
-        for record in tqdm(records, desc="encode", unit="clip"):
-            path = clips[record["id"]]
-            cache = path.with_name(path.stem + CODES_CACHE) if args.folder is not None else None
-            data, seconds, fresh = encode_clip(path, tokenizer, cache)
-            encoded += fresh
-            frames = np.load(io.BytesIO(data)).shape[1]
-            samples.append((dict(record, audio_duration=seconds, num_tokens=frames), data))
+        samples, encoded = encode_records(records, clips, tokenizer, cached=args.folder is not None)
         shards = write_tokens(tmp, out, samples, per_shard)
         replace_folder(tmp, out)
     except OSError as e:
         raise UserError(f"cannot write {out}: {e.strerror or e}") from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-    hours = sum(label["audio_duration"] for label, _ in samples) / 3600
-    long = sum(label["num_tokens"] > MAX_SAMPLE_TOKENS for label, _ in samples)
     if args.folder is not None:
         print(f"{len(samples) - encoded} clip(s) reused their cached codes (<clip>{CODES_CACHE}, newer than"
               " the clip)")
-    if long:
+    if long := sum(label["num_tokens"] > MAX_SAMPLE_TOKENS for label, _ in samples):
         print(f"note: {long} clip(s) have more than {MAX_SAMPLE_TOKENS} frames: training skips them"
               " (upstream's max_sample_tokens)")
+    hours = sum(label["audio_duration"] for label, _ in samples) / 3600
     print(f"tokens: {len(samples)} clips ({hours:.3f} h) in {shards} shard(s) of up to {per_shard} -> {out}"
           f" ({encoded} encoded in {time.perf_counter() - start:.1f} s)")
 

@@ -546,9 +546,9 @@ def epoch_batches(shards: list, settings: dict, tokenizer, epoch: int, base_seed
     workers in turn, an exhausted worker skipped. `dropped` collects the ids the length filter skips."""
     if num_workers < 1:
         raise UserError("num_workers must be at least 1 (upstream's loader always runs workers)")
+    if missing := [t for t in (PAD_TOKEN, *STYLE_TOKENS) if tokenizer.token_to_id(t) is None]:
+        raise UserError(f"the tokenizer has no {', '.join(missing)}: give an OmniVoice checkpoint's one")
     pad_id = tokenizer.token_to_id(PAD_TOKEN)
-    if pad_id is None:
-        raise UserError(f"the tokenizer has no {PAD_TOKEN} (upstream's pad token)")
     streams = [worker_batches(part, settings, tokenizer, epoch, worker_seed(base_seed, w, num_workers, rank),
                               pad_id, dropped, evaluation)
                for w, part in enumerate(worker_shards(shards, epoch, num_workers, rank, world, evaluation))]

@@ -468,3 +468,11 @@ def test_evaluation_reads_shards_and_samples_in_order(tokenizer, fixture_shards,
     batches = list(T.epoch_batches(fixture_shards, settings, tokenizer, 3, 0, 1, evaluation=True))
     assert seen == TOKENS["reader_order"]  # data.lst's shards, each in member order
     assert sorted(i for b in batches for i in b["ids"]) == sorted(i for i in seen if i != "s09")
+
+
+def test_a_tokenizer_without_omnivoices_tokens_is_one_line(fixture_shards):
+    from tokenizers import Tokenizer, models
+    settings = CASES["train"]["full_w1"]["train_config"]
+    missing = r"^the tokenizer has no <\|endoftext\|>, <\|denoise\|>, .*, <\|text_end\|>: give an OmniVoice"
+    with pytest.raises(UserError, match=missing):
+        next(T.epoch_batches(fixture_shards, settings, Tokenizer(models.BPE()), 0, 0, 1))

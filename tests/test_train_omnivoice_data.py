@@ -476,3 +476,17 @@ def test_a_tokenizer_without_omnivoices_tokens_is_one_line(fixture_shards):
     missing = r"^the tokenizer has no <\|endoftext\|>, <\|denoise\|>, .*, <\|text_end\|>: give an OmniVoice"
     with pytest.raises(UserError, match=missing):
         next(T.epoch_batches(fixture_shards, settings, Tokenizer(models.BPE()), 0, 0, 1))
+
+
+def test_each_rank_reads_its_own_shards_with_its_own_seeds(fixture_shards, tokenizer, monkeypatch):
+    seeds = []
+    batches = T.worker_batches
+    monkeypatch.setattr(T, "worker_batches", lambda shards, s, t, e, seed, *rest: seeds.append(seed) or
+                        batches(shards, s, t, e, seed, *rest))
+    settings, base = CASES["train"]["full_w2"]["train_config"], CASES["train"]["full_w2"]["base_seeds"][0]
+    urls = CASES["train"]["full_w2"]["epochs"][0]["urls"]  # epoch 0: shard-000000, 000002, 000001
+    ids = {rank: [i for batch in T.epoch_batches(fixture_shards, settings, tokenizer, 0, base, 1, rank, 2)
+                  for i in batch["ids"]] for rank in (0, 1)}
+    members = {s["tar"].split("/")[1]: {m[:-4] for m in s["members"]} for s in TOKENS["shards"]}
+    assert set(ids[1]) <= members[urls[1]] and set(ids[0]) <= members[urls[0]] | members[urls[2]]
+    assert seeds == [base % 2 ** 32, base % 2 ** 32 + 1]  # one worker each: + num_workers x rank

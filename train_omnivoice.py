@@ -392,7 +392,7 @@ def read_labels(path: Path) -> dict:
 
 
 def read_shard(tar_path: Path, jsonl_path: Path):
-    """A shard -> its samples {id, label, codes [C, T] int64} in member order (members <id>.npy; the key
+    """A shard -> its samples {id, label, codes [C, T]} in member order (members <id>.npy; the key
     is the name up to its first dot, as webdataset's)."""
     labels = read_labels(jsonl_path)
     try:
@@ -408,7 +408,7 @@ def read_shard(tar_path: Path, jsonl_path: Path):
                 codes = np.load(io.BytesIO(tar.extractfile(member).read()))
                 if codes.ndim != 2 or codes.dtype.kind not in "iu":
                     raise UserError(f"{tar_path}: {member.name} is not integer codes [codebooks, frames]")
-                yield dict(id=key, label=labels[key], codes=torch.from_numpy(codes).long())
+                yield dict(id=key, label=labels[key], codes=torch.from_numpy(codes))  # int16 while buffered
     except (OSError, tarfile.TarError, ValueError) as e:
         if isinstance(e, UserError):
             raise
@@ -442,7 +442,7 @@ def text_ids(tokenizer, text: str, rows: int) -> Tensor:
 def process_sample(sample: dict, settings: dict, tokenizer, rng: random.Random, generator) -> dict:
     """upstream's OmniVoiceSampleProcessor: condition dropout, prompt and mask ratios (python random, in this
     order), the mask from torch.rand -> {id, input_ids [C, L], labels [C, L], audio_mask [L], length}."""
-    label, codes = sample["label"], sample["codes"]
+    label, codes = sample["label"], sample["codes"].long()
     rows = settings["num_audio_codebook"]
     if codes.shape[0] != rows:  # upstream would skip every such sample with a warning
         raise UserError(f"sample {sample['id']} has {codes.shape[0]} codebooks, the train config's"

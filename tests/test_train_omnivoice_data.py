@@ -456,7 +456,7 @@ def test_a_denoise_label_keeps_its_condition_and_prompt(tokenizer, fixture_shard
     start = int(processed["audio_mask"].int().argmax())
     audio_labels = processed["labels"][:, start:]
     assert (audio_labels[:, :30] == T.IGNORE).all()
-    assert torch.equal(audio_labels[:, 30:], sample["codes"][:, 30:])
+    assert torch.equal(audio_labels[:, 30:], sample["codes"][:, 30:].long())
 
 
 def test_evaluation_reads_shards_and_samples_in_order(tokenizer, fixture_shards, monkeypatch):

@@ -33,11 +33,10 @@ ALL = ("full_w1", "lora_w1", "full_w2", "lora_w2")
 
 
 @pytest.fixture(autouse=True)
-def one_thread(monkeypatch):
-    """The goldens' setting; tokens_parser comes from the data section (a stub where it is not merged yet)."""
+def one_thread():
+    """The goldens' setting."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    monkeypatch.setattr(T, "tokens_parser", getattr(T, "tokens_parser", lambda sub: None), raising=False)
     yield
     torch.set_num_threads(threads)
 
@@ -155,12 +154,12 @@ def test_cli_batch_source_is_the_data_sections_loader(trained, tmp_path, monkeyp
     epoch_batches for each epoch with the run's settings, tokenizer, base seed and --num-workers."""
     calls, source = [], golden_batches("full_w1")
 
-    def epoch_batches(shards, settings, tokenizer, epoch, base_seed, num_workers, rank=0, world=1):
+    def epoch_batches(shards, settings, tokenizer, epoch, base_seed, num_workers, rank=0, world=1, **more):
         calls.append((shards, settings["batch_tokens"], tokenizer.get_vocab_size(), epoch, base_seed,
                       num_workers, rank, world))
         return source(epoch, base_seed)
-    monkeypatch.setattr(T, "train_shards", lambda data, base: [data["train"], base], raising=False)
-    monkeypatch.setattr(T, "epoch_batches", epoch_batches, raising=False)
+    monkeypatch.setattr(T, "train_shards", lambda data, base: [data["train"], base])
+    monkeypatch.setattr(T, "epoch_batches", epoch_batches)
     with torch.random.fork_rng():
         T.train(T.parse_args(case_argv("full_w1", tmp_path, "--num-workers", "3")))
     shards = [[{"manifest_path": ["tokens/data.lst"]}], tmp_path]
@@ -328,7 +327,6 @@ sys.path[:0] = [{root!r}, {tests!r}]
 torch.set_num_threads(1)
 import train_omnivoice as T
 import test_train_omnivoice as t
-T.tokens_parser = lambda sub: None
 try:
     T.train(T.parse_args({argv!r}), t.golden_batches("full_w1", int(os.environ["RANK"]), 2))
 finally:
@@ -398,3 +396,36 @@ def test_errors_are_one_line(trained, tmp_path):
     with pytest.raises(UserError, match="has no checkpoint-7"):
         T.export(T.parse_args(["export", str(done / "run"), "--out", str(tmp_path / "x"), "--step", "7"]))
     assert not (tmp_path / "x").exists() and not (tmp_path / "a" / "run").exists()
+
+
+# ----------------------------------------------------------------------------- the three commands
+@pytest.mark.parametrize("case", ("full_w1", "lora_w2"))
+def test_the_three_commands_from_the_clips_give_upstreams_run(tmp_path, case):
+    """tokens from the dataset's clips, train on those tokens with the case's own config files, export: the
+    data and training sections joined by the CLI alone give upstream's losses, learning rates and norms, and
+    its exported model (full: the file itself; LoRA: the adapter within the README's 1e-6)."""
+    T.main(["tokens", "--input-jsonl", str(FIX / "data/data.jsonl"), "--checkpoint", str(CKPT),
+            "--out", str(tmp_path / "tokens"), "--samples-per-shard", "4", "--min-num-shards", "3"])
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        with torch.random.fork_rng():
+            T.main(case_argv(case, tmp_path))  # its data config names tokens/data.lst beside it
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
+    c = CASES["train"][case]
+    micro, steps = metrics(tmp_path / "run")
+    assert [m["ids"] for m in micro] == [m["samples"] for m in c["micro_steps"]]
+    assert max(abs(m["loss"] - want["loss"]) for m, want in zip(micro, c["micro_steps"], strict=True)) <= 1e-5
+    for s, want in zip(steps, c["optimizer_steps"], strict=True):
+        assert s["lr"] == want["lr_used"] and s["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+    T.main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "export")])
+    if case == "full_w1":
+        golden = (GOLD / "full_w1_export_model.safetensors").read_bytes()
+        assert (tmp_path / "export/model.safetensors").read_bytes() == golden
+    else:
+        adapter = load_file(tmp_path / "export/adapter" / T.ADAPTER_FILE)
+        golden = load_file(GOLD / f"{case}_adapter_model.safetensors")
+        assert adapter.keys() == golden.keys()
+        for name in golden:
+            torch.testing.assert_close(adapter[name], golden[name], rtol=0, atol=1e-6, msg=name)

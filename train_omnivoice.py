@@ -604,6 +604,31 @@ def upstream_position(name: str) -> tuple:
     return top, 0, 0, name
 
 
+OVERLAY_TOKEN = "<|ov_train_pad_{}|>"  # placeholders no text matches, up to the text embedding's rows
+
+
+def tokenizer_overlay(args):
+    """`overlay`: the checkpoint's tokenizer.json plus placeholder tokens up to its text embedding's rows, so
+    that training keeps the whole table (upstream's builder would shrink it to the tokenizer and then fail
+    on the audio ids it looks up there)."""
+    from tokenizers import AddedToken
+    ckpt, out = Path(args.checkpoint), Path(args.out)
+    cfg = omnivoice.read_config(ckpt / "config.json") if (ckpt / "config.json").is_file() else None
+    if cfg is None or not (ckpt / "tokenizer.json").is_file():
+        raise UserError(f"{ckpt} has no config.json and tokenizer.json — give an OmniVoice checkpoint")
+    tokenizer = omnivoice.load_tokenizer(ckpt / "tokenizer.json")
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    if size > cfg["vocab_size"]:
+        raise UserError(f"{ckpt}: the tokenizer has {size} tokens, more than the {cfg['vocab_size']} rows"
+                        " of the text embedding: no overlay can help")
+    tokenizer.add_tokens([AddedToken(OVERLAY_TOKEN.format(i), normalized=False, special=False)
+                          for i in range(cfg["vocab_size"] - size)])
+    out.mkdir(parents=True, exist_ok=True)
+    common.write_atomic(out / "tokenizer.json", lambda tmp: tmp.write_text(tokenizer.to_str(pretty=True)))
+    print(f"wrote {out / 'tokenizer.json'}: {size} tokens + {cfg['vocab_size'] - size} placeholders;"
+          f" train with --tokenizer {out}")
+
+
 def build_model(checkpoint, tokenizer_dir=None, device="cpu") -> omnivoice.OmniVoice:
     """The checkpoint's LM in fp32 for training (no audio tokenizer), .tokenizer from the checkpoint or the
     --tokenizer overlay, .codebook_weights upstream's normalized loss weights."""
@@ -619,8 +644,8 @@ def build_model(checkpoint, tokenizer_dir=None, device="cpu") -> omnivoice.OmniV
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     if size != cfg["vocab_size"]:  # upstream resizes the table and then fails on the audio ids it looks up
         raise UserError(f"{source / 'tokenizer.json'} has {size} tokens, {ckpt}'s text embedding"
-                        f" {cfg['vocab_size']} rows: pass --tokenizer DIR, an overlay whose tokenizer.json"
-                        f" pads the vocabulary to {cfg['vocab_size']} (see docs/training.md)")
+                        f" {cfg['vocab_size']} rows: pass --tokenizer DIR, an overlay padded to"
+                        f" {cfg['vocab_size']} (`train_omnivoice.py overlay --checkpoint {ckpt} --out DIR`)")
     if missing := [t for t in OMNIVOICE_TOKENS if tokenizer.token_to_id(t) is None]:
         raise UserError(f"{source / 'tokenizer.json'} lacks OmniVoice's token {missing[0]}:"
                         " not its tokenizer")
@@ -1278,13 +1303,17 @@ def tokens_parser(subparsers):
     p.add_argument("--device", type=common.device_name, help="cpu, cuda, cuda:N or mps (default: the best)")
 
 
-COMMANDS = dict(tokens=make_tokens, train=train, export=export)
+COMMANDS = dict(tokens=make_tokens, overlay=tokenizer_overlay, train=train, export=export)
 
 
 def parse_args(argv=None):
     ap = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     tokens_parser(sub)
+    o = sub.add_parser("overlay", help="a tokenizer overlay for --tokenizer: the checkpoint's tokenizer"
+                       " padded to its text embedding's rows (the public checkpoint needs one)")
+    o.add_argument("--checkpoint", required=True, help="the OmniVoice checkpoint to train")
+    o.add_argument("--out", required=True, help="folder for the overlay's tokenizer.json")
     t = sub.add_parser("train", help="fine-tune (full or LoRA) on stage 0's tokens: a run folder")
     t.add_argument("--train-config", help="upstream's train config JSON (default: its"
                    " train_config_finetune_sdpa.json values); flags below override its fields")

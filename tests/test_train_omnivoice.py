@@ -371,10 +371,17 @@ def test_memory_tool_runs_small(capsys):
 
 
 # ----------------------------------------------------------------------------- errors
+def test_overlay_pads_the_tokenizer_to_the_embedding_as_the_fixtures_overlay(tmp_path, capsys):
+    T.main(["overlay", "--checkpoint", str(CKPT), "--out", str(tmp_path / "overlay")])
+    assert (tmp_path / "overlay/tokenizer.json").read_bytes() == (OVERLAY / "tokenizer.json").read_bytes()
+    assert "733 tokens + 307 placeholders" in capsys.readouterr().out
+    T.build_model(CKPT, tmp_path / "overlay")  # trains without the size error
+
+
 def test_errors_are_one_line(trained, tmp_path):
     base = case_argv("full_w1", tmp_path / "a")
     without_overlay = [a for a in base if a not in ("--tokenizer", str(OVERLAY))]
-    with pytest.raises(UserError, match=r"has 733 tokens, .* 1040 rows: pass --tokenizer DIR"):
+    with pytest.raises(UserError, match=r"has 733 tokens, .* 1040 rows: pass --tokenizer DIR, .* overlay"):
         T.train(T.parse_args(without_overlay), golden_batches("full_w1"))
     s2 = [str(ROOT / "tests/fixtures/s2-tiny/checkpoint") if a == str(CKPT) else a for a in base]
     with pytest.raises(UserError, match="S2-Pro checkpoint"):

@@ -3,11 +3,12 @@ dtype choice, atomic writes, audio files, CPU quantization as a swap of nn.Linea
 thread. It imports no model file, so a model file can be copied with this one alone. (What makes a model
 faster on one kind of CPU is cpu_fast.py's, applied from outside.)
 
-Sections: errors and the CLI wrapper, devices and dtypes, files (atomic writes, audio, the compile cache),
+Sections: errors and the CLI wrapper, devices and dtypes (and the trainers' torchrun processes), files (atomic writes, audio, the compile cache),
 CPU quantization (QuantLinear, W8A8Linear, swap_linears), memory, engines (Job, and EngineThread: the thread
 that steps either model's Scheduler).
 """
 import argparse
+import importlib
 import math
 import os
 import re
@@ -84,6 +85,23 @@ def device_name(text: str) -> str:
     if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", text):
         raise argparse.ArgumentTypeError(f"{text}: use cpu, mps, cuda or cuda:N")
     return text
+
+
+def join_processes(device: torch.device) -> tuple:
+    """-> (rank, processes, device). Under torchrun (RANK set): NCCL on cuda:LOCAL_RANK, or gloo on CPU (the
+    trainers' several processes)."""
+    import torch.distributed as dist
+    if "RANK" not in os.environ:
+        return 0, 1, device
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        # dynamo imports torch.distributed.nn.functional, whose 10 `group=group.WORLD` defaults would keep a
+        # group made before it (and gloo's threads) past destroy_process_group, into the teardown: an abort
+        importlib.import_module("torch._dynamo")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    return dist.get_rank(), dist.get_world_size(), device
 
 
 # ----------------------------------------------------------------------------- files

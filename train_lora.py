@@ -9,7 +9,6 @@ merges into a checkpoint upstream serves, and upstream's LoRA weights merge here
     torchrun --nproc-per-node N train_lora.py train data/ --out runs/me     # N GPUs; prepare too
 """
 import argparse
-import importlib
 import json
 import math
 import os
@@ -262,21 +261,6 @@ def find_clips(data_dir: Path, strict: bool, audio_only: bool) -> tuple:
     return len(clips), {stem: clip for stem, clip in clips.items() if clip["text"] is not None}
 
 
-def join_processes(device: torch.device) -> tuple:
-    """-> (rank, processes, device). Under torchrun (RANK set): NCCL on cuda:LOCAL_RANK, or gloo on CPU."""
-    if "RANK" not in os.environ:
-        return 0, 1, device
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        # dynamo imports torch.distributed.nn.functional, whose 10 `group=group.WORLD` defaults would keep a
-        # group made before it (and gloo's threads) past destroy_process_group, into the teardown: an abort
-        importlib.import_module("torch._dynamo")
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size(), device
-
-
 def sum_over_processes(values: list, device) -> list:
     if not dist.is_initialized():
         return values
@@ -287,7 +271,7 @@ def sum_over_processes(values: list, device) -> list:
 
 def prepare_dataset(args):
     """`prepare`: each transcribed audio file -> <stem>.npy codes next to it, once (each process: a share)."""
-    rank, world, device = join_processes(common.pick_device(args.device))
+    rank, world, device = common.join_processes(common.pick_device(args.device))
     n_found, clips = find_clips(Path(args.data_dir), args.strict, audio_only=True)
     for clip in clips.values():  # check everything before writing anything
         dualAR.read_transcript(clip["text"])
@@ -533,7 +517,7 @@ def optimizer_step(model, params, optimizer, run: dict, train_set: list, step: i
 
 def train(args):
     """`train`: the training loop, with validation, metrics and checkpoints."""
-    rank, world, device = join_processes(common.pick_device(args.device))
+    rank, world, device = common.join_processes(common.pick_device(args.device))
     run, model, params, optimizer, train_set, val_set, step = start_run(args, rank, world, device)
     out, first_step, vals, losses, tokens = Path(args.out), step, [], [], 0
 

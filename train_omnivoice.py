@@ -19,7 +19,6 @@ How the file reads (sections, top to bottom):
 """
 import argparse
 import bisect
-import importlib
 import io
 import itertools
 import json
@@ -572,8 +571,6 @@ def epoch_batches(shards: list, settings: dict, tokenizer, epoch: int, base_seed
 
 
 # ----------------------------------------------------------------------------- model
-OMNIVOICE_TOKENS = ("<|denoise|>", "<|lang_start|>", "<|lang_end|>", "<|instruct_start|>", "<|instruct_end|>",
-                    "<|text_start|>", "<|text_end|>")
 # upstream's later LoRA recipe; lora_dropout as the goldens' peft setup
 LORA_DEFAULTS = dict(r=16, lora_alpha=32, lora_dropout=0.05, target_modules=[
     "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], modules_to_save=None)
@@ -646,7 +643,7 @@ def build_model(checkpoint, tokenizer_dir=None, device="cpu") -> omnivoice.OmniV
         raise UserError(f"{source / 'tokenizer.json'} has {size} tokens, {ckpt}'s text embedding"
                         f" {cfg['vocab_size']} rows: pass --tokenizer DIR, an overlay padded to"
                         f" {cfg['vocab_size']} (`train_omnivoice.py overlay --checkpoint {ckpt} --out DIR`)")
-    if missing := [t for t in OMNIVOICE_TOKENS if tokenizer.token_to_id(t) is None]:
+    if missing := [t for t in STYLE_TOKENS if tokenizer.token_to_id(t) is None]:
         raise UserError(f"{source / 'tokenizer.json'} lacks OmniVoice's token {missing[0]}:"
                         " not its tokenizer")
     weights = json.loads((ckpt / "config.json").read_text()).get("audio_codebook_weights",
@@ -940,20 +937,6 @@ def resumed_config(args, out: Path) -> dict:
     return config
 
 
-def join_processes(device: torch.device) -> tuple:
-    """-> (rank, processes, device). Under torchrun (RANK set): NCCL on cuda:LOCAL_RANK, or gloo on CPU."""
-    if "RANK" not in os.environ:
-        return 0, 1, device
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        # as train_lora.py: dynamo imported before the group is made, so its defaults do not hold the group
-        importlib.import_module("torch._dynamo")
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size(), device
-
-
 def seed_everything(seed: int):
     """accelerate's set_seed: Python's random, numpy and torch (every device) from one seed."""
     random.seed(seed)
@@ -1191,7 +1174,7 @@ def data_batches(run: dict):
 def train(args, batches_for_epoch=None):
     """`train`: a run folder with config.json, metrics.jsonl and checkpoint-N/ (batches_for_epoch(epoch,
     base_seed) -> batches: the data config's loader by default)."""
-    rank, world, device = join_processes(common.pick_device(args.device))
+    rank, world, device = common.join_processes(common.pick_device(args.device))
     run = start_run(args, rank, world, device)
     out, started = Path(args.out), run["state"]["step"]
 

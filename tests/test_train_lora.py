@@ -395,9 +395,9 @@ def test_a_worker_ends_its_process_group_with_its_threads_once_the_model_is_load
     script = f"""if True:
         import os, sys, time, torch, torch.distributed as dist
         sys.path.insert(0, {str(ROOT)!r})
-        import dualAR, train_lora
+        import common, dualAR
         before = len(os.listdir("/proc/self/task"))
-        train_lora.join_processes(torch.device("cpu"))
+        common.join_processes(torch.device("cpu"))
         dualAR.load({str(CKPT)!r})
         dist.destroy_process_group()
         deadline = time.monotonic() + 5

@@ -3,9 +3,9 @@ dtype choice, atomic writes, audio files, CPU quantization as a swap of nn.Linea
 thread. It imports no model file, so a model file can be copied with this one alone. (What makes a model
 faster on one kind of CPU is cpu_fast.py's, applied from outside.)
 
-Sections: errors and the CLI wrapper, devices and dtypes (and the trainers' torchrun processes), files (atomic writes, audio, the compile cache),
-CPU quantization (QuantLinear, W8A8Linear, swap_linears), memory, engines (Job, and EngineThread: the thread
-that steps either model's Scheduler).
+Sections: errors and the CLI wrapper, devices and dtypes (and the trainers' torchrun processes), files
+(atomic writes, audio, the compile cache), CPU quantization (QuantLinear, W8A8Linear, swap_linears), memory,
+engines (Job, and EngineThread: the thread that steps either model's Scheduler).
 """
 import argparse
 import importlib

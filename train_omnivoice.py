@@ -626,14 +626,18 @@ def tokenizer_overlay(args):
           f" train with --tokenizer {out}")
 
 
+def checkpoint_config(ckpt: Path) -> dict:
+    if not (ckpt / "config.json").is_file():
+        raise UserError(f"checkpoint dir {ckpt} has no config.json — download k2-fsa/OmniVoice"
+                        " (see README)")
+    return omnivoice.read_config(ckpt / "config.json")  # an S2-Pro checkpoint: its one-line error
+
+
 def build_model(checkpoint, tokenizer_dir=None, device="cpu") -> omnivoice.OmniVoice:
     """The checkpoint's LM in fp32 for training (no audio tokenizer), .tokenizer from the checkpoint or the
     --tokenizer overlay, .codebook_weights upstream's normalized loss weights."""
     ckpt = Path(checkpoint)
-    if not (ckpt / "config.json").is_file():
-        raise UserError(f"checkpoint dir {ckpt} has no config.json — download k2-fsa/OmniVoice"
-                        " (see README)")
-    cfg = omnivoice.read_config(ckpt / "config.json")  # an S2-Pro checkpoint: its one-line error
+    cfg = checkpoint_config(ckpt)
     source = Path(tokenizer_dir) if tokenizer_dir else ckpt
     if not (source / "tokenizer.json").is_file():
         raise UserError(f"{source} has no tokenizer.json")
@@ -826,7 +830,7 @@ def optimizer_step(run: dict, step: int) -> dict:
 # ----------------------------------------------------------------------------- run
 # upstream's TrainingConfig fields with examples/config/train_config_finetune_sdpa.json's values
 TRAIN_DEFAULTS = dict(
-    audio_vocab_size=1025, audio_mask_id=1024, num_audio_codebook=8, drop_cond_ratio=0.1,
+    audio_vocab_size=None, audio_mask_id=None, num_audio_codebook=None, drop_cond_ratio=0.1,
     prompt_ratio_range=[0.0, 0.3], mask_ratio_range=[0.0, 1.0], language_ratio=0.8,
     use_pinyin_ratio=0.0, instruct_ratio=0.0, only_instruct_ratio=0.0, resume_from_checkpoint=None,
     init_from_checkpoint=None, learning_rate=1e-5, weight_decay=0.01, max_grad_norm=1.0, steps=5000, seed=42,
@@ -884,6 +888,20 @@ def train_settings(given: dict, source: str) -> dict:
     return settings
 
 
+def checkpoint_codebooks(settings: dict):
+    """The processor's codebook fields (upstream reads them from the train config alone): the checkpoint's
+    where the config leaves them out; one that disagrees is refused (upstream skipped every sample)."""
+    ckpt = Path(settings["init_from_checkpoint"])
+    cfg = checkpoint_config(ckpt)
+    for key, ours in (("audio_vocab_size", "audio_vocab_size"), ("audio_mask_id", "audio_mask_id"),
+                      ("num_audio_codebook", "num_codebooks")):
+        if settings[key] is None:
+            settings[key] = cfg[ours]
+        elif settings[key] != cfg[ours]:
+            raise UserError(f"the train config's {key} is {settings[key]!r}, {ckpt}/config.json's"
+                            f" {cfg[ours]!r}: leave it out or give the checkpoint's")
+
+
 def run_config(args, stored: dict = None) -> dict:
     """What a run is: train settings (the config file, else the stored run's, then the flags), method,
     LoRA, tokenizer, data config; `stored`: the run being resumed, whose choices fill what is not given."""
@@ -900,6 +918,7 @@ def run_config(args, stored: dict = None) -> dict:
     if not settings["init_from_checkpoint"]:
         raise UserError("no checkpoint: give --checkpoint DIR or init_from_checkpoint in --train-config")
     settings["init_from_checkpoint"] = str(settings["init_from_checkpoint"])
+    checkpoint_codebooks(settings)
     for key in ("steps", "gradient_accumulation_steps", "batch_tokens", "num_workers", "save_steps"):
         if not isinstance(settings[key], int) or settings[key] < 1:
             raise UserError(f"{key} must be an integer >= 1 (it is {settings[key]!r})")

@@ -389,6 +389,12 @@ def test_errors_are_one_line(trained, tmp_path):
     (tmp_path / "bad.json").write_text(json.dumps({"learning_rat": 1e-3}))
     with pytest.raises(UserError, match="unknown field 'learning_rat'"):
         T.run_config(T.parse_args(base[:2] + [str(tmp_path / "bad.json")] + base[3:]))
+    (tmp_path / "six.json").write_text(json.dumps({"num_audio_codebook": 6}))
+    with pytest.raises(UserError, match="num_audio_codebook is 6, .*config.json's 8: leave it out"):
+        T.run_config(T.parse_args(base[:2] + [str(tmp_path / "six.json")] + base[3:]))
+    defaults = T.run_config(T.parse_args(base[:1] + base[3:]))["train_config"]  # no --train-config
+    fields = ("audio_vocab_size", "audio_mask_id", "num_audio_codebook")
+    assert [defaults[k] for k in fields] == [1025, 1024, 8]  # the checkpoint's
     (tmp_path / "lora.json").write_text(json.dumps({"r": 4, "use_dora": True}))
     with pytest.raises(UserError, match="use_dora=True is not supported"):
         T.run_config(T.parse_args(base + ["--method", "lora", "--lora-config", str(tmp_path / "lora.json")]))

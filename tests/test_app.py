@@ -1429,7 +1429,8 @@ def test_browser_uploads_a_voice_and_plays_while_generating(server, root, tmp_pa
                  "the uploaded clip to be saved and selected as a voice")
         assert (root / "prompt" / "browser voice.npy").is_file()
         assert browser.js("return document.getElementById('error').textContent") == ""
-        # the clip stays too: the request carries the saved voice and the clip (base64), speakers 0 and 1
+        # the clip is the selected voice now: its row goes, or the request would carry it twice
+        assert browser.js("return document.getElementById('clips').children.length") == 0
 
         browser.type("#text", "Hello from a real browser. This sentence is read while it is made.")
         browser.type("#seed", "5")

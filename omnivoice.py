@@ -1251,7 +1251,12 @@ def main(argv=None):
                class_temperature=args.class_temperature, preprocess_prompt=not args.no_preprocess,
                postprocess_output=not args.no_postprocess)
     if args.ref_audio:
-        voice = voice_prompt(model, args.ref_audio, args.ref_text, gen["preprocess_prompt"])
+        try:
+            voice = voice_prompt(model, args.ref_audio, args.ref_text, gen["preprocess_prompt"])
+        except SilentClip:  # its hint is the library's keyword: the CLI's flag instead
+            raise UserError(f"--ref-audio {args.ref_audio} is silent or shorter than a frame"
+                            + (" once its silences are trimmed (keep them: --no-preprocess)"
+                               if gen["preprocess_prompt"] else "")) from None
         if save_path:
             save_path.parent.mkdir(parents=True, exist_ok=True)
             for path in common.voice_files(save_path.parent, args.save_voice):  # --force: the old voice goes

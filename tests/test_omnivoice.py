@@ -694,3 +694,12 @@ def test_cli_takes_the_servers_limits_and_voice_names_and_keeps_an_existing_voic
     assert "--force" in r.stderr and (tmp_path / "taken.npy").read_bytes() == b"S2-Pro's voice"
     assert omnivoice.new_voice_path("taken", tmp_path, force=True) == tmp_path / "taken.omnivoice.safetensors"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["taken.npy", "taken.txt"]
+
+
+def test_cli_a_silent_clip_names_the_clis_flag_not_the_librarys_keyword(tmp_path):
+    import soundfile as sf
+    sf.write(tmp_path / "quiet.wav", np.zeros(16000, np.float32), 16000)
+    args = ["--checkpoint", CKPT, "--text", "Hi.", "--ref-audio", "quiet.wav", "--ref-text", "Nothing."]
+    r = run_main(omnivoice.main, args + ["--out", tmp_path / "o.wav"], tmp_path)
+    assert (r.returncode, r.stderr) == (2, "error: --ref-audio quiet.wav is silent or shorter than a frame"
+                                           " once its silences are trimmed (keep them: --no-preprocess)\n")

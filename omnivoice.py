@@ -18,7 +18,8 @@ How the file reads (sections, top to bottom):
     loading          the checkpoint folder -> model, tokenizer and audio tokenizer
     quantization     int8/int4 weights on CPU (common.QuantLinear); the compiled forward (static buckets)
     voices           a clone prompt from a clip (voice_prompt), saved and read back
-    requests         generate()'s arguments -> one item per text (target length, style, reference)
+    requests         the limits of a request (the CLI's and the server's), generate()'s arguments -> one
+                     item per text (target length, style, reference; user text without control tokens)
     unmasking        the schedule (time_steps, count_schedule), the batch's rows (upstream's, packed,
                      flat), CFG in log-prob space, layer penalty, Gumbel reveal; the engine: Unmasking (one
                      text), Scheduler.step() (texts batched, each its own stream; common.EngineThread steps
@@ -26,7 +27,7 @@ How the file reads (sections, top to bottom):
     generation       encode, decode, generate (short and chunked), post-processing; Speech (a text sentence
                      by sentence, the server's streaming unit), CrossFade (the join, streamed), stream
     demo             a tiny random model and tokenizer, built in memory
-    CLI              `python omnivoice.py`
+    CLI              `python omnivoice.py` (voice names: common.voice_name, the server's)
 """
 import argparse
 import collections

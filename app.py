@@ -63,7 +63,6 @@ SAMPLE_BYTES = dict(PCM_S8=1, PCM_U8=1, ULAW=1, ALAW=1, PCM_16=2, PCM_24=3, PCM_
 UNCOMPRESSED = {"WAV", "WAVEX", "W64", "RF64", "AIFF", "AU", "CAF"}
 MAX_BODY = 48 << 20  # bytes: four 30 s 16-bit clips, base64 in JSON, fit with room
 LINGER = 2  # seconds a closing connection reads what its client still sends (as Apache's lingering close)
-VOICE_NAME = re.compile(r"[A-Za-z0-9_ -]{1,64}")  # upstream's rule for reference ids, at most 64 characters
 SAMPLE_RATE, HOP = codec.CONFIG["sample_rate"], codec.hop_length()  # S2-Pro's; HOP: samples per frame
 STREAMABLE = ("wav", "pcm")  # written piece by piece; the others are encoded from the whole waveform
 OPUS_RATES = (8000, 12000, 16000, 24000, 48000)  # the only rates opus exists at
@@ -78,9 +77,10 @@ def file_rate(fmt: str, rate: int) -> int:
 SOUNDFILE_FORMATS = {name: (kind, subtype, file_rate(name, SAMPLE_RATE)) for name, kind, subtype in
                      (("flac", "FLAC", "PCM_16"), ("mp3", "MP3", "MPEG_LAYER_III"), ("opus", "OGG", "OPUS"))}
 FORMATS = [*STREAMABLE, *(name for name, (f, sub, _) in SOUNDFILE_FORMATS.items() if sf.check_format(f, sub))]
+OPENAI_FORMAT = "mp3" if "mp3" in FORMATS else "wav"  # OpenAI's default (libsndfile before 1.1 has no mp3)
 MEDIA_TYPES = dict(wav="audio/wav", pcm="audio/pcm", flac="audio/flac", mp3="audio/mpeg", opus="audio/ogg")
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-               500: "server_error", 503: "server_busy"}
+               500: "server_error", 503: "server_busy", 507: "insufficient_storage"}
 OPENAI_DEFAULTS = dict(temperature=0.7, top_p=0.7, top_k=30, max_new_tokens=0, chunk_length=300)  # the CLI's
 FISH_DEFAULTS = dict(temperature=0.8, top_p=0.8, top_k=30, max_new_tokens=1024, chunk_length=200)  # upstream
 # upstream's ServeTTSRequest (fish_speech/utils/schema.py): what its pydantic model answers with a 422
@@ -89,9 +89,6 @@ UPSTREAM_CHOICES = dict(format=tuple(FORMATS), latency=("normal", "balanced"), u
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")  # names any server answers to, whatever --host
 AUTHORITY = re.compile(r"(?:\[([0-9a-f:.]+)\]|([a-z0-9._-]+))(?::([0-9]{1,5}))?")  # name[:port], [v6][:port]
 OPENAI_VOICES = set("alloy ash ballad coral echo fable nova onyx sage shimmer verse".split())
-OPENAI_SPEEDS = (0.25, 4.0)  # OpenAI's range for `speed`
-MAX_STEPS = 64  # OmniVoice's num_step (32 by default): a step re-reads the whole sequence
-MAX_DURATION = 300  # seconds of audio an OmniVoice request may ask for with `duration`
 S2_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "chunk_length")  # S2-Pro's sampling extras
 MAX_CODES = 8  # audios or token arrays in one /v1/vqgan request
 FISH_ROUTES = ("/v1/tts", "/v1/vqgan/encode", "/v1/vqgan/decode")  # upstream fish-speech's, S2-Pro's only
@@ -153,13 +150,16 @@ def is_served(name: str, names: set) -> bool:
     return "*" in names or name in names or is_ip_address(name)
 
 
-def check_host(hosts: list, names: set) -> str:
+def check_host(hosts: list, names: set, version="HTTP/1.1") -> str:
     """The Host header(s) -> the one Host. DNS rebinding: a page of evil.example, once that name resolves
     to this machine, is of the same origin as the server to the browser, so no Origin check can tell it
     apart: only its Host can. An IP address needs no check (a rebinding page needs a name of its own); a
-    name must be one we serve. HTTP/1.0 may send no Host; two are a 400 (RFC 9112)."""
+    name must be one we serve. HTTP/1.0 may send no Host; HTTP/1.1 must send one, and two are a 400 (RFC
+    9112 3.2)."""
     if len(hosts) > 1:
         raise HTTPError(400, "more than one Host header")
+    if not hosts and version != "HTTP/1.0":
+        raise HTTPError(400, f"no Host header: an {version[:20]} request must send one (RFC 9112)")
     host = hosts[0] if hosts else None
     found = authority(host) if host is not None else (None, None)
     if found is None:
@@ -204,18 +204,6 @@ def same_origin(origin: str, host, names: set) -> bool:
     scheme, _, netloc = origin.partition("://")
     found = authority(netloc) if scheme in ("http", "https") else None
     return found is not None and found == authority(host or "") and is_served(found[0], names)
-
-
-def is_voice_name(name) -> bool:
-    return isinstance(name, str) and bool(VOICE_NAME.fullmatch(name)) and name.strip() == name
-
-
-def check_voice_name(name) -> str:
-    """The one gate before any path is built from a voice name: no separators, dots or odd characters."""
-    if not is_voice_name(name):
-        raise common.UserError(f"voice name {str(name)[:80]!r} is not allowed: use 1-64 letters, digits, '_',"
-                               " '-' or inner spaces")
-    return name
 
 
 def check_text(text, what="input", limit=MAX_TEXT) -> str:
@@ -343,10 +331,7 @@ def number_field(body: dict, key: str, default, integer=False, low=None):
 
 
 def seed_field(body: dict):
-    seed = number_field(body, "seed", None, integer=True, low=0)
-    if seed is not None and seed >= 2**63:
-        raise common.UserError("seed must be < 2**63")
-    return seed
+    return common.check_seed(number_field(body, "seed", None, integer=True))
 
 
 def sampling_fields(body: dict, defaults: dict) -> dict:
@@ -403,25 +388,21 @@ def omnivoice_options(body: dict) -> dict:
         raise common.UserError(f"{given[0]} is an S2-Pro option: OmniVoice takes language, num_step,"
                                " guidance_scale, duration, seed, speed and instructions (docs/api.md)")
     speed = number_field(body, "speed", 1.0)
-    if not OPENAI_SPEEDS[0] <= speed <= OPENAI_SPEEDS[1]:
-        raise common.UserError(f"speed must be {OPENAI_SPEEDS[0]} to {OPENAI_SPEEDS[1]}, got {speed:g}")
     instruct, language = body.get("instructions") or None, body.get("language")
     for key, value in (("instructions", instruct), ("language", language)):
         if value is not None and not isinstance(value, str):
             raise common.UserError(f"{key} must be a string")
     try:
         omnivoice_text.resolve_instruct(instruct)
-    except common.UserError as e:  # its words are the library's: `instruct`
-        raise common.UserError("instructions" + str(e).removeprefix("instruct")) from None
+    except common.UserError as e:  # its words are the library's: `instruct: ...`, or upstream's own sentence
+        message = str(e)
+        message = message.removeprefix("instruct") if message.startswith("instruct") else f": {message}"
+        raise common.UserError("instructions" + message) from None
     omnivoice_text.resolve_language(language)
-    num_step = number_field(body, "num_step", omnivoice.GENERATION["num_step"], integer=True, low=1)
-    if num_step > MAX_STEPS:
-        raise common.UserError(f"num_step must be 1 to {MAX_STEPS}, got {num_step}")
-    guidance = number_field(body, "guidance_scale", omnivoice.GENERATION["guidance_scale"], low=0)
+    num_step = number_field(body, "num_step", omnivoice.GENERATION["num_step"], integer=True)
+    guidance = number_field(body, "guidance_scale", omnivoice.GENERATION["guidance_scale"])
     duration = number_field(body, "duration", None)
-    if duration is not None and not 0 < duration <= MAX_DURATION:
-        raise common.UserError(f"duration must be more than 0 and at most {MAX_DURATION} seconds, got"
-                               f" {duration:g}")
+    omnivoice.check_limits(num_step, guidance, speed, duration)  # the CLI's
     return dict(language=language, instruct=instruct, speed=speed, duration=duration, seed=seed_field(body),
                 num_step=num_step, guidance_scale=guidance)
 
@@ -438,8 +419,8 @@ def openai_job(body: dict, options) -> dict:
     if "ref_audio" in body or "ref_text" in body:
         one = dict(audio=body.get("ref_audio"), text=body.get("ref_text"))
         references += reference_clips([one], "ref_audio")
-    fmt = check_format(body.get("response_format", "wav"))
-    return dict(text=check_text(body.get("input")), voice=check_voice_name(voice) if voice else None,
+    fmt = check_format(body.get("response_format", OPENAI_FORMAT))
+    return dict(text=check_text(body.get("input")), voice=common.voice_name(voice) if voice else None,
                 clips=references, options=options(body), format=fmt,
                 send="sse" if stream == "sse" else "chunked" if fmt in STREAMABLE else "whole")
 
@@ -495,7 +476,7 @@ def fish_job(body: dict) -> dict:
     if streaming and fmt != "wav":
         raise common.UserError(f"streaming: only format 'wav' can be streamed, not {fmt!r} (as upstream)")
     voice = body.get("reference_id")
-    return dict(text=check_text(body.get("text"), "text"), voice=check_voice_name(voice) if voice else None,
+    return dict(text=check_text(body.get("text"), "text"), voice=common.voice_name(voice) if voice else None,
                 clips=reference_clips(body.get("references") or []), format=fmt,
                 options=sampling_fields(body, FISH_DEFAULTS), send="chunked" if streaming else "whole")
 
@@ -563,7 +544,10 @@ def clip_samples(data: bytes, what: str) -> tuple:
             from None
     if not frames:
         raise common.UserError(f"{what} contains no audio samples")
-    return np.concatenate(blocks), rate
+    samples = np.concatenate(blocks)
+    if not np.isfinite(samples).all():  # a float file may hold them
+        raise common.UserError(f"{what} has NaN or infinite samples")
+    return samples, rate
 
 
 # ----------------------------------------------------------------------------- the model side
@@ -650,7 +634,7 @@ class SpeechModel(Protocol):
     def voice_paths(folder: Path, name: str) -> list: ...  # a voice's files, in the order they are removed
 
     def read_voice(self, kind: str, path: Path, codec_work): ...  # -> a reference
-    def clip_reference(self, samples: np.ndarray, rate: int, text: str): ...  # -> a reference
+    def clip_reference(self, samples: np.ndarray, rate: int, text: str, what: str): ...  # -> a reference
     def write_voice(self, folder: Path, name: str, reference) -> dict: ...  # -> what POST answers
     def submit(self, job: dict, references: list) -> SpeechRequest: ...
     def waves(self, request: SpeechRequest): ...  # -> 1-D waves at sample_rate, as they are made
@@ -701,8 +685,10 @@ class S2ProModel:
             scheduler.warm_up(lambda n, seconds: print(f"  {n} row(s): {seconds:.1f} s", file=sys.stderr))
         self.engine = common.EngineThread(scheduler, max_queue=args.queue).start()
         self.name, self.notice = "fishfast-demo" if self.demo else "s2-pro", DEMO_NOTICE
-        self.info = dict(model=self.name, checkpoint=str(self.checkpoint), device=str(self.device),
-                         dtype=str(dtype).replace("torch.", ""), quant=args.quant or "none", compile=compiled,
+        # the checkpoint folder's name, never its path: /health answers without a key
+        self.info = dict(model=self.name, checkpoint=Path(self.checkpoint).resolve().name,
+                         device=str(self.device), dtype=str(dtype).replace("torch.", ""),
+                         quant=args.quant or "none", compile=compiled,
                          max_context=self.max_context, demo=self.demo)
 
     # voices: prompt/<name>.npy (codes) or an audio file, + prompt/<name>.txt, the layout the CLI reads
@@ -723,7 +709,8 @@ class S2ProModel:
             codes = dualAR.reference_codes(kind, path, self.model.config, lambda: self.dac)
         return codes, dualAR.read_transcript(path.with_suffix(".txt"))
 
-    def clip_reference(self, samples, rate: int, text: str) -> tuple:
+    def clip_reference(self, samples, rate: int, text: str, what: str) -> tuple:
+        common.check_plain_text(self.model.tokenizer, text, f"{what}'s transcript", dualAR.SPEAKER_TAG)
         return self.encode(samples, rate), text
 
     def encode(self, samples, rate: int) -> torch.Tensor:
@@ -813,8 +800,10 @@ class OmniVoiceModel:
         self.notice = ("DEMO: no checkpoint found, so a tiny RANDOM OmniVoice is serving and the audio is"
                        f" NOISE. For speech, download k2-fsa/OmniVoice into {omnivoice.DEFAULT_CHECKPOINT}"
                        " (see README).")
-        self.info = dict(model=self.name, checkpoint=str(self.checkpoint), device=str(self.device),
-                         dtype=str(dtype).replace("torch.", ""), quant=args.quant or "none", compile=compiled,
+        # the checkpoint folder's name, never its path: /health answers without a key
+        self.info = dict(model=self.name, checkpoint=Path(self.checkpoint).resolve().name,
+                         device=str(self.device), dtype=str(dtype).replace("torch.", ""),
+                         quant=args.quant or "none", compile=compiled,
                          packed=args.packed, demo=self.demo)
 
     @staticmethod
@@ -830,9 +819,14 @@ class OmniVoiceModel:
     def read_voice(self, kind: str, path: Path, codec_work) -> dict:
         return omnivoice.load_voice(path, self.model)  # codes: no codec work
 
-    def clip_reference(self, samples, rate: int, text: str) -> dict:
+    def clip_reference(self, samples, rate: int, text: str, what: str) -> dict:
         """upstream's voice-clone prompt of the clip (its own resampling, level, silence trimming)."""
-        return omnivoice.voice_prompt(self.model, (samples, rate), text)
+        try:
+            return omnivoice.voice_prompt(self.model, (samples, rate), text)
+        except omnivoice.SilentClip:  # its hint is the library's flag, which HTTP does not offer
+            raise common.UserError(f"{what} is silent or shorter than a frame once its silences are trimmed"
+                                   " (as upstream prepares a clip): send a clip in which the voice is heard"
+                                   ) from None
 
     def write_voice(self, folder: Path, name: str, reference: dict) -> dict:
         omnivoice.save_voice(folder / f"{name}{omnivoice.VOICE_SUFFIX}", reference)  # one file, written whole
@@ -859,7 +853,8 @@ class OmniVoiceModel:
         attributes = {name: list(items) for name, items in omnivoice_text.INSTRUCT_TRANSLATED.items()}
         attributes.update(accent=list(omnivoice_text.ACCENTS), dialect=list(omnivoice_text.DIALECTS))
         return dict(attributes=attributes, languages=sorted(omnivoice_text.languages()[1]),
-                    numStep=omnivoice.GENERATION["num_step"], maxSteps=MAX_STEPS, speeds=OPENAI_SPEEDS)
+                    numStep=omnivoice.GENERATION["num_step"], maxSteps=omnivoice.MAX_STEPS,
+                    speeds=omnivoice.SPEEDS)
 
 
 MODELS: dict[str, type[SpeechModel]] = {model.kind: model for model in (S2ProModel, OmniVoiceModel)}
@@ -887,7 +882,7 @@ class App:
         self.model: SpeechModel = MODELS[model_kind(args)](args)
         self.engine, self.demo, self.info, self.name = (self.model.engine, self.model.demo, self.model.info,
                                                         self.model.name)
-        self.voices, self.api_key = Path(args.voices), args.api_key
+        self.voices, self.api_key, self.max_voices = Path(args.voices), args.api_key, args.max_voices
         self.default_voice, self.allow_origins = args.default_voice, set(args.allow_origin or ())
         self.hosts = served_names(args.host, args.allow_host)
         # decoding and encoding clips (uploads, voices kept as audio), /v1/vqgan: seconds each, not in --slots
@@ -910,14 +905,14 @@ class App:
     # voices: one folder, one name space, each model's own files (S2ProModel.voice_files and OmniVoice's)
     def voice_files(self) -> dict:  # -> {name: (kind, path)}: this model's
         found = self.model.voice_files(self.voices)
-        return {name: where for name, where in found.items() if is_voice_name(name)}
+        return {name: where for name, where in found.items() if common.is_voice_name(name)}
 
     def every_voice(self) -> dict:
         """-> {name: [the models it has a voice for]}, every model's voices in the folder."""
         found = {}
         for kind, model in MODELS.items():
             for name in model.voice_files(self.voices):
-                if is_voice_name(name):
+                if common.is_voice_name(name):
                     found.setdefault(name, []).append(kind)
         return found
 
@@ -929,16 +924,16 @@ class App:
 
     def voice_reference(self, name: str):
         for again in (True, False):  # deleted (and maybe saved anew) by another server while we read: afresh
-            kind, path = self.voice_files().get(check_voice_name(name), (None, None))
+            kind, path = self.voice_files().get(common.voice_name(name), (None, None))
             if path is None:
                 others = self.every_voice().get(name)
                 if others:
                     raise common.UserError(f"voice {name!r} was saved for {MODELS[others[0]].title}, and this"
                                            f" server runs {self.model.title}: save the clip again here (POST"
                                            " /v1/audio/voices, under another name)")
-                known = ", ".join(sorted(self.voice_files())) or "none yet"
-                raise common.UserError(f"unknown voice {name!r} (saved voices: {known}). Save one with"
-                                       " POST /v1/audio/voices, or send no voice for plain text-to-speech")
+                raise common.UserError(f"unknown voice {name!r}: GET /v1/audio/voices lists the saved ones."
+                                       " Save one with POST /v1/audio/voices, or send no voice for plain"
+                                       " text-to-speech")
             try:
                 return self.model.read_voice(kind, path, self.codec_work)
             except common.UserError as e:  # the server's file, not the client's input
@@ -948,7 +943,7 @@ class App:
     def clip_reference(self, data: bytes, what: str, text: str):
         """Uploaded audio bytes (any format soundfile reads) and its transcript -> the model's reference."""
         with self.codec_work():
-            return self.model.clip_reference(*clip_samples(data, what), text)
+            return self.model.clip_reference(*clip_samples(data, what), text, what)
 
     def clip_codes(self, data: bytes, what: str) -> torch.Tensor:
         """Uploaded audio bytes -> S2-Pro's codes (10, T) (/v1/vqgan/encode)."""
@@ -961,23 +956,27 @@ class App:
         return given + [self.clip_reference(audio, f"reference {i} audio", text)
                         for i, (audio, text) in enumerate(job["clips"], 1)]
 
-    def check_voices(self, saved=None, free=None):
-        """A 404 if `saved` is not a saved voice (of any model), a 409 if `free` is. Each change checks first
-        without the lock (a refusal makes no lock file, encodes no audio), then under it."""
+    def check_voices(self, saved=None, free=None, adds=False):
+        """A 404 if `saved` is not a saved voice (of any model), a 409 if `free` is, a 507 if a voice `adds`
+        to --max-voices. Each change checks first without the lock (a refusal makes no lock file, encodes no
+        audio), then under it."""
         names = self.every_voice()
         if saved is not None and saved not in names:
             raise HTTPError(404, f"no voice named {saved!r}")
         if free in names:
             raise HTTPError(409, f"voice {free!r} exists already: delete it first")
+        if adds and len(names) >= self.max_voices:
+            raise HTTPError(507, f"{len(names)} voices are saved, as many as this server keeps (--max-voices"
+                                 f" {self.max_voices}): delete one first")
 
     @contextlib.contextmanager
-    def voices_locked(self, saved=None, free=None):
+    def voices_locked(self, saved=None, free=None, adds=False):
         """One save, delete or rename at a time among threads and servers sharing the folder (an flock on
         each call's own descriptor). Readers take no lock: a voice appears once its transcript is in place."""
         self.voices.mkdir(parents=True, exist_ok=True)
         with open(self.voices / ".fishfast-lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
-            self.check_voices(saved, free)
+            self.check_voices(saved, free, adds)
             yield
 
     def voice_paths(self, name: str) -> list:
@@ -986,9 +985,9 @@ class App:
         return [path for model in MODELS.values() for path in model.voice_paths(self.voices, name)]
 
     def save_voice(self, name: str, audio: bytes, text: str) -> dict:
-        self.check_voices(free=name)
+        self.check_voices(free=name, adds=True)
         reference = self.clip_reference(audio, "audio", text)  # all is checked before anything is written
-        with self.voices_locked(free=name):
+        with self.voices_locked(free=name, adds=True):
             try:
                 saved = self.model.write_voice(self.voices, name, reference)
             except common.UserError as e:  # a full disk, a folder gone
@@ -1039,7 +1038,7 @@ class Handler(BaseHTTPRequestHandler):
             host, path, self.query = request_target(self.path)
             self.length = body_length(self.headers.get_all("Content-Length", []),
                                       self.headers.get_all("Transfer-Encoding", []))
-            given = check_host(self.headers.get_all("Host", []), self.app.hosts)  # before anything else
+            given = check_host(self.headers.get_all("Host", []), self.app.hosts, self.request_version)
             self.host = given if host is None else check_host([host], self.app.hosts)  # absolute-form's wins
             route, self.name, self.route_path = path, None, path
             if path.startswith("/v1/audio/voices/"):
@@ -1091,11 +1090,14 @@ class Handler(BaseHTTPRequestHandler):
                             "Access-Control-Allow-Headers": asked, "Access-Control-Max-Age": "600"})
         self.send_bytes(b"", None, 204, headers)
 
-    def authorize(self):
+    def authorized(self) -> bool:
         scheme, _, given = self.headers.get("Authorization", "").strip().partition(" ")
         key = self.app.api_key  # the scheme is case-insensitive (RFC 9110), the key is not
-        if key is not None and not (scheme.lower() == "bearer"
-                                    and hmac.compare_digest(given.strip().encode(), key.encode())):
+        return key is None or (scheme.lower() == "bearer"
+                               and hmac.compare_digest(given.strip().encode(), key.encode()))
+
+    def authorize(self):
+        if not self.authorized():
             raise HTTPError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
                             {"WWW-Authenticate": "Bearer"})
 
@@ -1181,7 +1183,12 @@ class Handler(BaseHTTPRequestHandler):
         self.send_bytes(render_page(self.app).encode(), "text/html; charset=utf-8")
 
     def health(self):
-        self.send_json(self.app.health(), 200 if self.app.alive else 503)
+        """With --api-key, a client without the key learns only whether the server is up and its model (a
+        load balancer's probe needs no key)."""
+        info = self.app.health()
+        if not self.authorized():
+            info = dict(status=info["status"], model=info["model"])
+        self.send_json(info, 200 if self.app.alive else 503)
 
     def models(self):
         self.send_json(dict(object="list", data=[dict(id=self.app.name, object="model", created=0,
@@ -1236,7 +1243,7 @@ class Handler(BaseHTTPRequestHandler):
         """A voice name from the request -> the name, checked; upstream's error answers repeat it."""
         if self.error_fields:
             self.error_fields[key] = name if isinstance(name, str) else ""
-        return check_voice_name(name)
+        return common.voice_name(name)
 
     def speech(self):
         job = openai_job(self.data(), self.app.model.options)
@@ -1285,8 +1292,9 @@ class Handler(BaseHTTPRequestHandler):
             else:
                 samples = self.stream(request, job)
         finally:
+            gone = request.cancelled  # by watch: the client hung up
             request.cancel()  # a no-op once it has finished; frees the row if the client is gone
-        self.log_figures(start, samples)
+        self.log_figures(start, samples, gone)
 
     def stream(self, request, job: dict) -> int:
         model, fmt, sse = self.app.model, job["format"], job["send"] == "sse"
@@ -1350,11 +1358,14 @@ class Handler(BaseHTTPRequestHandler):
 
         threading.Thread(target=run, name="fishfast-watch", daemon=True).start()
 
-    def log_figures(self, start: float, samples: int):
+    def log_figures(self, start: float, samples: int, cancelled=False):
         model = self.app.model
         wall, seconds, frames = time.perf_counter() - start, samples / model.sample_rate, samples / model.hop
+        if cancelled or not samples:  # no rate of what was not made
+            what = "cancelled (the client hung up)" if cancelled else "no audio"
+            return self.log_message("%s: %s after %.2f s, %d frames made", self.path, what, wall, frames)
         self.log_message("%s: %d frames, %.2f s of audio in %.2f s: %.1f frames/s, RTF %.3f", self.path,
-                         frames, seconds, wall, frames / max(wall, 1e-9), wall / max(seconds, 1e-9))
+                         frames, seconds, wall, frames / max(wall, 1e-9), wall / seconds)
 
 
 class Refusal(Handler):
@@ -1486,6 +1497,8 @@ def parse_args(argv=None):
                     " Ctrl-C, how long running requests may take to end (default 8: docker stop waits 10)")
     ap.add_argument("--voices", default="prompt", help="saved voices: S2-Pro's <name>.npy + .txt, OmniVoice's"
                     " <name>.omnivoice.safetensors (default prompt/)")
+    ap.add_argument("--max-voices", type=int, default=1000, help="voices the folder may hold, every model's;"
+                    " saving one more is a 507 (default 1000)")
     ap.add_argument("--api-key", default=os.environ.get("FISHFAST_API_KEY"),
                     help="require 'Authorization: Bearer KEY' on /v1/ (default $FISHFAST_API_KEY, else none)")
     ap.add_argument("--allow-origin", action="append", metavar="ORIGIN", help="let pages of this origin"
@@ -1497,13 +1510,32 @@ def parse_args(argv=None):
     ap.add_argument("--default-voice", metavar="NAME", help="the saved voice OpenAI's built-in voice names"
                     " (alloy, ash, ...) speak with, unless a voice has that name (default: none, plain TTS)")
     args = ap.parse_args(argv)
-    if min(args.slots, args.codec_workers, args.max_connections) < 1 or args.queue < 0 \
+    if min(args.slots, args.codec_workers, args.max_connections, args.max_voices) < 1 or args.queue < 0 \
             or args.max_context < 2 or not args.shutdown_wait >= 0:
-        ap.error("--slots, --codec-workers and --max-connections must be >= 1, --queue and --shutdown-wait"
-                 " >= 0 and --max-context >= 2")
-    if args.default_voice and not is_voice_name(args.default_voice):
+        ap.error("--slots, --codec-workers, --max-connections and --max-voices must be >= 1, --queue and"
+                 " --shutdown-wait >= 0 and --max-context >= 2")
+    if args.default_voice and not common.is_voice_name(args.default_voice):
         ap.error(f"--default-voice {args.default_voice!r}: use 1-64 letters, digits, '_', '-', inner spaces")
+    if Path(args.voices).exists() and not Path(args.voices).is_dir():
+        ap.error(f"--voices {args.voices}: not a folder")
+    unusable = address_error(args.host, args.port)  # now, not after minutes of loading
+    if unusable:
+        ap.error(f"cannot listen on {args.host}:{args.port}: {unusable}")
     return args
+
+
+def address_error(host: str, port: int):
+    """What is wrong with --host and --port (a port out of range or in use, an address this machine lacks),
+    bound once and let go -> None if nothing."""
+    if not 0 <= port <= 65535:
+        return "a port is 0 to 65535 (0: any free one)"
+    try:
+        with socket.socket(Server.address_family) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
+            probe.bind((host, port))
+    except OSError as e:  # gaierror too: a name that does not resolve
+        return e.strerror or str(e)
+    return None
 
 
 def make_server(args) -> Server:

@@ -3,11 +3,13 @@ dtype choice, atomic writes, audio files, CPU quantization as a swap of nn.Linea
 thread. It imports no model file, so a model file can be copied with this one alone. (What makes a model
 faster on one kind of CPU is cpu_fast.py's, applied from outside.)
 
-Sections: errors and the CLI wrapper, devices and dtypes (and the trainers' torchrun processes), files
-(atomic writes, audio, the compile cache), CPU quantization (QuantLinear, W8A8Linear, swap_linears), memory,
-engines (Job, and EngineThread: the thread that steps either model's Scheduler).
+Sections: errors and the CLI wrapper, user input (voice names, seeds, control tokens: the CLIs' and the
+server's one rule each), devices and dtypes (and the trainers' torchrun processes), files (atomic writes,
+audio, the compile cache), CPU quantization (QuantLinear, W8A8Linear, swap_linears), memory, engines (Job,
+and EngineThread: the thread that steps either model's Scheduler).
 """
 import argparse
+import glob
 import importlib
 import math
 import os
@@ -62,6 +64,56 @@ def cli(main, argv=None):
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):  # a bad command line is one `error: ...` line, like every other error
         self.exit(2, f"error: {message}\n")
+
+
+# ----------------------------------------------------------------------------- user input
+VOICE_NAME = re.compile(r"[A-Za-z0-9_ -]{1,64}")  # upstream's rule for reference ids, at most 64 characters
+MAX_SEED = 2**63  # a request's seed is 0 <= seed < MAX_SEED: what a JSON client and both generators take
+
+
+def is_voice_name(name) -> bool:
+    return isinstance(name, str) and bool(VOICE_NAME.fullmatch(name)) and name.strip() == name
+
+
+def voice_name(name, what="voice name") -> str:
+    """The one rule for a saved voice's name, the server's and the CLIs', checked before any path is built
+    from it: no separators, dots or odd characters (a voice's files are <name>.<suffix> in the folder)."""
+    if not is_voice_name(name):
+        raise UserError(f"{what} {str(name)[:80]!r} is not allowed: use 1-64 letters, digits, '_', '-' or"
+                        " inner spaces")
+    return name
+
+
+def voice_files(folder, name: str) -> list:
+    """Every model's files of voice `name` in a voices folder: <name>.<suffix> (a voice name has no dot)."""
+    folder = Path(folder)
+    found = folder.glob(glob.escape(voice_name(name)) + ".*") if folder.is_dir() else []
+    return sorted(path for path in found if path.name.partition(".")[0] == name)
+
+
+def check_seed(seed, what="seed"):
+    """A request's seed (None: drawn), the CLIs' and the server's range."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < MAX_SEED):
+        raise UserError(f"{what} must be an integer from 0 to 2**63 - 1, got {seed!r:.40}")
+    return seed
+
+
+def control_tokens(tokenizer, text: str, allowed=None) -> list:
+    """The tokenizer's added tokens (<|im_end|>, <|text_end|>, ...: ids a prompt is built of) that `text`
+    is tokenized into, but those the regex `allowed` matches (the model's documented tags), in order."""
+    added = tokenizer.get_added_tokens_decoder()  # {id: AddedToken}: read from the tokenizer, never a list
+    ids = dict.fromkeys(tokenizer.encode(text, add_special_tokens=False).ids)
+    return [added[i].content for i in ids
+            if i in added and not (allowed and allowed.fullmatch(added[i].content))]
+
+
+def check_plain_text(tokenizer, text: str, what: str, allowed=None):
+    """User text is text: an added token in it would reach the model as control (`<|text_end|>` closes the
+    text and what follows is read as style), so it is refused, named."""
+    found = control_tokens(tokenizer, text, allowed)
+    if found:
+        raise UserError(f"{what} contains {found[0][:40]!r}, a control token of the model's tokenizer: text"
+                        " may not hold one (write it otherwise)")
 
 
 # ----------------------------------------------------------------------------- devices and dtypes

@@ -45,9 +45,9 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from tqdm import tqdm
 
-from common import (DTYPES, ArgumentParser, EngineClosed, Job, QuantLinear, UserError, cli,
-                    default_compile_cache, device_name, peak_memory_gb, pick_device, pick_dtype, queue_job,
-                    swap_linears, unreadable, use_compile_cache)
+from common import (DTYPES, ArgumentParser, EngineClosed, Job, QuantLinear, UserError, check_plain_text,
+                    check_seed, cli, default_compile_cache, device_name, peak_memory_gb, pick_device,
+                    pick_dtype, queue_job, swap_linears, unreadable, use_compile_cache)
 
 # The real fishaudio/s2-pro dimensions, with upstream's flat `dual_ar` key names.
 CONFIG = dict(
@@ -911,11 +911,13 @@ def check_request(model: DualAR, text: str, references) -> list:
     n_semantic = cfg["semantic_end_id"] - cfg["semantic_begin_id"] + 1
     if not isinstance(text, str) or not text.strip():
         raise UserError("the text to speak is empty")
+    check_plain_text(model.tokenizer, text, "the text to speak", SPEAKER_TAG)
     references, checked = [(torch.as_tensor(c), t) for c, t in references], []
     check_reference_count(len(references))
     for i, (codes, transcript) in enumerate(references, 1):
         if not isinstance(transcript, str) or not transcript.strip():
             raise UserError(f"reference {i} has no transcript (give --prompt-text for every reference)")
+        check_plain_text(model.tokenizer, transcript, f"reference {i} transcript", SPEAKER_TAG)
         if codes.dim() != 2 or codes.size(0) != cfg["num_codebooks"] or codes.size(1) == 0:
             raise UserError(f"reference {i} codes have shape {list(codes.shape)},"
                             f" expected [{cfg['num_codebooks']}, frames]")
@@ -1479,6 +1481,7 @@ def check_args(args):
     if not args.text or not args.text.strip():
         raise UserError("no text to speak: give --text or --text-file")
     check_sampling(args.temperature, args.top_p, args.top_k, args.max_new_tokens, args.chunk_length)
+    check_seed(args.seed)  # the server's range
     if args.stream and args.codes_only:
         raise UserError("--stream writes audio: drop --codes-only")
 

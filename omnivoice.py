@@ -18,7 +18,8 @@ How the file reads (sections, top to bottom):
     loading          the checkpoint folder -> model, tokenizer and audio tokenizer
     quantization     int8/int4 weights on CPU (common.QuantLinear); the compiled forward (static buckets)
     voices           a clone prompt from a clip (voice_prompt), saved and read back
-    requests         generate()'s arguments -> one item per text (target length, style, reference)
+    requests         the limits of a request (the CLI's and the server's), generate()'s arguments -> one
+                     item per text (target length, style, reference; user text without control tokens)
     unmasking        the schedule (time_steps, count_schedule), the batch's rows (upstream's, packed,
                      flat), CFG in log-prob space, layer penalty, Gumbel reveal; the engine: Unmasking (one
                      text), Scheduler.step() (texts batched, each its own stream; common.EngineThread steps
@@ -26,7 +27,7 @@ How the file reads (sections, top to bottom):
     generation       encode, decode, generate (short and chunked), post-processing; Speech (a text sentence
                      by sentence, the server's streaming unit), CrossFade (the join, streamed), stream
     demo             a tiny random model and tokenizer, built in memory
-    CLI              `python omnivoice.py`
+    CLI              `python omnivoice.py` (voice names: common.voice_name, the server's)
 """
 import argparse
 import collections
@@ -34,7 +35,6 @@ import contextlib
 import functools
 import json
 import math
-import re
 import sys
 import threading
 import time
@@ -50,10 +50,11 @@ from tqdm import tqdm
 import common
 import omnivoice_codec
 from common import UserError
-from omnivoice_text import (add_punctuation, chunk_text_punctuation, combine_text, cross_fade_chunks,
-                            estimate_target_tokens, fade_and_pad, has_cjk, normalize_reference, output_gain,
-                            remove_silence, resolve_instruct, resolve_language, rms, split_sentences,
-                            style_prefix, tokenize, tokenize_with_nonverbal_tags)
+from omnivoice_text import (NONVERBAL_TAGS, add_punctuation, chunk_text_punctuation, combine_text,
+                            cross_fade_chunks, estimate_target_tokens, fade_and_pad, has_cjk,
+                            normalize_reference, output_gain, remove_silence, resolve_instruct,
+                            resolve_language, rms, split_sentences, style_prefix, tokenize,
+                            tokenize_with_nonverbal_tags)
 
 # The real k2-fsa/OmniVoice LM (Qwen3-0.6B shape), in our flat key names.
 CONFIG = dict(vocab_size=151676, dim=1024, n_layer=28, n_head=16, n_local_heads=8, head_dim=128,
@@ -380,12 +381,17 @@ def read_clip(ref_audio, sample_rate: int) -> np.ndarray:
     return wave
 
 
+class SilentClip(UserError):
+    """A reference clip with no frame left once its silences are trimmed (a caller says how to keep them)."""
+
+
 def voice_prompt(model: OmniVoice, ref_audio, ref_text: str, preprocess_prompt: bool = True) -> dict:
     """A clip and its transcript -> dict(codes (C, T) int64, text, rms): upstream's voice-clone prompt (level
     to RMS 0.1, silences trimmed, cut to whole frames, encoded; the transcript ends in punctuation)."""
     if ref_text is None or not str(ref_text).strip():
         raise UserError("ref_text is missing: give the transcript of the reference clip (fishfast ships no"
                         " speech recogniser)")
+    common.check_plain_text(model.tokenizer, ref_text, "ref_text")
     wave = read_clip(ref_audio, model.sample_rate)
     level = rms(wave)  # of the whole clip, silences included
     wave = normalize_reference(wave, level)
@@ -394,7 +400,7 @@ def voice_prompt(model: OmniVoice, ref_audio, ref_text: str, preprocess_prompt: 
     hop = model.audio_tokenizer.hop_length
     wave = wave[:, :wave.shape[-1] // hop * hop]
     if wave.shape[-1] == 0:
-        raise UserError("the reference clip is silent or shorter than a frame (try preprocess_prompt=False)")
+        raise SilentClip("the reference clip is silent or shorter than a frame (try preprocess_prompt=False)")
     codes = encode(model, wave[0], model.sample_rate)
     return dict(codes=codes, text=add_punctuation(ref_text) if preprocess_prompt else ref_text, rms=level)
 
@@ -444,6 +450,25 @@ def check_voice(voice, model: OmniVoice = None):
 
 
 # ----------------------------------------------------------------------------- requests
+# what one request may ask, the server's and the CLI's limits
+MAX_STEPS = 64  # num_step (32 by default): a step re-reads the whole sequence
+SPEEDS = (0.25, 4.0)  # speed: OpenAI's range
+MAX_DURATION = 300  # seconds of audio `duration` may ask for
+
+
+def check_limits(num_step=None, guidance_scale=None, speed=None, duration=None):
+    """A request's numbers (their types are the caller's to check) within the limits: one message for the
+    CLI and the server."""
+    if num_step is not None and not 1 <= num_step <= MAX_STEPS:
+        raise UserError(f"num_step must be 1 to {MAX_STEPS}, got {num_step}")
+    if guidance_scale is not None and not guidance_scale >= 0:
+        raise UserError(f"guidance_scale must be >= 0, got {guidance_scale:g}")
+    if speed is not None and not SPEEDS[0] <= speed <= SPEEDS[1]:
+        raise UserError(f"speed must be {SPEEDS[0]} to {SPEEDS[1]}, got {speed:g}")
+    if duration is not None and not 0 < duration <= MAX_DURATION:
+        raise UserError(f"duration must be more than 0 and at most {MAX_DURATION} seconds, got {duration:g}")
+
+
 def per_item(name: str, value, n: int) -> list:
     """A value for every text, or a list with one value per text (or one for all)."""
     many = isinstance(value, list) or isinstance(value, tuple) and name != "ref_audio"  # (wave, rate) is one
@@ -466,6 +491,8 @@ def plan(model: OmniVoice, texts: list, language, ref_audio, ref_text, voice, in
     n = len(texts)
     if any(not isinstance(text, str) or not text.strip() for text in texts):
         raise UserError("text is empty: give the words to speak")
+    for text in texts:  # the non-verbal tags are text (tokenized alone), the tokenizer's own tokens are not
+        common.check_plain_text(model.tokenizer, text, "text", NONVERBAL_TAGS)
     columns = [per_item(name, value, n) for name, value in
                (("language", language), ("instruct", instruct), ("speed", speed), ("duration", duration))]
     for s, d in zip(columns[2], columns[3]):  # before any clip is encoded
@@ -483,6 +510,7 @@ def plan(model: OmniVoice, texts: list, language, ref_audio, ref_text, voice, in
     for v in voices:
         if v is not None:
             check_voice(v, model)
+            common.check_plain_text(model.tokenizer, v["text"], "the voice's transcript (ref_text)")
     items = []
     for text, v, lang, inst, s, d in zip(texts, voices, *columns):
         codes = None if v is None else torch.as_tensor(v["codes"]).long()
@@ -1137,12 +1165,20 @@ def demo_model(device="cpu", dtype=torch.float32) -> OmniVoice:
 
 # ----------------------------------------------------------------------------- CLI
 def voice_path(name: str, folder: Path) -> Path:
-    """--voice NAME: a file, or NAME in the voices folder."""
+    """--voice NAME: a file, or NAME in the voices folder (the server's rule for names: common.voice_name)."""
     path = Path(name)
     if path.suffix in (".pt", ".safetensors") or path.is_file():
         return path
-    if not re.fullmatch(r"[\w.-]{1,64}", name) or name.startswith("."):
-        raise UserError(f"--voice {name!r}: a voice name is letters, digits, '.', '_' and '-'")
+    return folder / f"{common.voice_name(name, '--voice')}{VOICE_SUFFIX}"
+
+
+def new_voice_path(name: str, folder: Path, force: bool) -> Path:
+    """--save-voice NAME -> its file; a name taken by a voice of either model is refused unless --force (the
+    server answers 409)."""
+    taken = common.voice_files(folder, common.voice_name(name, "--save-voice"))
+    if taken and not force:
+        raise UserError(f"--save-voice {name!r}: voice {name!r} exists already ({taken[0]}): give --force to"
+                        " replace it, or another name")
     return folder / f"{name}{VOICE_SUFFIX}"
 
 
@@ -1157,6 +1193,7 @@ def parse_args(argv=None):
     ap.add_argument("--voice", help=f"a saved voice: NAME in --voices ({VOICE_SUFFIX}) or a .safetensors/.pt")
     ap.add_argument("--save-voice", metavar="NAME", help="save the --ref-audio clone prompt as voice NAME")
     ap.add_argument("--voices", default="prompt", help="the voices folder (default prompt/)")
+    ap.add_argument("--force", action="store_true", help="--save-voice may replace a voice of that name")
     ap.add_argument("--instruct", help="voice design: attributes such as 'female, low pitch, british accent'")
     ap.add_argument("--language", help="a language code (en, zh...) or name (English...); default: none")
     ap.add_argument("--speed", type=float, help="speaking rate factor (> 1 faster)")
@@ -1195,6 +1232,9 @@ def main(argv=None):
         raise UserError(f"--out {out}: give a .wav file path")
     if args.save_voice and not args.ref_audio:
         raise UserError("--save-voice needs --ref-audio and --ref-text")
+    save_path = new_voice_path(args.save_voice, Path(args.voices), args.force) if args.save_voice else None
+    check_limits(args.num_step, args.guidance_scale, args.speed, args.duration)  # the server's
+    common.check_seed(args.seed)
     checkpoint = args.checkpoint or (DEFAULT_CHECKPOINT if Path(DEFAULT_CHECKPOINT).is_dir() else None)
     if checkpoint:
         model = load(checkpoint, device, dtype, args.quant)
@@ -1212,12 +1252,18 @@ def main(argv=None):
                class_temperature=args.class_temperature, preprocess_prompt=not args.no_preprocess,
                postprocess_output=not args.no_postprocess)
     if args.ref_audio:
-        voice = voice_prompt(model, args.ref_audio, args.ref_text, gen["preprocess_prompt"])
-        if args.save_voice:
-            path = voice_path(args.save_voice, Path(args.voices))
-            path.parent.mkdir(parents=True, exist_ok=True)
-            save_voice(path, voice)
-            print(f"saved voice {args.save_voice} -> {path}")
+        try:
+            voice = voice_prompt(model, args.ref_audio, args.ref_text, gen["preprocess_prompt"])
+        except SilentClip:  # its hint is the library's keyword: the CLI's flag instead
+            raise UserError(f"--ref-audio {args.ref_audio} is silent or shorter than a frame"
+                            + (" once its silences are trimmed (keep them: --no-preprocess)"
+                               if gen["preprocess_prompt"] else "")) from None
+        if save_path:
+            save_path.parent.mkdir(parents=True, exist_ok=True)
+            for path in common.voice_files(save_path.parent, args.save_voice):  # --force: the old voice goes
+                path.unlink()
+            save_voice(save_path, voice)
+            print(f"saved voice {args.save_voice} -> {save_path}")
     common.reset_peak_memory(device)
     start = time.perf_counter()
     [audio], [tokens] = generate(model, args.text, language=args.language, voice=voice,

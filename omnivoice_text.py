@@ -139,6 +139,9 @@ def resolve_instruct(instruct: str | None, use_zh: bool = False) -> str | None:
                         " Chinese speech, accents for English speech")
     use_zh = has_dialect or (use_zh and not has_accent)
     items = [(EN_TO_ZH if use_zh else ZH_TO_EN).get(item, item) for item in items]
+    repeated = [item for item in dict.fromkeys(items) if items.count(item) > 1]
+    if repeated:  # upstream refuses it too, as a conflict of the item with itself
+        raise UserError(f"instruct: '{repeated[0]}' is given twice: give each attribute once")
     clashes = [[i for i in items if i in category] for category in INSTRUCT_CATEGORIES]
     clashes = [" vs ".join(f"'{i}'" for i in hits) for hits in clashes if len(hits) > 1]
     if clashes:

@@ -1,6 +1,7 @@
 """common.py: the helpers every model shares."""
 import collections
 import os
+import re
 import stat
 import threading
 
@@ -199,3 +200,44 @@ def test_an_engine_thread_steps_any_scheduler_and_bounds_its_queue():
     assert not engine.thread.is_alive() and scheduler.closed
     with pytest.raises(common.EngineClosed):
         engine.submit(Countdown(1))
+
+
+# ----------------------------------------------------------------------------- issue 45: user input rules
+def test_one_voice_name_rule_and_a_voices_files_of_every_model(tmp_path):
+    assert common.voice_name("stereo one") == "stereo one"  # what the server saves, the CLIs take
+    for bad in ("my.voice", "../evil", " lead", "a/b", "", "x" * 65, 5):
+        with pytest.raises(common.UserError, match=r"^--save-voice .* is not allowed: use 1-64 letters"):
+            common.voice_name(bad, "--save-voice")
+    for name in ("stereo one.npy", "stereo one.txt", "stereo one.omnivoice.safetensors", "stereo onex.npy",
+                 "stereo.npy", ".stereo one.npy.part"):
+        (tmp_path / name).touch()
+    assert [p.name for p in common.voice_files(tmp_path, "stereo one")] == [
+        "stereo one.npy", "stereo one.omnivoice.safetensors", "stereo one.txt"]
+    assert common.voice_files(tmp_path / "absent", "stereo one") == []
+
+
+def test_a_seed_is_0_to_2_63_for_the_clis_and_the_server():
+    assert common.check_seed(0) == 0 and common.check_seed(2**63 - 1) == 2**63 - 1
+    assert common.check_seed(None) is None
+    for bad in (-1, 2**63, True, 1.5):
+        with pytest.raises(common.UserError) as error:
+            common.check_seed(bad, "--seed")
+        assert str(error.value) == f"--seed must be an integer from 0 to 2**63 - 1, got {bad!r}"
+
+
+def test_added_tokens_of_the_tokenizer_in_user_text_are_found_and_named():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(
+        pre_tokenizers.ByteLevel.alphabet()))}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.add_special_tokens(["<|im_end|>", "<|speaker:0|>"])
+    tokenizer.add_tokens(["<think>"])  # an added token that is not special is read as one id too
+    text = "Hi <|speaker:0|>there [laughter] <|im_end||>"
+    assert common.control_tokens(tokenizer, text) == ["<|speaker:0|>"]
+    tag = re.compile(r"<\|speaker:\d+\|>")
+    assert common.control_tokens(tokenizer, "Hi <|speaker:0|>there", tag) == []
+    assert common.control_tokens(tokenizer, "a<think>b<|im_end|>c<think>", tag) == ["<think>", "<|im_end|>"]
+    with pytest.raises(common.UserError) as error:
+        common.check_plain_text(tokenizer, "Hello<|im_end|>", "input", tag)
+    assert str(error.value) == ("input contains '<|im_end|>', a control token of the model's tokenizer: text"
+                                " may not hold one (write it otherwise)")

@@ -232,3 +232,12 @@ def test_count_schedule_matches_every_generate_call(key):
     for call in case["iterative_calls"]:
         for target_len, schedule in zip(call["target_lens"], call["count_schedule"]):
             assert ov.count_schedule(target_len * codebooks, ts) == schedule
+
+
+# ----------------------------------------------------------------------------- issue 45: messages
+def test_a_repeated_attribute_is_refused_as_upstream_does_but_named_a_repeat_not_a_conflict():
+    for instruct, repeated in (("male, male", "male"), ("Male, low pitch, male", "male"),
+                               ("女，female", "female")):
+        with pytest.raises(UserError) as error:  # upstream: "Conflicting ... 'male' vs 'male'"
+            ot.resolve_instruct(instruct)
+        assert str(error.value) == f"instruct: '{repeated}' is given twice: give each attribute once"

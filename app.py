@@ -694,7 +694,7 @@ class S2ProModel:
     # voices: prompt/<name>.npy (codes) or an audio file, + prompt/<name>.txt, the layout the CLI reads
     @staticmethod
     def voice_files(folder: Path) -> dict:  # -> {name: (kind, path)}
-        return {path.stem: (kind, path) for kind, path in dualAR.default_references(folder)}
+        return {path.stem: (kind, path) for kind, path in codec.default_references(folder)}
 
     @staticmethod
     def voice_paths(folder: Path, name: str) -> list:
@@ -706,8 +706,8 @@ class S2ProModel:
     def read_voice(self, kind: str, path: Path, codec_work) -> tuple:
         # a voice kept as audio is encoded each time it is used: codec work as an upload's
         with codec_work() if kind != "codes" else contextlib.nullcontext():
-            codes = dualAR.reference_codes(kind, path, self.model.config, lambda: self.dac)
-        return codes, dualAR.read_transcript(path.with_suffix(".txt"))
+            codes = codec.reference_codes(kind, path, self.model.config, lambda: self.dac)
+        return codes, codec.read_transcript(path.with_suffix(".txt"))
 
     def clip_reference(self, samples, rate: int, text: str, what: str) -> tuple:
         common.check_plain_text(self.model.tokenizer, text, f"{what}'s transcript", dualAR.SPEAKER_TAG)

@@ -6,7 +6,7 @@
 
 CLI: `python codec.py encode|decode --help`. Matches upstream fish-speech (3dd1f85) `modded_dac.DAC`
 with `rvq.DownsampleResidualVectorQuantize` as it runs at inference: codes exactly, waveforms to fp32 noise.
-Needs common.py alone; dualAR.py takes its RMSNorm, FeedForward and RoPE from here.
+Needs common.py alone. Also the reference files S2-Pro clones from (a clip or its codes + transcript).
 """
 import argparse
 import json
@@ -557,6 +557,37 @@ def save_wav(path, wave, sample_rate=44100):
 def save_codes(path, codes):
     """Codes -> int64 .npy, atomically."""
     common.save_npy(path, codes)
+
+
+# ----------------------------------------------------------------------------- reference files
+def read_transcript(path: Path) -> str:
+    try:
+        text = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise common.unreadable(path, e) from None
+    if not text:
+        raise common.UserError(f"transcript {path} is empty")
+    return text
+
+
+def default_references(folder=Path("prompt")) -> list:
+    """Every prompt/<stem>.npy (or audio file) that has a prompt/<stem>.txt transcript -> [(kind, path)]."""
+    refs = {}
+    for path in sorted(folder.glob("*")) if folder.is_dir() else []:
+        kind = "audio" if path.suffix.lower() in AUDIO_EXTENSIONS else None
+        kind = "codes" if path.suffix == ".npy" else kind
+        if kind and path.with_suffix(".txt").is_file() and (path.stem not in refs or kind == "codes"):
+            refs[path.stem] = (kind, path)
+    return list(refs.values())
+
+
+def reference_codes(kind: str, path: Path, cfg: dict, dac) -> torch.Tensor:
+    """A reference file -> codes (num_codebooks, T) for the LM of config `cfg`: a codes file as it is, an
+    audio file through the codec (`dac()` gives it: codes alone never load it). An unreadable file is a
+    UserError."""
+    if kind == "codes":
+        return read_codes(path, rows=cfg["num_codebooks"], vocab=cfg["codebook_size"])
+    return encode(dac(), load_audio(path))[0].cpu()
 
 
 # ----------------------------------------------------------------------------- CLI

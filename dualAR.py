@@ -1365,52 +1365,22 @@ def model_settings(args) -> tuple:
     return device, pick_dtype(args.dtype, device), compiled
 
 
-def read_transcript(path: Path) -> str:
-    try:
-        text = path.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise unreadable(path, e) from None
-    if not text:
-        raise UserError(f"transcript {path} is empty")
-    return text
-
-
-def default_references(folder=Path("prompt")) -> list:
-    """Every prompt/<stem>.npy (or audio file) that has a prompt/<stem>.txt transcript."""
-    import codec
-    refs = {}
-    for path in sorted(folder.glob("*")) if folder.is_dir() else []:
-        kind = "audio" if path.suffix.lower() in codec.AUDIO_EXTENSIONS else None
-        kind = "codes" if path.suffix == ".npy" else kind
-        if kind and path.with_suffix(".txt").is_file() and (path.stem not in refs or kind == "codes"):
-            refs[path.stem] = (kind, path)
-    return list(refs.values())
-
-
 def load_references(args, model: DualAR, device) -> list:
     """-> [(codes, transcript)] from --prompt-codes/--prompt-audio paired in order with --prompt-text,
     or else from prompt/ (unless --no-prompt)."""
+    import codec
     given, texts = args.references or [], args.prompt_text or []
     if not given and not texts and not args.no_prompt:
-        given = default_references()
-        texts = [read_transcript(path.with_suffix(".txt")) for _, path in given]
+        given = codec.default_references()
+        texts = [codec.read_transcript(path.with_suffix(".txt")) for _, path in given]
         if given:
             print("references from prompt/: " + ", ".join(p.name for _, p in given), file=sys.stderr)
     if len(texts) != len(given):
         raise UserError(f"{len(given)} reference clip(s) but {len(texts)} --prompt-text: give one transcript"
                         " per --prompt-audio/--prompt-codes, in the same order")
     check_reference_count(len(given))  # before any clip is encoded
-    return [(reference_codes(kind, path, model.config, lambda: codec_model(args, device)), text)
+    return [(codec.reference_codes(kind, path, model.config, lambda: codec_model(args, device)), text)
             for (kind, path), text in zip(given, texts)]
-
-
-def reference_codes(kind: str, path: Path, cfg: dict, dac) -> Tensor:
-    """A reference file -> codes (num_codebooks, T): a codes file as it is, an audio file through the codec
-    (`dac()` gives it: codes alone never load it). A file that cannot be read is a UserError."""
-    import codec
-    if kind == "codes":
-        return codec.read_codes(path, rows=cfg["num_codebooks"], vocab=cfg["codebook_size"])
-    return codec.encode(dac(), codec.load_audio(path))[0].cpu()
 
 
 def codec_model(args, device):

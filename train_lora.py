@@ -274,7 +274,7 @@ def prepare_dataset(args):
     rank, world, device = common.join_processes(common.pick_device(args.device))
     n_found, clips = find_clips(Path(args.data_dir), args.strict, audio_only=True)
     for clip in clips.values():  # check everything before writing anything
-        dualAR.read_transcript(clip["text"])
+        codec.read_transcript(clip["text"])
         try:
             info = sf.info(str(clip["audio"]))  # the header: decoding every file twice would be slow
         except Exception as e:
@@ -309,9 +309,9 @@ def load_samples(data_dir: Path, model: dualAR.DualAR, strict=False, max_length=
                         f" run `python train_lora.py prepare {data_dir}` first")
     samples, too_long = [], []
     for stem, clip in clips.items():
-        codes = dualAR.reference_codes("codes", clip["codes"], model.config, dac=None)
+        codes = codec.reference_codes("codes", clip["codes"], model.config, dac=None)
         name = str(stem.relative_to(data_dir))
-        inputs, labels = sample_tokens(model, dualAR.read_transcript(clip["text"]), codes)
+        inputs, labels = sample_tokens(model, codec.read_transcript(clip["text"]), codes)
         if max_length and inputs.size(1) > max_length:
             too_long.append(name)
         else:

@@ -291,7 +291,7 @@ def test_voices_save_list_use_and_delete(server, ref, root):
     assert torch.equal(codec.read_codes(root / "prompt" / "alice.npy"), codes)
     assert torch.equal(codec.read_codes(root / "prompt" / "bob two.npy"), codes)  # the upload's bytes intact
     assert (root / "prompt" / "bob two.txt").read_text().strip() == text
-    assert dualAR.default_references(root / "prompt")  # the CLI reads what the server saved
+    assert codec.default_references(root / "prompt")  # the CLI reads what the server saved
 
     status, _, body = call(server, "POST", "/v1/tts", dict(text=TEXT, reference_id="alice", seed=13,
                                                           max_new_tokens=10))
@@ -313,7 +313,7 @@ def test_voice_listing_leaves_out_files_whose_names_break_the_rule(server, root)
     for path in bad:
         shutil.copy(root / "prompt" / ("keep" + path.suffix), path)
     try:
-        assert "bad.name" in [p.stem for _, p in dualAR.default_references(root / "prompt")]  # the CLI's
+        assert "bad.name" in [p.stem for _, p in codec.default_references(root / "prompt")]  # the CLI's
         assert "bad.name" not in json.loads(call(server, "GET", "/v1/audio/voices")[2])["voices"]
         listed = json.loads(call(server, "GET", "/v1/references/list?format=json")[2])["reference_ids"]
         assert "keep" in listed and "bad.name" not in listed
@@ -1324,7 +1324,7 @@ def test_saves_deletes_and_reads_racing_on_two_replicas_never_see_half_a_voice(p
             body = dict(text=TEXT, reference_id="race", max_new_tokens=2)
             seen.append(("speak", call(server, "POST", "/v1/tts", body)[0]))
             seen.append(("list", call(server, "GET", "/v1/audio/voices")[0]))
-            for _, path in dualAR.default_references(folder):  # what the CLI would read: whole, or gone
+            for _, path in codec.default_references(folder):  # what the CLI would read: whole, or gone
                 with contextlib.suppress(FileNotFoundError):
                     codec.read_codes(path)
 

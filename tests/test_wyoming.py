@@ -1,5 +1,5 @@
-"""wyoming_server.py: app.py's Wyoming server driven by the wyoming package's own client over loopback, for both
-models on the tiny checkpoints: describe/info, synthesize (the HTTP route's PCM), the streaming form, two
+"""wyoming_server.py: app.py's Wyoming server driven by the wyoming package's own client over loopback, for
+both models on the tiny checkpoints: describe/info, synthesize (the HTTP route's PCM), the streaming form, two
 clients at once, a hang-up, a full queue, bad input; the flags of app.py."""
 import asyncio
 import contextlib
@@ -56,7 +56,8 @@ def s2(tmp_path_factory):
 @pytest.fixture(scope="module")
 def ov(tmp_path_factory):
     folder = tmp_path_factory.mktemp("wyoming-ov")
-    omnivoice.save_voice(folder / f"fox{omnivoice.VOICE_SUFFIX}", omnivoice.load_voice(OV_GOLDEN / "prompt_ref24.pt"))
+    fox = omnivoice.load_voice(OV_GOLDEN / "prompt_ref24.pt")
+    omnivoice.save_voice(folder / f"fox{omnivoice.VOICE_SUFFIX}", fox)
     with servers(OV_CKPT, folder, "--slots", "2", "--queue", "1") as both:
         yield both
 
@@ -110,7 +111,8 @@ def test_describe_lists_the_models_own_and_saved_voices_languages_and_streaming(
     (s2_info,) = exchange(s2.port, [Event("describe")], ("info",))
     (program,) = Info.from_event(s2_info).tts
     assert program.name == "fishfast" and program.installed and program.supports_synthesize_streaming
-    assert program.attribution.url == "https://huggingface.co/fishaudio/s2-pro" and program.version == str(CKPT)
+    assert program.attribution.url == "https://huggingface.co/fishaudio/s2-pro"
+    assert program.version == str(CKPT)
     assert [v.name for v in program.voices] == ["default", "keep"]
     assert program.voices[0].attribution.name == "fishaudio" and program.voices[0].speakers is None
     assert program.voices[1].languages == list(wyoming_server.S2_LANGUAGES) and len(set(program.voices[1]
@@ -126,7 +128,8 @@ def test_describe_lists_the_models_own_and_saved_voices_languages_and_streaming(
 
 # ----------------------------------------------------------------------------- synthesize
 def test_synthesize_gives_the_http_routes_pcm_in_chunks_at_the_models_rate(s2, ov):
-    events = exchange(s2.port, [synthesize("Hello from Wyoming.", SynthesizeVoice(name="keep"), seed=7, **S2_SAY)])
+    keep = SynthesizeVoice(name="keep")
+    events = exchange(s2.port, [synthesize("Hello from Wyoming.", keep, seed=7, **S2_SAY)])
     assert [e.type for e in (events[0], events[-1])] == ["audio-start", "audio-stop"]
     assert events[0].data == dict(rate=44100, width=2, channels=1, timestamp=None)
     chunks = events[1:-1]
@@ -160,7 +163,8 @@ def test_the_streaming_form_speaks_each_sentence_once_it_is_complete(ov):
             while got[-1].type != "audio-stop":  # the first sentence, before the rest of the text is sent
                 got.append(await asyncio.wait_for(client.read_event(), 60))
             # Home Assistant sends the whole text as one synthesize too, for servers that do not stream
-            await client.write_event(Synthesize(text="It was 3.5 metres, Mr. Smith said. How are you?").event())
+            whole = "It was 3.5 metres, Mr. Smith said. How are you? 好的。再见"
+            await client.write_event(Synthesize(text=whole).event())
             await client.write_event(SynthesizeChunk(text=" you? 好的。再见").event())
             await client.write_event(SynthesizeStop().event())
             while got[-1].type != "synthesize-stopped":
@@ -189,7 +193,8 @@ def test_complete_sentences_wait_for_the_space_after_an_end():
 
 # ----------------------------------------------------------------------------- load
 def test_two_clients_at_once_are_batched_and_each_gets_its_own_audio(s2, monkeypatch):
-    requests = [synthesize("The first client.", seed=21, **S2_SAY), synthesize("And the other.", seed=22, **S2_SAY)]
+    requests = [synthesize("The first client.", seed=21, **S2_SAY),
+                synthesize("And the other.", seed=22, **S2_SAY)]
     alone = [pcm_of(exchange(s2.port, [event])) for event in requests]
     scheduler, rows = s2.app.engine.scheduler, []
     step = scheduler.step
@@ -282,8 +287,8 @@ async def exchange_in_loop(port, event) -> list:
 S2_BAD = [
     (synthesize(""), "text is empty: give the text as a non-empty string"),
     (synthesize("x" * 4097), "text has 4097 characters, at most 4096 are allowed"),
-    (synthesize("Hi.", SynthesizeVoice(name="nobody")), "unknown voice 'nobody' (saved voices: keep). Save one"
-     " with POST /v1/audio/voices, or send no voice for plain text-to-speech"),
+    (synthesize("Hi.", SynthesizeVoice(name="nobody")), "unknown voice 'nobody' (saved voices: keep). Save"
+     " one with POST /v1/audio/voices, or send no voice for plain text-to-speech"),
     (synthesize("Hi.", SynthesizeVoice(name="../keep")), "voice name '../keep' is not allowed: use 1-64"
      " letters, digits, '_', '-' or inner spaces"),
     (synthesize("Hi.", SynthesizeVoice(name="keep", speaker="x")), "S2-Pro's voices have no speakers: give"
@@ -291,12 +296,13 @@ S2_BAD = [
     (synthesize("Hi.", seed=-1), "seed must be >= 0, got -1"),
     (Event("synthesize", dict(text="Hi.", text_format="ssml")), "text_format 'ssml' is not supported: send"
      " plain text"),
-    (Event("synthesize", dict(text="Hi.", voice="keep")), "voice must be an object {name, language, speaker}"),
+    (Event("synthesize", dict(text="Hi.", voice="keep")),
+     "voice must be an object {name, language, speaker}"),
     (SynthesizeChunk(text="Hi.").event(), "synthesize-chunk without synthesize-start"),
 ]
 OV_BAD = [
-    (synthesize("Hi.", SynthesizeVoice(name="design", speaker="cheerful")), "speaker (a voice design): unknown"
-     " attribute 'cheerful' — use only: "),
+    (synthesize("Hi.", SynthesizeVoice(name="design", speaker="cheerful")),
+     "speaker (a voice design): unknown attribute 'cheerful' — use only: male, female, "),
     (Event("synthesize", dict(text="Hi.", voice=dict(language="xx-YY"))), "unknown language 'xx-YY' — use a"
      " code such as en, zh, ja or a name such as English (see README)"),
     (synthesize("Hi.", temperature=0.5), "temperature is an S2-Pro option: OmniVoice takes language,"
@@ -317,17 +323,19 @@ def test_bad_input_is_one_error_event_with_one_line_and_the_connection_serves_on
 
 def test_a_stream_that_fails_drops_its_text_and_still_ends(s2):
     start = SynthesizeStart(voice=SynthesizeVoice(name="keep")).event()
-    events = exchange(s2.port, [start, SynthesizeChunk(text="x" * 4097).event(), SynthesizeChunk(text="More. ").event(),
-                                SynthesizeStop().event()], ("synthesize-stopped",))
+    chunks = [SynthesizeChunk(text=text).event() for text in ("x" * 4097, "More. ")]
+    events = exchange(s2.port, [start, *chunks, SynthesizeStop().event()], ("synthesize-stopped",))
     assert [e.type for e in events] == ["error", "synthesize-stopped"]
-    assert events[0].data["text"] == "the streamed text has 4097 characters without a sentence end, at most 4096 are allowed"
+    assert events[0].data["text"] == ("the streamed text has 4097 characters without a sentence end, at most"
+                                      " 4096 are allowed")
 
 
 # ----------------------------------------------------------------------------- app.py's flags
 def test_the_flags_say_what_is_missing_in_one_line(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         app.parse_args(["--no-http"])
-    assert "--no-http serves the Wyoming protocol alone: give --wyoming-port PORT too" in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert "--no-http serves the Wyoming protocol alone: give --wyoming-port PORT too" in error
     assert app.wyoming_module(app.parse_args([])) is None  # without the flag nothing is imported
     for name in [m for m in sys.modules if m == "wyoming_server" or m.split(".")[0] == "wyoming"]:
         monkeypatch.delitem(sys.modules, name)
@@ -339,8 +347,8 @@ def test_the_flags_say_what_is_missing_in_one_line(monkeypatch, capsys):
 
 def test_no_http_serves_wyoming_alone_and_sigterm_ends_it(tmp_path):
     port = free_port()
-    command = [sys.executable, str(Path(app.__file__).resolve()), "--checkpoint", str(CKPT), "--device", "cpu",
-               "--voices", str(tmp_path), "--no-http", "--wyoming-port", str(port)]
+    command = [sys.executable, str(Path(app.__file__).resolve()), "--checkpoint", str(CKPT), "--device",
+               "cpu", "--voices", str(tmp_path), "--no-http", "--wyoming-port", str(port)]
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(untimed_compile_cache(tmp_path / "compile")))
     process = subprocess.Popen(command, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, env=env)

@@ -16,6 +16,8 @@ answered in order by one task, while its reader watches for the hang-up that can
 never imports app.py: `start` is given the App and the server's helpers.
 """
 import asyncio
+import contextlib
+import os
 import re
 import sys
 import threading
@@ -71,25 +73,26 @@ MODES = {
 }
 
 
-def speech_fields(kind: str, voice: dict) -> tuple:
+def speech_fields(kind: str, voice: dict, saved: dict) -> tuple:
     """A synthesize event's voice {name, language, speaker} -> (a saved voice's name or None, the speech
-    API's fields it sets). S2-Pro reads the language from the text; OmniVoice's speaker is a voice design."""
+    API's fields it sets): a saved voice wins over the model's own of its name. S2-Pro reads the language
+    from the text; OmniVoice's speaker is a voice design."""
     if not isinstance(voice, dict):
         raise common.UserError("voice must be an object {name, language, speaker}")
     name, language, speaker = (voice.get(key) for key in ("name", "language", "speaker"))
     for key, value in (("voice name", name), ("language", language), ("speaker", speaker)):
         if value is not None and not isinstance(value, str):
             raise common.UserError(f"{key} must be a string")
-    saved = None if not name or name in MODES[kind]["voices"] else name
+    name = None if not name or (name in MODES[kind]["voices"] and name not in saved) else name
     if kind == "s2-pro":
         if speaker:
             raise common.UserError("S2-Pro's voices have no speakers: give style as inline tags in the text,"
                                    " e.g. '[whispering] Hello'")
-        return saved, {}
+        return name, {}
     fields = dict(instructions=speaker or None)
     if language:
         fields["language"] = omnivoice_language(language)
-    return saved, fields
+    return name, fields
 
 
 # ----------------------------------------------------------------------------- sentences of a text stream
@@ -130,9 +133,9 @@ class WyomingServer:
         tcp = AsyncTcpServer(self.host, self.port)
         try:
             await tcp.start(lambda reader, writer: Connection(self, reader, writer))
-        except OSError as e:
+        except OSError as e:  # asyncio's words hold the address again: the system's alone
             self.failed = common.UserError(f"cannot listen on {self.host}:{self.port} (Wyoming):"
-                                           f" {e.strerror or e}")
+                                           f" {os.strerror(e.errno) if e.errno else e}")
             return self.ready.set()
         self.ready.set()
         await self.stopping.wait()
@@ -151,17 +154,18 @@ class WyomingServer:
         self.thread.join(wait)
 
     def info(self) -> Info:
-        """What `describe` answers: one TTS program, the model's own voices and this model's saved ones."""
-        model, modes = self.model, MODES[self.model.kind]
+        """What `describe` answers: one TTS program, the model's own voices (but those a saved voice's name
+        hides) and this model's saved ones."""
+        model, modes, names = self.model, MODES[self.model.kind], sorted(self.app.voice_files())
         languages, by = modes["languages"](), Attribution(name=model.owner, url=modes["url"])
         speakers = {name: [TtsVoiceSpeaker(name=item) for item in listed()]
                     for name, listed in modes["speakers"].items()}
         own = [TtsVoice(name=name, description=about, attribution=by, installed=True, version=None,
                         languages=languages, speakers=speakers.get(name))
-               for name, about in modes["voices"].items()]
+               for name, about in modes["voices"].items() if name not in names]
         saved = [TtsVoice(name=name, description=f"saved voice {name!r} ({self.app.voices}/)", attribution=by,
                           installed=True, version=None, languages=languages)
-                 for name in sorted(self.app.voice_files())]
+                 for name in names]
         program = TtsProgram(name="fishfast", description=f"fishfast: {model.title} ({self.app.name})",
                              attribution=Attribution(name="fishfast", url=modes["url"]), installed=True,
                              version=str(self.app.info["checkpoint"]), voices=own + saved,
@@ -171,7 +175,7 @@ class WyomingServer:
     def options(self, voice, extras: dict) -> tuple:
         """A synthesize event's voice and extras -> (a saved voice's name or None, the model's options),
         checked as HTTP checks a request's."""
-        name, fields = speech_fields(self.model.kind, voice or {})
+        name, fields = speech_fields(self.model.kind, voice or {}, self.app.voice_files())
         try:
             return name, self.model.options(dict(extras, **fields))
         except common.UserError as e:  # the speech API's word for what Wyoming calls the speaker
@@ -216,13 +220,14 @@ class Connection(AsyncEventHandler):
             event = await self.events.get()
             try:
                 await self.answer(event)
-            except (ConnectionError, OSError):  # the client went away while we wrote
+            except ConnectionError:  # the client went away while we wrote: `disconnect` follows
                 return
             except Exception as e:
                 if self.stream is not None:
                     self.stream["failed"] = True  # its later chunks are dropped, its stop still answered
                 _, message, _, _ = self.server.error_answer(e)  # a bug's traceback is logged
-                await self.write_event(Error(text=message, code=type(e).__name__).event())
+                with contextlib.suppress(ConnectionError):
+                    await self.write_event(Error(text=message, code=type(e).__name__).event())
 
     async def answer(self, event):
         data = event.data

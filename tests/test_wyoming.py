@@ -126,6 +126,25 @@ def test_describe_lists_the_models_own_and_saved_voices_languages_and_streaming(
     assert len(design) == 2 + 5 + 5 + 1 + 10 + 12 and "british accent" in design and "四川话" in design
 
 
+def test_a_saved_voice_hides_the_models_own_voice_of_its_name(s2):
+    folder = s2.app.voices
+    codec.save_codes(folder / "default.npy", torch.randint(0, 1024, (10, 20), generator=torch.Generator()
+                                                           .manual_seed(1)))
+    (folder / "default.txt").write_text("A saved voice named default.\n")
+    try:
+        (info,) = exchange(s2.port, [Event("describe")], ("info",))
+        (program,) = Info.from_event(info).tts
+        assert [v.name for v in program.voices] == ["default", "keep"]
+        assert program.voices[0].description == f"saved voice 'default' ({folder}/)"
+        default = SynthesizeVoice(name="default")
+        events = exchange(s2.port, [synthesize("Hi there.", default, seed=3, **S2_SAY)])
+        assert pcm_of(events) == http_pcm(s2, input="Hi there.", voice="default", seed=3, **S2_SAY)
+        assert pcm_of(events) != http_pcm(s2, input="Hi there.", seed=3, **S2_SAY)
+    finally:
+        (folder / "default.txt").unlink()
+        (folder / "default.npy").unlink()
+
+
 # ----------------------------------------------------------------------------- synthesize
 def test_synthesize_gives_the_http_routes_pcm_in_chunks_at_the_models_rate(s2, ov):
     keep = SynthesizeVoice(name="keep")
@@ -192,18 +211,21 @@ def test_complete_sentences_wait_for_the_space_after_an_end():
 
 
 # ----------------------------------------------------------------------------- load
-def test_two_clients_at_once_are_batched_and_each_gets_its_own_audio(s2, monkeypatch):
-    requests = [synthesize("The first client.", seed=21, **S2_SAY),
-                synthesize("And the other.", seed=22, **S2_SAY)]
-    alone = [pcm_of(exchange(s2.port, [event])) for event in requests]
-    scheduler, rows = s2.app.engine.scheduler, []
+@pytest.mark.parametrize("which", ["s2", "ov"])
+def test_two_clients_at_once_are_batched_and_each_gets_its_own_audio(request, which, monkeypatch):
+    server, say = request.getfixturevalue(which), S2_SAY if which == "s2" else {}
+    requests = [synthesize("The first client.", seed=21, **say),
+                synthesize("And the other.", SynthesizeVoice(name="fox") if which == "ov" else None, seed=22,
+                           **say)]
+    alone = [pcm_of(exchange(server.port, [event])) for event in requests]
+    scheduler, rows = server.app.engine.scheduler, []
     step = scheduler.step
     monkeypatch.setattr(scheduler, "step", lambda: rows.append(scheduler.running) or step())
-    go = held(monkeypatch, s2)
-    made, answers = submitted(monkeypatch, s2), [None, None]
+    go = held(monkeypatch, server)
+    made, answers = submitted(monkeypatch, server), [None, None]
 
     def client(i):
-        answers[i] = exchange(s2.port, [requests[i]])
+        answers[i] = exchange(server.port, [requests[i]])
 
     threads = [threading.Thread(target=client, args=(i,)) for i in range(2)]
     for thread in threads:
@@ -343,6 +365,13 @@ def test_the_flags_say_what_is_missing_in_one_line(monkeypatch, capsys):
     with pytest.raises(common.UserError, match=r"^--wyoming-port needs the wyoming package: pip install"
                                                r" wyoming$"):
         app.wyoming_module(app.parse_args(["--wyoming-port", "10200"]))
+
+
+def test_a_port_in_use_is_one_line(s2):
+    args = types.SimpleNamespace(host="127.0.0.1", wyoming_host=None, wyoming_port=s2.port)
+    with pytest.raises(common.UserError, match=rf"^cannot listen on 127.0.0.1:{s2.port} \(Wyoming\): Address"
+                                               r" already in use$"):
+        app.serve_wyoming(wyoming_server, s2.app, args)
 
 
 def test_no_http_serves_wyoming_alone_and_sigterm_ends_it(tmp_path):

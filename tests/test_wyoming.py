@@ -202,6 +202,18 @@ def test_the_streaming_form_speaks_each_sentence_once_it_is_complete(ov):
         assert got == http_pcm(ov, input=sentence, voice="fox", **seed), sentence
 
 
+def test_s2pros_streaming_form_gives_each_sentences_http_audio(s2):
+    start = SynthesizeStart(voice=SynthesizeVoice(name="keep")).event()
+    start.data.update(seed=6, **S2_SAY)
+    chunks = [SynthesizeChunk(text=text).event() for text in ("First one! Sec", "ond one")]
+    events = exchange(s2.port, [start, *chunks, SynthesizeStop().event()], ("synthesize-stopped",))
+    stops = [i for i, e in enumerate(events) if e.type == "audio-stop"]
+    assert len(stops) == 2 and events[-1].type == "synthesize-stopped"
+    pieces = (events[:stops[0]], events[stops[0]:])
+    for sentence, piece in zip(["First one!", "Second one"], pieces, strict=True):
+        assert pcm_of(piece) == http_pcm(s2, input=sentence, voice="keep", seed=6, **S2_SAY), sentence
+
+
 def test_complete_sentences_wait_for_the_space_after_an_end():
     assert wyoming_server.complete_sentences("One. Two! Thr") == (["One.", "Two!"], "Thr")
     assert wyoming_server.complete_sentences("Pi is 3.") == ([], "Pi is 3.")

@@ -1509,7 +1509,14 @@ def parse_args(argv=None):
                     " LAN name (repeatable; * for any). Other names in Host get a 421 (DNS rebinding)")
     ap.add_argument("--default-voice", metavar="NAME", help="the saved voice OpenAI's built-in voice names"
                     " (alloy, ash, ...) speak with, unless a voice has that name (default: none, plain TTS)")
+    ap.add_argument("--wyoming-port", type=int, metavar="PORT", help="also serve Home Assistant's Wyoming"
+                    " protocol on this port (e.g. 10200; needs pip install wyoming; docs/api.md, Wyoming)")
+    ap.add_argument("--wyoming-host", help="address the Wyoming server binds (default: --host's)")
+    ap.add_argument("--no-http", action="store_true", help="serve the Wyoming protocol alone (with"
+                    " --wyoming-port): no HTTP port, no page")
     args = ap.parse_args(argv)
+    if args.no_http and args.wyoming_port is None:
+        ap.error("--no-http serves the Wyoming protocol alone: give --wyoming-port PORT too")
     if min(args.slots, args.codec_workers, args.max_connections, args.max_voices) < 1 or args.queue < 0 \
             or args.max_context < 2 or not args.shutdown_wait >= 0:
         ap.error("--slots, --codec-workers, --max-connections and --max-voices must be >= 1, --queue and"
@@ -1518,9 +1525,13 @@ def parse_args(argv=None):
         ap.error(f"--default-voice {args.default_voice!r}: use 1-64 letters, digits, '_', '-', inner spaces")
     if Path(args.voices).exists() and not Path(args.voices).is_dir():
         ap.error(f"--voices {args.voices}: not a folder")
-    unusable = address_error(args.host, args.port)  # now, not after minutes of loading
-    if unusable:
-        ap.error(f"cannot listen on {args.host}:{args.port}: {unusable}")
+    listens = [] if args.no_http else [(args.host, args.port, "")]
+    if args.wyoming_port is not None:
+        listens.append((args.wyoming_host or args.host, args.wyoming_port, " (Wyoming)"))
+    for host, port, what in listens:  # now, not after minutes of loading
+        unusable = address_error(host, port)
+        if unusable:
+            ap.error(f"cannot listen on {host}:{port}{what}: {unusable}")
     return args
 
 
@@ -1550,24 +1561,58 @@ def make_server(args) -> Server:
     return server
 
 
+def wyoming_module(args):
+    """wyoming_server.py for --wyoming-port (its package is an optional extra), imported before the model
+    loads: a missing package is one line at once."""
+    if args.wyoming_port is None:
+        return None
+    try:
+        import wyoming_server
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "wyoming":
+            raise
+        raise common.UserError("--wyoming-port needs the wyoming package: pip install wyoming") from None
+    return wyoming_server
+
+
+def serve_wyoming(module, app: App, args):
+    """The Wyoming server for `app`'s model, from a thread of its own (close() ends it)."""
+    return module.start(app, args.wyoming_host or args.host, args.wyoming_port, check_text=check_text,
+                        pcm16=pcm16, error_answer=error_answer, max_text=MAX_TEXT)
+
+
 def main(argv=None):
     args = parse_args(argv)
-    server = make_server(args)
-    app = server.app
+    module = wyoming_module(args)
+    server = None if args.no_http else make_server(args)
+    app = server.app if server else App(args)
+    try:
+        wyoming = serve_wyoming(module, app, args) if module else None
+    except common.UserError:  # its port is taken
+        if server:
+            server.server_close()
+        app.close()
+        raise
     if app.demo:
         print(app.model.notice, file=sys.stderr)
-    host, port = server.server_address[:2]
+    where = [f"http://{server.server_address[0]}:{server.server_address[1]}"] if server else []
+    where += [f"tcp://{wyoming.host}:{wyoming.port} (Wyoming)"] if wyoming else []
     print(f"fishfast: {app.info['model']} on {app.info['device']}, {args.slots} slots,"
-          f" voices in {app.voices}/ -> http://{host}:{port}", flush=True)
+          f" voices in {app.voices}/ -> {', '.join(where)}", flush=True)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # docker stop, systemd: clean up as Ctrl-C
     try:
-        server.serve_forever()
+        if server:
+            server.serve_forever()
+        else:
+            wyoming.thread.join()
     except KeyboardInterrupt:
         pass
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):  # the wait below is bounded: no second interrupt in it
             signal.signal(sig, signal.SIG_IGN)
-        left = server.close(args.shutdown_wait)
+        if wyoming:
+            wyoming.close()  # its connections end, their requests cancelled
+        left = server.close(args.shutdown_wait) if server else app.close() or 0
     if left:  # a thread still in torch when Python exits aborts the process ("terminate called ...")
         print(f"fishfast: {left} request(s) still running after {args.shutdown_wait:g} s: exiting",
               file=sys.stderr, flush=True)

@@ -1,5 +1,6 @@
 """Clean rooms: each model file copies alone (its imports point one way), and a library call computes and
 returns: it times nothing, writes nothing the caller did not ask for, and leaves the process as it was."""
+import functools
 import json
 import os
 import subprocess
@@ -9,9 +10,10 @@ from conftest import CKPT, OV_CKPT, ROOT
 
 # the repository's modules
 FILES = ("common", "codec", "cpu_fast", "dualAR", "bench", "omnivoice", "omnivoice_codec", "omnivoice_text",
-         "app", "train_lora")
+         "app", "train_lora", "wyoming_server")
 
 
+@functools.lru_cache(maxsize=None)  # each module's import is run once
 def imported_with(module: str) -> set:
     """The other repository modules that `import module` brings in, in a fresh process."""
     script = f"import sys, {module}; print(*(m for m in {FILES!r} if m in sys.modules and m != {module!r}))"
@@ -29,6 +31,9 @@ def test_imports_point_one_way_common_below_the_models_and_nothing_imports_the_b
     assert imported_with("omnivoice_text") == {"common"}
     assert imported_with("omnivoice") == {"common", "omnivoice_codec", "omnivoice_text"}  # no S2 dragged in
     assert imported_with("cpu_fast") == {"common"}  # it finds a model's own module through the model
+    # the Wyoming server is given app.py's objects, and app.py imports it only for --wyoming-port
+    assert imported_with("wyoming_server") == {"common", "omnivoice_text"}
+    assert "wyoming_server" not in imported_with("app")
     for module in FILES:  # nothing imports the benchmark, at any depth (a circle would show here)
         if module != "bench":
             assert "bench" not in imported_with(module), module

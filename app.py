@@ -15,6 +15,7 @@ voice read and written, submit, the waves of a request, its usage), so the handl
 but through them: a third model is a third class beside S2ProModel and OmniVoiceModel.
 """
 import base64
+import collections
 import contextlib
 import email.parser
 import email.policy
@@ -62,6 +63,7 @@ CLIP_RATES, MAX_CLIP_CHANNELS = (8000, 192000), 2  # Hz, and mono or stereo: a v
 SAMPLE_BYTES = dict(PCM_S8=1, PCM_U8=1, ULAW=1, ALAW=1, PCM_16=2, PCM_24=3, PCM_32=4, FLOAT=4, DOUBLE=8)
 UNCOMPRESSED = {"WAV", "WAVEX", "W64", "RF64", "AIFF", "AU", "CAF"}
 MAX_BODY = 48 << 20  # bytes: four 30 s 16-bit clips, base64 in JSON, fit with room
+EOF_EVENT = getattr(select, "POLLRDHUP", select.POLLIN)  # a peer's FIN; Linux's, without the bytes before it
 LINGER = 2  # seconds a closing connection reads what its client still sends (as Apache's lingering close)
 SAMPLE_RATE, HOP = codec.CONFIG["sample_rate"], codec.hop_length()  # S2-Pro's; HOP: samples per frame
 STREAMABLE = ("wav", "pcm")  # written piece by piece; the others are encoded from the whole waveform
@@ -80,7 +82,7 @@ FORMATS = [*STREAMABLE, *(name for name, (f, sub, _) in SOUNDFILE_FORMATS.items(
 OPENAI_FORMAT = "mp3" if "mp3" in FORMATS else "wav"  # OpenAI's default (libsndfile before 1.1 has no mp3)
 MEDIA_TYPES = dict(wav="audio/wav", pcm="audio/pcm", flac="audio/flac", mp3="audio/mpeg", opus="audio/ogg")
 ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error",
-               500: "server_error", 503: "server_busy", 507: "insufficient_storage"}
+               429: "rate_limit_error", 500: "server_error", 503: "server_busy", 507: "insufficient_storage"}
 OPENAI_DEFAULTS = dict(temperature=0.7, top_p=0.7, top_k=30, max_new_tokens=0, chunk_length=300)  # the CLI's
 FISH_DEFAULTS = dict(temperature=0.8, top_p=0.8, top_k=30, max_new_tokens=1024, chunk_length=200)  # upstream
 # upstream's ServeTTSRequest (fish_speech/utils/schema.py): what its pydantic model answers with a 422
@@ -89,6 +91,10 @@ UPSTREAM_CHOICES = dict(format=tuple(FORMATS), latency=("normal", "balanced"), u
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")  # names any server answers to, whatever --host
 AUTHORITY = re.compile(r"(?:\[([0-9a-f:.]+)\]|([a-z0-9._-]+))(?::([0-9]{1,5}))?")  # name[:port], [v6][:port]
 OPENAI_VOICES = set("alloy ash ballad coral echo fable nova onyx sage shimmer verse".split())
+MAX_DURATION = omnivoice.MAX_DURATION  # seconds of audio a request may make (both models): `duration`'s cap
+MAX_SENTENCE = 60  # seconds one OmniVoice sentence may last: its attention grows with its square
+MAX_INSTRUCTIONS = 200  # characters of OmniVoice's `instructions` (every attribute of the list fits in 70)
+MAX_MESSAGE = 1000  # characters of an error message: whatever it echoes, it is cut there
 S2_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "chunk_length")  # S2-Pro's sampling extras
 MAX_CODES = 8  # audios or token arrays in one /v1/vqgan request
 FISH_ROUTES = ("/v1/tts", "/v1/vqgan/encode", "/v1/vqgan/decode")  # upstream fish-speech's, S2-Pro's only
@@ -117,12 +123,12 @@ ERROR_STATUS = {common.UserError: (400, "", {}),
 def error_answer(e: Exception) -> tuple:
     """An exception -> (status, message, headers, body) of its error answer; a bug's traceback is logged."""
     if isinstance(e, HTTPError):
-        return e.status, str(e), e.headers, e.body
+        return e.status, common.shorten(str(e), MAX_MESSAGE), e.headers, e.body
     for kind, (status, prefix, headers) in ERROR_STATUS.items():
         if isinstance(e, kind):
-            return status, prefix + str(e), headers, None
+            return status, common.shorten(prefix + str(e), MAX_MESSAGE), headers, None
     traceback.print_exception(e)
-    return 500, f"internal error: {str(e)[:200]} (see the server's log)", {}, None
+    return 500, f"internal error: {common.shorten(str(e), 200)} (see the server's log)", {}, None
 
 
 def authority(text):
@@ -392,6 +398,9 @@ def omnivoice_options(body: dict) -> dict:
     for key, value in (("instructions", instruct), ("language", language)):
         if value is not None and not isinstance(value, str):
             raise common.UserError(f"{key} must be a string")
+        if value is not None and len(value) > MAX_INSTRUCTIONS:
+            raise common.UserError(f"{key} has {len(value)} characters, at most {MAX_INSTRUCTIONS} are"
+                                   " allowed")
     try:
         omnivoice_text.resolve_instruct(instruct)
     except common.UserError as e:  # its words are the library's: `instruct: ...`, or upstream's own sentence
@@ -748,7 +757,8 @@ class S2ProModel:
         if self.demo and not sampling["max_new_tokens"]:  # random weights rarely stop: the page's length
             sampling["max_new_tokens"] = DEMO_FRAMES
         return self.engine.submit(dualAR.Request(self.model, job["text"], references,
-                                                 max_context=self.max_context, **sampling))
+                                                 max_context=self.max_context,
+                                                 max_frames=MAX_DURATION * SAMPLE_RATE // HOP, **sampling))
 
     def waves(self, request):
         for wave in codec.decode_stream(self.dac, request):  # decoded as the codes come
@@ -835,7 +845,9 @@ class OmniVoiceModel:
 
     def submit(self, job: dict, references: list) -> omnivoice.Speech:
         voice = references[0] if references else None
-        return omnivoice.Speech(self.model, self.engine, job["text"], voice=voice, **job["options"])
+        return omnivoice.Speech(self.model, self.engine, job["text"], voice=voice,
+                                max_frames=MAX_DURATION * self.model.frame_rate,
+                                max_sentence_frames=MAX_SENTENCE * self.model.frame_rate, **job["options"])
 
     def waves(self, request: omnivoice.Speech):
         return iter(request)
@@ -1008,6 +1020,44 @@ class App:
 
 
 # ----------------------------------------------------------------------------- HTTP
+class Overdue(HTTPError):
+    """A request's headers or body past their deadline (--header-timeout, --body-timeout): a 408."""
+    def __init__(self, what: str, seconds: float, flag: str):
+        super().__init__(408, f"the request's {what} took longer than {seconds:g} s ({flag}): send it faster")
+
+
+class DeadlineReader(io.RawIOBase):
+    """The socket's bytes for a handler's rfile, each read bounded by what is left of the handler's deadline
+    (`reading`: what it reads and by when) instead of a timeout per read, which a client that sends a
+    byte a minute never meets. The first byte of a request starts its headers' deadline; between requests
+    the idle timeout (Handler.timeout) holds."""
+
+    def __init__(self, sock, handler):
+        self.sock, self.handler = sock, handler
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer) -> int:
+        handler = self.handler
+        if handler.reading is not None:
+            left = handler.reading[1] - time.monotonic()
+            if left <= 0:
+                raise handler.overdue()
+            self.sock.settimeout(left)
+        try:
+            n = self.sock.recv_into(buffer)
+        except TimeoutError:
+            if handler.reading is None:
+                raise
+            raise handler.overdue() from None
+        finally:
+            self.sock.settimeout(handler.timeout)  # writes keep the idle timeout
+        if n and handler.reading is None and not handler.dispatched:
+            handler.reading = ("headers", time.monotonic() + handler.server.header_timeout)
+        return n
+
+
 class Handler(BaseHTTPRequestHandler):
     """Routes -> validate -> submit -> stream the answer. Every error leaves through `send_json_error`."""
     protocol_version = "HTTP/1.1"
@@ -1024,16 +1074,31 @@ class Handler(BaseHTTPRequestHandler):
               "/v1/references/update": dict(POST="rename_voice"),
               "/v1/vqgan/encode": dict(POST="vqgan_encode"), "/v1/vqgan/decode": dict(POST="vqgan_decode")}
 
+    def setup(self):
+        super().setup()
+        self.reading, self.dispatched = None, False
+        self.rfile.close()  # the socket's own file: a file left open would keep the socket from closing
+        self.rfile = io.BufferedReader(DeadlineReader(self.connection, self))
+
+    def overdue(self) -> Overdue:
+        if self.reading[0] == "headers":
+            return Overdue("headers", self.server.header_timeout, "--header-timeout")
+        return Overdue("body", self.server.body_timeout, "--body-timeout")
+
     def handle_one_request(self):
         self.started = False  # whether this response's headers went out: then no other status can
         self.app, self.cors, self.packed, self.error_fields = self.server.app, None, False, None
-        self.length, self.body_read = 0, False
+        self.length, self.body_read, self.reading, self.dispatched = 0, False, None, False
+        self.command, self.request_version, self.requestline = "", "HTTP/1.1", "(headers not read)"
         try:
             super().handle_one_request()
+        except Overdue as e:  # a slow client's headers: the answer, then the connection is closed
+            self.send_json_error(e.status, str(e))
         except (ConnectionError, TimeoutError):  # gone while we wrote, even an error: nobody to tell
             self.close_connection = True
 
     def dispatch(self):
+        self.reading, self.dispatched = None, True  # the headers are in: the body has a deadline of its own
         try:
             host, path, self.query = request_target(self.path)
             self.length = body_length(self.headers.get_all("Content-Length", []),
@@ -1106,7 +1171,11 @@ class Handler(BaseHTTPRequestHandler):
         length, self.body_read = self.length, True
         if length > MAX_BODY:
             raise HTTPError(413, f"the request body must be 0 to {MAX_BODY >> 20} MiB")
-        data = self.rfile.read(length)
+        self.reading = ("body", time.monotonic() + self.server.body_timeout)
+        try:
+            data = self.rfile.read(length)
+        finally:
+            self.reading = None
         if len(data) < length and self.server.closing:  # Server.close ended the reading
             raise common.EngineClosed(f"the body was cut after {len(data)} of its {length} bytes")
         if len(data) < length:
@@ -1335,11 +1404,13 @@ class Handler(BaseHTTPRequestHandler):
         return samples
 
     def watch(self, request):
-        """A thread that cancels `request` once its client hangs up (a reset), even while it waits in the
-        queue, and ends it if the engine dies. An EOF is only a half-close (some clients and proxies send
-        one after the request): that client still reads its answer."""
-        sock, app, poller = self.connection, self.app, select.poll()
-        poller.register(sock, select.POLLIN)
+        """A thread that cancels `request` once its client is gone, even while it waits in the queue, and
+        ends it if the engine dies. Gone: a reset, or an EOF (a FIN): a client that closed cannot be told
+        from one that only half-closed until we write, and a whole file is written at its end, so an EOF
+        is taken as gone (as nginx and Go's net/http take it). Bytes of a next request (pipelining) do not
+        wake it (POLLRDHUP, not POLLIN, where the system has it), nor does Server.close's own SHUT_RD."""
+        sock, app, server, poller = self.connection, self.app, self.server, select.poll()
+        poller.register(sock, EOF_EVENT)
 
         def run():
             try:
@@ -1347,12 +1418,14 @@ class Handler(BaseHTTPRequestHandler):
                     if not app.alive:
                         return request.finish(RuntimeError("the engine stopped: see the server's log"))
                     events = poller.poll(50)
-                    if events and events[0][1] & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
-                        return request.cancel()
-                    if events and sock.recv(1, socket.MSG_PEEK):
-                        return  # bytes of a next request: the client is still there
-                    if events:
-                        poller.modify(sock, 0)  # an EOF: from now on only a reset or a hang-up
+                    if not events:
+                        continue
+                    hung_up = events[0][1] & (select.POLLERR | select.POLLHUP | select.POLLNVAL)
+                    if not hung_up and (server.closing or EOF_EVENT == select.POLLIN
+                                        and sock.recv(1, socket.MSG_PEEK)):
+                        poller.modify(sock, 0)  # from now on only a reset or a hang-up
+                        continue
+                    return request.cancel()
             except (OSError, ValueError):  # a reset, or the socket closed: a no-op once the answer is sent
                 request.cancel()
 
@@ -1369,14 +1442,14 @@ class Handler(BaseHTTPRequestHandler):
 
 
 class Refusal(Handler):
-    """A connection beyond --max-connections: its 503, at once (no request is read)."""
+    """A connection beyond --max-connections (a 503) or --max-connections-per-client (a 429), answered at
+    once (no request is read): the server's `refusal`, (status, message)."""
     timeout = 1  # seconds the accepting thread may spend writing it
 
     def handle(self):
         self.started, self.app, self.cors, self.packed, self.error_fields = False, None, None, False, None
         self.command, self.request_version, self.requestline = "", "HTTP/1.1", "(a connection refused)"
-        self.send_json_error(503, f"the server is busy: {self.server.max_connections} connections are open"
-                                  " (--max-connections), try again later", {"Retry-After": "2"})
+        self.send_json_error(*self.server.refusal, {"Retry-After": "2"})
 
 
 class Server(ThreadingHTTPServer):  # its `app` and `max_connections` are set by make_server
@@ -1388,17 +1461,29 @@ class Server(ThreadingHTTPServer):  # its `app` and `max_connections` are set by
     def __init__(self, *args):
         super().__init__(*args)
         self.connections, self.lock = {}, threading.Lock()  # socket -> its thread
+        self.clients = collections.Counter()  # client address -> its connections open
+
+    def refusal_for(self, client: str):
+        """-> (status, message) for a new connection beyond a cap, else None."""
+        if len(self.connections) >= self.max_connections:
+            return 503, (f"the server is busy: {self.max_connections} connections are open"
+                         " (--max-connections), try again later")
+        if self.clients[client] >= self.max_per_client:
+            return 429, (f"too many connections from {client}: {self.max_per_client} are open"
+                         " (--max-connections-per-client), close one or try again later")
+        return None
 
     def process_request(self, request, client_address):
         thread = threading.Thread(target=self.process_request_thread, args=(request, client_address),
                                   daemon=True)
         with self.lock:
-            full = len(self.connections) >= self.max_connections
-            if not full:
+            self.refusal = self.refusal_for(client_address[0])
+            if self.refusal is None:
                 self.connections[request] = thread
-        if not full:
+                self.clients[client_address[0]] += 1
+        if self.refusal is None:
             return thread.start()
-        with contextlib.suppress(OSError):  # beyond --max-connections: a 503, written here, nothing read
+        with contextlib.suppress(OSError):  # beyond a cap: its answer, written here, nothing read
             Refusal(request, client_address, self)
             request.shutdown(socket.SHUT_WR)
             while request.recv(65536, socket.MSG_DONTWAIT):  # what came already (the accepting thread
@@ -1424,6 +1509,9 @@ class Server(ThreadingHTTPServer):  # its `app` and `max_connections` are set by
         finally:
             with self.lock:
                 self.connections.pop(request, None)
+                self.clients[client_address[0]] -= 1
+                if not self.clients[client_address[0]]:
+                    del self.clients[client_address[0]]
 
     def close(self, wait: float) -> int:
         """After serve_forever: stop listening, end every request (streams end with their last chunk,
@@ -1493,6 +1581,14 @@ def parse_args(argv=None):
                     " (default 2)")
     ap.add_argument("--max-connections", type=int, default=256, help="connections served at once (a"
                     " thread each, idle ones too), beyond that a 503 at once (default 256)")
+    ap.add_argument("--max-connections-per-client", type=int, default=128, metavar="N", help="connections"
+                    " one client address may hold open, beyond that a 429 at once (default 128: one client"
+                    " never takes every connection; behind a proxy every client is the proxy: raise it)")
+    ap.add_argument("--header-timeout", type=float, default=20, metavar="SECONDS", help="how long a"
+                    " request's headers may take in all, from their first byte, beyond that a 408 (default"
+                    " 20)")
+    ap.add_argument("--body-timeout", type=float, default=120, metavar="SECONDS", help="how long a"
+                    " request's body may take in all, beyond that a 408 (default 120)")
     ap.add_argument("--shutdown-wait", type=float, default=8, metavar="SECONDS", help="on SIGTERM or"
                     " Ctrl-C, how long running requests may take to end (default 8: docker stop waits 10)")
     ap.add_argument("--voices", default="prompt", help="saved voices: S2-Pro's <name>.npy + .txt, OmniVoice's"
@@ -1517,10 +1613,12 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     if args.no_http and args.wyoming_port is None:
         ap.error("--no-http serves the Wyoming protocol alone: give --wyoming-port PORT too")
-    if min(args.slots, args.codec_workers, args.max_connections, args.max_voices) < 1 or args.queue < 0 \
-            or args.max_context < 2 or not args.shutdown_wait >= 0:
-        ap.error("--slots, --codec-workers, --max-connections and --max-voices must be >= 1, --queue and"
-                 " --shutdown-wait >= 0 and --max-context >= 2")
+    if min(args.slots, args.codec_workers, args.max_connections, args.max_connections_per_client,
+           args.max_voices) < 1 or args.queue < 0 or args.max_context < 2 or not args.shutdown_wait >= 0:
+        ap.error("--slots, --codec-workers, --max-connections(-per-client) and --max-voices must be >= 1,"
+                 " --queue and --shutdown-wait >= 0 and --max-context >= 2")
+    if not (args.header_timeout > 0 and args.body_timeout > 0):
+        ap.error("--header-timeout and --body-timeout must be > 0 seconds")
     if args.default_voice and not common.is_voice_name(args.default_voice):
         ap.error(f"--default-voice {args.default_voice!r}: use 1-64 letters, digits, '_', '-', inner spaces")
     if Path(args.voices).exists() and not Path(args.voices).is_dir():
@@ -1558,6 +1656,8 @@ def make_server(args) -> Server:
         app.close()
         raise common.UserError(f"cannot listen on {args.host}:{args.port}: {e.strerror or e}") from None
     server.app, server.max_connections = app, args.max_connections
+    server.max_per_client = args.max_connections_per_client
+    server.header_timeout, server.body_timeout = args.header_timeout, args.body_timeout
     return server
 
 

@@ -36,6 +36,11 @@ class UserError(ValueError):
     """Bad input: the CLI prints the message as one line and writes nothing."""
 
 
+def shorten(text: str, limit: int) -> str:
+    """A value a message echoes, cut to `limit` characters with an ellipsis: an error stays one line."""
+    return text if len(text) <= limit else text[:limit - 1] + "…"
+
+
 class QueueFull(RuntimeError):
     """An engine's rows are busy and its waiting queue is full (a server answers 503, Retry-After)."""
 

@@ -933,12 +933,15 @@ def check_request(model: DualAR, text: str, references) -> list:
 class Request(Job):
     """One request: its text batches, sampling parameters, random stream, row, and what it has made:
     `chunks`, codes (num_codebooks, n) each, grows as the engine works (the one record of its codes).
-    Iterating it yields them as they come, waiting while an engine thread works; `codes()` joins them."""
+    Iterating it yields them as they come, waiting while an engine thread works; `codes()` joins them.
+    max_frames: the most frames all its text batches may make together (a server's cap; 0: the context's)."""
 
     def __init__(self, model: DualAR, text: str, references=(), seed=None, temperature=0.7, top_p=0.7,
-                 top_k=30, max_new_tokens=0, chunk_length=300, chunk_frames=CHUNK_FRAMES, max_context=None):
+                 top_k=30, max_new_tokens=0, chunk_length=300, chunk_frames=CHUNK_FRAMES, max_context=None,
+                 max_frames=0):
         super().__init__()
         check_sampling(temperature, top_p, top_k, max_new_tokens, chunk_length, chunk_frames)
+        self.max_frames = max_frames
         self.model, self.references = model, check_request(model, text, references)
         self.texts, self.history = text_batches(text, chunk_length), []
         self.sampling = (temperature, top_p, top_k)
@@ -964,9 +967,16 @@ class Request(Job):
         return prompt
 
     def frame_budget(self) -> int:
-        """Frames this text batch may make: max_new_tokens, or up to the end of the context."""
+        """Frames this text batch may make: max_new_tokens, or up to the end of the context, and no more than
+        max_frames leaves (+1: a batch's last frame is dropped)."""
         room = self.max_context - self.prompt.size(1)
+        if self.max_frames:
+            room = min(room, self.max_frames - self.spoken() + 1)
         return min(self.max_new_tokens, room) if self.max_new_tokens else room
+
+    def spoken(self) -> int:
+        """Frames of speech its finished text batches made."""
+        return sum(codes.size(1) for _, codes in self.history)
 
     def add_frame(self, frame: Tensor) -> bool:
         """Record one frame (1 + num_codebooks,) -> whether this text batch is over. Every frame but the
@@ -991,7 +1001,7 @@ class Request(Job):
         self.raw_frames.append(frames)  # kept for inspection: upstream's generate() output per batch
         self.history.append((self.texts[len(self.history)], frames[1:, :-1]))
         self.batch_frames = []
-        if len(self.history) < len(self.texts):
+        if len(self.history) < len(self.texts) and not (self.max_frames and self.spoken() >= self.max_frames):
             self.prompt = self.next_prompt()
             return True
         return False

@@ -51,7 +51,7 @@ import common
 import omnivoice_codec
 from common import UserError
 from omnivoice_text import (NONVERBAL_TAGS, add_punctuation, chunk_text_punctuation, combine_text,
-                            cross_fade_chunks, estimate_target_tokens, fade_and_pad, has_cjk,
+                            cross_fade_chunks, cut_runs, estimate_target_tokens, fade_and_pad, has_cjk,
                             normalize_reference, output_gain, remove_silence, resolve_instruct,
                             resolve_language, rms, split_sentences, style_prefix, tokenize,
                             tokenize_with_nonverbal_tags)
@@ -884,14 +884,15 @@ def chunk_item(item: dict, text: str, ref, ref_text) -> dict:
 
 
 def chunked(model: OmniVoice, items: list, gen: dict, generator, progress=False, packed=False) -> list:
-    """Long texts, split at punctuation into chunks of audio_chunk_duration, each chunk generated with the
-    request's reference (or, with none, with chunk 0's own codes and text) -> a list of chunk codes per item.
-    Chunk i of every request runs in one batch (upstream's _generate_chunked)."""
+    """Long texts, split at punctuation into chunks of audio_chunk_duration (a long run without it cut too:
+    cut_runs), each chunk generated with the request's reference (or, with none, with chunk 0's own codes
+    and text) -> a list of chunk codes per item. Chunk i of every request runs in one batch (upstream's
+    _generate_chunked)."""
     has_ref = [item["ref_codes"] is not None for item in items]
     if any(has_ref) and not all(has_ref):  # upstream asserts
         raise UserError("long texts with and without a reference cannot be generated in one batch")
-    pieces = [chunk_text_punctuation(item["text"], chunk_chars(model, item, gen), min_chunk_len=3)
-              for item in items]
+    pieces = [cut_runs(chunk_text_punctuation(item["text"], chunk_chars(model, item, gen), min_chunk_len=3),
+                       chunk_chars(model, item, gen)) for item in items]
     results = [[] for _ in items]
 
     def run(indices, texts, refs, ref_texts):
@@ -1043,10 +1044,13 @@ class Speech:
     sentence is generated as upstream generates a long text's chunk: with the request's voice, or without
     one, the later sentences with the first one's codes and text as their reference. A text of one sentence
     is generate()'s item itself: the same codes and audio. seed=None: one drawn from torch's global
-    generator; each Speech draws from its own stream, so what it says does not depend on what else runs."""
+    generator; each Speech draws from its own stream, so what it says does not depend on what else runs.
+    max_frames, max_sentence_frames: the most its sentences may make together and each (a server's caps);
+    more is a UserError, before any work."""
 
     def __init__(self, model: OmniVoice, engine: Scheduler, text: str, language=None, ref_audio=None,
-                 ref_text=None, voice=None, instruct=None, speed=None, duration=None, seed=None, **config):
+                 ref_text=None, voice=None, instruct=None, speed=None, duration=None, seed=None,
+                 max_frames=None, max_sentence_frames=None, **config):
         if not isinstance(text, str):
             raise UserError("text must be a string")
         self.model, self.engine, self.gen = model, engine, generation_config(config)
@@ -1054,6 +1058,8 @@ class Speech:
             [self.item] = plan(model, [text], language, ref_audio, ref_text, voice, instruct, speed, duration,
                                self.gen)
         self.texts = split_sentences(text, chunk_chars(model, self.item, self.gen)) or [text.strip()]
+        if max_frames is not None or max_sentence_frames is not None:
+            self.check_length(max_frames, max_sentence_frames)
         if seed is None:
             seed = int(torch.randint(2**62, ()))
         if isinstance(seed, bool) or not isinstance(seed, int):
@@ -1072,6 +1078,26 @@ class Speech:
         ref, ref_text = (item["ref_codes"], item["ref_text"]) if item["ref_codes"] is not None else \
             (None, None) if n == 0 else (first_codes, self.texts[0])
         return chunk_item(item, self.texts[n], ref, ref_text)
+
+    def check_length(self, max_frames=None, max_sentence_frames=None):
+        """Every sentence's length is known before any is made (without a voice, a later sentence's
+        reference is the first one's codes, as long as its estimate): their sum, not the whole text's
+        estimate, is the work (a short sentence is lengthened, a short transcript of a long clip stretches
+        every estimate), and the longest one the memory (a short text stretched by `duration` has nothing
+        to cut at)."""
+        first = torch.zeros(0, self.sentence(0, None)["target_len"])  # only its length is read
+        frames = [self.sentence(n, first)["target_len"] for n in range(len(self.texts))]
+        rate = self.model.frame_rate
+        why = "" if self.item["ref_codes"] is None else \
+            " (a reference transcript shorter than what its clip says stretches every sentence)"
+        if max_frames is not None and sum(frames) > max_frames:
+            raise UserError(f"this request would make {sum(frames) / rate:.0f} s of audio, at most"
+                            f" {max_frames / rate:g} s are allowed: send less text, a higher speed or a"
+                            " shorter duration" + why)
+        if max_sentence_frames is not None and max(frames) > max_sentence_frames:
+            raise UserError(f"a sentence of this request would last {max(frames) / rate:.0f} s, at most"
+                            f" {max_sentence_frames / rate:g} s are allowed: send more text for this duration"
+                            " or a higher speed" + why)
 
     def submit(self, n: int, first_codes, new_request=False) -> Unmasking:
         job = Unmasking(self.model, self.sentence(n, first_codes), self.gen, self.generator)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from common import UserError
+from common import UserError, shorten
 
 # ----------------------------------------------------------------------------- tokens
 NONVERBAL_TAGS = re.compile(r"\[(laughter|sigh|confirmation-en|question-en|question-ah|question-oh|"
@@ -87,8 +87,8 @@ def resolve_language(language: str | None) -> str | None:
     if language.lower() in names:
         return names[language.lower()]
     # upstream warns and falls back to None: we make it an error
-    raise UserError(f"unknown language '{language}' — use a code such as en, zh, ja or a name such as English"
-                    " (see README)")
+    raise UserError(f"unknown language '{shorten(language, 60)}' — use a code such as en, zh, ja or a name"
+                    " such as English (see README)")
 
 
 # ----------------------------------------------------------------------------- voice design
@@ -111,13 +111,16 @@ EN_TO_ZH = {en: zh for category in INSTRUCT_TRANSLATED.values() for en, zh in ca
 ZH_TO_EN = {zh: en for en, zh in EN_TO_ZH.items()}
 
 
-def _unknown_attributes(items: list[str]) -> UserError:
-    """The error for instruct items outside the closed list: the list, and a close match if there is one."""
+def _unknown_attributes(items: list[str], most=5) -> UserError:
+    """The error for instruct items outside the closed list: the list, and a close match if there is one
+    (the first `most` items named, each cut short: a message echoes no megabyte)."""
     english, chinese = [*EN_TO_ZH, *ACCENTS], [*ZH_TO_EN, *DIALECTS]
     named = []
-    for item in items:
+    for item in items[:most]:
         close = difflib.get_close_matches(item, english + chinese, n=1, cutoff=0.6)
-        named.append(f"'{item}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+        named.append(f"'{shorten(item, 40)}'" + (f" (did you mean '{close[0]}'?)" if close else ""))
+    if len(items) > most:
+        named.append(f"and {len(items) - most} more")
     return UserError(f"instruct: unknown attribute{'s' * (len(items) > 1)} {', '.join(named)} — use only: "
                      f"{', '.join(english)} (English, comma + space) or {'，'.join(chinese)} (Chinese,"
                      " full-width comma)")
@@ -212,14 +215,35 @@ def chunk_text_punctuation(text: str, chunk_len: int, min_chunk_len: int = 3, ma
     return [s for s in ("".join(chunk).strip() for chunk in chunks) if s]
 
 
+MIN_CUT = 20  # characters: no run is cut shorter (a word or two), however slow the speech it is said at
+
+
 def split_sentences(text: str, chunk_len: int) -> list[str]:
     """A text -> its sentences (cut after . ! ? and their full-width forms), each one longer than chunk_len
     characters cut further as upstream cuts a long text (chunk_text_punctuation, at commas too); pieces
-    under 3 characters join a neighbour, as upstream's do."""
+    under 3 characters join a neighbour, as upstream's do. A run without punctuation: see cut_runs."""
     pieces = []
     for sentence in chunk_text_punctuation(text, 0, marks=SENTENCE_ENDS):  # 0: no two sentences merge
         pieces += chunk_text_punctuation(sentence, chunk_len) if len(sentence) > chunk_len else [sentence]
-    return pieces
+    return cut_runs(pieces, chunk_len)
+
+
+def cut_runs(pieces: list[str], chunk_len: int) -> list[str]:
+    """Pieces longer than twice chunk_len (at least MIN_CUT) -> cut into parts of at most that many
+    characters, at a space where one is in the part's second half. Upstream leaves a run without
+    punctuation whole however long (4096 letters: one 290 s chunk, its attention quadratic in it); a
+    sentence of normal text is never that long, so upstream's chunks stay as they are."""
+    chunk_len, out = max(MIN_CUT, chunk_len), []
+    for piece in pieces:
+        if len(piece) > 2 * chunk_len:
+            size = -(-len(piece) // -(-len(piece) // chunk_len))  # parts of equal size: no short tail
+            while len(piece) > size:
+                space = piece.rfind(" ", size // 2, size + 1)
+                cut = space if space > 0 else size
+                out.append(piece[:cut].strip())
+                piece = piece[cut:].strip()
+        out.append(piece)
+    return [piece for piece in out if piece]
 
 
 # ----------------------------------------------------------------------------- length

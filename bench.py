@@ -666,7 +666,7 @@ def add_omnivoice_args(ap: argparse.ArgumentParser):
                     " padded to buckets of positions, omnivoice.compile_forward)")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights, requests and sampling (0)")
-    ap.add_argument("--device", type=common.device_name, help="cpu, mps, cuda or cuda:N (default: best)")
+    common.add_device_arg(ap)
     ap.add_argument("--dtype", choices=list(common.DTYPES), help="LM dtype (default bf16 on CUDA, else fp32)")
     ap.add_argument("--quant", choices=omnivoice.QUANT_SCHEMES, help="int8wo / int4wo: int8 / int4 weights;"
                     " w8a8: int8 weights and activations (CPU)")
@@ -782,7 +782,7 @@ def main(argv=None):
                     " first frames, their codec decode at the real codec size, random weights)")
     dualAR.add_model_args(s2)  # --quant also prints the logit error and code agreement vs unquantized
     c = sub.add_parser("codec", help="the codec's encode / decode / stream RTF at the real size")
-    c.add_argument("--device", type=common.device_name, help="cpu, mps, cuda or cuda:N (default: best)")
+    common.add_device_arg(c)
     c.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="default: fp16 on CUDA, else fp32")
     c.add_argument("--chunk-frames", type=int, default=codec.CHUNK_FRAMES,
                    help="frames per encode/decode pass (default %(default)s; 0: one pass)")
@@ -796,7 +796,7 @@ def main(argv=None):
                    " on prepacked weights) beside eager")
     add_omnivoice_args(sub.add_parser("omnivoice", help="OmniVoice's unmasking and audio tokenizer"))
     lora = sub.add_parser("lora", help="S2-Pro LoRA training steps/s and peak memory, random weights")
-    lora.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: cuda > mps > cpu")
+    common.add_device_arg(lora)
     lora.add_argument("--config", help="a config.json for smaller dimensions (default: the real S2-Pro)")
     lora.add_argument("--n-layer", type=int, help="override the number of slow layers")
     lora.add_argument("--batch-size", type=int, default=4, help="samples per step (default 4)")

@@ -84,11 +84,16 @@ def device_count(kind: str) -> int:
     return 1 if kind in ("cpu", "mps") else getattr(torch, kind).device_count()
 
 
+def first_available() -> str:
+    """--device auto: the first kind of DEVICE_ORDER this machine has."""
+    return next(kind for kind in DEVICE_ORDER if device_available(kind))
+
+
 def pick_device(name: str = None) -> torch.device:
     """--device as given (cpu, mps, cuda, cuda:N, npu, npu:N, xpu, xpu:N), or auto / None: the first of
     DEVICE_ORDER this machine has. A device it lacks is one UserError."""
     if name in (None, "auto"):
-        return torch.device(next(kind for kind in DEVICE_ORDER if device_available(kind)))
+        return torch.device(first_available())
     kind, _, index = name.partition(":")
     if not device_available(kind):
         raise UserError(f"--device {name}: no {kind} device on this machine")

@@ -1,5 +1,6 @@
 """`--device auto|npu|cuda|xpu|mps|cpu` (common.pick_device) and `python bench.py parity`: CPU bf16 / fp16 vs
 CPU fp32 pass bench.PARITY_LIMITS at the tiny sizes, a device that gets one layer wrong fails them."""
+import argparse
 import re
 import sys
 import types
@@ -124,3 +125,16 @@ def test_a_figure_fails_only_past_its_limit():
     past = {"s2": dict(codes=0.49), "omnivoice": dict(unmasked=0.7), "codec": dict(decode_error=0.0501)}
     assert bench.parity_failures(past, limits) == ["s2 codes 0.49 < 0.5", "omnivoice unmasked 0.7 < 0.8",
                                                    "codec decode_error 0.0501 > 0.05"]
+
+
+def test_the_same_dtype_on_the_same_device_agrees_exactly(capsys):
+    """The figures line up the same positions, frames and steps on both sides: fp32 vs fp32 is exact."""
+    args = argparse.Namespace(config="tiny", checkpoint=None, frames=4, seconds=1.0, seed=0)
+    cpu = torch.device("cpu")
+    figures = {**bench.s2_parity(args, cpu, torch.float32), **bench.omnivoice_parity(args, cpu, torch.float32),
+               **bench.codec_parity(args, cpu, torch.float32)}
+    assert figures.pop("s2") == dict(codes=1.0) and figures.pop("omnivoice") == dict(unmasked=1.0)
+    assert figures.pop("codec") == dict(decode_error=0.0)
+    for f in figures.values():
+        assert (f["rel_error"], f["max_diff"], f["top1"], f["top5"]) == (0.0, 0.0, 1.0, 1.0)
+        assert f["cosine"] == pytest.approx(1.0, abs=1e-6)

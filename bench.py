@@ -4,12 +4,14 @@ quantized model also its logit error and code agreement against the unquantized 
 (torch.rand: randn differs between CPUs) at the real size or smaller, or a checkpoint. Also the codec's
 encode / decode / streaming speed, eager and cpu_fast's path, OmniVoice's unmasking steps/s, RTF and
 GFLOP/s (% of the matmul peak) and its audio tokenizer's RTF, and S2-Pro LoRA training steps/s. Each model
-is timed as the CLIs run it: after cpu_fast.tune (`--no-tune`: the plain model).
+is timed as the CLIs run it: after cpu_fast.tune (`--no-tune`: the plain model). And `parity`: each model
+on a device in bf16 / fp16 against CPU fp32 on the same weights and inputs (exit 1 past PARITY_LIMITS).
 
     python bench.py s2 --config s2-mid --batch 1,4 --frames 64 --compile --quant int8wo  # or without `s2`
     python bench.py codec --compile
     python bench.py omnivoice --config omnivoice --layers 4 --seconds 10 --threads 2
     python bench.py lora --config tests/fixtures/s2-tiny/checkpoint/config.json --seq-len 256
+    python bench.py parity --device auto --dtype bf16 --model all --config real
 """
 import argparse
 import copy
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch import Tensor
 
 import codec
@@ -71,6 +74,8 @@ def synchronize(device):
         torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
+    elif device.type in ("npu", "xpu"):
+        getattr(torch, device.type).synchronize(device)
 
 
 def copy_bandwidth(device, gib=1, repeats=5) -> float:
@@ -666,7 +671,7 @@ def add_omnivoice_args(ap: argparse.ArgumentParser):
                     " padded to buckets of positions, omnivoice.compile_forward)")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights, requests and sampling (0)")
-    ap.add_argument("--device", type=common.device_name, help="cpu, mps, cuda or cuda:N (default: best)")
+    common.add_device_arg(ap)
     ap.add_argument("--dtype", choices=list(common.DTYPES), help="LM dtype (default bf16 on CUDA, else fp32)")
     ap.add_argument("--quant", choices=omnivoice.QUANT_SCHEMES, help="int8wo / int4wo: int8 / int4 weights;"
                     " w8a8: int8 weights and activations (CPU)")
@@ -755,6 +760,223 @@ def lora_speed(args):
         print(f"gradient checkpointing {'on ' if checkpointing else 'off'}: {figures}")
 
 
+# ----------------------------------------------------------------------------- parity (`bench.py parity`)
+# What a device in bf16 / fp16 must reach against CPU fp32 on the same weights and inputs (docs/gpu.md).
+# rel_error (mean |device - cpu| / mean |cpu| of the logits) and cosine bound the arithmetic; top1, top5,
+# codes and unmasked bound what sampling sees: random weights give flat logits whose near-ties a rounding
+# may swap, so these are lower than a real checkpoint's (~100 %); decode bounds the codec's relative RMS
+# error (decode_error). MSE and the largest difference depend on the logits' scale: printed, not judged.
+PARITY_LIMITS = {
+    "bf16": dict(rel_error=0.05, cosine=0.995, top1=0.8, top5=0.8, codes=0.5, unmasked=0.8,
+                 decode_error=0.05),
+    "fp16": dict(rel_error=0.01, cosine=0.9999, top1=0.9, top5=0.9, codes=0.75, unmasked=0.9,
+                 decode_error=0.01),
+}
+S2_TINY = Path(__file__).resolve().parent / "tests/fixtures/s2-tiny/checkpoint"
+PARITY_CONFIGS = {  # --config -> each model: random weights of the real dims, or the tiny fixture checkpoints
+    "real": dict(s2="s2-pro", omnivoice="omnivoice", codec=None),
+    "tiny": dict(s2=S2_TINY, omnivoice="tiny", codec=S2_TINY),
+}
+PARITY_MODELS = ("s2", "omnivoice", "codec")
+
+
+def parity_copy(model: nn.Module, device, dtype) -> nn.Module:
+    """The CPU fp32 `model` copied to `device` in `dtype`: its weights rounded once. The tokenizers are
+    shared, not copied (OmniVoice's audio tokenizer stays fp32 on the CPU: parity does not run it)."""
+    kept = {name: getattr(model, name) for name in ("tokenizer", "audio_tokenizer") if hasattr(model, name)}
+    for name in kept:
+        setattr(model, name, None)
+    try:
+        moved = copy.deepcopy(model).to(device, dtype)
+    finally:
+        for name, value in kept.items():
+            setattr(model, name, value)
+    for name, value in kept.items():
+        setattr(moved, name, value)
+    if isinstance(moved, DualAR):
+        moved.make_rope()  # as dualAR.load builds it (its rounding), not the table cast to dtype
+    return moved
+
+
+def logit_figures(ref: Tensor, got: Tensor) -> dict:
+    """Logits (..., V) of CPU fp32 and of the device -> their figures over all positions: mean relative error,
+    MSE, max abs difference, mean cosine similarity, top-1 agreement, top-5 overlap (shared / 5)."""
+    ref, got = ref.float().flatten(0, -2), got.float().cpu().flatten(0, -2)
+    diff = got - ref
+    top5_ref, top5_got = ref.topk(5, -1).indices, got.topk(5, -1).indices
+    overlap = (top5_ref[:, :, None] == top5_got[:, None, :]).any(-1).float().mean()
+    return dict(rel_error=(diff.abs().mean() / ref.abs().mean()).item(), mse=diff.square().mean().item(),
+                max_diff=diff.abs().max().item(), cosine=F.cosine_similarity(got, ref, dim=-1).mean().item(),
+                top1=(got.argmax(-1) == ref.argmax(-1)).float().mean().item(), top5=overlap.item(),
+                positions=ref.shape[0])
+
+
+def logit_line(what: str, f: dict) -> str:
+    return (f"{what} ({f['positions']} positions): mean relative error {100 * f['rel_error']:.3f} %, MSE"
+            f" {f['mse']:.3g}, max abs difference {f['max_diff']:.3g}, cosine {f['cosine']:.6f}, top-1"
+            f" {100 * f['top1']:.1f} %, top-5 {100 * f['top5']:.1f} %")
+
+
+@torch.inference_mode()
+def greedy_frames(model: DualAR, prompt: Tensor, frames: int, forced: Tensor = None) -> Tensor:
+    """`frames` greedy frames after `prompt` (1 + num_codebooks, T), each from the previous frame of `forced`
+    if given (teacher forcing: the device judged frame by frame on CPU fp32's history) -> (frames,
+    1 + num_codebooks) on the CPU."""
+    cfg, device = model.config, model.embeddings.weight.device
+    prompt = prompt.to(device)
+    model.setup_caches(1, cache_bucket(prompt.size(1) + frames + 1, cfg))
+    logits, hidden = model.prefill(prompt)
+    p = sampling_params(model, [(1.0, 1.0, 1)])  # top-k 1: the most likely token whatever the noise
+    start, stop = model.sampling_rows
+    noise = (torch.ones(1, 2, stop - start, device=device),
+             torch.ones(1, cfg["num_codebooks"] - 1, cfg["codebook_size"], device=device))
+    recent = torch.full((1, RAS_WINDOW), -1, device=device)  # greedy: the hotter draw is the same token
+    out = [sample_frame(model, logits, hidden, recent, p, *noise)]
+    for i in range(1, frames):
+        last = out[-1] if forced is None else forced[i - 1: i].to(device)
+        pos = torch.tensor([prompt.size(1) + i - 1], device=device)
+        out.append(decode_step(model, last, pos, recent, p, *noise))
+    return torch.cat(out).cpu()
+
+
+@torch.inference_mode()
+def teacher_forced_logits(model: DualAR, prompt: Tensor, frames: Tensor) -> tuple:
+    """The slow logits (sampling rows) at every position of `prompt` followed by `frames` (N, 1 +
+    num_codebooks) but the last, and the fast logits of codebooks 1.. of each frame given its earlier codes
+    -> (slow (T + N - 1, rows), fast (N, num_codebooks - 1, codebook_size)), fp32 on the CPU."""
+    cfg, device, n = model.config, model.embeddings.weight.device, frames.size(0)
+    tokens = torch.cat([prompt, frames[:-1].T], 1).to(device)
+    model.setup_caches(n, cache_bucket(tokens.size(1), cfg))
+    x, rope = model.embed(tokens[None]), model.rope[: tokens.size(1)]
+    for layer in model.layers:  # the prefill's blocks, every position's logits kept
+        x = layer(x, rope, 0)
+    slow, fast_in = model.head(x[0])
+    model.forward_fast(fast_in[-n:, None], 0, logits=False)  # one row per frame
+    codes = frames[:, 1:].to(device)
+    fast = [model.forward_fast(model.fast_embeddings(codes[:, i - 1])[:, None], i)
+            for i in range(1, cfg["num_codebooks"])]
+    return slow.float().cpu(), torch.stack(fast, 1).float().cpu()
+
+
+def s2_parity(args, device, dtype) -> dict:
+    """S2-Pro on the device vs CPU fp32: both logits, and greedy codes over --frames teacher-forced frames."""
+    folder = args.checkpoint or PARITY_CONFIGS[args.config]["s2"]
+    if isinstance(folder, str) and folder in BENCH_CONFIGS:
+        model, name = random_model(folder, torch.device("cpu"), torch.float32), folder
+    else:
+        model, name = dualAR.load(folder), args.config if folder == S2_TINY else Path(folder).name
+    moved = parity_copy(model, device, dtype)
+    prompt = dualAR.build_prompt(model, [], [], BENCH_TEXT)
+    frames = greedy_frames(model, prompt, args.frames)
+    ref, got = teacher_forced_logits(model, prompt, frames), teacher_forced_logits(moved, prompt, frames)
+    figures = {"slow logits": logit_figures(ref[0], got[0]), "fast logits": logit_figures(ref[1], got[1])}
+    for what, f in figures.items():
+        print(logit_line(f"s2 {name} {what}", f))
+    codes = (greedy_frames(moved, prompt, args.frames, frames) == frames).float().mean().item()
+    print(f"s2 {name} greedy codes: {100 * codes:.1f} % of {args.frames} frames x {frames.size(1)} tokens"
+          f" equal (each frame from CPU fp32's previous one)")
+    return {**{f"s2 {what}": f for what, f in figures.items()}, "s2": dict(codes=codes)}
+
+
+@torch.inference_mode()
+def unmasked_agreement(model, moved, item: dict, gen: dict, seed: int) -> float:
+    """Both models unmask `item` step by step, the device from CPU fp32's codes of the step before (teacher
+    forcing), with the same seed -> the share of the tokens CPU fp32 reveals over the steps that the device
+    reveals too, at the same position with the same code."""
+    jobs = [omnivoice.Unmasking(m, item, gen, torch.Generator().manual_seed(seed)) for m in (model, moved)]
+    engines = [omnivoice.Scheduler(m, max_batch=1) for m in (model, moved)]
+    for engine, job in zip(engines, jobs):
+        engine.submit(job)
+    same = revealed = 0
+    for _ in range(gen["num_step"]):
+        before = jobs[0].tokens.clone()
+        for engine in engines:
+            engine.step()
+        ref, got = jobs[0].tokens.cpu(), jobs[1].tokens.cpu()
+        new = ref != before
+        same, revealed = same + (new & (got == ref)).sum().item(), revealed + new.sum().item()
+        jobs[1].tokens.copy_(jobs[0].tokens)
+        engines[1].rows = None  # rebuilt from the copied codes
+    return same / revealed
+
+
+def omnivoice_parity(args, device, dtype) -> dict:
+    """OmniVoice on the device vs CPU fp32: the first forward's logits at the target positions (conditional
+    and unconditional rows), and the tokens revealed over the unmasking steps (a clone request)."""
+    size = PARITY_CONFIGS[args.config]["omnivoice"]
+    model, _ = ov_build(argparse.Namespace(checkpoint=args.checkpoint, config=size, layers=None,
+                                           seed=args.seed), torch.device("cpu"), torch.float32)
+    name = Path(args.checkpoint).name if args.checkpoint else size
+    moved = parity_copy(model, device, dtype)
+    gen = dict(omnivoice.GENERATION)
+    items = ov_requests(model, args, gen, 1)
+    rows = omnivoice.batch_rows(model, items, gen["denoise"])
+    spans = [(row, slice(at, at + items[0]["target_len"])) for row, at in rows["cond"] + rows["uncond"]]
+    logits = []
+    with torch.inference_mode():
+        for m in (model, moved):
+            out = m(*(rows[key].to(m.audio_heads.weight.device) for key in ("ids", "audio_mask", "mask")))
+            logits.append(torch.cat([out[row, :, span] for row, span in spans], 1).cpu())  # (C, 2T, V)
+    figures = logit_figures(*logits)
+    print(logit_line(f"omnivoice {name} logits", figures))
+    unmasked = unmasked_agreement(model, moved, items[0], gen, args.seed)
+    print(f"omnivoice {name} unmasked tokens: {100 * unmasked:.1f} % of CPU fp32's reveals over the"
+          f" {gen['num_step']} steps equal (position and code; each step from CPU fp32's codes)")
+    return {"omnivoice logits": figures, "omnivoice": dict(unmasked=unmasked)}
+
+
+def codec_parity(args, device, dtype) -> dict:
+    """The codec's decode of --frames random codes on the device vs CPU fp32: the relative RMS error."""
+    folder = args.checkpoint or PARITY_CONFIGS[args.config]["codec"]
+    if folder is None:
+        dac, name = random_codec(codec.CONFIG, torch.device("cpu"), torch.float32), args.config
+    else:
+        dac, name = codec.load(folder), args.config if folder == S2_TINY else Path(folder).name
+    moved = parity_copy(dac, device, dtype)
+    generator, cfg = torch.Generator().manual_seed(args.seed), dac.config
+    codes = torch.randint(0, cfg["codebook_size"], (1 + cfg["n_codebooks"], args.frames), generator=generator)
+    codes[0] = torch.randint(0, cfg["semantic_codebook_size"], (args.frames,), generator=generator)
+    with torch.inference_mode():  # not while loading: fold_weight_norm's weights would be no parameters
+        ref, got = codec.decode(dac, codes), codec.decode(moved, codes.to(device)).cpu()
+    error = ((got - ref).square().mean() / ref.square().mean()).sqrt().item()
+    print(f"codec {name} decode of {args.frames} frames: relative RMS error {100 * error:.3f} %"
+          f" (SNR {-20 * math.log10(max(error, 1e-12)):.1f} dB)")
+    return {"codec": dict(decode_error=error)}
+
+
+def parity_failures(figures: dict, limits: dict) -> list:
+    """What is past its limit, in words (rel_error and decode_error: at most; the others: at least)."""
+    failed = []
+    for what, values in figures.items():
+        for key, value in values.items():
+            if key not in limits:
+                continue
+            low = key in ("rel_error", "decode_error")
+            if value > limits[key] if low else value < limits[key]:
+                failed.append(f"{what} {key} {value:.6g} {'>' if low else '<'} {limits[key]:g}")
+    return failed
+
+
+def parity(args):
+    """`python bench.py parity`: each model's figures on the device in --dtype vs CPU fp32 (same weights,
+    same inputs); exit status 1 with one line naming each figure past PARITY_LIMITS."""
+    if args.checkpoint and args.model == "all":
+        raise common.UserError("--checkpoint is one model's folder: give --model s2, omnivoice or codec")
+    if min(args.frames, args.seconds) <= 0:
+        raise common.UserError("--frames and --seconds must be > 0")
+    device, dtype = common.pick_device(args.device), common.DTYPES[args.dtype]
+    print(f"{machine_line(device)}; parity: {device} {args.dtype} vs cpu fp32, same weights and inputs")
+    figures = {}
+    for name in PARITY_MODELS if args.model == "all" else [args.model]:
+        figures.update(dict(s2=s2_parity, omnivoice=omnivoice_parity, codec=codec_parity)[name](
+            args, device, dtype))
+    failed = parity_failures(figures, PARITY_LIMITS[args.dtype])
+    if failed:
+        print(f"parity FAILED on {device} {args.dtype}: " + "; ".join(failed))
+        sys.exit(1)
+    print(f"parity passed on {device} {args.dtype}: every figure within PARITY_LIMITS (docs/gpu.md)")
+
+
 # ----------------------------------------------------------------------------- CLI
 def batch_sizes(text: str) -> list:
     sizes = [int(b) for b in text.split(",")]
@@ -763,7 +985,20 @@ def batch_sizes(text: str) -> list:
     return sizes
 
 
-COMMANDS = ("s2", "codec", "omnivoice", "lora")
+COMMANDS = ("s2", "codec", "omnivoice", "lora", "parity")
+RUNS = dict(s2=bench, codec=codec_speed, omnivoice=omnivoice_speed, lora=lora_speed, parity=parity)
+
+
+def add_parity_args(ap: argparse.ArgumentParser):
+    common.add_device_arg(ap)
+    ap.add_argument("--dtype", choices=list(PARITY_LIMITS), default="bf16", help="the device's dtype (bf16)")
+    ap.add_argument("--model", choices=[*PARITY_MODELS, "all"], default="all", help="which to check (all)")
+    ap.add_argument("--config", choices=list(PARITY_CONFIGS), default="real", help="random weights at the"
+                    " real dims (real, the default) or the tiny fixture checkpoints (tiny)")
+    ap.add_argument("--checkpoint", help="this checkpoint folder instead of random weights (with --model)")
+    ap.add_argument("--frames", type=int, default=16, help="S2 greedy frames and codec frames (16)")
+    ap.add_argument("--seconds", type=float, default=3.0, help="OmniVoice's target audio length (3)")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random weights and inputs (0)")
 
 
 def main(argv=None):
@@ -782,7 +1017,7 @@ def main(argv=None):
                     " first frames, their codec decode at the real codec size, random weights)")
     dualAR.add_model_args(s2)  # --quant also prints the logit error and code agreement vs unquantized
     c = sub.add_parser("codec", help="the codec's encode / decode / stream RTF at the real size")
-    c.add_argument("--device", type=common.device_name, help="cpu, mps, cuda or cuda:N (default: best)")
+    common.add_device_arg(c)
     c.add_argument("--dtype", choices=["fp32", "fp16", "bf16"], help="default: fp16 on CUDA, else fp32")
     c.add_argument("--chunk-frames", type=int, default=codec.CHUNK_FRAMES,
                    help="frames per encode/decode pass (default %(default)s; 0: one pass)")
@@ -796,18 +1031,21 @@ def main(argv=None):
                    " on prepacked weights) beside eager")
     add_omnivoice_args(sub.add_parser("omnivoice", help="OmniVoice's unmasking and audio tokenizer"))
     lora = sub.add_parser("lora", help="S2-Pro LoRA training steps/s and peak memory, random weights")
-    lora.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: cuda > mps > cpu")
+    common.add_device_arg(lora)
     lora.add_argument("--config", help="a config.json for smaller dimensions (default: the real S2-Pro)")
     lora.add_argument("--n-layer", type=int, help="override the number of slow layers")
     lora.add_argument("--batch-size", type=int, default=4, help="samples per step (default 4)")
     lora.add_argument("--seq-len", type=int, default=1024, help="tokens per sample (default 1024)")
     lora.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step (default 3)")
+    add_parity_args(sub.add_parser("parity", help="each model on --device in --dtype vs CPU fp32: logits,"
+                                   " greedy codes, unmasked tokens, the codec's decode; exit 1 past the"
+                                   " limits"))
     args = ap.parse_args(argv)
     if args.command == "codec" and args.chunk_frames < 0:
         raise common.UserError("--chunk-frames must be >= 0")
     if args.command == "lora" and min(args.batch_size, args.seq_len, args.steps) < 1:
         raise common.UserError("--batch-size, --seq-len and --steps must be >= 1")
-    dict(s2=bench, codec=codec_speed, omnivoice=omnivoice_speed, lora=lora_speed)[args.command](args)
+    RUNS[args.command](args)
 
 
 if __name__ == "__main__":

@@ -638,8 +638,7 @@ def main(argv=None):
     parser = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     shared = argparse.ArgumentParser(add_help=False)
-    shared.add_argument("--device", type=common.device_name, help="cpu, mps, cuda or cuda:N (default: cuda >"
-                        " mps > cpu)")
+    common.add_device_arg(shared)
     shared.add_argument("--dtype", choices=["fp32", "fp16", "bf16"],
                         help="default: fp16 on CUDA, else fp32 (bf16 is audibly noisier in the decoder)")
     shared.add_argument("--chunk-frames", type=int, default=CHUNK_FRAMES,

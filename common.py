@@ -122,15 +122,41 @@ def check_plain_text(tokenizer, text: str, what: str, allowed=None):
 
 
 # ----------------------------------------------------------------------------- devices and dtypes
+DEVICE_ORDER = ("npu", "cuda", "xpu", "mps", "cpu")  # --device auto: the first of these this machine has
+DEVICE_HELP = "auto (default: the first found of npu, cuda, xpu, mps, cpu), cuda, cuda:N, npu, xpu, mps, cpu"
+
+
+def device_available(kind: str) -> bool:
+    """Whether this machine has a device of `kind` (npu: where Huawei's torch_npu imports)."""
+    if kind == "npu":
+        try:
+            importlib.import_module("torch_npu")  # Huawei's plugin: it adds torch.npu
+        except ImportError:
+            return False
+    module = dict(cuda=torch.cuda, mps=torch.backends.mps).get(kind) or getattr(torch, kind, None)
+    return kind == "cpu" or bool(module is not None and module.is_available())
+
+
+def device_count(kind: str) -> int:
+    return 1 if kind in ("cpu", "mps") else getattr(torch, kind).device_count()
+
+
+def first_available() -> str:
+    """--device auto: the first kind of DEVICE_ORDER this machine has."""
+    return next(kind for kind in DEVICE_ORDER if device_available(kind))
+
+
 def pick_device(name: str = None) -> torch.device:
-    """--device as given (cpu, mps, cuda, cuda:N), else cuda > mps > cpu."""
-    kind, _, index = (name or "").partition(":")
-    available = dict(cpu=True, cuda=torch.cuda.is_available(), mps=torch.backends.mps.is_available())
-    if kind and not available.get(kind, False):
+    """--device as given (cpu, mps, cuda, cuda:N, npu, npu:N, xpu, xpu:N), or auto / None: the first of
+    DEVICE_ORDER this machine has. A device it lacks is one UserError."""
+    if name in (None, "auto"):
+        return torch.device(first_available())
+    kind, _, index = name.partition(":")
+    if not device_available(kind):
         raise UserError(f"--device {name}: no {kind} device on this machine")
-    if index and int(index) >= torch.cuda.device_count():
-        raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA devices")
-    return torch.device(name or next(kind for kind in ("cuda", "mps", "cpu") if available[kind]))
+    if index and int(index) >= device_count(kind):
+        raise UserError(f"--device {name}: this machine has {device_count(kind)} {kind.upper()} devices")
+    return torch.device(name)
 
 
 def pick_dtype(name: str, device: torch.device, cuda: str = "bf16") -> torch.dtype:
@@ -139,8 +165,9 @@ def pick_dtype(name: str, device: torch.device, cuda: str = "bf16") -> torch.dty
 
 
 def device_name(text: str) -> str:
-    if not re.fullmatch(r"cpu|mps|cuda(:\d+)?", text):
-        raise argparse.ArgumentTypeError(f"{text}: use cpu, mps, cuda or cuda:N")
+    """argparse's type of every CLI's --device."""
+    if not re.fullmatch(r"auto|cpu|mps|(cuda|npu|xpu)(:\d+)?", text):
+        raise argparse.ArgumentTypeError(f"{text}: use auto, cuda, cuda:N, npu, xpu, mps or cpu")
     return text
 
 
@@ -159,6 +186,11 @@ def join_processes(device: torch.device) -> tuple:
         importlib.import_module("torch._dynamo")
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     return dist.get_rank(), dist.get_world_size(), device
+
+
+def add_device_arg(parser: argparse.ArgumentParser, more: str = ""):
+    """Every CLI's --device (auto by default: pick_device)."""
+    parser.add_argument("--device", type=device_name, default="auto", help=DEVICE_HELP + more)
 
 
 # ----------------------------------------------------------------------------- files

@@ -45,8 +45,8 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from tqdm import tqdm
 
-from common import (DTYPES, ArgumentParser, EngineClosed, Job, QuantLinear, UserError, check_plain_text,
-                    check_seed, cli, default_compile_cache, device_name, peak_memory_gb, pick_device,
+from common import (DTYPES, ArgumentParser, EngineClosed, Job, QuantLinear, UserError, add_device_arg,
+                    check_plain_text, check_seed, cli, default_compile_cache, peak_memory_gb, pick_device,
                     pick_dtype, queue_job, swap_linears, unreadable, use_compile_cache)
 
 # The real fishaudio/s2-pro dimensions, with upstream's flat `dual_ar` key names.
@@ -1351,7 +1351,7 @@ def demo_reference(args, device):
 def add_model_args(ap: argparse.ArgumentParser, more_quant: tuple = (), more_quant_help: str = ""):
     """The flags of every CLI that runs the model (this one, bench.py, app.py, tools/); more_quant: schemes
     of another model the CLI also serves (app.py: OmniVoice's)."""
-    ap.add_argument("--device", type=device_name, help="cpu, mps, cuda or cuda:N (default: cuda > mps > cpu)")
+    add_device_arg(ap)
     ap.add_argument("--dtype", choices=list(DTYPES), help="default bf16 on CUDA, fp32 elsewhere")
     ap.add_argument("--quant", choices=list(dict.fromkeys(QUANT_SCHEMES + tuple(more_quant))),
                     help="weight quantization of both transformers (int8wo, int4wo on CPU: torch's own"

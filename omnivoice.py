@@ -1233,7 +1233,7 @@ def parse_args(argv=None):
     ap.add_argument("--no-postprocess", action="store_true", help="keep the output's silences")
     ap.add_argument("--seed", type=int, default=42, help="random seed (42)")
     ap.add_argument("--out", default="generate/omnivoice.wav", help="output wav; its codes beside it (.npy)")
-    ap.add_argument("--device", type=common.device_name, help="cpu, mps, cuda or cuda:N (default: best)")
+    common.add_device_arg(ap)
     ap.add_argument("--dtype", choices=list(common.DTYPES), help="LM dtype (default bf16 on CUDA, else fp32;"
                     " bf16 on a CPU with AVX-512-BF16 or AMX is several times faster, see docs/omnivoice.md)")
     ap.add_argument("--quant", choices=QUANT_SCHEMES, help="int8wo / int4wo: int8 / int4 weights (CPU),"

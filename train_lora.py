@@ -637,7 +637,7 @@ def parse_args(argv=None):
     ap = common.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="command", required=True)
     device = argparse.ArgumentParser(add_help=False)
-    device.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: cuda > mps > cpu")
+    common.add_device_arg(device, "; several processes (torchrun): NCCL on CUDA, else gloo")
     base = argparse.ArgumentParser(add_help=False)
     base.add_argument("--checkpoint", default=dualAR.DEFAULT_CHECKPOINT,
                       help=f"base S2-Pro checkpoint folder (default {dualAR.DEFAULT_CHECKPOINT})")

@@ -1302,7 +1302,7 @@ def tokens_parser(subparsers):
     p.add_argument("--shuffle-seed", type=int, default=42,
                    help="the seed of the list's shuffle (upstream's 42)")
     p.add_argument("--no-shuffle", action="store_true", help="keep the input's order")
-    p.add_argument("--device", type=common.device_name, help="cpu, cuda, cuda:N or mps (default: the best)")
+    common.add_device_arg(p)
 
 
 COMMANDS = dict(tokens=make_tokens, overlay=tokenizer_overlay, train=train, export=export)
@@ -1340,7 +1340,7 @@ def parse_args(argv=None):
                    " checkpoint, bit for bit (only --checkpointing and --device may change)")
     t.add_argument("--checkpointing", action="store_true",
                    help="gradient checkpointing of the layers: less memory, one more forward per step")
-    t.add_argument("--device", choices=["cpu", "cuda", "mps"], help="default: cuda > mps > cpu")
+    common.add_device_arg(t, "; several processes (torchrun): NCCL on CUDA, else gloo")
     e = sub.add_parser("export", help="a run's checkpoint -> a checkpoint folder (LoRA merged) + adapter/")
     e.add_argument("run", help="run folder of `train`")
     e.add_argument("--out", required=True, help="new folder for the checkpoint")

@@ -10,7 +10,7 @@ from conftest import untimed_compile_cache
 
 ROOT = Path(__file__).resolve().parent.parent
 STEPS = ["a preflight", "b goldens (tiny)", "c frame step + ttfa (tiny)", "d codec bench (tiny)",
-         "e lora bench", "f batch 4, int8wo (tiny)", "f omnivoice bench (tiny)"]
+         "e lora bench", "f batch 4, int8wo (tiny)", "f omnivoice bench (tiny)", "f parity (tiny, cpu bf16)"]
 
 
 def test_gpu_script_cpu_smoke_runs_every_step_and_prints_the_summary(tmp_path):
@@ -27,5 +27,6 @@ def test_gpu_script_cpu_smoke_runs_every_step_and_prints_the_summary(tmp_path):
     assert all(row[28:38].strip() == "ok" for row in summary[1:-1])
     assert "ttfa_ms=" in summary[3] and "frames_per_s=" in summary[6]  # the key figure of each step
     assert "RTF" in summary[7]
+    assert "parity passed on cpu bf16" in summary[8]
     assert json.loads((cache / cpu_fast.DECISIONS).read_text()) == choices  # found there: nothing timed
     assert summary[-1].startswith("total ") and summary[-1].endswith(" 0 step(s) failed or timed out")

@@ -351,7 +351,8 @@ def bad_inputs(tmp_path):
         "negative chunk": (["decode", codes, "--chunk-frames", "-5"], "--chunk-frames must be >= 0"),
         "bad flag value": (["decode", codes, "--chunk-frames", "many"], "invalid int value"),
         "unavailable device": (["decode", codes, "--device", MISSING_DEVICE], f"no {MISSING_DEVICE} device"),
-        "unknown device": (["decode", codes, "--device", "tpu"], "use cpu, mps, cuda or cuda:N"),
+        "unknown device": (["decode", codes, "--device", "tpu"],
+                           "use auto, cuda, cuda:N, npu, xpu, mps or cpu"),
         "a CUDA device past the last": (["decode", codes, "--device", f"cuda:{torch.cuda.device_count()}"],
                                         "CUDA devices" if torch.cuda.is_available() else "no cuda device"),
     }

@@ -77,7 +77,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", choices=list(bench.BENCH_CONFIGS), default="s2-mid")
     ap.add_argument("--batch", type=bench.batch_sizes, default=[1])
-    ap.add_argument("--device", choices=["cpu", "cuda", "mps"])
+    common.add_device_arg(ap)
     ap.add_argument("--dtype", choices=list(common.DTYPES))
     args = ap.parse_args()
     device = common.pick_device(args.device)

@@ -1735,8 +1735,8 @@ def parse_args(argv=None):
                     " <name>.omnivoice.safetensors (default prompt/)")
     ap.add_argument("--max-voices", type=int, default=1000, help="voices the folder may hold, every model's;"
                     " saving one more is a 507 (default 1000)")
-    ap.add_argument("--api-key", default=os.environ.get("FISHFAST_API_KEY"),
-                    help="require 'Authorization: Bearer KEY' on /v1/ (default $FISHFAST_API_KEY, else none)")
+    ap.add_argument("--api-key", default=os.environ.get("FISHFAST_API_KEY"), help="require"
+                    " 'Authorization: Bearer KEY' on /v1/ and /metrics (default $FISHFAST_API_KEY, else none)")
     ap.add_argument("--allow-origin", action="append", metavar="ORIGIN", help="let pages of this origin"
                     " (e.g. https://app.example.com, or *) use the API from a browser, with CORS; repeatable."
                     " Default: pages of other sites can neither write nor generate here")

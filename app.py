@@ -1556,6 +1556,8 @@ class Handler(BaseHTTPRequestHandler):
                     events = poller.poll(50)
                     if not events:
                         continue
+                    if request.done:  # all made: a client that closes once it has read it cancels nothing
+                        return
                     hung_up = events[0][1] & (select.POLLERR | select.POLLHUP | select.POLLNVAL)
                     if not hung_up and (server.closing or EOF_EVENT == select.POLLIN
                                         and sock.recv(1, socket.MSG_PEEK)):
@@ -1736,7 +1738,8 @@ def parse_args(argv=None):
     ap.add_argument("--max-voices", type=int, default=1000, help="voices the folder may hold, every model's;"
                     " saving one more is a 507 (default 1000)")
     ap.add_argument("--api-key", default=os.environ.get("FISHFAST_API_KEY"), help="require"
-                    " 'Authorization: Bearer KEY' on /v1/ and /metrics (default $FISHFAST_API_KEY, else none)")
+                    " 'Authorization: Bearer KEY' on /v1/ and /metrics (default $FISHFAST_API_KEY, else"
+                    " none)")
     ap.add_argument("--allow-origin", action="append", metavar="ORIGIN", help="let pages of this origin"
                     " (e.g. https://app.example.com, or *) use the API from a browser, with CORS; repeatable."
                     " Default: pages of other sites can neither write nor generate here")

@@ -2,7 +2,9 @@
 lines, samples, escaped label values), counts that move by exactly the requests made, histograms whose
 buckets are cumulative, the gauges, the API key; both models, HTTP and Wyoming."""
 import io
+import json
 import re
+import socket
 import threading
 import time
 import types
@@ -211,3 +213,23 @@ def test_metrics_need_the_api_key(both):
         assert status == 401 and answer["WWW-Authenticate"] == "Bearer" and b"fishfast_" not in data
     refused = request_key("/metrics", "GET", 401)
     assert series(scrape(both.http))[refused] - before.get(refused, 0) == 2
+
+
+def test_a_request_whose_client_left_before_its_answer_is_a_499(both, monkeypatch):
+    """The engine held: the request waits in the queue while its client hangs up."""
+    scheduler, go = both.app.engine.scheduler, threading.Event()
+    step = scheduler.step
+    monkeypatch.setattr(scheduler, "step", lambda: go.wait(60) and step())
+    left = request_key(SPEECH, "POST", 499)
+    before = series(scrape(both.http)).get(left, 0)
+    body = json.dumps(dict(input="Never heard.", response_format="flac", **SAY[both.kind])).encode()
+    head = f"POST {SPEECH} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer secret\r\n" \
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    try:
+        with socket.create_connection(both.http.server_address[:2]) as sock:
+            sock.sendall(head.encode() + body)
+            wait_for(lambda: both.app.engine.stats()["queued"] == 1, what="the request waiting")
+        wait_for(lambda: both.app.engine.stats()["queued"] == 0, what="the request cancelled")
+    finally:
+        go.set()
+    assert series(scrape(both.http))[left] - before == 1

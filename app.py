@@ -12,7 +12,8 @@ One engine thread owns the model (common.EngineThread, its Scheduler: --slots ro
 HTTP request runs in its own thread: it validates, submits, and turns the codes into audio as they come. The
 server talks to each model through the same few verbs (SpeechModel: load, a reference from a clip, a saved
 voice read and written, submit, the waves of a request, its usage), so the handler and the page know no model
-but through them: a third model is a third class beside S2ProModel and OmniVoiceModel.
+but through them: a third model is a third class beside S2ProModel and OmniVoiceModel. GET /metrics is
+Prometheus' text format (Metrics), each request counted where it ends, HTTP's and Wyoming's.
 """
 import base64
 import collections

@@ -12,8 +12,9 @@ beside its HTTP server or alone (docs/api.md, Wyoming):
 One asyncio loop, in a thread of its own, serves every connection (the wyoming package's AsyncTcpServer).
 A request goes to app.py's engine as an HTTP request does (App.references, the model's `options`, `submit`
 and `waves`: the same slots, queue and limits) and is read in a thread of its own. A connection's events are
-answered in order by one task, while its reader watches for the hang-up that cancels its request. This module
-never imports app.py: `start` is given the App and the server's helpers.
+answered in order by one task, while its reader watches for the hang-up that cancels its request; each event
+is counted in the App's metrics as a request of route "wyoming". This module never imports app.py: `start` is
+given the App and the server's helpers.
 """
 import asyncio
 import contextlib

@@ -12,7 +12,8 @@ One engine thread owns the model (common.EngineThread, its Scheduler: --slots ro
 HTTP request runs in its own thread: it validates, submits, and turns the codes into audio as they come. The
 server talks to each model through the same few verbs (SpeechModel: load, a reference from a clip, a saved
 voice read and written, submit, the waves of a request, its usage), so the handler and the page know no model
-but through them: a third model is a third class beside S2ProModel and OmniVoiceModel.
+but through them: a third model is a third class beside S2ProModel and OmniVoiceModel. GET /metrics is
+Prometheus' text format (Metrics), each request counted where it ends, HTTP's and Wyoming's.
 """
 import base64
 import collections
@@ -900,6 +901,7 @@ class App:
         # decoding and encoding clips (uploads, voices kept as audio), /v1/vqgan: seconds each, not in --slots
         self.codec_gate = Gate(args.codec_workers, args.queue, "codec jobs (uploads, /v1/vqgan)")
         self.codec_work = self.codec_gate.hold
+        self.metrics = Metrics(self.model.kind)
 
     def close(self):
         self.codec_gate.close()
@@ -913,6 +915,16 @@ class App:
         note = dict(note="DEMO: a tiny random model, the audio is noise") if self.demo else {}
         status = "ok" if self.alive else "the engine stopped: see the server's log"
         return dict(status=status, **self.info, **note, **self.engine.stats())
+
+    def gauges(self) -> list:
+        """-> [(name, help, value)]: the engine's and the codec's load now, for GET /metrics."""
+        stats, gate = self.engine.stats(), self.codec_gate
+        return [("fishfast_engine_up", "1 while the engine runs, 0 once it stopped", int(self.alive)),
+                ("fishfast_slots", "Rows the engine generates together (--slots)", stats["slots"]),
+                ("fishfast_slots_busy", "Rows generating now", stats["busy"]),
+                ("fishfast_queue_depth", "Requests waiting for a row", stats["queued"]),
+                ("fishfast_codec_jobs_running", "Codec jobs (uploads, /v1/vqgan) running", gate.running),
+                ("fishfast_codec_jobs_queued", "Codec jobs waiting for a --codec-workers turn", gate.queued)]
 
     # voices: one folder, one name space, each model's own files (S2ProModel.voice_files and OmniVoice's)
     def voice_files(self) -> dict:  # -> {name: (kind, path)}: this model's
@@ -1019,6 +1031,112 @@ class App:
                 path.rename(path.with_name(new + path.name[len(old):]))
 
 
+# ----------------------------------------------------------------------------- metrics
+TTFA_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60)  # seconds: a GPU's first sentence to a loaded CPU's
+RTF_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1, 1.5, 2, 5)  # work seconds per audio second; 1: real time
+METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"  # Prometheus' text exposition format
+CLIENT_LEFT = 499  # a request whose client left before any answer (nginx's code for it)
+HTTP_METHODS = ("GET", "HEAD", "POST", "DELETE", "PUT", "PATCH", "OPTIONS")  # others: "other", as labels
+
+
+def label_text(labels: dict) -> str:
+    """{name: value} -> '{name="value",...}', values escaped as the text format asks (\\, \", \n)."""
+    escaped = {key: str(value).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+               for key, value in labels.items()}
+    return "{" + ",".join(f'{key}="{value}"' for key, value in escaped.items()) + "}" if labels else ""
+
+
+def sample_value(value) -> str:
+    return "+Inf" if value == math.inf else repr(float(value)) if isinstance(value, float) else str(value)
+
+
+class Metrics:
+    """What GET /metrics reports, counted where each request ends (HTTP's and Wyoming's alike) under one
+    lock; the engine's gauges are read when scraped (App.gauges). Written in Prometheus' text format by
+    hand: no prometheus_client needed."""
+
+    def __init__(self, model: str):
+        self.lock, self.in_flight = threading.Lock(), 0
+        self.requests = collections.Counter()  # (route, method, status) -> requests ended
+        self.audio_seconds = {model: 0.0}  # each served model's series exists from the start, at 0
+        self.ttfa = {model: self.histogram(TTFA_BUCKETS)}
+        self.rtf = {model: self.histogram(RTF_BUCKETS)}
+
+    @staticmethod
+    def histogram(bounds: tuple) -> dict:
+        return dict(bounds=(*bounds, math.inf), counts=[0] * (len(bounds) + 1), sum=0.0, count=0)
+
+    @staticmethod
+    def observe(histogram: dict, value: float):
+        """Counted in its own bucket only; render makes them cumulative."""
+        histogram["counts"][next(i for i, bound in enumerate(histogram["bounds"]) if value <= bound)] += 1
+        histogram["sum"] += value
+        histogram["count"] += 1
+
+    def begin(self):
+        with self.lock:
+            self.in_flight += 1
+
+    def end(self, route: str, method: str, status, began=True):
+        """A request ended (`began`: it was counted in flight) with its answer's status (None: the client
+        left before any answer)."""
+        with self.lock:
+            self.in_flight -= bool(began)
+            self.requests[route, method, str(status or CLIENT_LEFT)] += 1
+
+    def speech(self, model: str, seconds: float, first_audio, rtf):
+        """A request's audio: its seconds, its time to first audio (None: none came) and RTF (None: not
+        made whole)."""
+        with self.lock:
+            self.audio_seconds[model] = self.audio_seconds.get(model, 0.0) + seconds
+            if first_audio is not None:
+                self.observe(self.ttfa.setdefault(model, self.histogram(TTFA_BUCKETS)), first_audio)
+            if rtf is not None:
+                self.observe(self.rtf.setdefault(model, self.histogram(RTF_BUCKETS)), rtf)
+
+    def families(self, gauges: list) -> list:
+        """-> [(name, type, help, [(suffix, labels, value)])]; gauges: [(name, help, value)], read now."""
+        with self.lock:
+            requests = [("", dict(route=route, method=method, status=status), count)
+                        for (route, method, status), count in sorted(self.requests.items())]
+            audio = [("", dict(model=model), seconds)
+                     for model, seconds in sorted(self.audio_seconds.items())]
+            ttfa, rtf = ({model: dict(h, counts=list(h["counts"])) for model, h in kind.items()}
+                         for kind in (self.ttfa, self.rtf))
+            in_flight = self.in_flight
+        return [("fishfast_requests_total", "counter", "Requests answered, by route, method and"
+                 f" status (Wyoming's: route wyoming, method the event; {CLIENT_LEFT}: the client left"
+                 " first)", requests),
+                ("fishfast_requests_in_flight", "gauge", "Requests being answered now, this scrape too",
+                 [("", {}, in_flight)]),
+                *[(name, "gauge", about, [("", {}, value)]) for name, about, value in gauges],
+                ("fishfast_audio_seconds_total", "counter", "Seconds of audio generated, by model", audio),
+                ("fishfast_time_to_first_audio_seconds", "histogram", "Seconds from a request read to its"
+                 " first audio sent, by model", self.histogram_samples(ttfa)),
+                ("fishfast_real_time_factor", "histogram", "Seconds of generation per second of audio of each"
+                 " request made whole, by model", self.histogram_samples(rtf))]
+
+    @staticmethod
+    def histogram_samples(histograms: dict) -> list:
+        samples = []
+        for model, h in sorted(histograms.items()):
+            total = 0
+            for bound, count in zip(h["bounds"], h["counts"]):
+                total += count
+                samples.append(("_bucket", dict(model=model, le=sample_value(float(bound))), total))
+            samples += [("_sum", dict(model=model), h["sum"]), ("_count", dict(model=model), h["count"])]
+        return samples
+
+    def render(self, gauges: list) -> str:
+        """The text exposition format (0.0.4): # HELP, # TYPE, then each sample, one a line."""
+        lines = []
+        for name, kind, about, samples in self.families(gauges):
+            lines += [f"# HELP {name} {about}", f"# TYPE {name} {kind}"]
+            lines += [f"{name}{suffix}{label_text(labels)} {sample_value(value)}"
+                      for suffix, labels, value in samples]
+        return "\n".join(lines) + "\n"
+
+
 # ----------------------------------------------------------------------------- HTTP
 class Overdue(HTTPError):
     """A request's headers or body past their deadline (--header-timeout, --body-timeout): a 408."""
@@ -1065,6 +1183,7 @@ class Handler(BaseHTTPRequestHandler):
     timeout = 120  # seconds a silent client may hold its thread
     routes = {"/": dict(GET="page"), "/health": dict(GET="health"), "/v1/models": dict(GET="models"),
               "/v1/audio/speech": dict(POST="speech"), "/v1/tts": dict(POST="tts"),
+              "/metrics": dict(GET="metrics"),
               "/v1/audio/voices": dict(GET="list_voices", POST="save_voice"),
               "/v1/audio/voices/{name}": dict(DELETE="delete_voice"),
               # upstream fish-speech's API (tools/server/views.py)
@@ -1090,15 +1209,21 @@ class Handler(BaseHTTPRequestHandler):
         self.app, self.cors, self.packed, self.error_fields = self.server.app, None, False, None
         self.length, self.body_read, self.reading, self.dispatched = 0, False, None, False
         self.command, self.request_version, self.requestline = "", "HTTP/1.1", "(headers not read)"
+        self.status, self.route = None, "other"  # sent (send_head), and the route's name in the metrics
         try:
             super().handle_one_request()
         except Overdue as e:  # a slow client's headers: the answer, then the connection is closed
             self.send_json_error(e.status, str(e))
         except (ConnectionError, TimeoutError):  # gone while we wrote, even an error: nobody to tell
             self.close_connection = True
+        finally:  # every request that was answered, or dispatched and left by its client, is counted
+            if self.status is not None or self.dispatched:
+                method = self.command if self.command in HTTP_METHODS else "other"
+                self.app.metrics.end(self.route, method, self.status, self.dispatched)
 
     def dispatch(self):
         self.reading, self.dispatched = None, True  # the headers are in: the body has a deadline of its own
+        self.app.metrics.begin()
         try:
             host, path, self.query = request_target(self.path)
             self.length = body_length(self.headers.get_all("Content-Length", []),
@@ -1110,6 +1235,7 @@ class Handler(BaseHTTPRequestHandler):
                 route, self.name = "/v1/audio/voices/{name}", unquote(path[len("/v1/audio/voices/"):])
             self.check_origin()
             methods = self.routes.get(route)
+            self.route = route if methods else "other"  # a client's paths are no label values
             if methods is None:
                 raise HTTPError(404, f"no route {path[:100]}: see README for the API")
             allowed = [*methods, *(["HEAD"] if "GET" in methods else []), "OPTIONS"]
@@ -1231,6 +1357,7 @@ class Handler(BaseHTTPRequestHandler):
 
     def send_head(self, status: int, headers: dict):
         self.send_response(status)
+        self.status = status
         cors = {"Access-Control-Allow-Origin": self.cors, "Vary": "Origin"} if self.cors else {}
         for key, value in {**headers, **cors}.items():
             if value:
@@ -1258,6 +1385,12 @@ class Handler(BaseHTTPRequestHandler):
         if not self.authorized():
             info = dict(status=info["status"], model=info["model"])
         self.send_json(info, 200 if self.app.alive else 503)
+
+    def metrics(self):
+        """Prometheus' text format (Metrics); the key is needed as on /v1/ when --api-key is set."""
+        self.authorize()
+        text = self.app.metrics.render(self.app.gauges())
+        self.send_bytes(text.encode(), METRICS_TYPE)
 
     def models(self):
         self.send_json(dict(object="list", data=[dict(id=self.app.name, object="model", created=0,
@@ -1348,6 +1481,7 @@ class Handler(BaseHTTPRequestHandler):
         """Submit the job, then send its audio: whole, as raw chunked bytes, or as server-sent events."""
         if not self.app.alive:
             raise HTTPError(503, "the engine stopped (see the server's log): restart the server")
+        self.began, self.first_audio = time.perf_counter(), None  # time to first audio: from here
         self.app.engine.check_room()  # before the clips are encoded for nothing
         model = self.app.model
         request, start = model.submit(job, self.app.references(job)), time.perf_counter()
@@ -1355,6 +1489,7 @@ class Handler(BaseHTTPRequestHandler):
             self.watch(request)
             if job["send"] == "whole":
                 wave = model.whole(request)  # a late error is still a clean 400
+                self.first_audio = time.perf_counter()
                 self.send_bytes(audio_file_bytes(wave, job["format"], model.sample_rate),
                                 MEDIA_TYPES[job["format"]])
                 samples = len(wave)
@@ -1381,10 +1516,12 @@ class Handler(BaseHTTPRequestHandler):
                 send(wav_header(rate=model.sample_rate))
             if fmt in STREAMABLE:
                 for wave in model.waves(request):  # as they are made
+                    self.first_audio = self.first_audio or time.perf_counter()
                     send(pcm16(wave))
                     samples += len(wave)
             else:  # sse of a format that is encoded whole: one delta
                 wave = model.whole(request)
+                self.first_audio = time.perf_counter()
                 send(audio_file_bytes(wave, fmt, model.sample_rate))
                 samples = len(wave)
             tokens_in, tokens_out = model.usage(request, samples)
@@ -1420,6 +1557,8 @@ class Handler(BaseHTTPRequestHandler):
                     events = poller.poll(50)
                     if not events:
                         continue
+                    if request.done:  # all made: a client that closes once it has read it cancels nothing
+                        return
                     hung_up = events[0][1] & (select.POLLERR | select.POLLHUP | select.POLLNVAL)
                     if not hung_up and (server.closing or EOF_EVENT == select.POLLIN
                                         and sock.recv(1, socket.MSG_PEEK)):
@@ -1434,6 +1573,9 @@ class Handler(BaseHTTPRequestHandler):
     def log_figures(self, start: float, samples: int, cancelled=False):
         model = self.app.model
         wall, seconds, frames = time.perf_counter() - start, samples / model.sample_rate, samples / model.hop
+        first = self.first_audio - self.began if self.first_audio else None
+        rtf = None if cancelled or not samples else wall / seconds
+        self.app.metrics.speech(model.kind, seconds, first, rtf)
         if cancelled or not samples:  # no rate of what was not made
             what = "cancelled (the client hung up)" if cancelled else "no audio"
             return self.log_message("%s: %s after %.2f s, %d frames made", self.path, what, wall, frames)
@@ -1450,6 +1592,7 @@ class Refusal(Handler):
         self.started, self.app, self.cors, self.packed, self.error_fields = False, None, None, False, None
         self.command, self.request_version, self.requestline = "", "HTTP/1.1", "(a connection refused)"
         self.send_json_error(*self.server.refusal, {"Retry-After": "2"})
+        self.server.app.metrics.end("other", "other", self.server.refusal[0], began=False)
 
 
 class Server(ThreadingHTTPServer):  # its `app` and `max_connections` are set by make_server
@@ -1595,8 +1738,9 @@ def parse_args(argv=None):
                     " <name>.omnivoice.safetensors (default prompt/)")
     ap.add_argument("--max-voices", type=int, default=1000, help="voices the folder may hold, every model's;"
                     " saving one more is a 507 (default 1000)")
-    ap.add_argument("--api-key", default=os.environ.get("FISHFAST_API_KEY"),
-                    help="require 'Authorization: Bearer KEY' on /v1/ (default $FISHFAST_API_KEY, else none)")
+    ap.add_argument("--api-key", default=os.environ.get("FISHFAST_API_KEY"), help="require"
+                    " 'Authorization: Bearer KEY' on /v1/ and /metrics (default $FISHFAST_API_KEY, else"
+                    " none)")
     ap.add_argument("--allow-origin", action="append", metavar="ORIGIN", help="let pages of this origin"
                     " (e.g. https://app.example.com, or *) use the API from a browser, with CORS; repeatable."
                     " Default: pages of other sites can neither write nor generate here")

@@ -12,8 +12,9 @@ beside its HTTP server or alone (docs/api.md, Wyoming):
 One asyncio loop, in a thread of its own, serves every connection (the wyoming package's AsyncTcpServer).
 A request goes to app.py's engine as an HTTP request does (App.references, the model's `options`, `submit`
 and `waves`: the same slots, queue and limits) and is read in a thread of its own. A connection's events are
-answered in order by one task, while its reader watches for the hang-up that cancels its request. This module
-never imports app.py: `start` is given the App and the server's helpers.
+answered in order by one task, while its reader watches for the hang-up that cancels its request; each event
+is counted in the App's metrics as a request of route "wyoming". This module never imports app.py: `start` is
+given the App and the server's helpers.
 """
 import asyncio
 import contextlib
@@ -21,6 +22,7 @@ import os
 import re
 import sys
 import threading
+import time
 
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.error import Error
@@ -31,6 +33,7 @@ from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, Synthesize
 import common
 import omnivoice_text
 
+EVENTS = ("describe", "synthesize", "synthesize-start", "synthesize-chunk", "synthesize-stop")  # answered
 SAMPLES_PER_CHUNK = 1024  # samples an audio-chunk carries at most (wyoming-piper's)
 WIDTH = 2  # bytes a sample: 16-bit PCM, as the HTTP route's pcm
 WATCH = 1.0  # seconds between checks that the engine is alive while a request waits for audio
@@ -216,18 +219,24 @@ class Connection(AsyncEventHandler):
             self.request.cancel()
 
     async def work(self):
+        metrics = self.server.app.metrics  # each event answered is a request of route "wyoming"
         while True:
             event = await self.events.get()
+            kind, status = event.type if event.type in EVENTS else "other", None  # None: the client left
+            metrics.begin()
             try:
                 await self.answer(event)
+                status = 200
             except ConnectionError:  # the client went away while we wrote: `disconnect` follows
                 return
             except Exception as e:
                 if self.stream is not None:
                     self.stream["failed"] = True  # its later chunks are dropped, its stop still answered
-                _, message, _, _ = self.server.error_answer(e)  # a bug's traceback is logged
+                status, message, _, _ = self.server.error_answer(e)  # a bug's traceback is logged
                 with contextlib.suppress(ConnectionError):
                     await self.write_event(Error(text=message, code=type(e).__name__).event())
+            finally:  # a hang-up cancels this task (disconnect): still counted
+                metrics.end("wyoming", kind, status)
 
     async def answer(self, event):
         data = event.data
@@ -304,13 +313,18 @@ class Connection(AsyncEventHandler):
     def produce(self, job: dict, put):
         """The request's thread: submit, then each wave as PCM bytes to `put`; None at the end, or the
         error."""
-        request = None
+        request, model, samples, first, start = None, self.server.model, 0, None, time.perf_counter()
         try:
             request = self.request = self.server.submit(job)
             if self.gone:  # hung up while it was submitted: `disconnect` may have missed it
                 request.cancel()
-            for wave in self.server.model.waves(request):
+            for wave in model.waves(request):
+                first = first or time.perf_counter() - start
+                samples += len(wave)
                 put(self.server.pcm16(wave))
+            wall, seconds = time.perf_counter() - start, samples / model.sample_rate
+            whole = samples and not request.cancelled
+            self.server.app.metrics.speech(model.kind, seconds, first, wall / seconds if whole else None)
             put(None)
         except Exception as e:
             try:

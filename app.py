@@ -728,14 +728,7 @@ class S2ProModel:
 
     def write_voice(self, folder: Path, name: str, reference: tuple) -> dict:
         codes, text = reference
-        npy, txt = folder / f"{name}.npy", folder / f"{name}.txt"
-        try:
-            codec.save_codes(npy, codes)
-            # the voice appears (listed and usable) only once the transcript exists, written whole
-            common.write_atomic(txt, lambda tmp: tmp.write_text(text.strip() + "\n", encoding="utf-8"))
-        except common.UserError:  # a full disk, a folder gone
-            npy.unlink(missing_ok=True)
-            raise
+        codec.write_reference(folder, name, codes, text)  # listed and usable once its transcript is whole
         return dict(name=name, frames=codes.size(1), seconds=round(codes.size(1) * HOP / SAMPLE_RATE, 2))
 
     def check_codes(self, codes, what: str) -> torch.Tensor:

@@ -510,6 +510,35 @@ def test_browser_shows_omnivoices_fields_designs_a_voice_and_plays(server, model
         browser.close()
 
 
+def test_browser_keeps_the_voice_it_just_made_and_selects_it(server, root, tmp_path, monkeypatch):
+    """No seed typed: the page sends one of its own, so keeping the voice runs the same generation again."""
+    made = speeches(monkeypatch, server)
+    browser = Browser(Path(tempfile.mkdtemp(dir=tmp_path)))
+    hidden = "return document.getElementById('keep-voice').hidden"
+    try:
+        browser.call("POST", "/url", {"url": "http://%s:%d/" % server.server_address[:2]})
+        assert browser.js(hidden)
+        browser.js("document.querySelector('#design select').value = 'male';")
+        browser.type("#text", "A voice worth keeping.")
+        browser.type("#num_step", "4")
+        browser.click("#generate")
+        wait_for(lambda: browser.js("return window.player.state") != "generating", 120, "the speech to end")
+        assert not browser.js(hidden), browser.js("return document.body.innerText")
+        browser.js("window.prompt = () => ' page kept ';")
+        browser.click("#keep-voice")
+        wait_for(lambda: browser.js("return document.getElementById('voice').value") == "page kept", 60,
+                 "the voice to be kept and selected")
+        assert browser.js("return document.getElementById('message').textContent") == "kept voice page kept"
+        assert browser.js(hidden) and browser.js("return document.querySelector('#design select').value") == ""
+        shown, kept = made
+        assert kept.generator.initial_seed() == shown.generator.initial_seed()
+        voice = omnivoice.load_voice(root / "prompt" / f"page kept{omnivoice.VOICE_SUFFIX}")
+        assert torch.equal(voice["codes"], shown.tokens[0]) and voice["text"] == "A voice worth keeping."
+    finally:
+        browser.close()
+        (root / "prompt" / f"page kept{omnivoice.VOICE_SUFFIX}").unlink(missing_ok=True)
+
+
 # ------------------------------------------------------------------------- issue 45: what a new user meets
 def test_a_silent_or_nan_clip_saved_as_a_voice_is_a_400_that_names_audio_and_helps_an_http_user(server, root):
     before = tree(root)

@@ -733,13 +733,13 @@ class S2ProModel:
         return dict(name=name, frames=codes.size(1), seconds=round(codes.size(1) * HOP / SAMPLE_RATE, 2))
 
     def voice_of(self, request) -> tuple:
-        """Its first text batch's codes and text (all of it but for a long dialogue), as the CLI keeps them."""
+        """Its first text batch's codes and text (all of a text but a long dialogue), as the CLI keeps."""
         request.codes()  # waits for the end
         if request.cancelled:  # the client hung up
             raise ConnectionError("the client hung up")
         if not request.history or request.history[0][1].size(1) == 0:
-            raise common.UserError("the model said nothing (it stopped at once): no voice to keep, try another"
-                                   " seed")
+            raise common.UserError("the model said nothing (it stopped at once): no voice to keep, try"
+                                   " another seed")
         text, codes = request.history[0]
         return codes, text
 

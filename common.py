@@ -101,8 +101,8 @@ def new_voice(folder, name, force: bool, what="--save-voice") -> str:
     refused unless force (--force; the server answers 409)."""
     taken = voice_files(folder, voice_name(name, what))
     if taken and not force:
-        raise UserError(f"{what} {name!r}: voice {name!r} exists already ({taken[0]}): give --force to replace"
-                        " it, or another name")
+        raise UserError(f"{what} {name!r}: voice {name!r} exists already ({taken[0]}): give --force to"
+                        " replace it, or another name")
     return name
 
 

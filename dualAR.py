@@ -47,7 +47,8 @@ from tqdm import tqdm
 
 from common import (DTYPES, ArgumentParser, EngineClosed, Job, QuantLinear, UserError, check_plain_text,
                     check_seed, cli, default_compile_cache, device_name, new_voice, peak_memory_gb,
-                    pick_device, pick_dtype, queue_job, swap_linears, unreadable, use_compile_cache, voice_files)
+                    pick_device, pick_dtype, queue_job, swap_linears, unreadable, use_compile_cache,
+                    voice_files)
 
 # The real fishaudio/s2-pro dimensions, with upstream's flat `dual_ar` key names.
 CONFIG = dict(
@@ -1432,8 +1433,8 @@ def parse_args(argv=None):
                     " (repeatable). Default references: prompt/<stem>.npy or audio + prompt/<stem>.txt")
     ap.add_argument("--no-prompt", action="store_true", help="ignore prompt/: plain TTS, no voice cloning")
     ap.add_argument("--save-voice", metavar="NAME", help="keep the voice this run makes without a reference"
-                    " as prompt/NAME.npy + .txt (its codes and text; a dialogue's first text batch): later runs"
-                    " clone it")
+                    " as prompt/NAME.npy + .txt (its codes and text; a dialogue's first text batch): later"
+                    " runs clone it")
     ap.add_argument("--force", action="store_true", help="--save-voice may replace a voice of that name")
     ap.add_argument("--out", help="output .wav/.npy path (default generate/<n>.wav and .npy)")
     ap.add_argument("--codes-only", action="store_true", help="write only the codes, skip the codec")

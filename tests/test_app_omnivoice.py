@@ -330,7 +330,8 @@ def test_a_designed_voice_is_kept_from_its_generation_and_cloned_later(server, m
     voice = omnivoice.load_voice(root / "prompt" / f"her{omnivoice.VOICE_SUFFIX}", model)
     assert torch.equal(voice["codes"], golden("gen_design_tokens.npy")) and voice["text"] == made["input"]
     text = "Spoken in the kept voice."
-    status, _, data = call(server, "POST", SPEECH, dict(input=text, voice="her", seed=5, response_format="pcm"))
+    body = dict(input=text, voice="her", seed=5, response_format="pcm")
+    status, _, data = call(server, "POST", SPEECH, body)
     assert status == 200 and data == solo(model, text, voice=voice, seed=5)
     two = dict(made, input="First one here. And a second one.", seed=3)
     assert call(server, "POST", "/v1/audio/voices", dict(name="two", from_generation=two))[0] == 201
@@ -529,7 +530,8 @@ def test_browser_keeps_the_voice_it_just_made_and_selects_it(server, root, tmp_p
         wait_for(lambda: browser.js("return document.getElementById('voice').value") == "page kept", 60,
                  "the voice to be kept and selected")
         assert browser.js("return document.getElementById('message').textContent") == "kept voice page kept"
-        assert browser.js(hidden) and browser.js("return document.querySelector('#design select').value") == ""
+        assert browser.js(hidden)
+        assert browser.js("return document.querySelector('#design select').value") == ""  # the voice as kept
         shown, kept = made
         assert kept.generator.initial_seed() == shown.generator.initial_seed()
         voice = omnivoice.load_voice(root / "prompt" / f"page kept{omnivoice.VOICE_SUFFIX}")

@@ -1288,8 +1288,8 @@ def test_cli_keeps_the_voice_of_a_run_without_a_reference_and_later_runs_clone_i
     assert np.array_equal(np.load(tmp_path / "again.npy"), want.numpy())
     again = args + ["--text", "Hi.", "--out", "o.npy", "--save-voice"]
     for flags, message in ((["made up", "--no-prompt"], "--save-voice 'made up': voice 'made up' exists"),
-                           (["other"], "--save-voice keeps the voice of a run without a reference, and prompt/"
-                                       " holds made up.npy: give --no-prompt"),
+                           (["other"], "--save-voice keeps the voice of a run without a reference, and"
+                                       " prompt/ holds made up.npy: give --no-prompt"),
                            (["other", "--prompt-codes", "x.npy", "--prompt-text", "x"],
                             "leave out --prompt-audio")):
         result = cli(again + flags, tmp_path)

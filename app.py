@@ -646,6 +646,7 @@ class SpeechModel(Protocol):
     def read_voice(self, kind: str, path: Path, codec_work): ...  # -> a reference
     def clip_reference(self, samples: np.ndarray, rate: int, text: str, what: str): ...  # -> a reference
     def write_voice(self, folder: Path, name: str, reference) -> dict: ...  # -> what POST answers
+    def voice_of(self, request: SpeechRequest): ...  # -> the reference a request without one made up
     def submit(self, job: dict, references: list) -> SpeechRequest: ...
     def waves(self, request: SpeechRequest): ...  # -> 1-D waves at sample_rate, as they are made
     def whole(self, request: SpeechRequest): ...  # -> the whole wave
@@ -729,15 +730,19 @@ class S2ProModel:
 
     def write_voice(self, folder: Path, name: str, reference: tuple) -> dict:
         codes, text = reference
-        npy, txt = folder / f"{name}.npy", folder / f"{name}.txt"
-        try:
-            codec.save_codes(npy, codes)
-            # the voice appears (listed and usable) only once the transcript exists, written whole
-            common.write_atomic(txt, lambda tmp: tmp.write_text(text.strip() + "\n", encoding="utf-8"))
-        except common.UserError:  # a full disk, a folder gone
-            npy.unlink(missing_ok=True)
-            raise
+        codec.write_reference(folder, name, codes, text)  # listed and usable once its transcript is whole
         return dict(name=name, frames=codes.size(1), seconds=round(codes.size(1) * HOP / SAMPLE_RATE, 2))
+
+    def voice_of(self, request) -> tuple:
+        """Its first text batch's codes and text (all of a text but a long dialogue), as the CLI keeps."""
+        request.codes()  # waits for the end
+        if request.cancelled:  # the client hung up
+            raise ConnectionError("the client hung up")
+        if not request.history or request.history[0][1].size(1) == 0:
+            raise common.UserError("the model said nothing (it stopped at once): no voice to keep, try"
+                                   " another seed")
+        text, codes = request.history[0]
+        return codes, text
 
     def check_codes(self, codes, what: str) -> torch.Tensor:
         """A client's codes (nested lists) -> (10, T) on the device; the codec clamps big ones (upstream)."""
@@ -843,6 +848,17 @@ class OmniVoiceModel:
         omnivoice.save_voice(folder / f"{name}{omnivoice.VOICE_SUFFIX}", reference)  # one file, written whole
         frames = reference["codes"].shape[1]
         return dict(name=name, frames=frames, seconds=round(frames / self.model.frame_rate, 2))
+
+    def voice_of(self, request: omnivoice.Speech) -> dict:
+        """Its first sentence's codes and text (Speech.voice): the rest is not waited for."""
+        pieces = iter(request)
+        for _ in pieces:
+            if request.tokens:
+                break
+        pieces.close()
+        if request.cancelled:  # the client hung up
+            raise ConnectionError("the client hung up")
+        return request.voice()
 
     def submit(self, job: dict, references: list) -> omnivoice.Speech:
         voice = references[0] if references else None
@@ -1010,7 +1026,9 @@ class App:
 
     def save_voice(self, name: str, audio: bytes, text: str) -> dict:
         self.check_voices(free=name, adds=True)
-        reference = self.clip_reference(audio, "audio", text)  # all is checked before anything is written
+        return self.write_voice(name, self.clip_reference(audio, "audio", text))  # all checked before
+
+    def write_voice(self, name: str, reference) -> dict:
         with self.voices_locked(free=name, adds=True):
             try:
                 saved = self.model.write_voice(self.voices, name, reference)
@@ -1406,13 +1424,40 @@ class Handler(BaseHTTPRequestHandler):
         self.voice_done(dict(voices=names, all=listed), f"{len(names)} references", reference_ids=names)
 
     def save_voice(self):
-        """{name (upstream: id), text, audio} as JSON, msgpack or a form."""
+        """{name (upstream: id), text, audio} as JSON, msgpack or a form; ours also {name, from_generation: a
+        speech request's fields}: the voice that request makes up (kept_voice)."""
         upstream = self.upstream(reference_id="")
         data = self.data(form=True)
         name = self.echo("reference_id", data.get("id" if upstream else "name"))
+        if "from_generation" in data and not upstream:
+            if "audio" in data:
+                raise common.UserError("give audio and text, or from_generation, not both")
+            self.app.check_voices(free=name, adds=True)  # before any work
+            saved = self.app.write_voice(name, self.kept_voice(data["from_generation"]))
+            return self.voice_done(saved, f"reference {name!r} added", 201)
         text = check_text(data.get("text"), "text (the clip's transcript)", MAX_TRANSCRIPT)
         saved = self.app.save_voice(name, decode_base64(data.get("audio"), "audio"), text)
         self.voice_done(saved, f"reference {name!r} added", 201)
+
+    def kept_voice(self, body):
+        """A speech request without a voice, run as /v1/audio/speech runs it (its checks, caps, queue) ->
+        the reference it made up: the model's voice_of (its codes and text)."""
+        if not isinstance(body, dict):
+            raise common.UserError("from_generation must be an object of a speech request's fields (input,"
+                                   " instructions, seed, ...)")
+        job = openai_job(body, self.app.model.options)
+        if job["voice"] or job["clips"]:
+            raise common.UserError("from_generation keeps a voice the model makes up: leave out voice and"
+                                   " references (a saved voice is kept already)")
+        if not self.app.alive:
+            raise HTTPError(503, "the engine stopped (see the server's log): restart the server")
+        self.app.engine.check_room()
+        request = self.app.model.submit(job, [])
+        try:
+            self.watch(request)
+            return self.app.model.voice_of(request)
+        finally:
+            request.cancel()  # what it would still say is not needed
 
     def delete_voice(self):
         upstream = self.upstream(reference_id="")

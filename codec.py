@@ -590,6 +590,18 @@ def reference_codes(kind: str, path: Path, cfg: dict, dac) -> torch.Tensor:
     return encode(dac(), load_audio(path))[0].cpu()
 
 
+def write_reference(folder: Path, name: str, codes, text: str):
+    """A voice -> <folder>/<name>.npy (its codes) + <name>.txt (its transcript), the layout default_references
+    reads; the voice appears only once its transcript is written whole, and a failed write leaves no codes."""
+    npy, txt = Path(folder) / f"{name}.npy", Path(folder) / f"{name}.txt"
+    try:
+        save_codes(npy, codes)
+        common.write_atomic(txt, lambda tmp: tmp.write_text(text.strip() + "\n", encoding="utf-8"))
+    except common.UserError:  # a full disk, a folder gone
+        npy.unlink(missing_ok=True)
+        raise
+
+
 # ----------------------------------------------------------------------------- CLI
 def output_files(inputs, out, suffix):
     """One output per input: beside it, the --out file, or in the --out folder (made on writing)."""

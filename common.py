@@ -96,6 +96,16 @@ def voice_files(folder, name: str) -> list:
     return sorted(path for path in found if path.name.partition(".")[0] == name)
 
 
+def new_voice(folder, name, force: bool, what="--save-voice") -> str:
+    """A CLI's name for a voice it will save: the rule above, and a name taken by a voice of either model
+    refused unless force (--force; the server answers 409)."""
+    taken = voice_files(folder, voice_name(name, what))
+    if taken and not force:
+        raise UserError(f"{what} {name!r}: voice {name!r} exists already ({taken[0]}): give --force to"
+                        " replace it, or another name")
+    return name
+
+
 def check_seed(seed, what="seed"):
     """A request's seed (None: drawn), the CLIs' and the server's range."""
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < MAX_SEED):

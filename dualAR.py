@@ -46,8 +46,9 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from tqdm import tqdm
 
 from common import (DTYPES, ArgumentParser, EngineClosed, Job, QuantLinear, UserError, add_device_arg,
-                    check_plain_text, check_seed, cli, default_compile_cache, peak_memory_gb, pick_device,
-                    pick_dtype, queue_job, swap_linears, unreadable, use_compile_cache)
+                    check_plain_text, check_seed, cli, default_compile_cache, new_voice, peak_memory_gb,
+                    pick_device, pick_dtype, queue_job, swap_linears, unreadable, use_compile_cache,
+                    voice_files)
 
 # The real fishaudio/s2-pro dimensions, with upstream's flat `dual_ar` key names.
 CONFIG = dict(
@@ -74,6 +75,7 @@ CONTEXT_RESERVE = 2048  # upstream refuses prompts longer than max_seq_len - 204
 DEFAULT_CONTEXT = 4096  # KV cache positions a request may use unless told otherwise (32k is 4.8 GB a row)
 CHUNK_FRAMES = 8  # frames per streamed codes chunk
 DEFAULT_CHECKPOINT = "./s2-pro"
+VOICES = Path("prompt")  # the CLI's voices: its default references, where --save-voice writes
 SEMANTIC_TOKEN = re.compile(r"<\|semantic:\d+\|>")  # codebook-0 code k is token <|semantic:0|> + k
 
 
@@ -1381,7 +1383,7 @@ def load_references(args, model: DualAR, device) -> list:
     import codec
     given, texts = args.references or [], args.prompt_text or []
     if not given and not texts and not args.no_prompt:
-        given = codec.default_references()
+        given = codec.default_references(VOICES)
         texts = [codec.read_transcript(path.with_suffix(".txt")) for _, path in given]
         if given:
             print("references from prompt/: " + ", ".join(p.name for _, p in given), file=sys.stderr)
@@ -1430,6 +1432,10 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-text", action="append", help="transcript of each reference, in order"
                     " (repeatable). Default references: prompt/<stem>.npy or audio + prompt/<stem>.txt")
     ap.add_argument("--no-prompt", action="store_true", help="ignore prompt/: plain TTS, no voice cloning")
+    ap.add_argument("--save-voice", metavar="NAME", help="keep the voice this run makes without a reference"
+                    " as prompt/NAME.npy + .txt (its codes and text; a dialogue's first text batch): later"
+                    " runs clone it")
+    ap.add_argument("--force", action="store_true", help="--save-voice may replace a voice of that name")
     ap.add_argument("--out", help="output .wav/.npy path (default generate/<n>.wav and .npy)")
     ap.add_argument("--codes-only", action="store_true", help="write only the codes, skip the codec")
     ap.add_argument("--stream", action="store_true", help="write the wav while it is generated (a player"
@@ -1464,6 +1470,21 @@ def check_args(args):
     check_seed(args.seed)  # the server's range
     if args.stream and args.codes_only:
         raise UserError("--stream writes audio: drop --codes-only")
+    if args.save_voice:
+        check_save_voice(args)
+
+
+def check_save_voice(args):
+    """--save-voice keeps a voice the model made up: a run with references would copy theirs."""
+    new_voice(VOICES, args.save_voice, args.force)
+    if args.references or args.prompt_text:
+        raise UserError("--save-voice keeps the voice of a run without a reference: leave out --prompt-audio,"
+                        " --prompt-codes and --prompt-text")
+    import codec
+    found = [] if args.no_prompt else [path.name for _, path in codec.default_references(VOICES)]
+    if found:
+        raise UserError(f"--save-voice keeps the voice of a run without a reference, and {VOICES}/ holds"
+                        f" {', '.join(found[:3])}: give --no-prompt")
 
 
 def speak_cli(args):
@@ -1485,7 +1506,7 @@ def speak_cli(args):
     if wav_path is not None:
         codec_model(args, device)  # a broken codec.pth fails now, not after the generation
     references = load_references(args, model, device)
-    if args.demo and not references:
+    if args.demo and not references and not args.save_voice:
         references = demo_reference(args, device)
     if not args.no_tune:  # the input is good: this CPU's faster matmuls (timed once per machine, kept)
         import cpu_fast
@@ -1502,7 +1523,23 @@ def speak_cli(args):
         codec.save_wav(wav_path, codec.decode(codec_model(args, device), codes.to(device))[0])
     codec.save_codes(codes_path, codes)
     print(f"wrote {codes_path}" + (f" and {wav_path}" if wav_path else ""))
+    if args.save_voice:
+        keep_voice(args.save_voice, request)
     print(request_figures(request, codes.size(1), device))
+
+
+def keep_voice(name: str, request: Request):
+    """--save-voice: the request's first text batch (its codes and text: all of it but for a long
+    dialogue) as a reference in prompt/, replacing a voice of that name (--force)."""
+    import codec
+    text, codes = request.history[0]
+    if codes.size(1) == 0:
+        raise UserError("the model said nothing (it stopped at once): no voice to save, try another --seed")
+    VOICES.mkdir(exist_ok=True)
+    for path in voice_files(VOICES, name):
+        path.unlink()
+    codec.write_reference(VOICES, name, codes, text)
+    print(f"saved voice {name} -> {VOICES / name}.npy + .txt ({codes.size(1)} frames)")
 
 
 def speak(model: DualAR, request: Request, wav_path, args) -> Tensor:

@@ -17,7 +17,8 @@ How the file reads (sections, top to bottom):
     model            OmniVoice: text + summed audio embeddings, the Qwen3 stack, one head per codebook
     loading          the checkpoint folder -> model, tokenizer and audio tokenizer
     quantization     int8/int4 weights on CPU (common.QuantLinear); the compiled forward (static buckets)
-    voices           a clone prompt from a clip (voice_prompt), saved and read back
+    voices           a clone prompt from a clip (voice_prompt) or a generation's codes and text
+                     (generation_voice, voice_of), saved and read back
     requests         the limits of a request (the CLI's and the server's), generate()'s arguments -> one
                      item per text (target length, style, reference; user text without control tokens)
     unmasking        the schedule (time_steps, count_schedule), the batch's rows (upstream's, packed,
@@ -405,6 +406,27 @@ def voice_prompt(model: OmniVoice, ref_audio, ref_text: str, preprocess_prompt: 
     return dict(codes=codes, text=add_punctuation(ref_text) if preprocess_prompt else ref_text, rms=level)
 
 
+def generation_voice(model: OmniVoice, codes, text: str, preprocess_prompt: bool = True) -> dict:
+    """The codes a generation made without a reference and the text they say -> a voice (voice_prompt's
+    dict): the codes themselves (not their audio encoded again), the text punctuated as voice_prompt
+    punctuates a transcript, and rms measured as voice_prompt measures a clip, on those codes decoded."""
+    codes = torch.as_tensor(codes).long().cpu()
+    level = rms(decode(model, codes)[None])  # the whole wave, silences included
+    return dict(codes=codes, text=add_punctuation(text) if preprocess_prompt else text, rms=level)
+
+
+def voice_of(model: OmniVoice, text: str, tokens, speed=None, duration=None, **config) -> dict:
+    """generate()'s one text, made without a reference, and its tokens (return_tokens) -> the voice of that
+    generation: all its codes and its text if it was made in one piece, else its first chunk's (the
+    reference upstream gives the other chunks, so the voice of the whole). speed, duration, **config: the
+    generation's own (they set where a long text is cut)."""
+    gen = generation_config(config)
+    if isinstance(tokens, Tensor):
+        return generation_voice(model, tokens, text, gen["preprocess_prompt"])
+    [item] = plan(model, [text], None, None, None, None, None, speed, duration, gen)
+    return generation_voice(model, tokens[0], chunk_texts(model, item, gen)[0], gen["preprocess_prompt"])
+
+
 def save_voice(path, voice: dict):
     """A voice -> one safetensors file (codes; transcript, level and model kind in its metadata)."""
     from safetensors.torch import save_file
@@ -507,10 +529,11 @@ def plan(model: OmniVoice, texts: list, language, ref_audio, ref_text, voice, in
         clips, transcripts = per_item("ref_audio", ref_audio, n), per_item("ref_text", ref_text, n)
         made = [voice_prompt(model, a, t, gen["preprocess_prompt"]) for a, t in zip(clips, transcripts)]
         voices = made * n if len(made) == 1 else made
-    for v in voices:
+    for v in voices:  # a generation's voice says its tags, as upstream's chunk references do
         if v is not None:
             check_voice(v, model)
-            common.check_plain_text(model.tokenizer, v["text"], "the voice's transcript (ref_text)")
+            common.check_plain_text(model.tokenizer, v["text"], "the voice's transcript (ref_text)",
+                                    NONVERBAL_TAGS)
     items = []
     for text, v, lang, inst, s, d in zip(texts, voices, *columns):
         codes = None if v is None else torch.as_tensor(v["codes"]).long()
@@ -876,6 +899,13 @@ def chunk_chars(model: OmniVoice, item: dict, gen: dict) -> int:
     return int(gen["audio_chunk_duration"] * model.frame_rate / frames_per_char)
 
 
+def chunk_texts(model: OmniVoice, item: dict, gen: dict) -> list:
+    """A long text's chunks: cut at punctuation into audio_chunk_duration's characters, a long run without
+    it cut too (cut_runs)."""
+    n = chunk_chars(model, item, gen)
+    return cut_runs(chunk_text_punctuation(item["text"], n, min_chunk_len=3), n)
+
+
 def chunk_item(item: dict, text: str, ref, ref_text) -> dict:
     """A long text's chunk as an item of its own: its text, its reference and its length estimated again."""
     ref_len = None if ref is None else ref.shape[1]
@@ -891,8 +921,7 @@ def chunked(model: OmniVoice, items: list, gen: dict, generator, progress=False,
     has_ref = [item["ref_codes"] is not None for item in items]
     if any(has_ref) and not all(has_ref):  # upstream asserts
         raise UserError("long texts with and without a reference cannot be generated in one batch")
-    pieces = [cut_runs(chunk_text_punctuation(item["text"], chunk_chars(model, item, gen), min_chunk_len=3),
-                       chunk_chars(model, item, gen)) for item in items]
+    pieces = [chunk_texts(model, item, gen) for item in items]
     results = [[] for _ in items]
 
     def run(indices, texts, refs, ref_texts):
@@ -1126,6 +1155,15 @@ class Speech:
             self.done = True
             self.job.cancel()  # a no-op once it has finished
 
+    def voice(self) -> dict:
+        """The voice of this request, made without one, once its first sentence is made: that sentence's
+        codes and text (the reference its other sentences were given), as generation_voice keeps them."""
+        if self.item["ref_codes"] is not None:
+            raise UserError("this request was given a voice: save that voice, not its copy")
+        if not self.tokens:
+            raise UserError("no sentence of this request was made: there is no voice to save")
+        return generation_voice(self.model, self.tokens[0], self.texts[0], self.gen["preprocess_prompt"])
+
     def cancel(self):
         """Stop: the sentence being unmasked leaves the batch, nothing more is said."""
         self.cancelled = True
@@ -1201,11 +1239,16 @@ def voice_path(name: str, folder: Path) -> Path:
 def new_voice_path(name: str, folder: Path, force: bool) -> Path:
     """--save-voice NAME -> its file; a name taken by a voice of either model is refused unless --force (the
     server answers 409)."""
-    taken = common.voice_files(folder, common.voice_name(name, "--save-voice"))
-    if taken and not force:
-        raise UserError(f"--save-voice {name!r}: voice {name!r} exists already ({taken[0]}): give --force to"
-                        " replace it, or another name")
-    return folder / f"{name}{VOICE_SUFFIX}"
+    return folder / f"{common.new_voice(folder, name, force)}{VOICE_SUFFIX}"
+
+
+def keep_voice(path: Path, name: str, voice: dict):
+    """--save-voice: the voice written to its file (with --force, the old voice of that name goes first)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for old in common.voice_files(path.parent, name):
+        old.unlink()
+    save_voice(path, voice)
+    print(f"saved voice {name} -> {path} ({voice['codes'].shape[1]} frames: {voice['text'][:60]!r})")
 
 
 def parse_args(argv=None):
@@ -1217,7 +1260,9 @@ def parse_args(argv=None):
     ap.add_argument("--ref-audio", help="a clip of the voice to clone (any rate, any format soundfile reads)")
     ap.add_argument("--ref-text", help="what --ref-audio says (required with it: no speech recogniser)")
     ap.add_argument("--voice", help=f"a saved voice: NAME in --voices ({VOICE_SUFFIX}) or a .safetensors/.pt")
-    ap.add_argument("--save-voice", metavar="NAME", help="save the --ref-audio clone prompt as voice NAME")
+    ap.add_argument("--save-voice", metavar="NAME", help="save the --ref-audio clone prompt as voice NAME;"
+                    " without a reference, the voice this run makes (designed or auto: its codes and text,"
+                    " a long text's first chunk), so later runs with --voice NAME clone it")
     ap.add_argument("--voices", default="prompt", help="the voices folder (default prompt/)")
     ap.add_argument("--force", action="store_true", help="--save-voice may replace a voice of that name")
     ap.add_argument("--instruct", help="voice design: attributes such as 'female, low pitch, british accent'")
@@ -1256,8 +1301,9 @@ def main(argv=None):
     out = Path(args.out)
     if out.suffix != ".wav" or out.is_dir():
         raise UserError(f"--out {out}: give a .wav file path")
-    if args.save_voice and not args.ref_audio:
-        raise UserError("--save-voice needs --ref-audio and --ref-text")
+    if args.save_voice and args.voice:
+        raise UserError("--save-voice saves a --ref-audio clip or the voice of a run without a reference, not"
+                        " --voice (a saved voice already)")
     save_path = new_voice_path(args.save_voice, Path(args.voices), args.force) if args.save_voice else None
     check_limits(args.num_step, args.guidance_scale, args.speed, args.duration)  # the server's
     common.check_seed(args.seed)
@@ -1285,11 +1331,7 @@ def main(argv=None):
                             + (" once its silences are trimmed (keep them: --no-preprocess)"
                                if gen["preprocess_prompt"] else "")) from None
         if save_path:
-            save_path.parent.mkdir(parents=True, exist_ok=True)
-            for path in common.voice_files(save_path.parent, args.save_voice):  # --force: the old voice goes
-                path.unlink()
-            save_voice(save_path, voice)
-            print(f"saved voice {args.save_voice} -> {save_path}")
+            keep_voice(save_path, args.save_voice, voice)
     common.reset_peak_memory(device)
     start = time.perf_counter()
     [audio], [tokens] = generate(model, args.text, language=args.language, voice=voice,
@@ -1300,6 +1342,9 @@ def main(argv=None):
     common.save_wav(out, audio, model.sample_rate)
     codes = torch.cat(tokens, 1) if isinstance(tokens, list) else tokens  # a long text's chunks, in a row
     common.save_npy(out.with_suffix(".npy"), codes)
+    if save_path and voice is None:  # the voice this run made, to clone from now on
+        keep_voice(save_path, args.save_voice, voice_of(model, args.text, tokens, args.speed, args.duration,
+                                                        **gen))
     seconds = len(audio) / model.sample_rate
     print(f"{out} ({out.with_suffix('.npy').name}): {seconds:.2f} s of audio, {codes.shape[1]} frames,"
           f" wall {wall:.2f} s, RTF {wall / max(seconds, 1e-9):.3f}, peak memory"

@@ -308,6 +308,31 @@ def test_voices_save_list_use_and_delete(server, ref, root):
     assert status == 400 and "unknown voice" in json.loads(body)["error"]["message"]
 
 
+def test_the_voice_of_a_generation_is_kept_and_a_request_in_it_clones_it(server, ref, root):
+    made = dict(input=TEXT, seed=13, max_new_tokens=10)
+    status, _, body = call(server, "POST", "/v1/audio/voices", dict(name="made up", from_generation=made))
+    assert status == 201 and json.loads(body) == dict(name="made up", frames=9, seconds=0.42, model="s2-pro")
+    codes = dualAR.generate(ref[0], TEXT, [], seed=13, max_new_tokens=10, temperature=0.7, top_p=0.7,
+                            top_k=30, chunk_length=300)  # what /v1/audio/speech says for it
+    assert torch.equal(codec.read_codes(root / "prompt" / "made up.npy"), codes)
+    assert (root / "prompt" / "made up.txt").read_text() == TEXT + "\n"
+    status, _, body = call(server, "POST", SPEECH, dict(input="Again.", voice="made up", seed=14,
+                                                        max_new_tokens=10, response_format="pcm"))
+    assert status == 200  # streamed: decoded chunk by chunk
+    assert_close_pcm(np.frombuffer(body, "<i2"), expected_pcm(ref, "Again.", [(codes, TEXT)], seed=14,
+                                                              max_new_tokens=10))
+    for given, status, message in (
+            (dict(name="made up", from_generation=made), 409, "voice 'made up' exists already"),
+            (dict(name="other", from_generation=dict(made, voice="keep")), 400, "leave out voice and"),
+            (dict(name="other", from_generation="Hello."), 400, "from_generation must be an object"),
+            (dict(name="other", from_generation=dict(made, speed=2)), 400, "speed: only 1.0 is supported"),
+            (dict(name="other", audio=CLIP_B64, text="x", from_generation=made), 400, "not both")):
+        answer = call(server, "POST", "/v1/audio/voices", given)
+        assert answer[0] == status and message in json.loads(answer[2])["error"]["message"], answer
+    assert not list((root / "prompt").glob("other.*"))
+    assert call(server, "DELETE", "/v1/audio/voices/made%20up")[0] == 200
+
+
 def test_voice_listing_leaves_out_files_whose_names_break_the_rule(server, root):
     bad = [root / "prompt" / "bad.name.npy", root / "prompt" / "bad.name.txt"]
     for path in bad:

@@ -319,6 +319,31 @@ def test_voices_save_list_use_and_delete_beside_s2pros(server, model, root):
     assert "unknown voice" in error_of(call(server, "POST", SPEECH, dict(input=text, voice="fox")))
 
 
+def test_a_designed_voice_is_kept_from_its_generation_and_cloned_later(server, model, root):
+    """from_generation: the speech request run, its first sentence's codes and text kept (a text of one
+    sentence: upstream's designed voice itself)."""
+    spec = CASES["generate"]["design"]
+    made = dict(input=spec["kwargs"]["text"], instructions=spec["kwargs"]["instruct"], language="en",
+                seed=spec["seed"])
+    status, _, data = call(server, "POST", "/v1/audio/voices", dict(name="her", from_generation=made))
+    assert status == 201 and json.loads(data) == dict(name="her", frames=49, seconds=1.96, model="omnivoice")
+    voice = omnivoice.load_voice(root / "prompt" / f"her{omnivoice.VOICE_SUFFIX}", model)
+    assert torch.equal(voice["codes"], golden("gen_design_tokens.npy")) and voice["text"] == made["input"]
+    text = "Spoken in the kept voice."
+    body = dict(input=text, voice="her", seed=5, response_format="pcm")
+    status, _, data = call(server, "POST", SPEECH, body)
+    assert status == 200 and data == solo(model, text, voice=voice, seed=5)
+    two = dict(made, input="First one here. And a second one.", seed=3)
+    assert call(server, "POST", "/v1/audio/voices", dict(name="two", from_generation=two))[0] == 201
+    speech = omnivoice.Speech(model, omnivoice.Scheduler(model, max_batch=1), two["input"], language="en",
+                              instruct=two["instructions"], seed=3)
+    list(speech)
+    kept = omnivoice.load_voice(root / "prompt" / f"two{omnivoice.VOICE_SUFFIX}", model)
+    assert kept["text"] == "First one here." and torch.equal(kept["codes"], speech.tokens[0])
+    for name in ("her", "two"):
+        assert call(server, "DELETE", f"/v1/audio/voices/{name}")[0] == 200
+
+
 def test_a_voice_renamed_upstreams_way_keeps_its_file_whole(server, root):
     path = root / "prompt" / f"fox24{omnivoice.VOICE_SUFFIX}"
     before = path.read_bytes()
@@ -484,6 +509,36 @@ def test_browser_shows_omnivoices_fields_designs_a_voice_and_plays(server, model
         assert page["samples"] == len(want) // 2  # every sample the server sent was played
     finally:
         browser.close()
+
+
+def test_browser_keeps_the_voice_it_just_made_and_selects_it(server, root, tmp_path, monkeypatch):
+    """No seed typed: the page sends one of its own, so keeping the voice runs the same generation again."""
+    made = speeches(monkeypatch, server)
+    browser = Browser(Path(tempfile.mkdtemp(dir=tmp_path)))
+    hidden = "return document.getElementById('keep-voice').hidden"
+    try:
+        browser.call("POST", "/url", {"url": "http://%s:%d/" % server.server_address[:2]})
+        assert browser.js(hidden)
+        browser.js("document.querySelector('#design select').value = 'male';")
+        browser.type("#text", "A voice worth keeping.")
+        browser.type("#num_step", "4")
+        browser.click("#generate")
+        wait_for(lambda: browser.js("return window.player.state") != "generating", 120, "the speech to end")
+        assert not browser.js(hidden), browser.js("return document.body.innerText")
+        browser.js("window.prompt = () => ' page kept ';")
+        browser.click("#keep-voice")
+        wait_for(lambda: browser.js("return document.getElementById('voice').value") == "page kept", 60,
+                 "the voice to be kept and selected")
+        assert browser.js("return document.getElementById('message').textContent") == "kept voice page kept"
+        assert browser.js(hidden)
+        assert browser.js("return document.querySelector('#design select').value") == ""  # the voice as kept
+        shown, kept = made
+        assert kept.generator.initial_seed() == shown.generator.initial_seed()
+        voice = omnivoice.load_voice(root / "prompt" / f"page kept{omnivoice.VOICE_SUFFIX}")
+        assert torch.equal(voice["codes"], shown.tokens[0]) and voice["text"] == "A voice worth keeping."
+    finally:
+        browser.close()
+        (root / "prompt" / f"page kept{omnivoice.VOICE_SUFFIX}").unlink(missing_ok=True)
 
 
 # ------------------------------------------------------------------------- issue 45: what a new user meets

@@ -1270,6 +1270,37 @@ def test_cli_text_file_and_no_prompt_give_upstreams_plain_tts(tmp_path):
     assert np.array_equal(np.load(tmp_path / "plain.npy"), np.load(GOLDEN / "noref_greedy_codes.npy"))
 
 
+def test_cli_keeps_the_voice_of_a_run_without_a_reference_and_later_runs_clone_it(model, tmp_path):
+    call = CASES["noref_greedy"]["call"]
+    args = ["--checkpoint", str(CKPT), "--top-k", "1", "--max-new-tokens", "24", "--codes-only"]
+    first = args + ["--text", call["text"], "--no-prompt", "--out", "plain.npy", "--save-voice", "made up"]
+    result = cli(first, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "saved voice made up" in result.stdout
+    codes = np.load(tmp_path / "prompt/made up.npy")
+    assert np.array_equal(codes, np.load(tmp_path / "plain.npy"))  # the codes the run wrote
+    assert np.array_equal(codes, np.load(GOLDEN / "noref_greedy_codes.npy"))  # upstream's plain TTS
+    assert (tmp_path / "prompt/made up.txt").read_text() == call["text"] + "\n"
+    result = cli(args + ["--text", "Hello again.", "--seed", "3", "--out", "again.npy"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    want = dualAR.generate(model, "Hello again.", [(torch.from_numpy(codes), call["text"])], seed=3, top_k=1,
+                           max_new_tokens=24)
+    assert np.array_equal(np.load(tmp_path / "again.npy"), want.numpy())
+    again = args + ["--text", "Hi.", "--out", "o.npy", "--save-voice"]
+    for flags, message in ((["made up", "--no-prompt"], "--save-voice 'made up': voice 'made up' exists"),
+                           (["other"], "--save-voice keeps the voice of a run without a reference, and"
+                                       " prompt/ holds made up.npy: give --no-prompt"),
+                           (["other", "--prompt-codes", "x.npy", "--prompt-text", "x"],
+                            "leave out --prompt-audio")):
+        result = cli(again + flags, tmp_path)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+    assert sorted(p.name for p in (tmp_path / "prompt").iterdir()) == ["made up.npy", "made up.txt"]
+    assert not (tmp_path / "o.npy").exists()
+    result = cli(first + ["--force", "--seed", "5", "--top-k", "30"], tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert np.array_equal(np.load(tmp_path / "prompt/made up.npy"), np.load(tmp_path / "plain.npy"))
+
+
 def test_cli_names_an_empty_transcript_in_the_prompt_folder(tmp_path):
     """In a process of its own: the script's entry point exits with status 2 and one line on stderr."""
     (tmp_path / "prompt").mkdir()

@@ -396,6 +396,55 @@ def test_a_saved_voice_reads_back_and_generates_the_same(model, tmp_path):
     assert back["rms"] == voice["rms"]
 
 
+# ----------------------------------------------------------------------------- a generation's voice kept
+LONG = CASES["generate"]["long_chunked_noref"]  # upstream's own clone path from a generated voice
+
+
+def test_a_long_texts_voice_is_its_first_chunk_and_clones_as_upstream_cloned_it(model, tmp_path):
+    """Without a reference upstream speaks a long text's later chunks with its first chunk's codes and text
+    as their reference: that is the voice kept, and cloning the saved voice gives upstream's next chunk."""
+    kwargs = dict(LONG["kwargs"])
+    text, gen = kwargs.pop("text"), omnivoice.generation_config(kwargs)
+    first, second = "The first sentence is here.", "Is this the second one?"  # upstream's chunks 0 and 1
+    generator = torch.Generator().manual_seed(LONG["seed"])
+    with torch.inference_mode():
+        items = omnivoice.plan(model, [first], None, None, None, None, None, None, None, gen)
+        [codes] = omnivoice.unmask(model, items, gen, generator)
+    assert torch.equal(codes, golden(LONG["token_files"][0]))
+    voice = omnivoice.voice_of(model, text, [codes, "later chunks: not read"], **kwargs)
+    assert voice["text"] == first and torch.equal(voice["codes"], codes)
+    wave = omnivoice.decode(model, golden(LONG["token_files"][0])).astype(np.float64)
+    assert voice["rms"] == pytest.approx(np.sqrt(np.mean(wave ** 2)), rel=1e-6)  # voice_prompt's measure
+    omnivoice.save_voice(tmp_path / "kept.omnivoice.safetensors", voice)
+    back = omnivoice.load_voice(tmp_path / "kept.omnivoice.safetensors", model)
+    assert torch.equal(back["codes"], codes) and back["text"] == first and back["rms"] == voice["rms"]
+    with torch.inference_mode():  # the draws go on from chunk 0's, as upstream's do
+        items = omnivoice.plan(model, [second], None, None, None, back, None, None, None, gen)
+        [codes] = omnivoice.unmask(model, items, gen, generator)
+    assert torch.equal(codes, golden(LONG["token_files"][1]))
+
+
+def test_a_golden_clone_prompt_saved_and_read_back_gives_upstreams_clone(model, tmp_path):
+    spec = CASES["generate"]["clone"]
+    prompt = torch.load(GOLDEN / "prompt_ref24.pt", weights_only=True)  # upstream's own saved prompt
+    voice = dict(codes=prompt["ref_audio_tokens"], text=prompt["ref_text"], rms=float(prompt["ref_rms"]))
+    omnivoice.save_voice(tmp_path / "v.omnivoice.safetensors", voice)
+    back = omnivoice.load_voice(tmp_path / "v.omnivoice.safetensors", model)
+    assert torch.equal(back["codes"], voice["codes"]) and back["text"] == voice["text"]
+    assert back["rms"] == voice["rms"]
+    kwargs = {k: v for k, v in spec["kwargs"].items() if k != "voice_clone_prompt"}
+    [_], [tokens] = omnivoice.generate(model, voice=back, seed=spec["seed"], return_tokens=True, **kwargs)
+    assert torch.equal(tokens, golden("gen_clone_tokens.npy"))
+
+
+def test_a_voice_given_to_a_request_is_not_kept_as_its_copy(model):
+    voice = omnivoice.load_voice(GOLDEN / "prompt_ref24.pt")
+    speech = omnivoice.Speech(model, omnivoice.Scheduler(model, max_batch=1), "Hi.", voice=voice, num_step=2)
+    speech.cancel()
+    with pytest.raises(common.UserError, match="this request was given a voice: save that voice"):
+        speech.voice()
+
+
 # ----------------------------------------------------------------------------- bad input
 @pytest.mark.parametrize("kwargs, message", [
     (dict(text=""), "text is empty"),
@@ -456,6 +505,36 @@ def test_cli_clones_a_voice_and_writes_upstreams_audio_and_codes(tmp_path):
     r = run_main(omnivoice.main, args + again, tmp_path)
     assert r.returncode == 0, r.stderr
     assert np.array_equal(np.load(tmp_path / "again.npy"), np.load(tmp_path / "out.npy"))
+
+
+def test_cli_keeps_a_designed_voice_and_clones_it_later(model, tmp_path):
+    """--save-voice without a reference: the run's own codes (upstream's designed voice) and text; --voice
+    then clones it as the library clones that voice."""
+    spec = CASES["generate"]["design"]
+    kw = spec["kwargs"]
+    args = ["--checkpoint", CKPT, "--language", "en", "--voices", tmp_path]
+    design = ["--text", kw["text"], "--instruct", kw["instruct"], "--seed", spec["seed"],
+              "--save-voice", "her"]
+    r = run_main(omnivoice.main, args + design + ["--out", tmp_path / "d.wav"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "saved voice her" in r.stdout
+    voice = omnivoice.load_voice(tmp_path / "her.omnivoice.safetensors", model)
+    assert np.array_equal(voice["codes"].numpy(), np.load(tmp_path / "d.npy"))
+    assert np.array_equal(np.load(tmp_path / "d.npy"), np.load(GOLDEN / "gen_design_tokens.npy"))
+    assert voice["text"] == kw["text"]
+    r = run_main(omnivoice.main, args + design + ["--out", tmp_path / "e.wav"], tmp_path)
+    assert r.returncode == 2 and "voice 'her' exists already" in r.stderr
+    assert not (tmp_path / "e.wav").exists()
+    r = run_main(omnivoice.main, args + ["--text", "Good morning everyone.", "--voice", "her", "--seed", "7",
+                                         "--out", tmp_path / "c.wav"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    [_], [tokens] = omnivoice.generate(model, "Good morning everyone.", language="en", voice=voice, seed=7,
+                                       return_tokens=True)
+    assert np.array_equal(np.load(tmp_path / "c.npy"), tokens.numpy())
+    r = run_main(omnivoice.main, args + ["--text", "Hi.", "--voice", "her", "--save-voice", "him",
+                                         "--out", tmp_path / "h.wav"], tmp_path)
+    assert (r.returncode, r.stderr) == (2, "error: --save-voice saves a --ref-audio clip or the voice of a"
+                                           " run without a reference, not --voice (a saved voice already)\n")
 
 
 def test_cli_bad_input_is_one_line_and_writes_nothing(tmp_path):

@@ -14,8 +14,8 @@ processes used the CPU records nothing (it would be wrong for good). The CLIs, a
 `tune` after loading (`--no-tune` skips it); what it saves and costs: docs/speed.md.
 
 Sections: the entry point, decisions (a file, a key per machine, a busy machine), prepacked matmuls (oneDNN,
-MKL), S2's frame steps (few-row linears, one-row sums, frozen graphs), OmniVoice's flat row (many-row
-linears), half-precision linears, the codec's fast path, the CLI.
+MKL), S2's frame steps (few-row linears, one-row sums, frozen graphs), S2's sampler, OmniVoice's flat row
+(many-row linears), half-precision linears, the codec's fast path, the CLI.
 """
 import argparse
 import collections
@@ -58,7 +58,9 @@ def tune(model: nn.Module, rows: int = None, again: bool = False) -> nn.Module:
 def tune_s2(model: nn.Module, rows: int = None, again: bool = False) -> nn.Module:
     """S2-Pro: half linears where the CPU has no half matmul units; fp32 linears on oneDNN's prepacked
     weights at the row counts that win (eager and compiled); compiled graphs' one row as a fused sum;
-    compiled batched steps on frozen weights (inductor's GEMM), if batches of their rows come."""
+    compiled batched steps on frozen weights (inductor's GEMM), if batches of their rows come; the sampler
+    orders only the best candidates (`candidate_removal`)."""
+    model.removal_for = functools.partial(candidate_removal, type(model).__module__)
     use_half_linears(model)
     if any(type(m) is nn.Linear and m.weight.dtype == torch.float32 for m in model.modules()):
         use_few_rows_linears(model, few_rows_steps(again))
@@ -552,6 +554,64 @@ def use_frozen_gemms(module: nn.Module, steps: list):
     for m in module.modules():
         if type(m) in (nn.Linear, FewRowsLinear) and m.weight.dtype == torch.float32 and m.weight.is_cpu:
             m.__class__, m.frozen_steps = FewRowsLinear, steps
+
+
+# ----------------------------------------------------------------------------- S2's sampler
+CUMULATIVE_SLACK = 1e-4  # far above the rounding of a cumulative probability summed in another order
+
+
+@functools.lru_cache(maxsize=None)  # one object per count: a compiled step's guard sees the same removal
+def candidate_removal(module: str, top_k: int):
+    """S2's sampler for rows of top_k at most: `top_candidates` over a power of two of candidates (one
+    compiled graph per count); `module` is the model's (its `sorted_removal` where the candidates are not
+    enough)."""
+    candidates = max(32, 1 << max(int(top_k) - 1, 0).bit_length())
+    return functools.partial(top_candidates, candidates=candidates, module=module)
+
+
+def top_candidates(logits: Tensor, top_p: Tensor, top_k: Tensor, candidates: int, module: str) -> Tensor:
+    """`sorted_removal` from the best candidates + 1 tokens alone: top-k drops every later rank, and what
+    is kept is a prefix of the order. Two things depend on more than the candidates, and for them the row
+    is sorted whole, as upstream: a tie across the kept prefix's end (which of the tied tokens upstream's
+    unstable sort puts first), and a cumulative probability within CUMULATIVE_SLACK of top_p (its softmax
+    sums the row in sorted order, rounding otherwise than in vocabulary order)."""
+    if candidates >= logits.size(-1):
+        return sys.modules[module].sorted_removal(logits, top_p, top_k)
+    values, ids = torch.topk(logits, candidates + 1, dim=-1)  # (B, candidates + 1), best first
+    # softmax, not exp of the whole row: on CPU that one is split across threads, 100x slower for 4k values
+    cum_probs = torch.cumsum(F.softmax(logits, dim=-1).gather(-1, ids), dim=-1)
+    ranks = torch.arange(candidates + 1, device=logits.device)
+    remove = (cum_probs > top_p[:, None]) | (ranks >= top_k[:, None])
+    remove[:, 0] = False
+    kept = (~remove).sum(-1, keepdim=True)  # 1 .. candidates: rank `candidates` is past every top_k
+    last, first_out = values.gather(-1, kept - 1), values.gather(-1, kept)
+    tie = (last == first_out) & (last > float("-inf"))
+    near = (cum_probs - top_p[:, None]).abs() < CUMULATIVE_SLACK
+    args = logits, ids, remove, tie.any() | near.any(), top_p, top_k, module
+    if torch.compiler.is_compiling():
+        return candidates_or_sorted(*args)
+    return removal_in_vocabulary_order(*args)  # the op's body: the op's dispatch costs ~60 us a draw eager
+
+
+def removal_in_vocabulary_order(logits, ids, remove, unsure, top_p, top_k, module) -> Tensor:
+    """`top_candidates`' removal (B, vocabulary): from the candidates' `remove`, or the model module's
+    `sorted_removal` of the whole row where `unsure`."""
+    if unsure:
+        return sys.modules[module].sorted_removal(logits, top_p, top_k)
+    return torch.ones_like(logits, dtype=torch.bool).scatter(-1, ids, remove)
+
+
+# One opaque op, so that a compiled step branches on the host: torch.cond here made inductor compile two
+# subgraphs per draw (22 a frame) and refuse to cache the graph ("Can't cache HigherOrderOperator: cond").
+@torch.library.custom_op("fishfast::candidates_or_sorted", mutates_args=())
+def candidates_or_sorted(logits: Tensor, ids: Tensor, remove: Tensor, unsure: Tensor, top_p: Tensor,
+                         top_k: Tensor, module: str) -> Tensor:
+    return removal_in_vocabulary_order(logits, ids, remove, unsure, top_p, top_k, module)
+
+
+@candidates_or_sorted.register_fake
+def _(logits, ids, remove, unsure, top_p, top_k, module):
+    return torch.empty_like(logits, dtype=torch.bool)
 
 
 # ----------------------------------------------------------------------------- OmniVoice's flat row

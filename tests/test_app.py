@@ -1658,7 +1658,8 @@ def test_speech_without_response_format_is_an_mp3_as_openais_default(server):
     (["--host", "192.0.2.1"], "cannot listen on 192.0.2.1:7560: Cannot assign requested address"),
     (["--max-voices", "0"], "--slots, --codec-workers, --max-connections(-per-client) and --max-voices must"
                             " be >= 1, --queue and --shutdown-wait >= 0 and --max-context >= 2"),
-    (["--wyoming-port", "99999"], "cannot listen on 127.0.0.1:99999 (Wyoming): a port is 0 to 65535"),
+    (["--wyoming-port", "99999"], "cannot listen on 127.0.0.1:99999 (Wyoming): a port is 0 to 65535 (0: any"
+                                  " free one)"),
     (["--voices", "app.py"], "--voices app.py: not a folder")])
 def test_bad_flags_are_one_line_before_the_model_loads(monkeypatch, capsys, flags, message):
     monkeypatch.setattr(app, "App", lambda args: pytest.fail("the model was loaded"))

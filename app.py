@@ -711,7 +711,7 @@ class S2ProModel:
     def voice_paths(folder: Path, name: str) -> list:
         """A voice's files, the transcript first: removed first, the voice is gone before its codes are."""
         found = [p for p in folder.glob("*") if p.stem == name
-                 and p.suffix.lower() in {".npy", *codec.AUDIO_EXTENSIONS}]
+                 and p.suffix.lower() in {".npy", *common.AUDIO_EXTENSIONS}]
         return [p for p in (folder / f"{name}.txt", *found) if p.exists()]
 
     def read_voice(self, kind: str, path: Path, codec_work) -> tuple:
@@ -989,6 +989,14 @@ class App:
         """Uploaded audio bytes -> S2-Pro's codes (10, T) (/v1/vqgan/encode)."""
         with self.codec_work():
             return self.model.encode(*clip_samples(data, what))
+
+    def submit(self, job: dict):
+        """A speech job to the engine, as every route (and the Wyoming server) submits one: a 503 at once
+        when the engine stopped or no request can wait, before its voice is read or its clips encoded."""
+        if not self.alive:
+            raise HTTPError(503, "the engine stopped (see the server's log): restart the server")
+        self.engine.check_room()
+        return self.model.submit(job, self.references(job))
 
     def references(self, job: dict) -> list:
         given = [self.voice_reference(job["voice"])] if job["voice"] else []
@@ -1449,10 +1457,7 @@ class Handler(BaseHTTPRequestHandler):
         if job["voice"] or job["clips"]:
             raise common.UserError("from_generation keeps a voice the model makes up: leave out voice and"
                                    " references (a saved voice is kept already)")
-        if not self.app.alive:
-            raise HTTPError(503, "the engine stopped (see the server's log): restart the server")
-        self.app.engine.check_room()
-        request = self.app.model.submit(job, [])
+        request = self.app.submit(job)
         try:
             self.watch(request)
             return self.app.model.voice_of(request)
@@ -1524,12 +1529,9 @@ class Handler(BaseHTTPRequestHandler):
 
     def answer(self, job: dict):
         """Submit the job, then send its audio: whole, as raw chunked bytes, or as server-sent events."""
-        if not self.app.alive:
-            raise HTTPError(503, "the engine stopped (see the server's log): restart the server")
         self.began, self.first_audio = time.perf_counter(), None  # time to first audio: from here
-        self.app.engine.check_room()  # before the clips are encoded for nothing
         model = self.app.model
-        request, start = model.submit(job, self.app.references(job)), time.perf_counter()
+        request, start = self.app.submit(job), time.perf_counter()
         try:
             self.watch(request)
             if job["send"] == "whole":

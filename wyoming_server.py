@@ -189,12 +189,6 @@ class WyomingServer:
         return dict(text=self.check_text(text, "text", self.max_text), voice=voice[0], clips=[],
                     options=voice[1], format="pcm", send="chunked")
 
-    def submit(self, job: dict):
-        """As the HTTP route: a 503's QueueFull before the voice is read, then the model's request."""
-        if not self.app.alive:
-            raise RuntimeError("the engine stopped (see the server's log): restart the server")
-        self.app.engine.check_room()
-        return self.model.submit(job, self.app.references(job))
 
 
 class Connection(AsyncEventHandler):
@@ -315,7 +309,7 @@ class Connection(AsyncEventHandler):
         error."""
         request, model, samples, first, start = None, self.server.model, 0, None, time.perf_counter()
         try:
-            request = self.request = self.server.submit(job)
+            request = self.request = self.server.app.submit(job)
             if self.gone:  # hung up while it was submitted: `disconnect` may have missed it
                 request.cancel()
             for wave in model.waves(request):

@@ -38,7 +38,6 @@ CONFIG = dict(  # the real S2-Pro codec (upstream fish_speech/configs/modded_dac
 CHUNK_FRAMES = 16  # frames per pass (0.74 s): memory stays flat, every tensor under 32 MB
 ATTN_BLOCK = 2048  # queries per attention call (shorter inputs: upstream's one full-mask call)
 STALE_BUFFERS = ("freqs_cis", "causal_mask")  # non-persistent buffers that older saves may still carry
-AUDIO_EXTENSIONS = {".wav", ".flac", ".ogg", ".mp3", ".opus", ".aiff", ".aif"}
 
 
 # ----------------------------------------------------------------------------- building blocks
@@ -574,7 +573,7 @@ def default_references(folder=Path("prompt")) -> list:
     """Every prompt/<stem>.npy (or audio file) that has a prompt/<stem>.txt transcript -> [(kind, path)]."""
     refs = {}
     for path in sorted(folder.glob("*")) if folder.is_dir() else []:
-        kind = "audio" if path.suffix.lower() in AUDIO_EXTENSIONS else None
+        kind = "audio" if path.suffix.lower() in common.AUDIO_EXTENSIONS else None
         kind = "codes" if path.suffix == ".npy" else kind
         if kind and path.with_suffix(".txt").is_file() and (path.stem not in refs or kind == "codes"):
             refs[path.stem] = (kind, path)
@@ -621,7 +620,7 @@ def output_files(inputs, out, suffix):
 
 def run_files(args):
     encoding = args.command == "encode"
-    folder, kinds = ("prompt", AUDIO_EXTENSIONS) if encoding else ("generate", {".npy"})
+    folder, kinds = ("prompt", common.AUDIO_EXTENSIONS) if encoding else ("generate", {".npy"})
     inputs = [Path(p) for p in args.paths]
     inputs = inputs or sorted(p for p in Path(folder).glob("*") if p.suffix.lower() in kinds)
     if not inputs:

@@ -66,6 +66,11 @@ def cli(main, argv=None):
         sys.exit(2)
 
 
+def short_list(items: list, n=5) -> str:
+    """The first n items of a list a message names, and how many more."""
+    return ", ".join(map(str, items[:n])) + (f" and {len(items) - n} more" if len(items) > n else "")
+
+
 class ArgumentParser(argparse.ArgumentParser):
     def error(self, message):  # a bad command line is one `error: ...` line, like every other error
         self.exit(2, f"error: {message}\n")
@@ -247,6 +252,9 @@ def usual_permissions(path: Path):
     umask = os.umask(0)
     os.umask(umask)
     path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+AUDIO_EXTENSIONS = {".wav", ".flac", ".ogg", ".mp3", ".opus", ".aiff", ".aif"}  # what soundfile reads
 
 
 def read_audio(path) -> tuple:

@@ -32,7 +32,7 @@ from tqdm import tqdm
 import codec
 import common
 import dualAR
-from common import UserError, write_atomic
+from common import UserError, short_list, write_atomic
 
 SYSTEM_PROMPT = "Speak out the provided text."  # upstream's training system turn
 IGNORE = -100  # label of positions without loss (cross_entropy's ignore_index)
@@ -225,10 +225,6 @@ def training_loss(model, inputs: Tensor, labels: Tensor, padding_mask=None, chec
 
 
 # ----------------------------------------------------------------------------- data
-def short_list(paths: list, n=5) -> str:
-    return ", ".join(map(str, paths[:n])) + (f" and {len(paths) - n} more" if len(paths) > n else "")
-
-
 def find_clips(data_dir: Path, strict: bool, audio_only: bool) -> tuple:
     """-> (clips found, {stem: dict(audio, codes, text, stale)} of the transcribed); others: a warning."""
     if not data_dir.is_dir():
@@ -236,7 +232,7 @@ def find_clips(data_dir: Path, strict: bool, audio_only: bool) -> tuple:
     clips = {}
     for path in sorted(data_dir.rglob("*")):
         suffix = path.suffix.lower()
-        kind = "audio" if suffix in codec.AUDIO_EXTENSIONS else "codes" if suffix == ".npy" else None
+        kind = "audio" if suffix in common.AUDIO_EXTENSIONS else "codes" if suffix == ".npy" else None
         if kind is None or not path.is_file():
             continue
         clip = clips.setdefault(path.with_suffix(""), {})
@@ -246,7 +242,7 @@ def find_clips(data_dir: Path, strict: bool, audio_only: bool) -> tuple:
         clip[kind] = path
     clips = {stem: clip for stem, clip in clips.items() if "audio" in clip or not audio_only}
     if not clips:
-        kinds = " ".join(sorted(codec.AUDIO_EXTENSIONS)) + ("" if audio_only else " .npy")
+        kinds = " ".join(sorted(common.AUDIO_EXTENSIONS)) + ("" if audio_only else " .npy")
         raise UserError(f"no audio files{'' if audio_only else ' or .npy codes'} under {data_dir} (looked"
                         f" for {kinds})")
     for stem, clip in clips.items():

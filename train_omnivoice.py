@@ -47,19 +47,14 @@ from tqdm import tqdm
 import common
 import omnivoice
 import omnivoice_codec
-from common import UserError, write_atomic
+from common import AUDIO_EXTENSIONS, UserError, short_list, write_atomic
 
 
 # ----------------------------------------------------------------------------- tokens
-AUDIO_EXTENSIONS = {".wav", ".flac", ".ogg", ".mp3", ".opus", ".aiff", ".aif"}  # what soundfile reads
 TRANSCRIPT_SUFFIXES = (".lab", ".txt")
 CODES_CACHE = ".omnivoice-codes"  # <clip stem> + this: the folder form's codes (np.save bytes), not a .npy
 SHARD = "shard-%06d"
 MAX_SAMPLE_TOKENS = 2000  # upstream's default max_sample_tokens: longer samples are skipped at training
-
-
-def short_list(items: list, n=5) -> str:
-    return ", ".join(map(str, items[:n])) + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
 def jsonl_records(path: Path) -> list:
@@ -467,6 +462,7 @@ def process_sample(sample: dict, settings: dict, tokenizer, rng: random.Random, 
     mask_ratio = rng.uniform(*settings["mask_ratio_range"])
     language = label.get("language_id", "None") if use_language else "None"
     instruct = label.get("instruct", "None") if use_instruct else "None"
+    # upstream's training f-string, not inference's style_prefix: an empty language_id stays empty here
     style = ("<|denoise|>" if denoise else "") + f"<|lang_start|>{language}<|lang_end|>"
     style += f"<|instruct_start|>{instruct}<|instruct_end|>"
     if "text_pinyin" in label and rng.uniform(0, 1) < settings["use_pinyin_ratio"]:

@@ -606,9 +606,9 @@ def tokenizer_overlay(args):
     on the audio ids it looks up there)."""
     from tokenizers import AddedToken
     ckpt, out = Path(args.checkpoint), Path(args.out)
-    cfg = omnivoice.read_config(ckpt / "config.json") if (ckpt / "config.json").is_file() else None
-    if cfg is None or not (ckpt / "tokenizer.json").is_file():
-        raise UserError(f"{ckpt} has no config.json and tokenizer.json — give an OmniVoice checkpoint")
+    cfg = checkpoint_config(ckpt)
+    if not (ckpt / "tokenizer.json").is_file():
+        raise UserError(f"checkpoint dir {ckpt} has no tokenizer.json — give an OmniVoice checkpoint")
     tokenizer = omnivoice.load_tokenizer(ckpt / "tokenizer.json")
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     if size > cfg["vocab_size"]:

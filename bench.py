@@ -546,7 +546,7 @@ def ov_build(args, device, dtype) -> tuple:
         model, what = omnivoice.load(folder, device, dtype), str(folder)
     else:
         cfg = dict(omnivoice.CONFIG, n_layer=args.layers or omnivoice.CONFIG["n_layer"])
-        tokenizer = omnivoice.load_tokenizer(OV_TINY / "tokenizer.json")  # its BPE ids fit any vocab
+        tokenizer = common.load_tokenizer(OV_TINY / "tokenizer.json")  # its BPE ids fit any vocab
         model = omnivoice.random_model(cfg, omnivoice_codec.CONFIG, device, dtype, args.seed, tokenizer)
         what = "random weights, real dims"
     full = omnivoice.CONFIG["n_layer"] if what.startswith("random") else len(model.layers)

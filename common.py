@@ -11,6 +11,7 @@ and EngineThread: the thread that steps either model's Scheduler).
 import argparse
 import glob
 import importlib
+import json
 import math
 import os
 import re
@@ -252,6 +253,66 @@ def usual_permissions(path: Path):
     umask = os.umask(0)
     os.umask(umask)
     path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+
+
+def weight_files(ckpt: Path, download: str, pth: bool = False) -> list:
+    """A checkpoint folder's weight files: the shards model.safetensors.index.json names, else
+    model.safetensors (else model.pth, upstream's training save, where `pth`). download: what to fetch."""
+    index = ckpt / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise unreadable(index, e) from None
+        missing = [name for name in shards if not (ckpt / name).is_file()]
+        if missing:
+            raise UserError(f"{index} names shard {missing[0]}, which is not in {ckpt}")
+        return [ckpt / name for name in shards]
+    names = ("model.safetensors", "model.pth") if pth else ("model.safetensors",)
+    found = [ckpt / name for name in names if (ckpt / name).is_file()]
+    if not found:
+        raise UserError(f"checkpoint dir {ckpt} has no {' or '.join(names)} — download {download} (see README)")
+    return found[:1]
+
+
+def read_tensors(files: list):
+    """Yield (key, tensor) one at a time from memory-mapped files (safetensors, or a torch save whose
+    `state_dict` keys lose their `model.` prefix): a tensor is held twice only while the caller casts it.
+    A truncated or foreign file is one UserError that names it."""
+    from safetensors import safe_open
+    for f in files:
+        try:
+            if f.suffix == ".pth":
+                state = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
+                yield from ((k.removeprefix("model."), v) for k, v in state.get("state_dict", state).items())
+                continue
+            with safe_open(f, framework="pt", device="cpu") as st:
+                for key in st.keys():
+                    yield key, st.get_tensor(key)
+        except Exception as e:
+            raise unreadable(f, e) from None
+
+
+def load_tokenizer(path: Path):
+    """tokenizer.json -> a `tokenizers.Tokenizer`; an unreadable one is one UserError."""
+    from tokenizers import Tokenizer
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:
+        raise unreadable(path, e) from None
+
+
+def byte_tokenizer(specials: list, use_regex: bool = True):
+    """A byte-level tokenizer without merges (every byte one token) and the given special tokens: what the
+    demo models speak through."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=use_regex)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens(specials)
+    return tokenizer
 
 
 AUDIO_EXTENSIONS = {".wav", ".flac", ".ogg", ".mp3", ".opus", ".aiff", ".aif"}  # what soundfile reads

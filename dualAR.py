@@ -46,9 +46,9 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from tqdm import tqdm
 
 from common import (DTYPES, ArgumentParser, EngineClosed, Job, QuantLinear, UserError, add_device_arg,
-                    check_plain_text, check_seed, cli, default_compile_cache, new_voice, peak_memory_gb,
-                    pick_device, pick_dtype, queue_job, swap_linears, unreadable, use_compile_cache,
-                    voice_files)
+                    byte_tokenizer, check_plain_text, check_seed, cli, default_compile_cache, load_tokenizer,
+                    new_voice, peak_memory_gb, pick_device, pick_dtype, queue_job, read_tensors, swap_linears,
+                    unreadable, use_compile_cache, voice_files, weight_files)
 
 # The real fishaudio/s2-pro dimensions, with upstream's flat `dual_ar` key names.
 CONFIG = dict(
@@ -475,43 +475,6 @@ def internal_name(key: str) -> str:
 
 
 # ----------------------------------------------------------------------------- loading
-def weight_files(ckpt: Path) -> list:
-    index = ckpt / "model.safetensors.index.json"
-    if index.exists():
-        try:
-            shards = json.loads(index.read_text())["weight_map"].values()
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise unreadable(index, e) from None
-        files = [ckpt / f for f in sorted(set(shards))]
-        missing = [f.name for f in files if not f.exists()]
-        if missing:
-            raise UserError(f"{index} names shard {missing[0]}, which is not in {ckpt}")
-        return files
-    for name in ("model.safetensors", "model.pth"):
-        if (ckpt / name).exists():
-            return [ckpt / name]
-    raise UserError(f"checkpoint dir {ckpt} has no model.safetensors(.index.json) or model.pth"
-                    " — download fishaudio/s2-pro (see README)")
-
-
-def read_weights(files: list):
-    """Yield (name, tensor) one at a time from memory-mapped files, so that only one tensor is
-    ever held twice while it is cast to the target dtype and device."""
-    from safetensors import safe_open
-    for f in files:
-        try:
-            if f.suffix == ".pth":
-                state = torch.load(f, map_location="cpu", mmap=True, weights_only=True)
-                state = state.get("state_dict", state)
-                yield from ((k.removeprefix("model."), v) for k, v in state.items())
-                continue
-            with safe_open(f, framework="pt", device="cpu") as st:
-                for key in st.keys():
-                    yield internal_name(key), st.get_tensor(key)
-        except Exception as e:  # a truncated or foreign file: say which one
-            raise unreadable(f, e) from None
-
-
 def load_weights(model: DualAR, ckpt: Path, device, dtype, quant=None):
     """The checkpoint's tensors into the meta-built model. CPU int8wo/int4wo: each transformer block is
     quantized as soon as its last tensor is read, so the unquantized model never exists whole."""
@@ -522,7 +485,8 @@ def load_weights(model: DualAR, ckpt: Path, device, dtype, quant=None):
             if block_prefix(name) != name:
                 blocks.setdefault(block_prefix(name), set()).add(name)
     state, seen = {}, set()
-    for name, tensor in read_weights(weight_files(ckpt)):
+    for key, tensor in read_tensors(weight_files(ckpt, "fishaudio/s2-pro", pth=True)):
+        name = internal_name(key)
         if name not in expected:
             raise UserError(f"{ckpt}: unexpected tensor {hf_name(name)!r} — not an S2-Pro checkpoint"
                             " of this config.json?")
@@ -574,7 +538,6 @@ def load(checkpoint, device="cpu", dtype=torch.float32, quant=None, compile=Fals
     (`sample_frame`)."""
     device = torch.device(device)
     check_quant(quant, device, dtype)
-    from tokenizers import Tokenizer
     ckpt = Path(checkpoint)
     if not ckpt.is_dir():
         raise UserError(f"checkpoint dir {ckpt} does not exist — download fishaudio/s2-pro (see README)")
@@ -582,10 +545,7 @@ def load(checkpoint, device="cpu", dtype=torch.float32, quant=None, compile=Fals
         if not (ckpt / name).is_file():
             raise UserError(f"checkpoint dir {ckpt} has no {name} — download fishaudio/s2-pro (see README)")
     cfg = read_config(ckpt / "config.json")
-    try:
-        tokenizer = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
-    except Exception as e:
-        raise unreadable(ckpt / "tokenizer.json", e) from None
+    tokenizer = load_tokenizer(ckpt / "tokenizer.json")
     cfg.update(special_ids(tokenizer))
     with torch.device("meta"):
         model = DualAR(cfg)
@@ -1309,15 +1269,8 @@ DEMO_CODEC = dict(encoder_dim=4, encoder_transformer_layers=[0, 0, 0, 1], latent
 
 def demo_tokenizer(n_semantic: int):
     """Byte-level tokenizer (no merges) with the S2-Pro special tokens and <|semantic:i|> range."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|pad|>", "<|text|>", "<|voice|>"]
-    tokenizer.add_special_tokens(specials + [f"<|semantic:{i}|>" for i in range(n_semantic)])
-    return tokenizer
+    return byte_tokenizer(specials + [f"<|semantic:{i}|>" for i in range(n_semantic)])
 
 
 def demo_models(device, dtype) -> tuple:

@@ -237,34 +237,13 @@ def internal_name(key: str) -> str:
     return key.removeprefix("llm.").replace(".mlp.", ".")
 
 
-def weight_files(ckpt: Path) -> list:
-    index = ckpt / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, TypeError, AttributeError) as e:
-            raise common.unreadable(index, e) from None
-        return [ckpt / name for name in shards]
-    if not (ckpt / "model.safetensors").is_file():
-        raise UserError(f"checkpoint dir {ckpt} has no model.safetensors — download k2-fsa/OmniVoice")
-    return [ckpt / "model.safetensors"]
-
-
 def load_weights(model: OmniVoice, ckpt: Path, device, dtype):
-    from safetensors import safe_open
     expected = {name: p.shape for name, p in model.named_parameters()}
     state = {}
-    for f in weight_files(ckpt):
-        if not f.is_file():
-            raise UserError(f"{ckpt}: weight shard {f.name} is missing")
-        try:
-            with safe_open(f, framework="pt", device="cpu") as st:
-                for key in st.keys():
-                    name = internal_name(key)
-                    if name in expected:  # codebook_layer_offsets is recomputed, not read
-                        state[name] = st.get_tensor(key).to(device, dtype)
-        except Exception as e:  # a truncated or foreign file: say which one
-            raise common.unreadable(f, e) from None
+    for key, tensor in common.read_tensors(common.weight_files(ckpt, "k2-fsa/OmniVoice")):
+        name = internal_name(key)
+        if name in expected:  # codebook_layer_offsets is recomputed, not read
+            state[name] = tensor.to(device, dtype)
     missing = [name for name in expected if name not in state]
     if missing:
         raise UserError(f"{ckpt} lacks {len(missing)} tensors (first: {missing[0]}): not OmniVoice's")
@@ -275,14 +254,6 @@ def load_weights(model: OmniVoice, ckpt: Path, device, dtype):
     model.load_state_dict(state, assign=True, strict=False)
     C, V = model.cfg["num_codebooks"], model.cfg["audio_vocab_size"]
     model.codebook_offsets = torch.arange(C, device=device) * V
-
-
-def load_tokenizer(path: Path):
-    from tokenizers import Tokenizer
-    try:
-        return Tokenizer.from_file(str(path))
-    except Exception as e:
-        raise common.unreadable(path, e) from None
 
 
 def load(checkpoint=DEFAULT_CHECKPOINT, device="cpu", dtype=torch.float32, quant=None) -> OmniVoice:
@@ -299,7 +270,7 @@ def load(checkpoint=DEFAULT_CHECKPOINT, device="cpu", dtype=torch.float32, quant
     cfg = read_config(ckpt / "config.json")
     if cfg["vocab_size"] <= cfg["audio_mask_id"]:  # upstream looks audio ids up in the text table
         raise UserError(f"{ckpt}: LM vocab {cfg['vocab_size']} <= audio_mask_id {cfg['audio_mask_id']}")
-    tokenizer = load_tokenizer(ckpt / "tokenizer.json")
+    tokenizer = common.load_tokenizer(ckpt / "tokenizer.json")
     with torch.device("meta"):
         model = OmniVoice(cfg)
     load_weights(model, ckpt, device, dtype)
@@ -1190,14 +1161,7 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|denoise|>", 
 
 def demo_tokenizer():
     """Byte-level tokenizer (no merges) with the special tokens OmniVoice's prompt uses."""
-    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokenizer = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens(SPECIAL_TOKENS)
-    return tokenizer
+    return common.byte_tokenizer(SPECIAL_TOKENS, use_regex=False)
 
 
 def random_model(cfg: dict, tokenizer_cfg: dict, device="cpu", dtype=torch.float32, seed=0,

@@ -609,7 +609,7 @@ def tokenizer_overlay(args):
     cfg = checkpoint_config(ckpt)
     if not (ckpt / "tokenizer.json").is_file():
         raise UserError(f"checkpoint dir {ckpt} has no tokenizer.json — give an OmniVoice checkpoint")
-    tokenizer = omnivoice.load_tokenizer(ckpt / "tokenizer.json")
+    tokenizer = common.load_tokenizer(ckpt / "tokenizer.json")
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     if size > cfg["vocab_size"]:
         raise UserError(f"{ckpt}: the tokenizer has {size} tokens, more than the {cfg['vocab_size']} rows"
@@ -637,7 +637,7 @@ def build_model(checkpoint, tokenizer_dir=None, device="cpu") -> omnivoice.OmniV
     source = Path(tokenizer_dir) if tokenizer_dir else ckpt
     if not (source / "tokenizer.json").is_file():
         raise UserError(f"{source} has no tokenizer.json")
-    tokenizer = omnivoice.load_tokenizer(source / "tokenizer.json")
+    tokenizer = common.load_tokenizer(source / "tokenizer.json")
     size = tokenizer.get_vocab_size(with_added_tokens=True)
     if size != cfg["vocab_size"]:  # upstream resizes the table and then fails on the audio ids it looks up
         raise UserError(f"{source / 'tokenizer.json'} has {size} tokens, {ckpt}'s text embedding"

@@ -1100,7 +1100,7 @@ def test_cpu_quantization_while_loading_equals_quantizing_the_loaded_model(monke
     """load(quant=...) on CPU quantizes each block as soon as its last tensor is read, so the unquantized
     model never exists whole (the real size: 17.6 GB in fp32): the same weights as quantizing afterwards."""
     read, read_when_swapped = [], []
-    real_read, real_swap = dualAR.read_weights, dualAR.swap_linears
+    real_read, real_swap = dualAR.read_tensors, dualAR.swap_linears
 
     def counted_read(files):
         for name, tensor in real_read(files):
@@ -1112,7 +1112,7 @@ def test_cpu_quantization_while_loading_equals_quantizing_the_loaded_model(monke
             read_when_swapped.append(len(read))
         real_swap(module, make)
 
-    monkeypatch.setattr(dualAR, "read_weights", counted_read)
+    monkeypatch.setattr(dualAR, "read_tensors", counted_read)
     monkeypatch.setattr(dualAR, "swap_linears", counted_swap)
     early = dualAR.load(CKPT, quant="int4wo")
     monkeypatch.undo()

@@ -712,7 +712,7 @@ def test_other_dims_codebooks_and_frame_rate_run_every_mode(tmp_path):
     generator = torch.Generator().manual_seed(0)
     for p in model.parameters():
         p.data = (torch.rand(p.shape, generator=generator) - 0.5) / 4 + (1 if p.ndim == 1 else 0)
-    model.tokenizer = omnivoice.load_tokenizer(CKPT / "tokenizer.json")
+    model.tokenizer = common.load_tokenizer(CKPT / "tokenizer.json")
     model.audio_tokenizer = omnivoice_codec.random_tokenizer(omnivoice_codec.config_from_json(data), seed=1)
     model.requires_grad_(False).eval()
     assert model.frame_rate == 50

@@ -16,7 +16,7 @@ import pytest
 import soundfile as sf
 import torch
 
-import omnivoice
+import common
 import omnivoice_codec
 import train_omnivoice as T
 from common import UserError
@@ -83,7 +83,7 @@ def fixture_shards(tmp_path_factory) -> list:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    return omnivoice.load_tokenizer(TRAIN / "init_tokenizer/tokenizer.json")
+    return common.load_tokenizer(TRAIN / "init_tokenizer/tokenizer.json")
 
 
 # ----------------------------------------------------------------------------- stage 0

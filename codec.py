@@ -459,6 +459,16 @@ def fold_weight_norm(model):
     return model
 
 
+DEMO = dict(encoder_dim=4, encoder_transformer_layers=[0, 0, 0, 1], latent_dim=64, decoder_dim=64,
+            quantizer_layers=1, quantizer_heads=1, quantizer_ffn=192, quantizer_window=16)
+
+
+def demo_model(device="cpu"):
+    """A tiny codec of the real layout with torch's default (global RNG) init, fp32: dualAR's demo's."""
+    model = fold_weight_norm(DAC(dict(CONFIG, **DEMO)))
+    return model.requires_grad_(False).eval().to(device)
+
+
 # ----------------------------------------------------------------------------- API
 # Every part of the codec is causal, so it runs on chunks of whole frames as a stream: each conv keeps the
 # last inputs its kernel reaches back to, each attention layer its last window - 1 keys and values, in a

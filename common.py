@@ -339,6 +339,20 @@ def save_wav(path, wave, sample_rate: int):
     write_atomic(path, lambda tmp: sf.write(tmp, data, sample_rate, format="WAV", subtype="PCM_16"))
 
 
+def write_growing_wav(path, chunks, sample_rate: int):
+    """Mono float sample chunks -> a PCM-16 .wav whose header is brought up to date after each chunk (a player
+    can open it as it grows); yields after writing each. A failure leaves no half-written file behind."""
+    try:
+        with sf.SoundFile(str(path), "w", sample_rate, 1, "PCM_16", format="WAV") as wav:
+            for samples in chunks:
+                wav.write(torch.as_tensor(samples).float().cpu().reshape(-1).clamp(-1, 1).numpy())
+                wav.flush()
+                yield
+    except BaseException:
+        Path(path).unlink(missing_ok=True)
+        raise
+
+
 def save_npy(path, array):
     """An integer array (codes) -> .npy, atomically."""
     def write(tmp):  # a file object: np.save would add .npy to the temp file's name
@@ -529,6 +543,17 @@ def queue_job(waiting, job: Job):
         waiting.remove(gone)
         gone.finish()
     waiting.append(job)
+
+
+def next_job(waiting, lock):
+    """The first job of a scheduler's queue that is not cancelled (those leave it finished), or None."""
+    with lock:
+        while waiting:
+            job = waiting.popleft()
+            if not job.cancelled:
+                return job
+            job.finish()
+    return None
 
 
 class EngineThread:

@@ -37,7 +37,6 @@ import traceback
 import weakref
 from pathlib import Path
 
-import soundfile as sf
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -47,8 +46,8 @@ from tqdm import tqdm
 
 from common import (DTYPES, ArgumentParser, EngineClosed, Job, QuantLinear, UserError, add_device_arg,
                     byte_tokenizer, check_plain_text, check_seed, cli, default_compile_cache, load_tokenizer,
-                    new_voice, peak_memory_gb, pick_device, pick_dtype, queue_job, read_tensors, swap_linears,
-                    unreadable, use_compile_cache, voice_files, weight_files)
+                    new_voice, next_job, peak_memory_gb, pick_device, pick_dtype, queue_job, read_tensors,
+                    swap_linears, unreadable, use_compile_cache, voice_files, weight_files, write_growing_wav)
 
 # The real fishaudio/s2-pro dimensions, with upstream's flat `dual_ar` key names.
 CONFIG = dict(
@@ -1079,19 +1078,14 @@ class Scheduler:
 
     def admit(self):
         for row in range(self.slots):
-            if self.rows[row] is not None:
-                continue
-            with self.lock:
-                request = self.waiting.popleft() if self.waiting else None
-            if request is None:
-                return
-            if request.cancelled:
-                request.finish()
-                continue
-            try:
-                self.prefill(row, request)
-            except Exception as e:
-                self.drop(row, request, e)
+            if self.rows[row] is None:
+                request = next_job(self.waiting, self.lock)
+                if request is None:
+                    return
+                try:
+                    self.prefill(row, request)
+                except Exception as e:
+                    self.drop(row, request, e)
 
     def prefill(self, row: int, request: Request):
         """Prompt of the request's current text batch into `row`, and its first frame (no recent tokens,
@@ -1263,8 +1257,6 @@ def generate(model: DualAR, text: str, references=(), **options) -> Tensor:
 
 # ----------------------------------------------------------------------------- demo checkpoint
 DEMO_DIMS = dict(dim=64, n_head=4, n_local_heads=2, head_dim=16, intermediate_size=128)
-DEMO_CODEC = dict(encoder_dim=4, encoder_transformer_layers=[0, 0, 0, 1], latent_dim=64, decoder_dim=64,
-                  quantizer_layers=1, quantizer_heads=1, quantizer_ffn=192, quantizer_window=16)
 
 
 def demo_tokenizer(n_semantic: int):
@@ -1290,8 +1282,7 @@ def demo_models(device, dtype) -> tuple:
             nn.init.normal_(param, std=0.2)
     model.tokenizer = tokenizer
     model = model.to(device, torch.bfloat16).to(dtype).requires_grad_(False).eval()  # bf16, as released
-    dac = codec.DAC(dict(codec.CONFIG, **DEMO_CODEC))
-    return model, codec.fold_weight_norm(dac).requires_grad_(False).eval().to(device)
+    return model, codec.demo_model(device)
 
 
 def demo_reference(args, device):
@@ -1503,16 +1494,10 @@ def speak(model: DualAR, request: Request, wav_path, args) -> Tensor:
         if wav_path is None:
             collections.deque(chunks, maxlen=0)  # run to the end
             return request.codes()
-        device, rate = scheduler.pos.device, codec.CONFIG["sample_rate"]
-        try:  # PCM-16, the header brought up to date after each chunk: a player can open it as it grows
-            with sf.SoundFile(str(wav_path), "w", rate, 1, "PCM_16", format="WAV") as wav:
-                for samples in codec.decode_stream(codec_model(args, device), (c.to(device) for c in chunks)):
-                    wav.write(samples[0].float().cpu().clamp(-1, 1).numpy())
-                    wav.flush()
-                    request.first_audio = request.first_audio or time.perf_counter()
-        except BaseException:  # no half-written wav is left behind
-            Path(wav_path).unlink(missing_ok=True)
-            raise
+        dac, device = codec_model(args, scheduler.pos.device), scheduler.pos.device
+        samples = (wave[0] for wave in codec.decode_stream(dac, (c.to(device) for c in chunks)))
+        for _ in write_growing_wav(wav_path, samples, codec.CONFIG["sample_rate"]):
+            request.first_audio = request.first_audio or time.perf_counter()
     return request.codes()
 
 

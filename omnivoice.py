@@ -787,13 +787,9 @@ class Scheduler:
         """Waiting texts into the batch while it has room -> whether any joined."""
         joined = False
         while len(self.active) < self.slots:
-            with self.lock:
-                job = self.waiting.popleft() if self.waiting else None
+            job = common.next_job(self.waiting, self.lock)
             if job is None:
                 break
-            if job.cancelled:
-                job.finish()
-                continue
             job.tokens = job.tokens.to(self.device)
             self.active.append(job)
             joined = True

@@ -24,6 +24,26 @@ def test_a_file_written_atomically_gets_the_usual_permissions_not_safetensors_ow
     assert stat.S_IMODE((tmp_path / "x.safetensors").stat().st_mode) == 0o644  # safetensors makes 0o600
 
 
+def test_a_growing_wav_can_be_read_after_each_chunk_and_a_failure_leaves_no_file(tmp_path):
+    import soundfile as sf
+    path, seen = tmp_path / "out.wav", []
+    chunks = [torch.full((100,), 0.5), torch.full((1, 50), -2.0)]  # any shape of one channel; clamped
+    for _ in common.write_growing_wav(path, chunks, 8000):
+        seen.append(sf.info(str(path)).frames)  # the header is up to date while the file is still open
+    assert seen == [100, 150]
+    wave, rate = sf.read(str(path))
+    assert rate == 8000 and wave[0] == 0.5 and wave[-1] == -1.0
+
+    def broken():
+        yield torch.zeros(10)
+        raise RuntimeError("the engine failed")
+
+    with pytest.raises(RuntimeError, match="engine failed"):
+        for _ in common.write_growing_wav(tmp_path / "broken.wav", broken(), 8000):
+            pass
+    assert not (tmp_path / "broken.wav").exists()
+
+
 def test_int8_weights_of_a_whole_sequence_multiply_in_bf16_or_fp32_as_the_cpu_has_units(monkeypatch):
     """QuantLinear(matmul_rows): from that many rows the int8 weight is converted (exactly) for one plain
     matmul, in bf16 where the CPU has bf16 matrix units, else in fp32 (bf16 there is 4-5x slower than fp32);

@@ -1,12 +1,14 @@
 """What every fishfast model and tool shares, and nothing model-specific: the error users see, device and
-dtype choice, atomic writes, audio files, CPU quantization as a swap of nn.Linear, peak memory, the engine
-thread. It imports no model file, so a model file can be copied with this one alone. (What makes a model
-faster on one kind of CPU is cpu_fast.py's, applied from outside.)
+dtype choice, checkpoint and audio files, atomic writes, quantization (nn.Linear swapped for torch's CPU
+kernels; torchao's GPU schemes), peak memory, the engine thread. It imports no model file, so a model file
+can be copied with this one alone. (What makes a model faster on one kind of CPU is cpu_fast.py's, applied
+from outside.)
 
 Sections: errors and the CLI wrapper, user input (voice names, seeds, control tokens: the CLIs' and the
 server's one rule each), devices and dtypes (and the trainers' torchrun processes), files (atomic writes,
-audio, the compile cache), CPU quantization (QuantLinear, W8A8Linear, swap_linears), memory, engines (Job,
-and EngineThread: the thread that steps either model's Scheduler).
+a checkpoint's weights and tokenizer, audio, the compile cache), quantization (QuantLinear, W8A8Linear,
+swap_linears, torchao's configs), memory, engines (Job, the queue, and EngineThread: the thread that steps
+either model's Scheduler).
 """
 import argparse
 import glob
@@ -361,7 +363,7 @@ def save_npy(path, array):
     write_atomic(path, write)
 
 
-# ----------------------------------------------------------------------------- CPU quantization
+# ----------------------------------------------------------------------------- quantization
 INT4_GROUP = 128  # int4 inputs sharing one scale and zero
 # from here on one matmul of the converted int8 weight beats torch's int8 kernel, which is written for a few
 # rows (docs/speed.md)
@@ -484,6 +486,40 @@ def swap_linears(module: nn.Module, make):
             setattr(module, name, make(child))
         else:
             swap_linears(child, make)
+
+
+# GPU weight quantization is torchao's: its tile-packed int4 (tinygemm) needs Ampere, fp8 dynamic per-row and
+# nvfp4 their tensor-core kernels, and these three bf16 weights
+TORCHAO_CAPABILITY = {"int4wo": (8, 0), "fp8": (8, 9), "nvfp4": (10, 0)}
+
+
+def check_torchao(scheme: str, device: torch.device, dtype):
+    """What torchao's `scheme` needs (torchao itself, the GPU, bf16), said before any weight is read."""
+    try:
+        importlib.import_module("torchao.quantization")  # only whether it imports
+    except Exception as e:  # missing, or built for another torch
+        raise UserError(f"--quant {scheme} needs torchao, which does not import here: {type(e).__name__}:"
+                        f" {(str(e).splitlines() or [''])[0]} (pip install torchao==0.18.0)") from None
+    cuda, need = device.type == "cuda", TORCHAO_CAPABILITY.get(scheme)
+    if need and not (cuda and torch.cuda.get_device_capability(device) >= need):
+        have = f"compute capability {torch.cuda.get_device_capability(device)}" if cuda else device.type
+        raise UserError(f"--quant {scheme} needs an NVIDIA GPU of compute capability >= {need[0]}.{need[1]}"
+                        f" (this device: {have})")
+    if need and dtype != torch.bfloat16:
+        raise UserError(f"--quant {scheme} needs bf16 weights (torchao's kernels): add --dtype bf16")
+
+
+def torchao_config(scheme: str):
+    """A scheme's name (int8wo, int4wo, fp8, nvfp4) -> torchao's config for `quantize_`."""
+    import torchao.quantization as tq
+    if scheme == "int8wo":
+        return tq.Int8WeightOnlyConfig()
+    if scheme == "int4wo":
+        return tq.Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d")
+    if scheme == "fp8":
+        return tq.Float8DynamicActivationFloat8WeightConfig(granularity=tq.PerRow())
+    from torchao.prototype.mx_formats import NVFP4DynamicActivationNVFP4WeightConfig
+    return NVFP4DynamicActivationNVFP4WeightConfig()
 
 
 # ----------------------------------------------------------------------------- memory

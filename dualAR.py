@@ -11,8 +11,9 @@ How the file reads (sections, top to bottom):
     building blocks RMSNorm, FeedForward, RoPE (codec.py's transformers have the same), KVCache, Attention
                     and Block (3 ways each), flex-decoding
     model           DualAR: embeddings, slow and fast transformers, the head; prefill, forward_slow/fast
-    loading         sharded safetensors (HF names) -> the model, ids from the tokenizer
-    quantization    int8/int4 on CPU (common.QuantLinear, torch's kernels), torchao on GPU; compile_model
+    loading         the checkpoint's tensors (HF names, common's reader) -> the model, ids from the tokenizer
+    quantization    which layers get which bits: int8/int4 on CPU (common.QuantLinear), torchao on GPU; and
+                    compile_model
     prompt          upstream's chat template: system + references, user/assistant turns, dialogues
     sampling        upstream's top-k/top-p filter and exponential race, its random numbers
     one frame       sample_frame (slow token with repetition-aware sampling, then the codebooks), decode_step
@@ -25,7 +26,6 @@ How the file reads (sections, top to bottom):
 import argparse
 import collections
 import functools
-import importlib
 import json
 import math
 import os
@@ -45,9 +45,10 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from tqdm import tqdm
 
 from common import (DTYPES, ArgumentParser, EngineClosed, Job, QuantLinear, UserError, add_device_arg,
-                    byte_tokenizer, check_plain_text, check_seed, cli, default_compile_cache, load_tokenizer,
-                    new_voice, next_job, peak_memory_gb, pick_device, pick_dtype, queue_job, read_tensors,
-                    swap_linears, unreadable, use_compile_cache, voice_files, weight_files, write_growing_wav)
+                    byte_tokenizer, check_plain_text, check_seed, check_torchao, cli, default_compile_cache,
+                    load_tokenizer, new_voice, next_job, peak_memory_gb, pick_device, pick_dtype, queue_job,
+                    read_tensors, swap_linears, torchao_config, unreadable, use_compile_cache, voice_files,
+                    weight_files, write_growing_wav)
 
 # The real fishaudio/s2-pro dimensions, with upstream's flat `dual_ar` key names.
 CONFIG = dict(
@@ -568,44 +569,17 @@ def optimize(model: DualAR, quant=None, compile=False, compile_cache=None, fast_
 
 # ----------------------------------------------------------------------------- quantization, compilation
 QUANT_SCHEMES = ("none", "int8wo", "int4wo", "fp8", "nvfp4")
-# int4 tile-packed (tinygemm) needs Ampere, fp8 dynamic per-row and nvfp4 their tensor-core kernels
-CUDA_CAPABILITY = {"int4wo": (8, 0), "fp8": (8, 9), "nvfp4": (10, 0)}
 CPU_BITS = {"int8wo": 8, "int4wo": 4}  # on CPU: torch's own kernels (QuantLinear), any model dtype
 
 
 def check_quant(scheme, device: torch.device, dtype):
-    """What each scheme needs, said before any weight is read."""
+    """What each scheme needs, said before any weight is read (torchao's: common.check_torchao)."""
     if scheme is None or scheme == "none":
         return
     if scheme not in QUANT_SCHEMES:
         raise UserError(f"quantization {scheme!r} is not one of {', '.join(QUANT_SCHEMES)}")
-    if device.type == "cpu" and scheme in CPU_BITS:
-        return
-    try:
-        importlib.import_module("torchao.quantization")  # only whether it imports
-    except Exception as e:  # missing, or built for another torch
-        raise UserError(f"--quant {scheme} needs torchao, which does not import here: {type(e).__name__}:"
-                        f" {(str(e).splitlines() or [''])[0]} (pip install torchao==0.18.0)") from None
-    cuda = device.type == "cuda"
-    need = CUDA_CAPABILITY.get(scheme)
-    if need and not (cuda and torch.cuda.get_device_capability(device) >= need):
-        have = f"compute capability {torch.cuda.get_device_capability(device)}" if cuda else device.type
-        raise UserError(f"--quant {scheme} needs an NVIDIA GPU of compute capability >= {need[0]}.{need[1]}"
-                        f" (this device: {have})")
-    if scheme in ("int4wo", "fp8", "nvfp4") and dtype != torch.bfloat16:
-        raise UserError(f"--quant {scheme} needs bf16 weights (torchao's kernels): add --dtype bf16")
-
-
-def quant_config(scheme: str):
-    import torchao.quantization as tq
-    if scheme == "int8wo":
-        return tq.Int8WeightOnlyConfig()
-    if scheme == "int4wo":
-        return tq.Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d")
-    if scheme == "fp8":
-        return tq.Float8DynamicActivationFloat8WeightConfig(granularity=tq.PerRow())
-    from torchao.prototype.mx_formats import NVFP4DynamicActivationNVFP4WeightConfig
-    return NVFP4DynamicActivationNVFP4WeightConfig()
+    if not (device.type == "cpu" and scheme in CPU_BITS):
+        check_torchao(scheme, device, dtype)
 
 
 def block_scheme(scheme: str, fast: bool, cpu: bool) -> str:
@@ -625,8 +599,8 @@ def quantize(model: DualAR, scheme: str):
         quantize_fast_head(model)
     else:
         from torchao.quantization import quantize_
-        quantize_(model.layers, quant_config(scheme))
-        quantize_(model.fast_layers, quant_config(block_scheme(scheme, True, cpu=False)))
+        quantize_(model.layers, torchao_config(scheme))
+        quantize_(model.fast_layers, torchao_config(block_scheme(scheme, True, cpu=False)))
     model.quant = scheme
 
 

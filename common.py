@@ -273,7 +273,8 @@ def weight_files(ckpt: Path, download: str, pth: bool = False) -> list:
     names = ("model.safetensors", "model.pth") if pth else ("model.safetensors",)
     found = [ckpt / name for name in names if (ckpt / name).is_file()]
     if not found:
-        raise UserError(f"checkpoint dir {ckpt} has no {' or '.join(names)} — download {download} (see README)")
+        raise UserError(f"checkpoint dir {ckpt} has no {' or '.join(names)} — download {download}"
+                        " (see README)")
     return found[:1]
 
 

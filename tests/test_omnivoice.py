@@ -481,6 +481,24 @@ def test_checkpoints_of_the_other_model_say_so():
         omnivoice.load(ROOT / "no-such-folder")
 
 
+def test_a_checkpoint_without_its_weights_or_with_broken_ones_is_one_line_naming_the_file(tmp_path):
+    import shutil
+    folder = shutil.copytree(CKPT, tmp_path / "ov")
+    weights = (folder / "model.safetensors").read_bytes()
+    (folder / "model.safetensors").unlink()
+    with pytest.raises(common.UserError, match="has no model.safetensors — download k2-fsa/OmniVoice"):
+        omnivoice.load(folder)
+    index = {"weight_map": {"x": "part-1.safetensors"}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(common.UserError, match="names shard part-1.safetensors, which is not in"):
+        omnivoice.load(folder)
+    (folder / "part-1.safetensors").write_bytes(weights[:100])  # truncated
+    with pytest.raises(common.UserError, match="part-1.safetensors"):
+        omnivoice.load(folder)
+    (folder / "part-1.safetensors").write_bytes(weights)
+    assert omnivoice.load(folder).cfg == omnivoice.load(CKPT).cfg  # one shard of the index: the whole model
+
+
 # ----------------------------------------------------------------------------- CLI
 def test_cli_clones_a_voice_and_writes_upstreams_audio_and_codes(tmp_path):
     spec = CASES["generate"]["clone_from_ref_audio"]

@@ -1468,9 +1468,9 @@ def speak(model: DualAR, request: Request, wav_path, args) -> Tensor:
         if wav_path is None:
             collections.deque(chunks, maxlen=0)  # run to the end
             return request.codes()
-        dac, device = codec_model(args, scheduler.pos.device), scheduler.pos.device
-        samples = (wave[0] for wave in codec.decode_stream(dac, (c.to(device) for c in chunks)))
-        for _ in write_growing_wav(wav_path, samples, codec.CONFIG["sample_rate"]):
+        device = scheduler.pos.device
+        waves = codec.decode_stream(codec_model(args, device), (c.to(device) for c in chunks))  # (1, samples)
+        for _ in write_growing_wav(wav_path, waves, codec.CONFIG["sample_rate"]):
             request.first_audio = request.first_audio or time.perf_counter()
     return request.codes()
 

@@ -206,6 +206,17 @@ def join_processes(device: torch.device) -> tuple:
     return dist.get_rank(), dist.get_world_size(), device
 
 
+def run_command(commands: dict, args):
+    """A trainer's subcommand, commands[args.command](args); the process group `join_processes` made is left
+    afterwards, also when the command fails."""
+    import torch.distributed as dist
+    try:
+        commands[args.command](args)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
 def add_device_arg(parser: argparse.ArgumentParser, more: str = ""):
     """Every CLI's --device (auto by default: pick_device)."""
     parser.add_argument("--device", type=device_name, default="auto", help=DEVICE_HELP + more)

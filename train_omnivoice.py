@@ -1345,12 +1345,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    args = parse_args(argv)
-    try:
-        COMMANDS[args.command](args)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    common.run_command(COMMANDS, parse_args(argv))
 
 
 if __name__ == "__main__":

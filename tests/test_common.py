@@ -1,5 +1,6 @@
 """common.py: the helpers every model shares."""
 import collections
+import contextlib
 import os
 import re
 import stat
@@ -12,7 +13,7 @@ from safetensors.torch import save_file
 
 import common
 from common import write_atomic
-from conftest import MatmulDtypes
+from conftest import MatmulDtypes, free_port
 
 
 def test_a_file_written_atomically_gets_the_usual_permissions_not_safetensors_owner_only(tmp_path):
@@ -22,6 +23,24 @@ def test_a_file_written_atomically_gets_the_usual_permissions_not_safetensors_ow
     finally:
         os.umask(umask)
     assert stat.S_IMODE((tmp_path / "x.safetensors").stat().st_mode) == 0o644  # safetensors makes 0o600
+
+
+def test_a_trainers_command_leaves_the_process_group_even_when_it_fails():
+    import argparse
+    import torch.distributed as dist
+    ran = []
+
+    def broken(args):
+        ran.append(args.command)
+        raise RuntimeError("out of memory")
+
+    for command in ("ok", "broken"):
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+        with pytest.raises(RuntimeError) if command == "broken" else contextlib.nullcontext():
+            common.run_command({"ok": lambda args: ran.append(args.command), "broken": broken},
+                               argparse.Namespace(command=command))
+        assert not dist.is_initialized()
+    assert ran == ["ok", "broken"]
 
 
 def test_a_growing_wav_can_be_read_after_each_chunk_and_a_failure_leaves_no_file(tmp_path):

@@ -11,11 +11,13 @@ swap_linears, torchao's configs), memory, engines (Job, the queue, and EngineThr
 either model's Scheduler).
 """
 import argparse
+import functools
 import glob
 import importlib
 import json
 import math
 import os
+import platform
 import re
 import resource
 import shutil
@@ -223,24 +225,62 @@ def add_device_arg(parser: argparse.ArgumentParser, more: str = ""):
 
 
 # ----------------------------------------------------------------------------- files
+@functools.cache
+def cpu_model() -> list:
+    """[vendor, family, model] of this CPU (Linux's /proc/cpuinfo), else [the machine's architecture]."""
+    fields = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the first processor's fields are enough
+                key, _, value = line.partition(":")
+                fields[key.strip()] = value.strip()
+    except OSError:
+        pass
+    cpu = [fields.get(k) for k in ("vendor_id", "cpu family", "model")]
+    return cpu if all(cpu) else [platform.machine() or "cpu"]
+
+
+def cpu_kind() -> str:
+    """This CPU as compiled kernels and timings see it: `cpu_model`, torch's capability, and any cap the
+    environment sets on the libraries (CAP_VARIABLES: an emulated smaller CPU) -> a folder name, e.g.
+    'AuthenticAMD-25-1-AVX2', 'GenuineIntel-6-143-AVX2-ATEN_CPU_CAPABILITY=avx2-ONEDNN_MAX_CPU_ISA=AVX2'."""
+    caps = [f"{v}={os.environ[v]}" for v in CAP_VARIABLES if os.environ.get(v)]
+    name = "-".join([*cpu_model(), torch.backends.cpu.get_cpu_capability(), *caps])
+    return re.sub(r"[^A-Za-z0-9_.=-]", "_", name)
+
+
 def default_compile_cache() -> Path:
     """Where compiled kernels (and cpu_fast's decisions) are kept unless told:
-    $XDG_CACHE_HOME/fishfast/compile."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fishfast" / "compile"
+    $XDG_CACHE_HOME/fishfast/compile, in a folder of this CPU kind's (`cache_for_this_cpu`)."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "fishfast" / "compile"
+    return cache_for_this_cpu(base)
+
+
+def cache_for_this_cpu(folder: Path) -> Path:
+    """folder/<cpu_kind()> (folder itself if it is one already): kernels compiled, and choices timed, on one
+    kind of CPU are never loaded on another that shares the folder (a network home, a disk image); on an AMX
+    Xeon limited to AVX2, graphs compiled natively gave wrong codes."""
+    kind = cpu_kind()
+    return folder if folder.name == kind else folder / kind
 
 
 def compile_cache_folder() -> Path:
-    """The compile-cache folder in use: the user's $TORCHINDUCTOR_CACHE_DIR, else default_compile_cache()."""
+    """The compile-cache folder in use: this CPU kind's folder (`cache_for_this_cpu`) in the user's
+    $TORCHINDUCTOR_CACHE_DIR, else default_compile_cache()."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
     # importing torch._dynamo sets the variable to torch's /tmp default: that one is not the user's choice
-    return Path(given) if given not in (None, default_cache_dir()) else default_compile_cache()
+    if given in (None, default_cache_dir()):
+        return default_compile_cache()
+    return cache_for_this_cpu(Path(given))
 
 
 def use_compile_cache(cache=None) -> Path:
-    """Points inductor at the compile-cache folder (process-wide, for good): `cache` if given, else
-    `compile_cache_folder()` -> the folder."""
-    folder = Path(cache).expanduser() if cache is not None else compile_cache_folder()
+    """Points inductor at the compile-cache folder (process-wide, for good): this CPU kind's folder in
+    `cache` if given, else `compile_cache_folder()` -> the folder."""
+    folder = cache_for_this_cpu(Path(cache).expanduser()) if cache is not None else compile_cache_folder()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
     return folder
 
@@ -437,7 +477,22 @@ class QuantLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-CPU_FLAGS = torch._C._cpu._get_cpu_capability()  # what this CPU has: {"avx2": True, "avx512_vnni": ...}
+# What the environment may cap torch's own kernels, oneDNN and MKL at (an emulated smaller CPU: docs/speed.md)
+CAP_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+AVX2_OR_LESS = {"DEFAULT", "SSE41", "SSE4_2", "AVX", "AVX2"}
+
+
+def usable_cpu_flags(flags: dict, env) -> dict:
+    """A CPU's flags as the libraries may use them: where `env` caps any of them (CAP_VARIABLES) at AVX2 or
+    below, the AVX-512, AMX and VNNI units count as absent (a library so capped sums int8 products without
+    VNNI, in saturating 16 bits: w8a8 lost its argmax share on an AMX Xeon limited to AVX2)."""
+    capped = any(env.get(v, "").upper() in AVX2_OR_LESS for v in CAP_VARIABLES)
+    return {k: bool(v) and not (capped and k.startswith(("avx512", "amx", "avx_vnni", "avx_ne")))
+            for k, v in flags.items()}
+
+
+# what this CPU has, as the libraries may use it: {"avx2": True, "avx512_vnni": ...}
+CPU_FLAGS = usable_cpu_flags(torch._C._cpu._get_cpu_capability(), os.environ)
 # Whether this CPU has int8 dot products (VNNI, AMX) for torch._int_mm: without them (AVX2 only) it ran
 # OmniVoice's layers 20x slower than fp32 (docs/omnivoice.md). A constant: dynamo reads it so.
 INT8_UNITS = any(CPU_FLAGS.get(unit) for unit in ("avx512_vnni", "avx_vnni", "amx_int8"))

@@ -60,7 +60,10 @@ def tune_s2(model: nn.Module, rows: int = None, again: bool = False) -> nn.Modul
     weights at the row counts that win (eager and compiled); compiled graphs' one row as a fused sum;
     compiled batched steps on frozen weights (inductor's GEMM), if batches of their rows come; the sampler
     orders only the best candidates (`candidate_removal`)."""
-    model.removal_for = functools.partial(candidate_removal, type(model).__module__)
+    module = sys.modules[type(model).__module__]
+    name = Path(module.__file__).stem  # dualAR, also where it runs as __main__
+    MODEL_MODULES[name] = module
+    model.removal_for = functools.partial(candidate_removal, name)
     use_half_linears(model)
     if any(type(m) is nn.Linear and m.weight.dtype == torch.float32 for m in model.modules()):
         use_few_rows_linears(model, few_rows_steps(again))
@@ -109,9 +112,10 @@ def decisions_file() -> Path:
 
 
 def machine_key(device: torch.device, dtype: torch.dtype) -> str:
-    """What a timed decision holds for: the CPU kind, oneDNN's ISA cap, torch, threads, device, dtype."""
-    return (f"{torch.backends.cpu.get_cpu_capability()} {os.environ.get('ONEDNN_MAX_CPU_ISA', '')} torch"
-            f" {torch.__version__} threads {torch.get_num_threads()} {device.type} {dtype}")
+    """What a timed decision holds for: the CPU kind (with its capability and the libraries' caps), torch,
+    threads, device, dtype."""
+    return (f"{common.cpu_kind()} torch {torch.__version__} threads {torch.get_num_threads()} {device.type}"
+            f" {dtype}")
 
 
 def read_decisions(path: Path) -> dict:
@@ -558,13 +562,21 @@ def use_frozen_gemms(module: nn.Module, steps: list):
 
 # ----------------------------------------------------------------------------- S2's sampler
 CUMULATIVE_SLACK = 1e-4  # far above the rounding of a cumulative probability summed in another order
+# a model file's name -> its module: the same name whether the file was imported or runs as a script
+# (__main__). The name is an argument of the compiled step's op, so part of its graph: a script and a library
+# call (tests, the server) then compile one graph and share it in the compile cache.
+MODEL_MODULES = {}
+
+
+def sorted_removal(name: str):  # the model file's own `sorted_removal` (upstream's whole-row sort)
+    return (MODEL_MODULES.get(name) or sys.modules[name]).sorted_removal
 
 
 @functools.lru_cache(maxsize=None)  # one object per count: a compiled step's guard sees the same removal
 def candidate_removal(module: str, top_k: int):
     """S2's sampler for rows of top_k at most: `top_candidates` over a power of two of candidates (one
-    compiled graph per count); `module` is the model's (its `sorted_removal` where the candidates are not
-    enough)."""
+    compiled graph per count); `module` names the model's file (its `sorted_removal` where the candidates are
+    not enough)."""
     candidates = max(32, 1 << max(int(top_k) - 1, 0).bit_length())
     return functools.partial(top_candidates, candidates=candidates, module=module)
 
@@ -576,7 +588,7 @@ def top_candidates(logits: Tensor, top_p: Tensor, top_k: Tensor, candidates: int
     unstable sort puts first), and a cumulative probability within CUMULATIVE_SLACK of top_p (its softmax
     sums the row in sorted order, rounding otherwise than in vocabulary order)."""
     if candidates >= logits.size(-1):
-        return sys.modules[module].sorted_removal(logits, top_p, top_k)
+        return sorted_removal(module)(logits, top_p, top_k)
     values, ids = torch.topk(logits, candidates + 1, dim=-1)  # (B, candidates + 1), best first
     # softmax, not exp of the whole row: on CPU that one is split across threads, 100x slower for 4k values
     cum_probs = torch.cumsum(F.softmax(logits, dim=-1).gather(-1, ids), dim=-1)
@@ -597,7 +609,7 @@ def removal_in_vocabulary_order(logits, ids, remove, unsure, top_p, top_k, modul
     """`top_candidates`' removal (B, vocabulary): from the candidates' `remove`, or the model module's
     `sorted_removal` of the whole row where `unsure`."""
     if unsure:
-        return sys.modules[module].sorted_removal(logits, top_p, top_k)
+        return sorted_removal(module)(logits, top_p, top_k)
     return torch.ones_like(logits, dtype=torch.bool).scatter(-1, ids, remove)
 
 

@@ -142,6 +142,7 @@ def untimed_compile_cache(folder: Path) -> Path:
     $TORCHINDUCTOR_CACHE_DIR), holding cpu_fast's `untimed_decisions`: that process times nothing either,
     and the user's cache gets no file."""
     import cpu_fast
+    folder = common.cache_for_this_cpu(folder)  # where a process pointed at it looks (this CPU kind's)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / cpu_fast.DECISIONS).write_text(json.dumps(untimed_decisions(), indent=1))
     return folder
@@ -221,13 +222,11 @@ def one_shot(dac):
 # ----------------------------------------------------------------------------- no state leaks between tests
 @pytest.fixture(scope="session", autouse=True)
 def inductor_cache():
-    """One inductor cache folder for every in-process compile of the session: $TORCHINDUCTOR_CACHE_DIR if
-    the user set it, else the one `common.use_compile_cache` picks (`default_compile_cache()`)."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-    given = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    """One inductor cache folder for every in-process compile of the session: this CPU kind's folder in
+    $TORCHINDUCTOR_CACHE_DIR if the user set it, else in fishfast's default (`common.compile_cache_folder`),
+    as `common.use_compile_cache` picks it."""
     with pytest.MonkeyPatch.context() as patch:
-        if given in (None, default_cache_dir()):  # torch's /tmp default, set by importing torch._dynamo
-            patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(common.default_compile_cache()))
+        patch.setenv("TORCHINDUCTOR_CACHE_DIR", str(common.compile_cache_folder()))
         yield
 
 

@@ -156,6 +156,38 @@ def test_int8_products_are_torchs_int_mm_bit_for_bit_with_or_without_int8_units(
     assert (big_a.float() @ big_b.float()).double().ne(want.double()).all()  # one fp32 sum rounds: chunks
 
 
+def test_a_cpu_limited_to_avx2_counts_no_vnni_amx_or_avx512_units():
+    """ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA or MKL_ENABLE_INSTRUCTIONS at AVX2 or below (the emulated
+    smaller CPU of docs/tests.md): int8 products then take int_mm's exact fp32 path, as on a real AVX2 CPU,
+    not torch._int_mm in a library capped below VNNI (16-bit saturating sums: w8a8 lost its argmax share)."""
+    flags = {"avx2": True, "avx512_vnni": True, "avx_vnni": True, "amx_int8": True, "avx512_bf16": True,
+             "amx_bf16": True, "avx_ne_convert": True, "avx512_bw": True}
+    assert common.usable_cpu_flags(flags, {}) == flags
+    assert common.usable_cpu_flags(flags, {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_AMX"}) == flags
+    for variable, value in (("ATEN_CPU_CAPABILITY", "avx2"), ("ONEDNN_MAX_CPU_ISA", "AVX2"),
+                            ("MKL_ENABLE_INSTRUCTIONS", "AVX2"), ("ONEDNN_MAX_CPU_ISA", "SSE41"),
+                            ("ATEN_CPU_CAPABILITY", "default")):
+        usable = common.usable_cpu_flags(flags, {variable: value})
+        assert usable == dict.fromkeys(flags, False) | {"avx2": True}, (variable, value)
+
+
+def test_each_cpu_kind_compiles_and_times_into_a_folder_of_its_own(monkeypatch, tmp_path):
+    """Kernels compiled and choices timed on one CPU kind are never read on another that shares the folder:
+    a capability or a library cap makes another folder, whichever folder the user names; naming the kind's
+    folder itself adds nothing."""
+    kind = common.cpu_kind()
+    assert common.cache_for_this_cpu(tmp_path) == tmp_path / kind
+    assert common.cache_for_this_cpu(tmp_path / kind) == tmp_path / kind
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    assert common.compile_cache_folder() == tmp_path / kind
+    assert common.use_compile_cache(tmp_path / "mine") == tmp_path / "mine" / kind
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "mine" / kind)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert common.cpu_kind() == f"{kind}-ONEDNN_MAX_CPU_ISA=AVX2"
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    assert common.cpu_kind().endswith("-DEFAULT-ONEDNN_MAX_CPU_ISA=AVX2") and common.cpu_kind() != kind
+
+
 # ----------------------------------------------------------------------------- the engine thread
 class Countdown(common.Job):
     """A job of `steps` steps; codes() waits for its end -> the steps it ran."""

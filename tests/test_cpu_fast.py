@@ -1,5 +1,7 @@
 """cpu_fast.py: the CPU speed-ups applied from outside, their decisions and their timing rules."""
+import importlib.util
 import json
+import sys
 import time
 
 import numpy as np
@@ -11,7 +13,7 @@ import codec
 import common
 import cpu_fast
 import dualAR
-from conftest import CKPT, GOLDEN, MatmulDtypes, chunk_sizes, golden, max_diff
+from conftest import CKPT, GOLDEN, ROOT, MatmulDtypes, chunk_sizes, golden, max_diff
 
 
 STEPS = [[0, False], [4, True], [65, False]]  # a machine where oneDNN wins at 4-64 rows (an Intel Xeon's)
@@ -959,6 +961,26 @@ def random_logits(kind, rows, size, generator):
     return logits
 
 
+def test_a_decision_timed_on_one_cpu_kind_is_not_reused_on_another(monkeypatch):
+    """The machine key holds the CPU kind: another capability (ATEN_CPU_CAPABILITY), a library's cap or
+    another thread count is another key, so its choices are timed anew."""
+    cpu = torch.device("cpu")
+    key = cpu_fast.machine_key(cpu, torch.float32)
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+        assert cpu_fast.machine_key(cpu, torch.float32) != key
+    with monkeypatch.context() as patch:
+        patch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+        assert cpu_fast.machine_key(cpu, torch.float32) != key
+    threads = torch.get_num_threads()
+    torch.set_num_threads(threads + 1)
+    try:
+        assert cpu_fast.machine_key(cpu, torch.float32) != key
+    finally:
+        torch.set_num_threads(threads)
+    assert cpu_fast.machine_key(cpu, torch.float32) == key != cpu_fast.machine_key(cpu, torch.int8)
+
+
 @pytest.mark.parametrize("kind", ["continuous", "grid", "bf16", "masked"])
 def test_ordering_only_the_best_candidates_samples_what_the_full_sort_samples(kind, monkeypatch):
     """The top-k candidates then a small sort give the probabilities of upstream's whole-row sort bit for
@@ -994,6 +1016,21 @@ def test_a_compiled_sampler_branches_in_one_graph_and_sorts_the_whole_row_only_w
         logits = random_logits(kind, 16, 4096, generator)
         assert torch.equal(compiled(logits, top_p, top_k, 32, "dualAR"), sort(logits, top_p, top_k)), kind
         assert whole == sorted_whole, kind
+
+
+def test_the_sampler_op_names_the_model_file_also_where_it_runs_as_a_script(monkeypatch):
+    """The compiled step's sampler op takes the model file's name, so the name is in its graph: dualAR.py run
+    as a script (module __main__) must compile the graph a library call keeps in the compile cache, not a
+    second one (a cold cache showed it: tests/test_dualAR.py's second process compiled one more graph)."""
+    spec = importlib.util.spec_from_file_location("not_dualAR", ROOT / "dualAR.py")
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "not_dualAR", script)  # as sys.modules["__main__"] is a script
+    spec.loader.exec_module(script)
+    monkeypatch.setitem(cpu_fast.MODEL_MODULES, "dualAR", dualAR)  # put back: later tests patch dualAR's
+    removal = cpu_fast.tune(script.load(CKPT), rows=1).removal_for(30)
+    assert removal.keywords["module"] == "dualAR" and cpu_fast.MODEL_MODULES["dualAR"] is script
+    logits, top_p, top_k = torch.arange(64.0)[None] % 7, torch.tensor([0.9]), torch.tensor([30])  # ties
+    assert torch.equal(removal(logits, top_p, top_k), script.sorted_removal(logits, top_p, top_k))
 
 
 def probs_by_full_sort(sort, logits, temperature, top_p, top_k):

@@ -25,6 +25,7 @@ import bench
 import common
 import dualAR
 import train_lora
+from bounds import merge_bound
 from conftest import CASES, CKPT, GOLDEN, ROOT, free_port, golden
 from common import UserError
 
@@ -102,6 +103,7 @@ def metrics(run: Path) -> list:
 
 
 # ----------------------------------------------------------------------------- upstream's numbers
+@pytest.mark.upstream
 def test_batch_from_cases_matches_upstreams_golden_batch(model):
     inputs, labels, padding = train_lora.make_batch(model, SAMPLES)
     want_inputs, want_labels, want_padding = golden_batch()
@@ -110,6 +112,7 @@ def test_batch_from_cases_matches_upstreams_golden_batch(model):
     assert torch.equal(padding, want_padding)
 
 
+@pytest.mark.upstream
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_training_loss_with_golden_lora_matches_upstream(checkpointing, monkeypatch):
     monkeypatch.setattr(train_lora, "HEAD_CHUNK", 5)  # 18 scored positions: the head runs in 4 slices
@@ -131,6 +134,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(monkeypatch):
         torch.testing.assert_close(grads[1][name], grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
+@pytest.mark.upstream
 def test_base_model_training_loss_matches_upstream():
     assert_losses(train_lora.training_loss(dualAR.load(CKPT), *golden_batch()), "base_no_lora_train_mode")
 
@@ -152,6 +156,7 @@ def test_training_path_embeds_without_the_inference_scale():
     assert torch.equal(x[0], model.embeddings.weight[ids[0]])  # a text position: its codes are ignored
 
 
+@pytest.mark.upstream
 def test_merged_model_loss_matches_upstream_and_only_base_loss_moves():
     """After merging, the tied head reads the merged embedding table, so base_loss changes while the
     semantic loss stays (upstream's eval_mode_merged vs train_mode_dropout0)."""
@@ -164,6 +169,25 @@ def test_merged_model_loss_matches_upstream_and_only_base_loss_moves():
     assert abs(merged["base_loss"].item() - before["base_loss"].item()) > 1e-2
 
 
+def assert_merged_as_upstream(written: dict, want: dict):
+    """A merge of the golden LoRA against upstream's: every LoRA-targeted weight within two merges' rounding
+    of the exact W + (B @ A) alpha/r (bounds.merge_bound: another CPU sums B @ A in another order; equal here
+    on the goldens' CPU kind), every other tensor equal, dtypes as upstream's."""
+    lora, base = load_file(GOLDEN / "lora_weights.safetensors"), dualAR.load(CKPT).state_dict()
+    scaling = LORA["lora_config"]["lora_alpha"] / LORA["lora_config"]["r"]
+    assert sorted(written) == sorted(want)
+    for key, tensor in want.items():
+        assert written[key].dtype == tensor.dtype, key  # LoRA-wrapped fp32, norms bf16 as loaded
+        b, a = (lora.get(f"model.{key.removesuffix('.weight')}.lora_{x}") for x in "BA")
+        if b is None:
+            assert torch.equal(written[key], tensor), key
+            continue
+        w = base[key].T if "embeddings" in key else base[key]  # a table is (num, dim): its delta transposed
+        bound = 2 * merge_bound(w, b, a, scaling)
+        bound = bound.T if "embeddings" in key else bound
+        assert ((written[key].double() - tensor.double()).abs() <= bound).all(), key
+
+
 def upstream_torch_lora(tmp_path):
     """Upstream's LoRA as its Lightning checkpoint holds it: a torch file with state_dict."""
     path = tmp_path / "step_000000010.ckpt"
@@ -171,6 +195,7 @@ def upstream_torch_lora(tmp_path):
     return path
 
 
+@pytest.mark.upstream
 @pytest.mark.parametrize("source", ["safetensors", "torch file"])
 def test_merge_dual_ar_writes_upstreams_merged_weights(tmp_path, source):
     lora = GOLDEN / "lora_weights.safetensors" if source == "safetensors" else upstream_torch_lora(tmp_path)
@@ -179,16 +204,14 @@ def test_merge_dual_ar_writes_upstreams_merged_weights(tmp_path, source):
                      "--format", "dual_ar"])
     written = torch.load(out / "model.pth", weights_only=True)  # upstream's torch.save of the state_dict
     want = load_file(GOLDEN / "merged_model.safetensors")
-    assert sorted(written) == sorted(want)
-    for key, tensor in want.items():
-        assert written[key].dtype == tensor.dtype, key  # LoRA-wrapped fp32, norms bf16 as loaded
-        assert torch.equal(written[key], tensor), key
+    assert_merged_as_upstream(written, want)
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "dual_ar" and config["n_layer"] == 2
     reloaded = dualAR.load(out)  # the flat config + model.pth load in dualAR.py too
-    assert torch.equal(reloaded.fast_output.weight, want["fast_output.weight"])
+    assert torch.equal(reloaded.fast_output.weight, written["fast_output.weight"])
 
 
+@pytest.mark.upstream
 def test_merge_hf_shards_a_big_checkpoint_with_an_index(tmp_path, monkeypatch):
     monkeypatch.setattr(train_lora, "SHARD_BYTES", 2**20)
     out = tmp_path / "merged-hf"
@@ -197,10 +220,8 @@ def test_merge_hf_shards_a_big_checkpoint_with_an_index(tmp_path, monkeypatch):
     index = json.loads((out / "model.safetensors.index.json").read_text())
     shards = sorted(set(index["weight_map"].values()))
     assert len(shards) > 2 and not (out / "model.safetensors").exists()
-    want = load_file(GOLDEN / "merged_model.safetensors")
     model = dualAR.load(out, "cpu", None)
-    for name, tensor in model.state_dict().items():
-        assert torch.equal(tensor, want[name]) and tensor.dtype == want[name].dtype, name
+    assert_merged_as_upstream(model.state_dict(), load_file(GOLDEN / "merged_model.safetensors"))
 
 
 def test_merge_hf_gives_a_checkpoint_dualAR_loads_and_generates_with(tmp_path):
@@ -215,8 +236,8 @@ def test_merge_hf_gives_a_checkpoint_dualAR_loads_and_generates_with(tmp_path):
     assert stat.S_IMODE(out.stat().st_mode) == 0o777 & ~umask
     assert "text_model.model.embeddings.weight" in load_file(out / "model.safetensors")
     model = dualAR.load(out)
-    want = load_file(GOLDEN / "merged_model.safetensors")["layers.1.attention.wqkv.weight"]
-    assert torch.equal(model.layers[1].attention.wqkv.weight, want)
+    assert torch.equal(model.layers[1].attention.wqkv.weight, load_file(out / "model.safetensors")[
+        "text_model.model.layers.1.attention.wqkv.weight"])
     codes = dualAR.generate(model, "Hello world.", seed=42, max_new_tokens=6)
     assert codes.shape == (10, 5)
 

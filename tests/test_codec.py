@@ -28,6 +28,7 @@ def gold(name):
     return np.load(GOLDEN / name)
 
 
+@pytest.mark.upstream
 @pytest.mark.parametrize("chunk", [None, 1, 16])
 def test_encode_matches_upstream_codes(model, chunk):
     codes = codec.encode(model, codec.load_audio(GOLDEN / "audio_in.wav"), chunk_frames=chunk)
@@ -35,6 +36,7 @@ def test_encode_matches_upstream_codes(model, chunk):
     np.testing.assert_array_equal(codes[0].numpy(), gold("codec_codes.npy"))
 
 
+@pytest.mark.upstream
 def test_encode_of_long_clip_pins_encoder_window_512(model):
     wave = codec.load_audio(GOLDEN / "audio_in_long.wav")
     np.testing.assert_array_equal(codec.encode(model, wave)[0].numpy(), gold("codec_codes_long.npy"))
@@ -46,17 +48,20 @@ def test_encode_of_long_clip_pins_encoder_window_512(model):
         attention.window = 512
 
 
+@pytest.mark.upstream
 def test_decode_matches_upstream_waveform(model):
     wave = codec.decode(model, gold("codec_codes.npy"))
     assert wave.shape == (1, 54 * 2048) and wave.dtype == torch.float32
     assert max_diff(wave[0], gold("codec_decoded.npy")) <= WAVE_ATOL
 
 
+@pytest.mark.upstream
 def test_decode_of_random_codes_matches_upstream(model):
     wave = codec.decode(model, torch.from_numpy(gold("codes_random.npy"))[None])
     assert max_diff(wave[0], gold("codec_decoded_from_given_codes.npy")) <= WAVE_ATOL
 
 
+@pytest.mark.upstream
 def test_decode_clamps_wide_codes_like_upstream_without_touching_caller(model):
     wide = torch.from_numpy(gold("codes_random_wide.npy"))
     before = wide.clone()

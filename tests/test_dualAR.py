@@ -141,12 +141,14 @@ def test_a_tensor_stored_in_two_shards_is_refused(tmp_path, quant):
 
 
 # ----------------------------------------------------------------------------- prompts
+@pytest.mark.upstream
 def test_voice_clone_prompt_matches_upstream(model):
     call = CASES["seeded"]["call"]
     prompt = dualAR.build_prompt(model, references(call), [], call["text"])
     assert torch.equal(prompt, golden("prompt_tokens.npy"))
 
 
+@pytest.mark.upstream
 def test_plain_tts_prompt_matches_upstream(model):
     call = CASES["noref_greedy"]["call"]
     prompt = dualAR.build_prompt(model, [], [], call["text"])
@@ -178,6 +180,7 @@ def test_dialogue_is_split_into_batches_like_upstream():
     assert len(dualAR.text_batches(six, 300)) == 2  # at most 5 turns per batch
 
 
+@pytest.mark.upstream
 def test_dialogue_prompts_match_upstream(model):
     case = CASES["seeded_dialogue"]
     refs = references(case["call"])
@@ -194,6 +197,7 @@ def prefill(model, prompt):  # KV-cached forward of a whole prompt, logits over 
     return model.prefill(prompt, full=True)
 
 
+@pytest.mark.upstream
 @torch.inference_mode()
 def test_prefill_logits_and_hidden_match_upstream(model):
     logits, hidden = prefill(model, golden("prompt_tokens.npy"))
@@ -201,6 +205,7 @@ def test_prefill_logits_and_hidden_match_upstream(model):
     torch.testing.assert_close(hidden[0], golden("prefill_hidden.npy"), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.upstream
 @torch.inference_mode()
 def test_teacher_forced_step_logits_match_upstream(model):
     prompt, frames = golden("prompt_tokens.npy"), golden("continuation_frames.npy")
@@ -211,6 +216,7 @@ def test_teacher_forced_step_logits_match_upstream(model):
         torch.testing.assert_close(logits[0], golden("step_logits.npy")[k], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.upstream
 @torch.inference_mode()
 def test_fast_codebook_logits_match_upstream(model):
     _, hidden = prefill(model, golden("prompt_tokens.npy"))
@@ -225,6 +231,7 @@ def test_fast_codebook_logits_match_upstream(model):
                                rtol=1e-4)
 
 
+@pytest.mark.upstream
 @pytest.mark.parametrize("steps", [[[0, True], [65, False]], [[0, False]]], ids=["onednn", "torch"])
 @torch.inference_mode()
 def test_one_row_step_logits_match_upstream_with_either_matmul(steps):
@@ -350,6 +357,7 @@ def test_one_noise_call_equals_upstreams_eleven_rand_like_calls(model):
 
 
 # ----------------------------------------------------------------------------- generation
+@pytest.mark.upstream
 @pytest.mark.parametrize("name", ["greedy", "seeded", "seeded_topp", "noref_greedy"])
 def test_generation_matches_upstream_codes(model, name):
     case = CASES[name]
@@ -383,6 +391,7 @@ def run_request(model, call):  # -> the request, with every raw frame of every t
     return request
 
 
+@pytest.mark.upstream
 @pytest.mark.parametrize("name", ["greedy", "seeded", "seeded_topp", "noref_greedy"])
 def test_raw_frames_match_upstream(model, name):
     """Every generated frame, including the last one that upstream drops from the returned codes."""
@@ -397,6 +406,7 @@ def test_top_k_0_is_greedy_as_upstream(model):
     assert torch.equal(run_case(model, call), golden("greedy_codes.npy"))
 
 
+@pytest.mark.upstream
 def test_two_batch_dialogue_matches_upstream(model):
     case = CASES["seeded_dialogue"]
     codes = run_case(model, case["call"])
@@ -406,6 +416,7 @@ def test_two_batch_dialogue_matches_upstream(model):
     assert torch.equal(codes, torch.cat([raw0[1:, :-1], raw1[1:, :-1]], dim=1))
 
 
+@pytest.mark.upstream
 @pytest.mark.parametrize("name", ["eos", "eos_greedy"])
 def test_generation_stops_at_im_end_and_drops_that_frame(eos_model, name):
     case = CASES["eos"][name]
@@ -958,11 +969,12 @@ def test_a_context_of_partial_flex_blocks_is_rounded_up_to_whole_blocks(solo):
 
 def test_compiled_kernels_go_to_our_cache_folder_unless_the_user_chose_one(monkeypatch, tmp_path):
     """Importing torch._dynamo points $TORCHINDUCTOR_CACHE_DIR at torch's /tmp default: compile_model takes
-    that as unset and keeps kernels in $XDG_CACHE_HOME/fishfast/compile; a folder the user chose stays."""
+    that as unset and keeps kernels in $XDG_CACHE_HOME/fishfast/compile; a folder the user chose stays, and
+    either way the kernels go to this CPU kind's folder in it (docs/tests.md)."""
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    ours = tmp_path / "fishfast/compile"
-    for given, used in ((default_cache_dir(), ours), ("/srv/kernels", "/srv/kernels")):
+    ours, kind = tmp_path / "fishfast/compile", common.cpu_kind()
+    for given, used in ((default_cache_dir(), ours / kind), ("/srv/kernels", f"/srv/kernels/{kind}")):
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", given)
         dualAR.compile_model(dualAR.load(CKPT), backend="eager")
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(used)

@@ -100,6 +100,7 @@ def assert_audio_close(audio, expected, case, i, tokens, model):
 
 
 # ----------------------------------------------------------------------------- the LM forward
+@pytest.mark.upstream
 @pytest.mark.parametrize("case", ["clone", "design", "batch"])
 def test_first_forward_gives_upstreams_logits(model, case):
     ids, audio_mask = golden(f"gen_{case}_fwd0_input_ids.npy"), golden(f"gen_{case}_fwd0_audio_mask.npy")
@@ -112,6 +113,7 @@ def test_first_forward_gives_upstreams_logits(model, case):
         torch.testing.assert_close(logits[B + i, :, :n], expected[2 * i + 1], atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.upstream
 def test_embeddings_and_last_hidden_state_match_upstream(model):
     ids, audio_mask = golden("gen_clone_fwd0_input_ids.npy"), golden("gen_clone_fwd0_audio_mask.npy")
     torch.testing.assert_close(model.embed(ids, audio_mask), golden("gen_clone_fwd0_inputs_embeds.npy"),
@@ -120,6 +122,7 @@ def test_embeddings_and_last_hidden_state_match_upstream(model):
     torch.testing.assert_close(hidden, golden("gen_clone_fwd0_llm_last_hidden.npy"), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.upstream
 @pytest.mark.parametrize("case", ["clone", "design", "batch"])
 def test_the_batch_rows_are_upstreams(model, case):
     """ids, audio mask and the 4-D mask built from generate()'s arguments, as upstream built them."""
@@ -138,6 +141,7 @@ def test_the_batch_rows_are_upstreams(model, case):
     assert rows["cond"] == [(i, c - T) for i, (c, T) in enumerate(zip(fwd0["c_lens"], fwd0["target_lens"]))]
 
 
+@pytest.mark.upstream
 @pytest.mark.parametrize("case", ["clone", "design", "batch"])
 def test_step_zero_predictions_and_confidence(model, case):
     """The tokens and confidence of the first step, before the layer penalty and the position noise."""
@@ -173,6 +177,7 @@ def test_fourteen_cases_are_covered():
     assert len(GENERATE_CASES) == 14
 
 
+@pytest.mark.upstream
 @pytest.mark.parametrize("case", GENERATE_CASES)
 def test_generate_gives_upstreams_tokens_and_audio(model, case):
     spec = CASES["generate"][case]
@@ -322,6 +327,7 @@ def order_tokens(tokens, files):
     return out
 
 
+@pytest.mark.upstream
 def test_tokens_after_every_step_are_upstreams(model, monkeypatch):
     seen = []
     reveal = omnivoice.reveal
@@ -376,6 +382,7 @@ def prompt_call(name):
     return audio, kwargs
 
 
+@pytest.mark.upstream
 @pytest.mark.parametrize("name", PROMPTS)
 def test_voice_prompt_is_upstreams(model, name):
     audio, kwargs = prompt_call(name)
@@ -607,6 +614,7 @@ def test_a_speed_list_with_none_means_one_for_that_item(model):
     (torch.bfloat16, None, 0.95), (torch.float32, "int8wo", 0.95), (torch.bfloat16, "int8wo", 0.95),
     (torch.float32, "int4wo", 0.88), (torch.bfloat16, "int4wo", 0.88), (torch.float32, "w8a8", 0.95),
     (torch.bfloat16, "w8a8", 0.95)])
+@pytest.mark.upstream
 def test_bf16_int8_and_int4_keep_the_argmax_of_fp32_at_their_stated_share(model, dtype, quant, share, units,
                                                                           monkeypatch):
     """The share of (codebook, target position) whose most likely code is fp32's, on the three first

@@ -35,6 +35,7 @@ def test_config_from_json_derives_the_sizes_upstream_derives():
     assert cfg == oc.DEMO_CONFIG  # the demo model has the fixture's dims
 
 
+@pytest.mark.upstream
 def test_resample_matches_torchaudio():
     close(oc.resample(golden("clip_ref_alt.npy"), 16000, 24000), "resample_ref_alt_to_24k.npy")
     close(oc.resample(golden("clip_ref24.npy"), 24000, 16000), "resample_ref24_to_16k.npy")
@@ -50,6 +51,7 @@ def windowed_sinc(x, orig, new):
     return kernel @ x
 
 
+@pytest.mark.upstream
 @pytest.mark.parametrize("orig, new", [(44100, 24000), (48000, 16000), (8000, 24000), (24000, 22050)])
 def test_resample_is_the_windowed_sinc_for_any_rate_pair(orig, new):
     """In float64, since the kernel is built in the wave's dtype: in float32 its taps carry up to ~5e-6 of
@@ -63,6 +65,7 @@ def test_resample_is_the_windowed_sinc_for_any_rate_pair(orig, new):
 
 
 # ----------------------------------------------------------------------------- encode and decode goldens
+@pytest.mark.upstream
 @pytest.mark.parametrize("clip", ["ref24", "odd24"])
 def test_encode_matches_upstream_step_by_step(tokenizer, clip):
     x = golden(f"clip_{clip}.npy")[None, None]
@@ -89,6 +92,7 @@ def test_encode_matches_upstream_step_by_step(tokenizer, clip):
     assert codes.dtype == torch.int64 and torch.equal(codes[0], golden(f"codec_{clip}_codes.npy"))
 
 
+@pytest.mark.upstream
 @pytest.mark.parametrize("clip", ["ref24", "odd24"])
 def test_decode_matches_upstream_step_by_step(tokenizer, clip):
     codes = golden(f"codec_{clip}_codes.npy")[None]
@@ -101,6 +105,7 @@ def test_decode_matches_upstream_step_by_step(tokenizer, clip):
     close(audio[0, 0], f"codec_{clip}_decoded.npy")
 
 
+@pytest.mark.upstream
 def test_decode_of_arbitrary_codes_matches_upstream(tokenizer):
     codes = golden("codec_random_codes.npy")  # column 0 is 1023, column 1 is 0: both ends of the codebook
     close(tokenizer.decode(codes[None])[0, 0], "codec_random_codes_decoded.npy")
@@ -112,6 +117,7 @@ def test_encode_draws_no_random_numbers(tokenizer):
     assert torch.equal(torch.get_rng_state(), state)
 
 
+@pytest.mark.upstream
 def test_a_batch_of_two_clips_encodes_as_each_alone(tokenizer):
     x = torch.stack([golden("clip_ref24.npy")[:25557], golden("clip_odd24.npy")])[:, None]
     both = tokenizer.encode(x)

@@ -477,7 +477,7 @@ class QuantLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
-# What the environment may cap torch's own kernels, oneDNN and MKL at (an emulated smaller CPU: docs/speed.md)
+# What the environment may cap torch's own kernels, oneDNN and MKL at (an emulated smaller CPU: docs/tests.md)
 CAP_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 AVX2_OR_LESS = {"DEFAULT", "SSE41", "SSE4_2", "AVX", "AVX2"}
 

@@ -61,7 +61,8 @@ def tune_s2(model: nn.Module, rows: int = None, again: bool = False) -> nn.Modul
     compiled batched steps on frozen weights (inductor's GEMM), if batches of their rows come; the sampler
     orders only the best candidates (`candidate_removal`)."""
     module = sys.modules[type(model).__module__]
-    name = Path(module.__file__).stem  # dualAR, also where it runs as __main__
+    file = getattr(module, "__file__", None)  # none in a notebook
+    name = Path(file).stem if file else module.__name__  # dualAR, also where it runs as __main__
     MODEL_MODULES[name] = module
     model.removal_for = functools.partial(candidate_removal, name)
     use_half_linears(model)

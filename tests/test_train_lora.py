@@ -182,9 +182,9 @@ def assert_merged_as_upstream(written: dict, want: dict):
         if b is None:
             assert torch.equal(written[key], tensor), key
             continue
-        w = base[key].T if "embeddings" in key else base[key]  # a table is (num, dim): its delta transposed
-        bound = 2 * merge_bound(w, b, a, scaling)
-        bound = bound.T if "embeddings" in key else bound
+        table = base[key].shape != (b.shape[0], a.shape[1])  # an embedding table (num, dim): B @ A transposed
+        bound = 2 * merge_bound(base[key].T if table else base[key], b, a, scaling)
+        bound = bound.T if table else bound
         assert ((written[key].double() - tensor.double()).abs() <= bound).all(), key
 
 

@@ -130,7 +130,7 @@ def adamw_bound(got: dict, case: str, name: str) -> dict:
     errors = [GRAD_ULPS * ulp(g.abs().max()).expand(g.shape) for g in grads]
     weight = start[name if c["method"] == "full" else T.peft_name(name, saved=False)]
     return adamw_bounds(weight, grads, [o["lr_used"] for o in c["optimizer_steps"]], errors,
-                        weight_decay=c["train_config"]["weight_decay"],
+                        weight_decay=c["train_config"].get("weight_decay", 0.01),  # upstream's default
                         start_error=0.0 if c["method"] == "full" else uniform_bound(weight))  # LoRA's draws
 
 
@@ -335,7 +335,8 @@ def test_lora_export_merges_as_peft(trained, tmp_path, case):
     ours = load_file(got["run_dir"] / "checkpoint-4" / T.ADAPTER_FILE)
     theirs = load_file(GOLD / f"{case}_adapter_model.safetensors")
     merged = load_file(GOLD / "lora_w1_export_merged.safetensors") if case == "lora_w1" else {}
-    scaling = CASES["lora"]["scaling"]
+    config = CASES["lora"]["lora_config"]
+    scaling = CASES["lora"].get("scaling", config["lora_alpha"] / config["r"])
     tensors = CASES["train"][case]["export"]["tensors"]
     for name, info in tensors.items():
         if not info["changed"]:

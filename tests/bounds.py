@@ -23,6 +23,12 @@ def ulp(x: torch.Tensor) -> torch.Tensor:
     return (torch.nextafter(a, torch.tensor(float("inf"))) - a).double()
 
 
+def assert_within(got: torch.Tensor, want: torch.Tensor, bound, what: str):
+    """Every element of got within its bound (a tensor or a number) of want, in float64."""
+    over = (got.double() - want.double()).abs() - bound
+    assert got.shape == want.shape and over.max() <= 0, (what, f"{over.max().item():.3g} over its bound")
+
+
 def matmul_rounding(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """|fl(a @ b) - a @ b| at most, whatever the order of the sums (gamma_k |a| @ |b|, k the inner size)."""
     k = a.shape[-1]

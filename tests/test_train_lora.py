@@ -25,7 +25,7 @@ import bench
 import common
 import dualAR
 import train_lora
-from bounds import merge_bound
+from bounds import assert_within, merge_bound
 from conftest import CASES, CKPT, GOLDEN, ROOT, free_port, golden
 from common import UserError
 
@@ -185,7 +185,7 @@ def assert_merged_as_upstream(written: dict, want: dict):
         table = base[key].shape != (b.shape[0], a.shape[1])  # an embedding table (num, dim): B @ A transposed
         bound = 2 * merge_bound(base[key].T if table else base[key], b, a, scaling)
         bound = bound.T if table else bound
-        assert ((written[key].double() - tensor.double()).abs() <= bound).all(), key
+        assert_within(written[key], tensor, bound, key)
 
 
 def upstream_torch_lora(tmp_path):

@@ -9,6 +9,7 @@ AdamW and a merge make of the gradients: another CPU kind sums in another order,
 Adam's moments and the merged exports are held to the bounds of tests/bounds.py (docs/tests.md says why,
 and on which CPU they are byte-identical to upstream's).
 """
+import functools
 import hashlib
 import importlib.util
 import json
@@ -25,7 +26,7 @@ from safetensors.torch import load_file
 
 import omnivoice
 import train_omnivoice as T
-from bounds import adamw_bounds, merge_bound, ulp, uniform_bound
+from bounds import adamw_bounds, assert_within, merge_bound, ulp, uniform_bound
 from common import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -120,24 +121,24 @@ def trained(tmp_path_factory):
     return get
 
 
+@functools.cache
+def initial_weights(case: str) -> dict:
+    """What a case's training starts from: the checkpoint (full) or the LoRA init (equal to ours within its
+    draws' rounding: test_lora_init_draws_as_peft)."""
+    full = CASES["train"][case]["method"] == "full"
+    return load_file(CKPT / "model.safetensors" if full else GOLD / f"{case}_lora_init.safetensors")
+
+
 def adamw_bound(got: dict, case: str, name: str) -> dict:
     """bounds.adamw_bounds for trained parameter `name` of a case's run: how far its weight and moments may
     be from upstream's when every step's gradient is GRAD_ULPS ULPs of its largest element away."""
-    c = CASES["train"][case]
-    start = load_file(CKPT / "model.safetensors") if c["method"] == "full" else \
-        load_file(GOLD / f"{case}_lora_init.safetensors")  # equal to ours: test_lora_init_draws_as_peft
+    c, start = CASES["train"][case], initial_weights(case)
     grads = [step[name] for step in got["steps"]]
     errors = [GRAD_ULPS * ulp(g.abs().max()).expand(g.shape) for g in grads]
     weight = start[name if c["method"] == "full" else T.peft_name(name, saved=False)]
     return adamw_bounds(weight, grads, [o["lr_used"] for o in c["optimizer_steps"]], errors,
                         weight_decay=c["train_config"].get("weight_decay", 0.01),  # upstream's default
                         start_error=0.0 if c["method"] == "full" else uniform_bound(weight))  # LoRA's draws
-
-
-def assert_within(got: torch.Tensor, want: torch.Tensor, bound: torch.Tensor, what: str):
-    """Every element of got within its bound of want (float64)."""
-    over = (got.double() - want.double()).abs() - bound
-    assert got.shape == want.shape and over.max() <= 0, (what, f"{over.max().item():.3g} over its bound")
 
 
 def lora_pair(adapter: dict, name: str) -> tuple:
@@ -306,7 +307,7 @@ def test_full_export_is_upstreams_file_within_adamw_bounds(trained, tmp_path):
     assert model.audio_tokenizer is not None and model.tokenizer.get_vocab_size() == 1040
     # full_w2: its partial golden elementwise; the tensors known by their sha256 alone by their largest
     # change from the initial weights (that moves no further than the elements do)
-    got, start = trained("full_w2"), load_file(CKPT / "model.safetensors")
+    got, start = trained("full_w2"), initial_weights("full_w2")
     state = load_file(got["run_dir"] / "checkpoint-4/model.safetensors")
     partial = load_file(GOLD / "full_w2_export_partial.safetensors")
     for name, info in CASES["train"]["full_w2"]["export"]["tensors"].items():

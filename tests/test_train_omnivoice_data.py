@@ -123,6 +123,36 @@ def test_tokens_manifest_and_labels_are_upstreams(jsonl_tokens):
     assert "tokens: 12 clips (0.009 h) in 3 shard(s) of up to 4" in stdout
 
 
+def upstreams_order(seed: int) -> list:
+    """The input's ids as upstream shuffles them: the global random reseeded, then random.shuffle."""
+    ids, state = [record["id"] for record in RECORDS], random.getstate()
+    try:
+        random.seed(seed)
+        random.shuffle(ids)
+    finally:
+        random.setstate(state)
+    return ids
+
+
+def test_the_shuffle_seed_picks_the_shard_and_sample_order_and_42_is_the_default(tmp_path):
+    """--shuffle-seed 7 writes upstream's seed-7 order, 4 samples a shard; the default order is the goldens'
+    (upstream's default 42, as --shuffle-seed 42 gives it); another seed, another order; --no-shuffle keeps
+    the input's."""
+    out = tmp_path / "tokens"
+    tokens("--input-jsonl", TRAIN / "data/data.jsonl", *fixture_args(out, "--shuffle-seed", 7))
+    shards = [[name for name, _ in members(out / f"audios/{T.SHARD % i}.tar")] for i in range(3)]
+    seven = upstreams_order(7)
+    assert shards == [[f"{key}.npy" for key in seven[start:start + 4]] for start in (0, 4, 8)]
+
+    def order(*flags) -> list:  # the records' order alone: what the shards are cut from
+        argv = ["tokens", "--input-jsonl", TRAIN / "data/data.jsonl", "--out", tmp_path / "other", *flags]
+        return [record["id"] for record in T.tokens_input(T.parse_args(list(map(str, argv))))[0]]
+    assert order("--shuffle-seed", 7) == seven
+    assert order("--shuffle-seed", 8) == upstreams_order(8) != seven
+    assert order() == order("--shuffle-seed", 42) == upstreams_order(42) == TOKENS["reader_order"]
+    assert order("--no-shuffle") == [record["id"] for record in RECORDS]
+
+
 def test_encode_inputs_are_upstreams():
     """Byte for byte from AVX2 up (not marked `upstream`: below AVX2, ATen's scalar sin and cos build another
     resampling kernel, 4 ULPs of the peak away; docs/tests.md)."""

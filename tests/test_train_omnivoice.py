@@ -252,6 +252,23 @@ def test_lora_settings_and_modules_to_save():
         T.lora_config(dict(rank=8))
 
 
+def test_adamw_decays_every_trained_parameter_the_norm_weights_too(tmp_path):
+    """Upstream's AdamW has one group: the train config's weight_decay on every trained parameter, the 1-D
+    norm weights included (no exclusion list, as transformers' Trainer would make)."""
+    argv = case_argv("full_w1", tmp_path)
+    config = dict(CASES["train"]["full_w1"]["train_config"], weight_decay=0.25)  # not the default 0.01
+    (tmp_path / "train.json").write_text(json.dumps(config))
+    run = T.start_run(T.parse_args(argv), 0, 1, torch.device("cpu"))
+    names = {id(p): name for name, p in run["trainable"]}
+    decay = [(names.get(id(p)), group["weight_decay"]) for group in run["optimizer"].param_groups
+             for p in group["params"]]
+    assert [name for name, _ in decay] == list(names.values())  # each once, in upstream's order
+    assert {value for _, value in decay} == {0.25} and len(decay) == 26
+    norms = [name for name, p in run["trainable"] if p.ndim == 1]
+    assert len(norms) == 9 and norms[0] == "llm.layers.0.self_attn.q_norm.weight"
+    assert norms[-1] == "llm.norm.weight"
+
+
 @pytest.mark.upstream
 @pytest.mark.parametrize("case", ("lora_w1", "lora_w2"))
 def test_lora_adapter_and_adam_state_match_upstream(trained, case):

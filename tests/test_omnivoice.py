@@ -479,6 +479,40 @@ def test_a_clip_that_is_not_audio_is_refused(model, tmp_path):
         omnivoice.voice_prompt(model, tmp_path / "x.wav", "hello")
 
 
+def test_a_voice_code_equal_to_the_codebook_size_is_refused_and_one_less_is_taken(model, tmp_path):
+    """The tiny codec's codebooks hold 1024 codes, 0 to 1023: a saved voice read for the model is checked."""
+    voice = omnivoice.load_voice(GOLDEN / "prompt_ref24.pt")  # codes (8, 57) in 2..1023
+    path = tmp_path / f"edge{omnivoice.VOICE_SUFFIX}"
+    omnivoice.save_voice(path, voice)
+    assert torch.equal(omnivoice.load_voice(path, model)["codes"], voice["codes"])
+    codes = voice["codes"].clone()
+    codes[3, 10] = 1024
+    omnivoice.save_voice(path, dict(voice, codes=codes))
+    with pytest.raises(common.UserError) as refused:
+        omnivoice.load_voice(path, model)
+    assert str(refused.value) == "voice codes [8, 57] in 2..1024 do not fit this model (8 codebooks of 1024)"
+
+
+def test_each_limit_takes_its_edge_and_refuses_one_past_it(tmp_path):
+    """check_limits, the one check of the CLI and the server: num_step up to 64, speed 0.25 to 4, duration
+    up to 300 s, guidance_scale from 0."""
+    omnivoice.check_limits(num_step=64, guidance_scale=0.0, speed=4.0, duration=300)
+    omnivoice.check_limits(num_step=1, speed=0.25, duration=0.01)
+    for kwargs, message in ((dict(num_step=65), "num_step must be 1 to 64, got 65"),
+                            (dict(num_step=0), "num_step must be 1 to 64, got 0"),
+                            (dict(speed=4.01), "speed must be 0.25 to 4.0, got 4.01"),
+                            (dict(speed=0.24), "speed must be 0.25 to 4.0, got 0.24"),
+                            (dict(duration=300.5), "duration must be more than 0 and at most 300 seconds,"
+                                                       " got 300.5"),
+                            (dict(guidance_scale=-0.5), "guidance_scale must be >= 0, got -0.5")):
+        with pytest.raises(common.UserError) as refused:
+            omnivoice.check_limits(**kwargs)
+        assert str(refused.value) == message
+    r = run_main(omnivoice.main, ["--checkpoint", CKPT, "--text", "Hi.", "--out", tmp_path / "o.wav",
+                                  "--num-step", "65"], tmp_path)
+    assert (r.returncode, r.stderr) == (2, "error: num_step must be 1 to 64, got 65\n")
+
+
 def test_checkpoints_of_the_other_model_say_so():
     with pytest.raises(common.UserError, match="S2-Pro checkpoint .* dualAR.py"):
         omnivoice.load(S2_CKPT)

@@ -947,6 +947,24 @@ def test_a_machine_without_proc_keeps_its_decisions(tmp_path, monkeypatch):
     assert json.loads((tmp_path / cpu_fast.DECISIONS).read_text()) == {"key": "x"}
 
 
+def test_again_times_a_kept_valid_decision_anew_and_keeps_the_new_value(tmp_path, monkeypatch):
+    """`again` (python cpu_fast.py --again): decide runs even where the kept value is valid, is given that
+    value, and what it returns replaces it; the other keys stay."""
+    path = tmp_path / cpu_fast.DECISIONS
+    monkeypatch.setattr(cpu_fast, "decisions_file", lambda: path)
+    monkeypatch.setattr(cpu_fast, "others_cpu_seconds", lambda: None)  # no busy rule: a timing is kept
+    path.write_text(json.dumps({"key": "x", "other": "y"}))
+    given = []
+
+    def decide(old):
+        given.append(old)
+        return "z"
+    valid = {"x", "z"}.__contains__
+    assert cpu_fast.decision("key", valid, decide, "timing x") == "x" and given == []  # kept: not timed
+    assert cpu_fast.decision("key", valid, decide, "timing x", again=True) == "z" and given == ["x"]
+    assert json.loads(path.read_text()) == {"key": "z", "other": "y"}
+
+
 # ----------------------------------------------------------------------------- S2's sampler
 def random_logits(kind, rows, size, generator):
     """Logits of one kind: continuous, on a coarse grid (ties everywhere, as bf16 logits have), bf16-rounded,

@@ -25,6 +25,7 @@ from conftest import OV_CKPT
 from test_app import (SPEECH, call, health, peak_mb, post_bytes, reset_peak, server_process, start_server,
                       wait_for)
 from test_app_omnivoice import CLIP_WAV, speeches, start_server as start_omnivoice
+from test_metrics import request_key, scrape, series
 from conftest import stop_server
 
 
@@ -254,6 +255,24 @@ def test_a_slow_body_is_cut_at_its_deadline(strict):
     answer, seconds = trickle(strict, [head] + [b" "] * 30, 0.2)
     assert answer.startswith(b"HTTP/1.1 408") and "--body-timeout" in error_of(answer.split(b"\r\n\r\n")[1])
     assert 0.9 < seconds < 3
+
+
+@pytest.mark.parametrize("head, status, method, message", [
+    (b"GET /a b HTTP/1.1\r\n", 400, "other", "Bad request syntax ('GET /a b HTTP/1.1')"),
+    (b"GET /health HTTP/1.1\r\n" + b"X-Many: 1\r\n" * 101, 431, "GET", "Too many headers"),
+    (b"GET /health HTTP/1.1\r\nHost: 127.0.0.1\r\n", 408, "GET",
+     "the request's headers took longer than 1 s (--header-timeout): send it faster")],
+    ids=["malformed-request-line", "too-many-headers", "headers-past-their-deadline"])
+def test_an_answer_before_dispatch_is_counted_under_route_other(strict, head, status, method, message):
+    """Answered while its request line or headers were read: counted in fishfast_requests_total all the
+    same, its route `other` (none was read), its method where the request line gave one. Nothing is sent
+    past what the server reads before it answers, so the connection ends with a FIN, not a reset."""
+    before = series(scrape(strict))
+    answer, _ = trickle(strict, [head], 5)
+    assert answer.startswith(b"HTTP/1.1 %d " % status) and error_of(answer.split(b"\r\n\r\n")[1]) == message
+    after = series(scrape(strict))
+    moved = {key: after[key] - before.get(key, 0) for key in after if after[key] != before.get(key, 0)}
+    assert moved == {request_key("other", method, status): 1, request_key("/metrics", "GET", 200): 1}
 
 
 def test_an_idle_keep_alive_connection_is_not_cut_at_the_header_deadline(strict):

@@ -524,12 +524,6 @@ def audio_file_bytes(wave, fmt: str, rate=SAMPLE_RATE) -> bytes:
     return out.getvalue()
 
 
-def clip_wave(data: bytes, what: str) -> torch.Tensor:
-    """Uploaded audio bytes -> float32 mono at SAMPLE_RATE, as codec.load_audio reads a file (channels
-    averaged, soxr)."""
-    return codec.mono_at(*clip_samples(data, what), SAMPLE_RATE)
-
-
 def clip_samples(data: bytes, what: str) -> tuple:
     """Uploaded audio bytes -> (float32 mono samples, their rate): channels averaged, decoded from memory (no
     temp file holds the upload) once its header is checked, a second at a time and never past

@@ -179,17 +179,13 @@ def sample_tokens(model: dualAR.DualAR, text: str, codes) -> tuple:
 
 
 def collate(encoded: list) -> tuple:
-    """-> right-padded (inputs, labels, padding_mask); tokens pad with 0 as upstream's (no pad token)."""
+    """[(inputs, labels)] of sample_tokens -> right-padded (inputs, labels, padding_mask), as upstream's
+    collator; tokens pad with 0 as upstream's (no pad token)."""
     length = max(x.size(1) for x, _ in encoded)
     inputs = torch.stack([F.pad(x, (0, length - x.size(1)), value=0) for x, _ in encoded])
     labels = torch.stack([F.pad(y, (0, length - y.size(1)), value=IGNORE) for _, y in encoded])
     padding = torch.stack([torch.arange(length) >= x.size(1) for x, _ in encoded])
     return inputs, labels, padding
-
-
-def make_batch(model: dualAR.DualAR, samples: list) -> tuple:
-    """[(text, codes (num_codebooks, n))] -> (inputs, labels, padding_mask), as upstream's collator."""
-    return collate([sample_tokens(model, text, codes) for text, codes in samples])
 
 
 def loss_sum(logits, states: Tensor, labels: Tensor) -> Tensor:  # its own function: checkpointing reruns it

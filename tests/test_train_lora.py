@@ -45,6 +45,12 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def batch_of(model, samples: list) -> tuple:
+    """[(text, codes)] -> (inputs, labels, padding_mask) as training makes them: each sample tokenized as
+    load_samples does (sample_tokens), the batch as batch_loss makes it (collate)."""
+    return train_lora.collate([train_lora.sample_tokens(model, text, codes) for text, codes in samples])
+
+
 def golden_batch():
     names = ("lora_batch_inputs.npy", "lora_batch_labels.npy", "lora_batch_attention_masks.npy")
     return tuple(golden(name) for name in names)
@@ -105,7 +111,7 @@ def metrics(run: Path) -> list:
 # ----------------------------------------------------------------------------- upstream's numbers
 @pytest.mark.upstream
 def test_batch_from_cases_matches_upstreams_golden_batch(model):
-    inputs, labels, padding = train_lora.make_batch(model, SAMPLES)
+    inputs, labels, padding = batch_of(model, SAMPLES)
     want_inputs, want_labels, want_padding = golden_batch()
     assert torch.equal(inputs, want_inputs)
     assert torch.equal(labels, want_labels)
@@ -369,7 +375,7 @@ def test_validation_loss_is_the_loss_of_the_whole_held_out_set_as_one_batch(tmp_
     train_lora.add_lora(model)  # the run's LoRA at step 0
     samples = [((data / f"{n}.lab").read_text(), torch.from_numpy(np.load(data / f"{n}.npy")))
                for n in held_out]
-    inputs, labels, _ = train_lora.make_batch(model, samples)
+    inputs, labels, _ = batch_of(model, samples)
     with torch.no_grad():
         whole = train_lora.training_loss(model.eval(), inputs, labels)["loss"].item()
     assert metrics(tmp_path / "run")[0] == dict(step=0, val_loss=pytest.approx(whole, rel=1e-6))

@@ -79,10 +79,6 @@ class Bf16Act(nn.Module):
         return self.lin(x.bfloat16().float()).bfloat16().float()
 
 
-def rel_err(w, d):
-    return ((w - d).norm() / w.norm()).item()
-
-
 def scheme_funcs(scheme):
     """(slow-block deq, fast-block deq, fast-head deq) for `deq`-like variants, per scheme (CPU choices)."""
     bits = {"int8wo": 8, "int4wo": 4}[scheme]

@@ -162,6 +162,20 @@ def stop_server(server):
     server.app.close()
 
 
+def running(server):
+    """A server fixture's body, `yield from running(serve(...))`: the server, stopped as the fixture ends."""
+    yield server
+    stop_server(server)
+
+
+def save_s2_voice(folder: Path, name: str, text: str):
+    """An S2-Pro voice in folder (made if missing): random codes (10, 20) in NAME.npy, a transcript in
+    NAME.txt."""
+    folder.mkdir(exist_ok=True)
+    codec.save_codes(folder / f"{name}.npy", torch.randint(0, 1024, (10, 20)))
+    (folder / f"{name}.txt").write_text(text + "\n")
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that nothing listens on now, for a server a test starts."""
     with socket.socket() as s:

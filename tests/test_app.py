@@ -35,7 +35,8 @@ import app
 import codec
 import common
 import dualAR
-from conftest import CKPT, CLIP, OV_CKPT, free_port, serve, stop_server, untimed_compile_cache
+from conftest import (CKPT, CLIP, OV_CKPT, free_port, running, save_s2_voice, serve, stop_server,
+                      untimed_compile_cache)
 
 TEXT = "Hello from the server test."
 SPEECH = "/v1/audio/speech"
@@ -52,26 +53,20 @@ def start_server(folder: Path, *flags):
 @pytest.fixture(scope="module")
 def root(tmp_path_factory):
     folder = tmp_path_factory.mktemp("app")
-    (folder / "prompt").mkdir()
-    codec.save_codes(folder / "prompt" / "keep.npy", torch.randint(0, 1024, (10, 20)))
-    (folder / "prompt" / "keep.txt").write_text("A voice that must survive every bad request.\n")
+    save_s2_voice(folder / "prompt", "keep", "A voice that must survive every bad request.")
     return folder
 
 
 @pytest.fixture(scope="module")
 def server(root):
-    server = start_server(root, "--slots", "4", "--queue", "8")
-    yield server
-    stop_server(server)
+    yield from running(start_server(root, "--slots", "4", "--queue", "8"))
 
 
 @pytest.fixture(scope="module")
 def locked(tmp_path_factory):
     """One slot, a queue of one, an API key, pages of one other origin allowed, a public name (a proxy's)."""
-    server = start_server(tmp_path_factory.mktemp("locked"), "--slots", "1", "--queue", "1",
-                          "--api-key", "secret", "--allow-origin", FOREIGN, "--allow-host", PUBLIC)
-    yield server
-    stop_server(server)
+    yield from running(start_server(tmp_path_factory.mktemp("locked"), "--slots", "1", "--queue", "1",
+                                    "--api-key", "secret", "--allow-origin", FOREIGN, "--allow-host", PUBLIC))
 
 
 @pytest.fixture
@@ -1181,22 +1176,32 @@ def test_a_hundred_clients_connecting_at_once_are_all_served(server):
           f" {times[-1] * 1000:.0f} ms, {sum(t >= 1 for t in times)} took 1 s or more")
 
 
-def test_connections_beyond_the_cap_get_a_503_at_once(tmp_path):
-    """A thread per connection, so a cap on them (--max-connections): a thousand slow sockets would
-    otherwise exhaust the process's open files (systemd's default is 1,024)."""
-    server = start_server(tmp_path, "--max-connections", "2")
+def check_connection_cap(server, status: int, flag: str, meanwhile=lambda: None):
+    """A server capped at 2 connections (`flag`): with two idle ones open, a request is refused at once with
+    `status`, a Retry-After and a message naming the flag; `meanwhile()` runs at the cap; once one idle
+    connection closes, a request is served."""
     idle = [socket.create_connection(server.server_address[:2], timeout=30) for _ in range(2)]
     try:
         wait_for(lambda: len(server.connections) == 2, 10, "the server to hold both idle connections")
-        status, headers, data = call(server, "GET", "/health")
-        assert status == 503 and int(headers["Retry-After"]) > 0
-        assert "--max-connections" in json.loads(data)["error"]["message"]
+        refused, headers, data = call(server, "GET", "/health")
+        assert refused == status and int(headers["Retry-After"]) > 0
+        assert flag in json.loads(data)["error"]["message"]
+        meanwhile()
         idle.pop().close()
         wait_for(lambda: len(server.connections) == 1, 10, "the closed connection's thread to end")
         assert call(server, "GET", "/health")[0] == 200
     finally:
         for sock in idle:
             sock.close()
+
+
+def test_connections_beyond_the_cap_get_a_503_at_once(tmp_path):
+    """A thread per connection, so a cap on them (--max-connections): a thousand slow sockets would
+    otherwise exhaust the process's open files (systemd's default is 1,024)."""
+    server = start_server(tmp_path, "--max-connections", "2")
+    try:
+        check_connection_cap(server, 503, "--max-connections")
+    finally:
         stop_server(server)
 
 
@@ -1448,11 +1453,19 @@ class Browser:
             self.driver.wait(10)
 
 
-def test_browser_uploads_a_voice_and_plays_while_generating(server, root, tmp_path):
+@contextlib.contextmanager
+def browser_on(server, tmp_path: Path):
+    """A Browser (a profile of its own in tmp_path) showing the server's page, closed after."""
     browser = Browser(Path(tempfile.mkdtemp(dir=tmp_path)))
-    base = "http://%s:%d/" % server.server_address[:2]
     try:
-        browser.call("POST", "/url", {"url": base})
+        browser.call("POST", "/url", {"url": "http://%s:%d/" % server.server_address[:2]})
+        yield browser
+    finally:
+        browser.close()
+
+
+def test_browser_uploads_a_voice_and_plays_while_generating(server, root, tmp_path):
+    with browser_on(server, tmp_path) as browser:
         browser.click("#add-clip")
         browser.type(".clip-file", str(CLIP.resolve()), clear=False)
         browser.type(".clip-text", "What the uploaded clip says.")
@@ -1494,8 +1507,6 @@ def test_browser_uploads_a_voice_and_plays_while_generating(server, root, tmp_pa
         assert size == [44 + 2 * page["samples"], 2 * page["samples"]]  # the whole file, exact sizes
         browser.screenshot(tmp_path / "app.png")
         assert (tmp_path / "app.png").stat().st_size > 10_000
-    finally:
-        browser.close()
 
 
 PAINTED = """const c = document.getElementById('wave');

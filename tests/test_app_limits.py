@@ -21,28 +21,23 @@ import common
 import dualAR
 import omnivoice
 import omnivoice_text
-from conftest import OV_CKPT
-from test_app import (SPEECH, call, health, peak_mb, post_bytes, reset_peak, server_process, start_server,
-                      wait_for)
+from conftest import OV_CKPT, running, stop_server
+from test_app import (SPEECH, call, check_connection_cap, health, peak_mb, post_bytes, reset_peak,
+                      server_process, start_server, wait_for)
 from test_app_omnivoice import CLIP_WAV, speeches, start_server as start_omnivoice
 from test_metrics import request_key, scrape, series
-from conftest import stop_server
 
 
 @pytest.fixture(scope="module")
 def ov_server(tmp_path_factory):
-    server = start_omnivoice(tmp_path_factory.mktemp("limits"), "--slots", "2")
-    yield server
-    stop_server(server)
+    yield from running(start_omnivoice(tmp_path_factory.mktemp("limits"), "--slots", "2"))
 
 
 @pytest.fixture(scope="module")
 def strict(tmp_path_factory):
     """The tiny S2-Pro with a 1 s deadline for headers and for bodies, and 2 connections per client."""
-    server = start_server(tmp_path_factory.mktemp("strict"), "--header-timeout", "1", "--body-timeout", "1",
-                          "--max-connections-per-client", "2")
-    yield server
-    stop_server(server)
+    flags = "--header-timeout", "1", "--body-timeout", "1", "--max-connections-per-client", "2"
+    yield from running(start_server(tmp_path_factory.mktemp("strict"), *flags))
 
 
 def error_of(data: bytes) -> str:
@@ -288,23 +283,13 @@ def test_an_idle_keep_alive_connection_is_not_cut_at_the_header_deadline(strict)
 
 
 def test_connections_beyond_the_per_client_cap_get_a_429_and_others_are_served(strict):
-    idle = [socket.create_connection(strict.server_address[:2], timeout=30) for _ in range(2)]
-    try:
-        wait_for(lambda: len(strict.connections) == 2, 10, "the server to hold both idle connections")
-        status, headers, data = call(strict, "GET", "/health")
-        assert status == 429 and int(headers["Retry-After"]) > 0
-        assert "--max-connections-per-client" in error_of(data)
+    def another_client_is_served():
         other = http.client.HTTPConnection(*strict.server_address[:2], timeout=10,
                                            source_address=("127.0.0.2", 0))  # another client address
         other.request("GET", "/health")
         assert other.getresponse().status == 200
         other.close()
-        idle.pop().close()
-        wait_for(lambda: len(strict.connections) == 1, 10, "the closed connection's thread to end")
-        assert call(strict, "GET", "/health")[0] == 200
-    finally:
-        for sock in idle:
-            sock.close()
+    check_connection_cap(strict, 429, "--max-connections-per-client", meanwhile=another_client_is_served)
 
 
 # ----------------------------------------------------------------------------- long values in errors

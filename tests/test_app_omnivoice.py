@@ -4,7 +4,6 @@ of both models in one folder, bad input, the page in a real browser. A real serv
 import base64
 import io
 import json
-import tempfile
 import threading
 from pathlib import Path
 
@@ -14,12 +13,11 @@ import soundfile as sf
 import torch
 
 import app
-import codec
 import common
 import omnivoice
 from conftest import OV_CASES as CASES, OV_CKPT as CKPT, OV_GOLDEN as GOLDEN, ov_golden as golden
-from conftest import CKPT as S2_CKPT, serve, stop_server
-from test_app import Browser, call, health, multipart, open_stream, sse_events, tree, wait_for
+from conftest import CKPT as S2_CKPT, running, save_s2_voice, serve, stop_server
+from test_app import browser_on, call, health, multipart, open_stream, sse_events, tree, wait_for
 from test_omnivoice import api_kwargs
 
 SPEECH = "/v1/audio/speech"
@@ -42,16 +40,13 @@ def root(tmp_path_factory):
     for name, prompt in GOLDEN_VOICES.items():
         omnivoice.save_voice(folder / "prompt" / f"{name}{omnivoice.VOICE_SUFFIX}",
                              omnivoice.load_voice(GOLDEN / prompt))
-    codec.save_codes(folder / "prompt" / "s2voice.npy", torch.randint(0, 1024, (10, 20)))
-    (folder / "prompt" / "s2voice.txt").write_text("An S2-Pro voice.\n")
+    save_s2_voice(folder / "prompt", "s2voice", "An S2-Pro voice.")
     return folder
 
 
 @pytest.fixture(scope="module")
 def server(root):
-    server = start_server(root, "--slots", "8", "--queue", "8")
-    yield server
-    stop_server(server)
+    yield from running(start_server(root, "--slots", "8", "--queue", "8"))
 
 
 @pytest.fixture(scope="module")
@@ -178,9 +173,7 @@ def test_audio_arrives_before_the_last_sentence_is_generated(server, model, monk
 
 @pytest.fixture(scope="module")
 def packed(tmp_path_factory):
-    server = start_server(tmp_path_factory.mktemp("packed"), "--slots", "8", "--packed")
-    yield server
-    stop_server(server)
+    yield from running(start_server(tmp_path_factory.mktemp("packed"), "--slots", "8", "--packed"))
 
 
 @pytest.mark.parametrize("which", ["server", "packed"])
@@ -479,10 +472,8 @@ def test_the_demo_model_serves_noise_and_says_so(tmp_path, monkeypatch):
 # ----------------------------------------------------------------------------- a real browser
 def test_browser_shows_omnivoices_fields_designs_a_voice_and_plays(server, model, tmp_path, monkeypatch):
     made = speeches(monkeypatch, server)
-    browser = Browser(Path(tempfile.mkdtemp(dir=tmp_path)))
     shown = "return [...arguments[0]].map(id => document.getElementById(id).offsetParent !== null);"
-    try:
-        browser.call("POST", "/url", {"url": "http://%s:%d/" % server.server_address[:2]})
+    with browser_on(server, tmp_path) as browser:
         s2_fields = ["temperature", "top_p", "top_k", "max_new_tokens"]
         ours = ["language", "speed", "num_step", "seed", "design"]
         assert browser.call("POST", "/execute/sync", {"script": shown, "args": [s2_fields]}) == [False] * 4
@@ -507,17 +498,15 @@ def test_browser_shows_omnivoices_fields_designs_a_voice_and_plays(server, model
         text = "Hello from a real browser. This is the second sentence."
         want = solo(model, text, instruct="female, elderly", language="English", seed=7)
         assert page["samples"] == len(want) // 2  # every sample the server sent was played
-    finally:
-        browser.close()
 
 
-def test_browser_keeps_the_voice_it_just_made_and_selects_it(server, root, tmp_path, monkeypatch):
+def test_browser_keeps_the_voice_it_just_made_and_selects_it(server, root, tmp_path, monkeypatch, request):
     """No seed typed: the page sends one of its own, so keeping the voice runs the same generation again."""
     made = speeches(monkeypatch, server)
-    browser = Browser(Path(tempfile.mkdtemp(dir=tmp_path)))
+    path = root / "prompt" / f"page kept{omnivoice.VOICE_SUFFIX}"
+    request.addfinalizer(lambda: path.unlink(missing_ok=True))  # the module's voices folder as it was
     hidden = "return document.getElementById('keep-voice').hidden"
-    try:
-        browser.call("POST", "/url", {"url": "http://%s:%d/" % server.server_address[:2]})
+    with browser_on(server, tmp_path) as browser:
         assert browser.js(hidden)
         browser.js("document.querySelector('#design select').value = 'male';")
         browser.type("#text", "A voice worth keeping.")
@@ -534,11 +523,8 @@ def test_browser_keeps_the_voice_it_just_made_and_selects_it(server, root, tmp_p
         assert browser.js("return document.querySelector('#design select').value") == ""  # the voice as kept
         shown, kept = made
         assert kept.generator.initial_seed() == shown.generator.initial_seed()
-        voice = omnivoice.load_voice(root / "prompt" / f"page kept{omnivoice.VOICE_SUFFIX}")
+        voice = omnivoice.load_voice(path)
         assert torch.equal(voice["codes"], shown.tokens[0]) and voice["text"] == "A voice worth keeping."
-    finally:
-        browser.close()
-        (root / "prompt" / f"page kept{omnivoice.VOICE_SUFFIX}").unlink(missing_ok=True)
 
 
 # ------------------------------------------------------------------------- issue 45: what a new user meets
@@ -554,13 +540,14 @@ def test_a_silent_or_nan_clip_saved_as_a_voice_is_a_400_that_names_audio_and_hel
     assert tree(root) == before
 
 
-def test_browser_generates_after_saving_a_voice_and_delete_without_a_voice_says_so(server, root, tmp_path):
-    browser = Browser(Path(tempfile.mkdtemp(dir=tmp_path)))
+def test_browser_generates_after_saving_a_voice_and_delete_without_a_voice_says_so(server, root, tmp_path,
+                                                                                    request):
+    path = root / "prompt" / f"from page{omnivoice.VOICE_SUFFIX}"
+    request.addfinalizer(lambda: path.unlink(missing_ok=True))  # the module's voices folder as it was
     page = """return {error: document.getElementById('error').textContent, state: window.player.state,
                       message: document.getElementById('message').textContent,
                       clips: document.getElementById('clips').children.length};"""
-    try:
-        browser.call("POST", "/url", {"url": "http://%s:%d/" % server.server_address[:2]})
+    with browser_on(server, tmp_path) as browser:
         browser.js("document.getElementById('error').textContent = 'an old error';")
         browser.click("#delete-voice")  # no voice is selected
         assert browser.js(page)["error"] == "choose a saved voice to delete first"
@@ -577,6 +564,3 @@ def test_browser_generates_after_saving_a_voice_and_delete_without_a_voice_says_
         browser.click("#generate")
         wait_for(lambda: browser.js("return window.player.state") != "generating", 120, "the speech to end")
         assert browser.js(page)["state"] == "done", browser.js(page)
-    finally:
-        browser.close()
-        (root / "prompt" / f"from page{omnivoice.VOICE_SUFFIX}").unlink(missing_ok=True)

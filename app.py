@@ -53,6 +53,8 @@ import cpu_fast
 import dualAR
 import omnivoice
 import omnivoice_text
+import quantize
+
 
 # ----------------------------------------------------------------------------- limits and validation
 MAX_TEXT = 4096  # characters of text to speak (OpenAI's limit)
@@ -796,7 +798,7 @@ class OmniVoiceModel:
         self.demo = args.checkpoint is None and not Path(omnivoice.DEFAULT_CHECKPOINT).is_dir()
         self.checkpoint = "(demo)" if self.demo else args.checkpoint or omnivoice.DEFAULT_CHECKPOINT
         if self.demo:  # built in memory
-            self.model = omnivoice.quantize(omnivoice.demo_model(self.device, dtype), args.quant)
+            self.model = quantize.quantize(omnivoice.demo_model(self.device, dtype), args.quant)
         else:
             self.model = omnivoice.load(self.checkpoint, self.device, dtype, args.quant)
         if compiled:  # a graph per (rows, bucket of lengths), compiled as requests first need it
@@ -1750,8 +1752,9 @@ def parse_args(argv=None):
                     " s2-pro)")
     ap.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine)")
     ap.add_argument("--port", type=int, default=7560, help="port (default 7560, 0: any free one)")
-    dualAR.add_model_args(ap, omnivoice.QUANT_SCHEMES, "; OmniVoice: int8wo, int4wo, w8a8 (int8 weights and"
-                          " activations, CPU)")  # --device cuda:N: one server per GPU (docs/api.md, Replicas)
+    # --device cuda:N: one server per GPU (docs/api.md, Replicas)
+    dualAR.add_model_args(ap, quantize.OMNIVOICE_SCHEMES, "; OmniVoice: int8wo, int4wo, w8a8 (int8 weights"
+                          " and activations, CPU)")
     ap.add_argument("--slots", type=int, default=4, help="requests generated together (default 4)")
     ap.add_argument("--packed", action="store_true", help="OmniVoice: each request's conditional and"
                     " unconditional sequences in one row (faster on CPU fp32, docs/omnivoice.md)")

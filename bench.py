@@ -35,11 +35,12 @@ import cpu_fast
 import dualAR
 import omnivoice
 import omnivoice_codec
+import quantize
 import train_lora
-from common import QuantLinear, swap_linears
-from dualAR import (CONFIG, CPU_BITS, DEMO_DIMS, RAS_WINDOW, DualAR, Scheduler, batch_bucket,
+from dualAR import (CONFIG, DEMO_DIMS, RAS_WINDOW, DualAR, Scheduler, batch_bucket,
                     cache_bucket, decode_step, demo_tokenizer, draw_noise, sample_frame, sampling_params,
                     special_ids)
+from quantize import CPU_BITS, QuantLinear, swap_linears
 
 MID = dict(dim=1024, n_head=16, n_local_heads=4, head_dim=64, intermediate_size=3072)
 MID_B = dict(MID, n_head=8, n_local_heads=2, head_dim=128)  # the real head_dim
@@ -58,7 +59,7 @@ CODES_FRAMES = 64  # seeded frames a quantized model's codes are compared over
 def machine_line(device) -> str:
     """The first line of a benchmark: what its figures depend on (the CPU's capability as torch's own
     kernels see it, the half-precision and int8 units oneDNN may use, cores and threads)."""
-    cpu = common.CPU_FLAGS
+    cpu = quantize.CPU_FLAGS
     units = [name for key, name in (("avx512_bf16", "AVX512-BF16"), ("avx512_vnni", "AVX512-VNNI"),
                                     ("avx_vnni", "AVX-VNNI"), ("amx_bf16", "AMX")) if cpu.get(key)]
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA")  # an emulated smaller CPU (docs/speed.md)
@@ -137,9 +138,9 @@ def random_model(config, device, dtype, quant=None) -> DualAR:
                     weight = ((torch.rand(p.shape, device=device) - 0.5) * 0.1).to(dtype)
                     setattr(m, name, nn.Parameter(weight, requires_grad=False))
             if quant:
-                swap_linears(piece, dualAR.quant_linear(quant, part is model.fast_layers))
+                swap_linears(piece, quantize.s2_linear(quant, part is model.fast_layers))
     if quant:
-        dualAR.quantize_fast_head(model)
+        quantize.quantize_fast_head(model)
     model.quant = quant
     model.make_rope()
     model.tokenizer = tokenizer
@@ -261,7 +262,7 @@ def quant_agreement(model: DualAR, scheme: str, change=None, against="unquantize
     well-known scheme beside ours (how large an error is depends on the weights: docs/speed.md)."""
     reference, codes = head_logits(model), seeded_frames(model, CODES_FRAMES)
     ggml = ggml_copy(model, CPU_BITS[scheme]) if scheme in CPU_BITS and not change else None
-    model = change(model) if change else dualAR.quantize(model, scheme) or model
+    model = change(model) if change else quantize.quantize(model, scheme)
     print_logit_error(scheme, reference, head_logits(model), against)
     if ggml is not None:
         print_logit_error(f"ggml Q{CPU_BITS[scheme]}_0 (fp32)", reference, head_logits(ggml), against)
@@ -315,7 +316,7 @@ def bench(args):
     device, dtype, compiled = dualAR.model_settings(args)
     print(machine_line(device))
     quant = args.quant if args.quant != "none" else None
-    dualAR.check_quant(quant, device, dtype)
+    quantize.check_s2(quant, device, dtype)
     if args.checkpoint:
         model, name = dualAR.load(args.checkpoint, device, dtype), Path(args.checkpoint).name
     else:
@@ -409,10 +410,10 @@ def counted_flops(model: nn.Module, fn) -> int:
     return 2 * sum(counts)  # a multiply and an add
 
 
-def timed_codec_call(dac, fast: bool, fn, device, choices=None) -> tuple:
-    """fn() once, on the codec's fast path (its ops as `choices` say) or not -> (seconds, minor page faults,
-    peak memory GB)."""
-    cpu_fast.codec_fast_path(dac, fast, choices)
+def timed_codec_call(dac, fast: bool, fn, device, choices=None, copies=None) -> tuple:
+    """fn() once, on the codec's fast path (its ops as `choices` say, the prepacked `copies` kept) or not
+    -> (seconds, minor page faults, peak memory GB)."""
+    cpu_fast.codec_fast_path(dac, fast, choices, copies)
     common.reset_peak_memory(device)
     faults, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
     fn().cpu()
@@ -457,31 +458,31 @@ def codec_speed(args):
         print(f"fast path on this machine: {len(choices) - len(slower)} of {len(choices)} ops fast at some"
               f" size, decided in {seconds:.1f} s ({kept_in}); eager: {', '.join(slower) or 'none'}; by size"
               f" (a linear layer's rows, a conv's positions): {', '.join(by_rows) or 'none'}")
-    with cpu_fast.keeping_copies():  # the modes alternate: each prepacked weight made once
-        for path, chunk, n_frames, n_chunks, fn in runs:
-            flops = counted_flops(dac, fn)  # on either path: both do the same arithmetic
-            # warm-up: first calls allocate what later calls reuse; the first fast one compiles
-            warm = {m: timed_codec_call(dac, m, fn, device, choices)[0] for m in modes}
-            if args.compile and path == "encode":  # the first run
-                print(f"compile: first fast encode {warm[1]:.1f} s, first eager one {warm[0]:.1f} s "
-                      f"(TORCHINDUCTOR_CACHE_DIR={os.environ.get('TORCHINDUCTOR_CACHE_DIR', 'default')})")
-            calls = {m: [] for m in modes}  # (seconds, faults, peak GB) per call, modes interleaved
-            for _ in range(args.repeats):
-                for m in modes:
-                    calls[m].append(timed_codec_call(dac, m, fn, device, choices))
+    copies = {}  # the modes alternate: each prepacked weight made once
+    for path, chunk, n_frames, n_chunks, fn in runs:
+        flops = counted_flops(dac, fn)  # on either path: both do the same arithmetic
+        # warm-up: first calls allocate what later calls reuse; the first fast one compiles
+        warm = {m: timed_codec_call(dac, m, fn, device, choices, copies)[0] for m in modes}
+        if args.compile and path == "encode":  # the first run
+            print(f"compile: first fast encode {warm[1]:.1f} s, first eager one {warm[0]:.1f} s "
+                  f"(TORCHINDUCTOR_CACHE_DIR={os.environ.get('TORCHINDUCTOR_CACHE_DIR', 'default')})")
+        calls = {m: [] for m in modes}  # (seconds, faults, peak GB) per call, modes interleaved
+        for _ in range(args.repeats):
             for m in modes:
-                walls, (_, faults, memory) = sorted(c[0] for c in calls[m]), calls[m][-1]
-                med, audio = walls[len(walls) // 2], n_frames * dac.hop / cfg["sample_rate"]
-                rtfs = " / ".join(f"{w / audio:.3f}" for w in (walls[0], med, walls[-1]))
-                speed, per_audio = flops / med / 1e9, flops / audio / 1e9
-                at_peak = per_audio / peak  # the RTF at the matmul's speed: what the CPU allows
-                print(f"{path:6s} chunk={chunk:<3d} {'fast ' if m else 'eager'}: RTF {rtfs} (min / median /"
-                      f" max of {len(walls)}), {speed:.0f} GFLOP/s = {100 * speed / peak:.0f} % of the matmul"
-                      f" peak ({per_audio:.0f} GFLOP per second of audio: RTF {at_peak:.2f} at the"
-                      f" peak), {faults} minor page faults, peak memory {memory:.2f} GB")
-                per_chunk = f" ms_per_chunk={1000 * med / n_chunks:.4g}" if path == "stream" else ""
-                print(f"codec_bench path={path} chunk={chunk} compile={m} rtf={med / audio:.4g} frames_per_s="
-                      f"{n_frames / med:.4g} gflops={speed:.4g} rtf_at_peak={at_peak:.4g}{per_chunk}")
+                calls[m].append(timed_codec_call(dac, m, fn, device, choices, copies))
+        for m in modes:
+            walls, (_, faults, memory) = sorted(c[0] for c in calls[m]), calls[m][-1]
+            med, audio = walls[len(walls) // 2], n_frames * dac.hop / cfg["sample_rate"]
+            rtfs = " / ".join(f"{w / audio:.3f}" for w in (walls[0], med, walls[-1]))
+            speed, per_audio = flops / med / 1e9, flops / audio / 1e9
+            at_peak = per_audio / peak  # the RTF at the matmul's speed: what the CPU allows
+            print(f"{path:6s} chunk={chunk:<3d} {'fast ' if m else 'eager'}: RTF {rtfs} (min / median /"
+                  f" max of {len(walls)}), {speed:.0f} GFLOP/s = {100 * speed / peak:.0f} % of the matmul"
+                  f" peak ({per_audio:.0f} GFLOP per second of audio: RTF {at_peak:.2f} at the"
+                  f" peak), {faults} minor page faults, peak memory {memory:.2f} GB")
+            per_chunk = f" ms_per_chunk={1000 * med / n_chunks:.4g}" if path == "stream" else ""
+            print(f"codec_bench path={path} chunk={chunk} compile={m} rtf={med / audio:.4g} frames_per_s="
+                  f"{n_frames / med:.4g} gflops={speed:.4g} rtf_at_peak={at_peak:.4g}{per_chunk}")
     cpu_fast.codec_fast_path(dac, False)
 
 
@@ -622,7 +623,7 @@ def ov_compare_quant(model, args, device):
     layout) -> their RTFs, the speed-up (medians), and the share of (codebook, target position) of the
     first forward whose most likely code is unchanged."""
     scheme, gen = args.compare_quant, dict(omnivoice.GENERATION, num_step=args.num_step)
-    low = omnivoice.quantize(copy.deepcopy(model), scheme)
+    low = quantize.quantize(copy.deepcopy(model), scheme)
     low = low if args.no_tune else cpu_fast.tune(low)
     items = ov_requests(model, args, gen, args.batch[0])
     audio = sum(item["target_len"] for item in items) / model.frame_rate
@@ -673,9 +674,9 @@ def add_omnivoice_args(ap: argparse.ArgumentParser):
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights, requests and sampling (0)")
     common.add_device_arg(ap)
     ap.add_argument("--dtype", choices=list(common.DTYPES), help="LM dtype (default bf16 on CUDA, else fp32)")
-    ap.add_argument("--quant", choices=omnivoice.QUANT_SCHEMES, help="int8wo / int4wo: int8 / int4 weights;"
-                    " w8a8: int8 weights and activations (CPU)")
-    ap.add_argument("--compare-quant", choices=omnivoice.QUANT_SCHEMES[1:], help="also time a copy of the"
+    ap.add_argument("--quant", choices=quantize.OMNIVOICE_SCHEMES, help="int8wo / int4wo: int8 / int4"
+                    " weights; w8a8: int8 weights and activations (CPU)")
+    ap.add_argument("--compare-quant", choices=quantize.OMNIVOICE_SCHEMES[1:], help="also time a copy of the"
                     " model in this scheme against it in alternating rounds: the speed-up, the argmax kept")
     ap.add_argument("--no-tune", action="store_true", help="the plain model, without cpu_fast.tune")
 
@@ -692,12 +693,12 @@ def omnivoice_speed(args):
         torch.set_num_threads(args.threads)
     device = common.pick_device(args.device)
     dtype = common.pick_dtype(args.dtype, device)
-    peak_dtype = torch.float32 if common.runs_in_fp32(dtype, device) else dtype  # what sequences run in
+    peak_dtype = torch.float32 if quantize.runs_in_fp32(dtype, device) else dtype  # what sequences run in
     peak = matmul_peak(device, peak_dtype)
     print(f"{machine_line(device)}, matmul peak {peak:.0f} GFLOP/s (2048 x 2048,"
           f" {str(peak_dtype).removeprefix('torch.')})")
     model, what = ov_build(args, device, dtype)
-    model = omnivoice.quantize(model, args.quant)
+    model = quantize.quantize(model, args.quant)
     what += f", {args.quant}" if args.quant else ""
     if args.compile:
         omnivoice.compile_forward(model)

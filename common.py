@@ -1,21 +1,21 @@
 """What every fishfast model and tool shares, and nothing model-specific: the error users see, device and
-dtype choice, checkpoint and audio files, atomic writes, quantization (nn.Linear swapped for torch's CPU
-kernels; torchao's GPU schemes), peak memory, the engine thread. It imports no model file, so a model file
-can be copied with this one alone. (What makes a model faster on one kind of CPU is cpu_fast.py's, applied
-from outside.)
+dtype choice, checkpoint and audio files, atomic writes, where a model's matmuls may round otherwise, peak
+memory, the engine thread. It imports no model file, so a model file can be copied with this one alone.
+(Quantization is quantize.py's; what makes a model faster on one kind of CPU is cpu_fast.py's, applied from
+outside.)
 
 Sections: errors and the CLI wrapper, user input (voice names, seeds, control tokens: the CLIs' and the
 server's one rule each), devices and dtypes (and the trainers' torchrun processes), files (atomic writes,
-a checkpoint's weights and tokenizer, audio, the compile cache), quantization (QuantLinear, W8A8Linear,
-swap_linears, torchao's configs), memory, engines (Job, the queue, and EngineThread: the thread that steps
-either model's Scheduler).
+a checkpoint's weights and tokenizer, audio, the compile cache), loose matmuls, memory, engines (Job, the
+queue, and EngineThread: the thread that steps either model's Scheduler).
 """
 import argparse
+import contextlib
+import contextvars
 import functools
 import glob
 import importlib
 import json
-import math
 import os
 import platform
 import re
@@ -29,9 +29,6 @@ from pathlib import Path
 import numpy as np
 import soundfile as sf
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
-from torch import Tensor
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -242,6 +239,10 @@ def cpu_model() -> list:
     return cpu if all(cpu) else [platform.machine() or "cpu"]
 
 
+# What the environment may cap torch's own kernels, oneDNN and MKL at (an emulated smaller CPU: docs/tests.md)
+CAP_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
 def cpu_kind() -> str:
     """This CPU as compiled kernels and timings see it: `cpu_model`, torch's capability, and any cap the
     environment sets on the libraries (CAP_VARIABLES: an emulated smaller CPU) -> a folder name, e.g.
@@ -415,178 +416,19 @@ def save_npy(path, array):
     write_atomic(path, write)
 
 
-# ----------------------------------------------------------------------------- quantization
-INT4_GROUP = 128  # int4 inputs sharing one scale and zero
-# from here on one matmul of the converted int8 weight beats torch's int8 kernel, which is written for a few
-# rows (docs/speed.md)
-INT8_MATMUL_ROWS = 128
-# torch's CPU kernels read whole vectors (16 lanes on AVX-512, 8 on AVX2) with no tail: the int8 one's inputs
-# and the int4 one's outputs must come in whole 16s, or they crash or return garbage (torch 2.13)
-KERNEL_LANES = 16
+# ----------------------------------------------------------------------------- loose matmuls
+# what a model runs within where it need not round as upstream does (OmniVoice's flat row): there a linear
+# layer may take another matmul (cpu_fast's many-row one); by default nothing changes
+LOOSE_MATMULS = contextvars.ContextVar("fishfast loose matmuls", default=False)
 
 
-def int8_rows(t: Tensor) -> tuple:
-    """Each row of t rounded to int8 with a scale of its own (symmetric: its largest |value| -> 127) ->
-    (int8 values, scales (..., 1)); a row of zeros stays zeros."""
-    scale = t.abs().amax(-1, keepdim=True).clamp(min=1e-12) / 127
-    return torch.round(t / scale).to(torch.int8), scale
-
-
-class QuantLinear(nn.Module):
-    """nn.Linear with int8 weights (a scale per output row) or int4 ones (a scale and zero per INT4_GROUP
-    inputs, w = (q - 8) * scale + zero), gpt-fast style, read by torch's own CPU kernels (aten
-    _weight_int8pack_mm, _weight_int4pack_mm_for_cpu; inductor calls the same ones). They are fast with
-    bf16 activations only (fp32 takes a scalar path, 10-30x slower): x goes in as bf16, y out in x's dtype.
-    matmul_rows: from this many rows on (compute-bound work: a prefill, OmniVoice's whole sequences) an int8
-    weight is converted to bf16 (exactly: |q| <= 127) once per call and run through a bf16 matmul, which
-    those kernels, written for a few rows, are slower than; the scales multiply its output (fp32 where the
-    CPU has no bf16 matrix units: runs_in_fp32), as at any row count for a shape the kernel cannot take."""
-
-    def __init__(self, linear: nn.Linear, bits: int, matmul_rows: int = INT8_MATMUL_ROWS):
-        super().__init__()
-        self.matmul_rows = matmul_rows
-        w = linear.weight.detach().float()
-        self.out_features, self.in_features = w.shape
-        self.group = math.gcd(INT4_GROUP, self.in_features)
-        # the int4 kernel takes groups of 32 to 256 inputs and whole KERNEL_LANES of outputs
-        self.bits = 8 if self.group < 32 or self.out_features % KERNEL_LANES else bits
-        self.kernel = self.bits == 4 or self.in_features % KERNEL_LANES == 0
-        if self.bits == 8:
-            weight, scale = int8_rows(w)  # (out, in), (out, 1)
-            scale = scale[:, 0]
-        else:
-            groups = w.view(self.out_features, -1, self.group)
-            low, scale = groups.amin(-1), (groups.amax(-1) - groups.amin(-1)).clamp(min=1e-12) / 15
-            q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
-            weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(w.shape), 1)  # (out, in / 2)
-            scale = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1)  # (in / group, out, 2)
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.scales = nn.Parameter(scale.to(torch.bfloat16).contiguous(), requires_grad=False)
-        self.bias = linear.bias
-
-    def forward(self, x: Tensor) -> Tensor:
-        x2 = x.reshape(-1, self.in_features).to(torch.bfloat16)
-        if self.bits == 8 and (x2.shape[0] >= self.matmul_rows or not self.kernel):
-            w = self.weight.to(torch.float32 if runs_in_fp32(torch.bfloat16, x.device) else torch.bfloat16)
-            y = F.linear(x2.to(w.dtype), w) * self.scales  # one pass over the weight
-        elif self.bits == 8:
-            y = torch.ops.aten._weight_int8pack_mm(x2, self.weight, self.scales)
-        else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x2, self.weight, self.group, self.scales)
-        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
-
-
-# What the environment may cap torch's own kernels, oneDNN and MKL at (an emulated smaller CPU: docs/tests.md)
-CAP_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
-AVX2_OR_LESS = {"DEFAULT", "SSE41", "SSE4_2", "AVX", "AVX2"}
-
-
-def usable_cpu_flags(flags: dict, env) -> dict:
-    """A CPU's flags as the libraries may use them: where `env` caps any of them (CAP_VARIABLES) at AVX2 or
-    below, the AVX-512, AMX and VNNI units count as absent (a library so capped sums int8 products without
-    VNNI, in saturating 16 bits: w8a8 lost its argmax share on an AMX Xeon limited to AVX2)."""
-    capped = any(env.get(v, "").upper() in AVX2_OR_LESS for v in CAP_VARIABLES)
-    return {k: bool(v) and not (capped and k.startswith(("avx512", "amx", "avx_vnni", "avx_ne")))
-            for k, v in flags.items()}
-
-
-# what this CPU has, as the libraries may use it: {"avx2": True, "avx512_vnni": ...}
-CPU_FLAGS = usable_cpu_flags(torch._C._cpu._get_cpu_capability(), os.environ)
-# Whether this CPU has int8 dot products (VNNI, AMX) for torch._int_mm: without them (AVX2 only) it ran
-# OmniVoice's layers 20x slower than fp32 (docs/omnivoice.md). A constant: dynamo reads it so.
-INT8_UNITS = any(CPU_FLAGS.get(unit) for unit in ("avx512_vnni", "avx_vnni", "amx_int8"))
-# Whether this CPU has matrix instructions for fp16 / bf16 (oneDNN's fast half-precision GEMMs): without them
-# torch's many-row half matmuls are several times slower than fp32 (AVX2 CPUs). Constants: dynamo reads them
-# so.
-HALF_UNITS = {torch.bfloat16: CPU_FLAGS.get("avx512_bf16") or CPU_FLAGS.get("amx_bf16") or False,
-              torch.float16: CPU_FLAGS.get("avx512_fp16") or CPU_FLAGS.get("amx_fp16") or False}
-EXACT_TERMS = 2 ** 24 // 127 ** 2  # 1040 int8 x int8 products: each partial sum an exact fp32 integer
-
-
-def runs_in_fp32(dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether many-row linears of `dtype` on `device` are better run in fp32: half ones on a CPU without
-    half matrix units (QuantLinear's converted weights; cpu_fast.HalfLinear)."""
-    return device.type == "cpu" and dtype in HALF_UNITS and not HALF_UNITS[dtype]
-
-
-def int_mm(a: Tensor, b: Tensor) -> Tensor:
-    """torch._int_mm(a, b) (int8 (M, K) @ (K, N) -> int32, exact). On a CPU without int8 units, fp32
-    matmuls of EXACT_TERMS inputs at a time: their sums are exact integers in any order, so the int32
-    result is _int_mm's, bit for bit, at fp32's speed."""
-    if INT8_UNITS or not a.is_cpu:
-        return torch._int_mm(a, b)
-    parts = [(a[:, k:k + EXACT_TERMS].float() @ b[k:k + EXACT_TERMS].float()).to(torch.int32)
-             for k in range(0, a.shape[1], EXACT_TERMS)]
-    return torch.stack(parts).sum(0, dtype=torch.int32)
-
-
-class W8A8Linear(nn.Module):
-    """nn.Linear as int8 x int8 products summed exactly in int32 (`int_mm`: oneDNN's VNNI kernels on a CPU
-    that has them): int8 weights with a scale per output row (as QuantLinear's) and each input row rounded
-    on the fly to int8 with a scale of its own (dynamic, symmetric: OpenVINO's W8A8). For compute-bound
-    whole sequences; rounding the activations too costs more argmax agreement than the weight-only schemes
-    do (docs/omnivoice.md has both)."""
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        w = linear.weight.detach().float()
-        self.out_features, self.in_features = w.shape
-        if self.in_features > 2 ** 31 // 127 ** 2:  # the int32 sums could overflow
-            raise UserError(f"w8a8: a linear layer of {self.in_features} inputs is over int32's sums")
-        weight, scale = int8_rows(w)
-        self.weight = nn.Parameter(weight, requires_grad=False)
-        self.scales = nn.Parameter(scale[:, 0], requires_grad=False)
-        self.bias = linear.bias
-
-    def forward(self, x: Tensor) -> Tensor:
-        xq, x_scale = int8_rows(x.reshape(-1, self.in_features).float())
-        y = int_mm(xq, self.weight.t()).float().mul_(x_scale).mul_(self.scales)
-        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-        return y if self.bias is None else y + self.bias
-
-
-def swap_linears(module: nn.Module, make):
-    """Every nn.Linear inside module -> make(linear): e.g. partial(QuantLinear, bits=4), W8A8Linear."""
-    for name, child in module.named_children():
-        if isinstance(child, nn.Linear):
-            setattr(module, name, make(child))
-        else:
-            swap_linears(child, make)
-
-
-# GPU weight quantization is torchao's: its tile-packed int4 (tinygemm) needs Ampere, fp8 dynamic per-row and
-# nvfp4 their tensor-core kernels, and these three bf16 weights
-TORCHAO_CAPABILITY = {"int4wo": (8, 0), "fp8": (8, 9), "nvfp4": (10, 0)}
-
-
-def check_torchao(scheme: str, device: torch.device, dtype):
-    """What torchao's `scheme` needs (torchao itself, the GPU, bf16), said before any weight is read."""
+@contextlib.contextmanager
+def loose_matmuls():
+    token = LOOSE_MATMULS.set(True)  # in this thread (and its context) only
     try:
-        importlib.import_module("torchao.quantization")  # only whether it imports
-    except Exception as e:  # missing, or built for another torch
-        raise UserError(f"--quant {scheme} needs torchao, which does not import here: {type(e).__name__}:"
-                        f" {(str(e).splitlines() or [''])[0]} (pip install torchao==0.18.0)") from None
-    cuda, need = device.type == "cuda", TORCHAO_CAPABILITY.get(scheme)
-    if need and not (cuda and torch.cuda.get_device_capability(device) >= need):
-        have = f"compute capability {torch.cuda.get_device_capability(device)}" if cuda else device.type
-        raise UserError(f"--quant {scheme} needs an NVIDIA GPU of compute capability >= {need[0]}.{need[1]}"
-                        f" (this device: {have})")
-    if need and dtype != torch.bfloat16:
-        raise UserError(f"--quant {scheme} needs bf16 weights (torchao's kernels): add --dtype bf16")
-
-
-def torchao_config(scheme: str):
-    """A scheme's name (int8wo, int4wo, fp8, nvfp4) -> torchao's config for `quantize_`."""
-    import torchao.quantization as tq
-    if scheme == "int8wo":
-        return tq.Int8WeightOnlyConfig()
-    if scheme == "int4wo":
-        return tq.Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d")
-    if scheme == "fp8":
-        return tq.Float8DynamicActivationFloat8WeightConfig(granularity=tq.PerRow())
-    from torchao.prototype.mx_formats import NVFP4DynamicActivationNVFP4WeightConfig
-    return NVFP4DynamicActivationNVFP4WeightConfig()
+        yield
+    finally:
+        LOOSE_MATMULS.reset(token)
 
 
 # ----------------------------------------------------------------------------- memory

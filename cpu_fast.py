@@ -1,5 +1,6 @@
 """CPU speed-ups for fishfast's models, applied from outside after loading, as gpt-fast's quantize.py swaps
-nn.Linear: the model files hold plain modules and know nothing of this machine.
+nn.Linear: the model files hold plain modules and know nothing of this machine. Each faster module takes
+the plain one's place in its parent (the same parameters, no copy), so `print(model)` names what runs.
 
     model = cpu_fast.tune(dualAR.load("s2-pro", compile=True))   # S2-Pro's frame step
     dac = cpu_fast.tune(codec.load("s2-pro"))                       # the codec's encode and decode
@@ -13,14 +14,12 @@ that needs it, and kept in `decisions_file()` for every later process. A timing 
 processes used the CPU records nothing (it would be wrong for good). The CLIs, app.py and bench.py call
 `tune` after loading (`--no-tune` skips it); what it saves and costs: docs/speed.md.
 
-Sections: the entry point, decisions (a file, a key per machine, a busy machine), prepacked matmuls (oneDNN,
-MKL), S2's frame steps (few-row linears, one-row sums, frozen graphs), S2's sampler, OmniVoice's flat row
-(many-row linears), half-precision linears, the codec's fast path, the CLI.
+Sections: the entry point, modules in place of others, decisions (a file, a key per machine, a busy
+machine), prepacked matmuls (oneDNN, MKL), S2's frame steps (few-row linears, one-row sums, frozen graphs),
+S2's sampler, OmniVoice's flat row (many-row linears), half-precision linears, the codec's fast path, the CLI.
 """
 import argparse
 import collections
-import contextlib
-import contextvars
 import ctypes
 import functools
 import json
@@ -36,8 +35,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+import codec
 import common
-from common import QuantLinear, UserError, W8A8Linear, available_memory_bytes, write_atomic
+import dualAR
+import quantize
+from common import UserError, available_memory_bytes, write_atomic
+from quantize import QuantLinear, W8A8Linear
 
 
 # ----------------------------------------------------------------------------- the entry point
@@ -58,22 +61,16 @@ def tune(model: nn.Module, rows: int = None, again: bool = False) -> nn.Module:
 def tune_s2(model: nn.Module, rows: int = None, again: bool = False) -> nn.Module:
     """S2-Pro: half linears where the CPU has no half matmul units; fp32 linears on oneDNN's prepacked
     weights at the row counts that win (eager and compiled); compiled graphs' one row as a fused sum;
-    compiled batched steps on frozen weights (inductor's GEMM), if batches of their rows come; the sampler
-    orders only the best candidates (`candidate_removal`)."""
-    module = sys.modules[type(model).__module__]
-    file = getattr(module, "__file__", None)  # none in a notebook
-    name = Path(file).stem if file else module.__name__  # dualAR, also where it runs as __main__
-    MODEL_MODULES[name] = module
-    model.removal_for = functools.partial(candidate_removal, name)
+    compiled batched steps on frozen weights (inductor's GEMM), if batches of their rows come; the sampler's
+    top-k/top-p filter orders only the best candidates (`CandidateFilter`)."""
+    model.top_filter = CandidateFilter()
     use_half_linears(model)
     if any(type(m) is nn.Linear and m.weight.dtype == torch.float32 for m in model.modules()):
         use_few_rows_linears(model, few_rows_steps(again))
     if model.compiled_step is None or getattr(model.compiled_step, "func", None) is frozen_graphs:
         return model  # eager, or tuned already
     use_one_row_sums(model, again=again)
-    inductor = getattr(model, "compile_backend", "inductor") == "inductor"
-    batches = rows is None or rows > 1
-    frozen = frozen_rows(model, again) if inductor and batches else [[0, False]]
+    frozen = frozen_rows(model, again) if rows is None or rows > 1 else [[0, False]]
     if any(on for _, on in frozen):
         use_frozen_gemms(model, frozen)
         model.compiled_step = functools.partial(frozen_graphs, model.compiled_step, frozen)
@@ -82,16 +79,15 @@ def tune_s2(model: nn.Module, rows: int = None, again: bool = False) -> nn.Modul
 
 def tune_omnivoice(model: nn.Module, rows: int = None, again: bool = False) -> nn.Module:
     """OmniVoice: half linears where the CPU has no half matmul units; the flat row's fp32 linears (the
-    layers' and the audio heads') on this machine's fastest many-row matmul (`many_rows_matmul`), within the
-    model's `loose_matmuls` (the flat row does not round as upstream's rows anyway; those keep F.linear)."""
+    layers' and the audio heads') on this machine's fastest many-row matmul (`many_rows_matmul`), within
+    `common.loose_matmuls` (the flat row does not round as upstream's rows anyway; those keep F.linear)."""
     use_half_linears(model)
-    linears = [m for module in (model.layers, model.audio_heads) for m in module.modules()
-               if type(m) is nn.Linear and m.weight.dtype == torch.float32]
+    linears = {m for module in (model.layers, model.audio_heads) for m in module.modules()
+               if type(m) is nn.Linear and m.weight.dtype == torch.float32}
     if linears and sum(m.weight.numel() * 4 for m in linears) <= available_memory_bytes() / 2:
         matmul = many_rows_matmul(again)
-        for m in linears if matmul != "torch" else ():
-            m.__class__, m.matmul = ManyRowsLinear, matmul
-        model.loose_matmuls = loose_matmuls
+        if matmul != "torch":
+            replaced(model, lambda m: rebuilt(ManyRowsLinear, m, matmul=matmul) if m in linears else None)
     return model
 
 
@@ -99,6 +95,30 @@ def tune_codec(model: nn.Module, rows: int = None, again: bool = False) -> nn.Mo
     """The codec: `codec_fast_path` with this machine's choices; freed memory kept for reuse (glibc)."""
     keep_freed_memory()
     return codec_fast_path(model, choices=machine_choices(model, again))
+
+
+# ----------------------------------------------------------------------------- modules in place of others
+def replaced(module: nn.Module, make) -> nn.Module:
+    """module, with each module inside it for which make(m) gives another put in m's place in its parent
+    (setattr, as gpt-fast's quantize.py swaps nn.Linear) -> module, or what make gave for module itself."""
+    new = make(module)
+    if new is not None:
+        return new
+    for name, child in list(module.named_children()):
+        setattr(module, name, replaced(child, make))
+    return module
+
+
+def rebuilt(cls, module: nn.Module, **settings) -> nn.Module:
+    """A new cls holding module's own state (its parameters, buffers, submodules and attributes: nothing
+    is copied) and `settings`: what takes module's place in its parent (`replaced`). cls reads no state
+    but module's own and its settings (an nn.Linear kind for a linear layer, say)."""
+    new = cls.__new__(cls)
+    new.__dict__.update(module.__dict__)
+    for store in ("_parameters", "_buffers", "_modules"):  # its own registries: a later setattr on one of
+        new.__dict__[store] = dict(module.__dict__[store])  # the two modules leaves the other as it was
+    new.__dict__.update(settings)
+    return new
 
 
 # ----------------------------------------------------------------------------- decisions
@@ -373,6 +393,10 @@ class FewRowsLinear(nn.Linear):
     steps = compiled_steps = frozen_steps = [[0, False]]
     one_row = False
 
+    def extra_repr(self) -> str:
+        return (f"{super().extra_repr()}, steps={self.steps}, compiled_steps={self.compiled_steps},"
+                f" frozen_steps={self.frozen_steps}, one_row={self.one_row}")
+
     def forward(self, x: Tensor) -> Tensor:
         compiling, rows = torch.compiler.is_compiling(), x.numel() // self.in_features
         fp32_inference = x.dtype == torch.float32 and x.is_cpu and not torch.is_grad_enabled()
@@ -387,17 +411,32 @@ class FewRowsLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def use_few_rows_linears(module: nn.Module, steps: list):
+def is_fp32_linear(m: nn.Module) -> bool:  # a plain or FewRowsLinear fp32 CPU linear layer
+    return type(m) in (nn.Linear, FewRowsLinear) and m.weight.dtype == torch.float32 and m.weight.is_cpu
+
+
+def as_few_rows(m: nn.Module, **settings) -> nn.Module:
+    """An fp32 linear layer as FewRowsLinear with `settings`: a plain one rebuilt (its place to take), a
+    FewRowsLinear changed where it is (None: nothing to put in its place)."""
+    if type(m) is FewRowsLinear:
+        vars(m).update(settings)
+        return None
+    return rebuilt(FewRowsLinear, m, **settings)
+
+
+def use_few_rows_linears(module: nn.Module, steps: list) -> nn.Module:
     """Every plain fp32 CPU nn.Linear inside module -> FewRowsLinear (the same parameters and names) with
     `steps` (compiled graphs: the same where AVX2_ONLY or they take one row), where torch has oneDNN, some
-    row count takes it and the prepacked copies fit in half of the memory available now (else nothing)."""
-    linears = [m for m in module.modules() if type(m) in (nn.Linear, FewRowsLinear)
-               and m.weight.dtype == torch.float32 and m.weight.is_cpu]
+    row count takes it and the prepacked copies fit in half of the memory available now (else nothing)
+    -> module (or its FewRowsLinear, where module is such a linear layer itself)."""
+    linears = {m for m in module.modules() if is_fp32_linear(m)}
     size = sum(m.weight.numel() * m.weight.element_size() for m in linears)
-    if linears and torch.backends.mkldnn.is_available() and size <= available_memory_bytes() / 2:
-        compiled = steps if AVX2_ONLY or step_at(steps, 1) else [[0, False]]
-        for m in linears if any(fast for _, fast in steps) else ():
-            m.__class__, m.steps, m.compiled_steps = FewRowsLinear, steps, compiled
+    if not (linears and torch.backends.mkldnn.is_available() and size <= available_memory_bytes() / 2
+            and any(fast for _, fast in steps)):
+        return module
+    compiled = steps if AVX2_ONLY or step_at(steps, 1) else [[0, False]]
+    return replaced(module, lambda m: as_few_rows(m, steps=steps, compiled_steps=compiled)
+                    if m in linears else None)
 
 
 def one_row_linear(x: Tensor, weight: Tensor, bias: Tensor = None) -> Tensor:
@@ -457,25 +496,29 @@ def timed_one_row(dtype: torch.dtype = torch.float32, repeats=5) -> bool:
     return beats_the_others(runs, "fused", repeats)
 
 
-def use_one_row_sums(module: nn.Module, wins: dict = None, again=False):
+def use_one_row_sums(module: nn.Module, wins: dict = None, again=False) -> nn.Module:
     """For a module that runs compiled on CPU: its fp32 linear layers (as FewRowsLinear) and int8 QuantLinears
     (as OneRowQuantLinear) run one row as `one_row_linear` in compiled graphs where `wins` ({torch.float32:
     bool, torch.int8: bool}) says so; a dtype it lacks: this machine's `compiled_one_row_wins`, asked only
-    if the module has one."""
-    layers = [m for m in module.modules() if (type(m) in (nn.Linear, FewRowsLinear) and m.weight.dtype
-              == torch.float32 or type(m) in (QuantLinear, OneRowQuantLinear) and m.bits == 8)
-              and m.weight.is_cpu]
+    if the module has one -> module (or what takes its place, where it is such a layer itself)."""
+    layers = [m for m in module.modules() if is_fp32_linear(m)
+              or type(m) in (QuantLinear, OneRowQuantLinear) and m.bits == 8 and m.weight.is_cpu]
     wins = dict(wins or {})
-    for m in layers:
-        dtype = m.weight.dtype
-        if dtype not in wins:
-            wins[dtype] = compiled_one_row_wins(dtype, again)
+    for m in layers:  # in the module's order: a dtype's timing asked for where the first of it is
+        if m.weight.dtype not in wins:
+            wins[m.weight.dtype] = compiled_one_row_wins(m.weight.dtype, again)
+    members = set(layers)
+
+    def one_row(m):
+        if m not in members:
+            return None
+        win = wins[m.weight.dtype]
         if isinstance(m, QuantLinear):
-            m.__class__ = OneRowQuantLinear if wins[dtype] else QuantLinear
-            continue
-        if wins[dtype]:  # the same parameters, FewRowsLinear's forward
-            m.__class__ = FewRowsLinear
-        m.one_row = wins[dtype]
+            kind = OneRowQuantLinear if win else QuantLinear
+            return rebuilt(kind, m) if type(m) is not kind else None
+        return as_few_rows(m, one_row=win) if win or type(m) is FewRowsLinear else None
+
+    return replaced(module, one_row)
 
 
 FROZEN_KEY = "compiled frozen rows"  # the decision's key, after the machine key
@@ -553,43 +596,41 @@ def frozen_graphs(compiled, steps: list, x: Tensor, *inputs):
         return compiled(x, *inputs)
 
 
-def use_frozen_gemms(module: nn.Module, steps: list):
+def use_frozen_gemms(module: nn.Module, steps: list) -> nn.Module:
     """Every fp32 CPU nn.Linear inside module -> FewRowsLinear (the same parameters) whose compiled graphs run
-    F.linear at the rows `steps` take (`row_steps`), for graphs compiled there within `frozen_gemms`."""
-    for m in module.modules():
-        if type(m) in (nn.Linear, FewRowsLinear) and m.weight.dtype == torch.float32 and m.weight.is_cpu:
-            m.__class__, m.frozen_steps = FewRowsLinear, steps
+    F.linear at the rows `steps` take (`row_steps`), for graphs compiled there within `frozen_gemms` ->
+    module (or its FewRowsLinear, where module is such a linear layer itself)."""
+    return replaced(module, lambda m: as_few_rows(m, frozen_steps=steps) if is_fp32_linear(m) else None)
 
 
 # ----------------------------------------------------------------------------- S2's sampler
 CUMULATIVE_SLACK = 1e-4  # far above the rounding of a cumulative probability summed in another order
-# a model file's name -> its module: the same name whether the file was imported or runs as a script
-# (__main__). The name is an argument of the compiled step's op, so part of its graph: a script and a library
-# call (tests, the server) then compile one graph and share it in the compile cache.
-MODEL_MODULES = {}
 
 
-def sorted_removal(name: str):  # the model file's own `sorted_removal` (upstream's whole-row sort)
-    return (MODEL_MODULES.get(name) or sys.modules[name]).sorted_removal
+class CandidateFilter(dualAR.TopFilter):
+    """S2's top-k/top-p filter (in dualAR.TopFilter's place) that, for rows of top_k at most, orders only
+    the best candidates (`candidate_removal`): the same tokens removed, bit for bit."""
+
+    def narrowed(self, top_k: int):
+        return candidate_removal(top_k)
 
 
 @functools.lru_cache(maxsize=None)  # one object per count: a compiled step's guard sees the same removal
-def candidate_removal(module: str, top_k: int):
-    """S2's sampler for rows of top_k at most: `top_candidates` over a power of two of candidates (one
-    compiled graph per count); `module` names the model's file (its `sorted_removal` where the candidates are
-    not enough)."""
+def candidate_removal(top_k: int):
+    """S2's removal for rows of top_k at most: `top_candidates` over a power of two of candidates (one
+    compiled graph per count)."""
     candidates = max(32, 1 << max(int(top_k) - 1, 0).bit_length())
-    return functools.partial(top_candidates, candidates=candidates, module=module)
+    return functools.partial(top_candidates, candidates=candidates)
 
 
-def top_candidates(logits: Tensor, top_p: Tensor, top_k: Tensor, candidates: int, module: str) -> Tensor:
+def top_candidates(logits: Tensor, top_p: Tensor, top_k: Tensor, candidates: int) -> Tensor:
     """`sorted_removal` from the best candidates + 1 tokens alone: top-k drops every later rank, and what
     is kept is a prefix of the order. Two things depend on more than the candidates, and for them the row
     is sorted whole, as upstream: a tie across the kept prefix's end (which of the tied tokens upstream's
     unstable sort puts first), and a cumulative probability within CUMULATIVE_SLACK of top_p (its softmax
     sums the row in sorted order, rounding otherwise than in vocabulary order)."""
     if candidates >= logits.size(-1):
-        return sorted_removal(module)(logits, top_p, top_k)
+        return dualAR.sorted_removal(logits, top_p, top_k)
     values, ids = torch.topk(logits, candidates + 1, dim=-1)  # (B, candidates + 1), best first
     # softmax, not exp of the whole row: on CPU that one is split across threads, 100x slower for 4k values
     cum_probs = torch.cumsum(F.softmax(logits, dim=-1).gather(-1, ids), dim=-1)
@@ -600,17 +641,17 @@ def top_candidates(logits: Tensor, top_p: Tensor, top_k: Tensor, candidates: int
     last, first_out = values.gather(-1, kept - 1), values.gather(-1, kept)
     tie = (last == first_out) & (last > float("-inf"))
     near = (cum_probs - top_p[:, None]).abs() < CUMULATIVE_SLACK
-    args = logits, ids, remove, tie.any() | near.any(), top_p, top_k, module
+    args = logits, ids, remove, tie.any() | near.any(), top_p, top_k
     if torch.compiler.is_compiling():
         return candidates_or_sorted(*args)
     return removal_in_vocabulary_order(*args)  # the op's body: the op's dispatch costs ~60 us a draw eager
 
 
-def removal_in_vocabulary_order(logits, ids, remove, unsure, top_p, top_k, module) -> Tensor:
-    """`top_candidates`' removal (B, vocabulary): from the candidates' `remove`, or the model module's
+def removal_in_vocabulary_order(logits, ids, remove, unsure, top_p, top_k) -> Tensor:
+    """`top_candidates`' removal (B, vocabulary): from the candidates' `remove`, or upstream's
     `sorted_removal` of the whole row where `unsure`."""
     if unsure:
-        return sorted_removal(module)(logits, top_p, top_k)
+        return dualAR.sorted_removal(logits, top_p, top_k)
     return torch.ones_like(logits, dtype=torch.bool).scatter(-1, ids, remove)
 
 
@@ -618,30 +659,18 @@ def removal_in_vocabulary_order(logits, ids, remove, unsure, top_p, top_k, modul
 # subgraphs per draw (22 a frame) and refuse to cache the graph ("Can't cache HigherOrderOperator: cond").
 @torch.library.custom_op("fishfast::candidates_or_sorted", mutates_args=())
 def candidates_or_sorted(logits: Tensor, ids: Tensor, remove: Tensor, unsure: Tensor, top_p: Tensor,
-                         top_k: Tensor, module: str) -> Tensor:
-    return removal_in_vocabulary_order(logits, ids, remove, unsure, top_p, top_k, module)
+                         top_k: Tensor) -> Tensor:
+    return removal_in_vocabulary_order(logits, ids, remove, unsure, top_p, top_k)
 
 
 @candidates_or_sorted.register_fake
-def _(logits, ids, remove, unsure, top_p, top_k, module):
+def _(logits, ids, remove, unsure, top_p, top_k):
     return torch.empty_like(logits, dtype=torch.bool)
 
 
 # ----------------------------------------------------------------------------- OmniVoice's flat row
 MANY_ROWS_KEY = "many rows matmul"  # the decision's key, after the machine key
 MANY_ROWS_MATMULS = ("torch", "onednn", "mkl")  # F.linear; oneDNN's or MKL's matmul on a packed weight
-LOOSE = contextvars.ContextVar("fishfast loose matmuls", default=False)  # inside `loose_matmuls`
-
-
-@contextlib.contextmanager
-def loose_matmuls():
-    """Within it (in this thread), ManyRowsLinear takes its packed matmul: the model's hook for a forward that
-    need not round as F.linear does (OmniVoice's flat row)."""
-    token = LOOSE.set(True)
-    try:
-        yield
-    finally:
-        LOOSE.reset(token)
 
 
 def many_rows_matmul(again=False) -> str:
@@ -693,14 +722,18 @@ def mkl_packs_any_rows(weights: list) -> bool:
 
 
 class ManyRowsLinear(nn.Linear):
-    """nn.Linear whose fp32 CPU inference within `loose_matmuls` runs `matmul` ("onednn" or "mkl") on a packed
-    copy of its weight, made at its first such call and kept on the weight (twice its memory); any other
-    call is nn.Linear's."""
+    """nn.Linear whose fp32 CPU inference within `common.loose_matmuls` runs `matmul` ("onednn" or "mkl") on
+    a packed copy of its weight, made at its first such call and kept on the weight (twice its memory); any
+    other call is nn.Linear's."""
 
     matmul = "torch"
 
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, matmul={self.matmul}"
+
     def forward(self, x: Tensor) -> Tensor:
-        if LOOSE.get() and x.dtype == torch.float32 and x.is_cpu and not torch.is_grad_enabled():
+        loose = common.LOOSE_MATMULS.get()
+        if loose and x.dtype == torch.float32 and x.is_cpu and not torch.is_grad_enabled():
             if self.matmul == "mkl":
                 return mkl_packed_matmul(x, self.weight, self.bias)
             if self.matmul == "onednn":
@@ -727,21 +760,12 @@ class HalfLinear(nn.Linear):
 
 def use_half_linears(module: nn.Module) -> nn.Module:
     """Every plain nn.Linear inside module whose weight is fp16 or bf16 on a CPU without matrix units for
-    it (common.runs_in_fp32) -> HalfLinear (the same parameters and names) -> module."""
-    for m in module.modules():
-        if type(m) is nn.Linear and common.runs_in_fp32(m.weight.dtype, m.weight.device):
-            m.__class__ = HalfLinear
-    return module
+    it (quantize.runs_in_fp32) -> HalfLinear (the same parameters and names) -> module (or its HalfLinear)."""
+    return replaced(module, lambda m: rebuilt(HalfLinear, m) if type(m) is nn.Linear
+                    and quantize.runs_in_fp32(m.weight.dtype, m.weight.device) else None)
 
 
 # ----------------------------------------------------------------------------- the codec's fast path
-# The codec's modules are swapped for the classes below (the same parameters), which find the codec's own
-# functions through the module that defined the model: this file imports no model file, so codec.py's CLI
-# can call it with no import circle.
-def codec_module(module: nn.Module):  # codec.py, as the module that defined this model or layer
-    return sys.modules[eager_class(module).__module__]
-
-
 def keep_freed_memory():
     """glibc only (elsewhere nothing): keep freed blocks of up to 32 MB for reuse, not unmapped."""
     # glibc unmaps freed blocks and faults them back in zeroed: chunks (tensors under 32 MB) alone take 5 s of
@@ -756,8 +780,8 @@ def keep_freed_memory():
 
 
 # oneDNN reorders bf16 weights only on CPUs that convert bf16 in hardware (its own error says which)
-BF16_PREPACK = bool(common.CPU_FLAGS.get("avx_ne_convert")
-                    or all(common.CPU_FLAGS.get(f) for f in ("avx512_bw", "avx512_vl", "avx512_dq")))
+BF16_PREPACK = bool(quantize.CPU_FLAGS.get("avx_ne_convert")
+                    or all(quantize.CPU_FLAGS.get(f) for f in ("avx512_bw", "avx512_vl", "avx512_dq")))
 
 
 def can_prepack(t):  # whether oneDNN runs this tensor's device and dtype (CPU, fp32, bf16 where it can)
@@ -773,7 +797,16 @@ def op_rows(module, shape):  # what a prepacked op's steps choose by: a linear l
     return linear_rows(shape) if isinstance(module, nn.Linear) else shape[0] * shape[-1]
 
 
-class PackedLinear(nn.Linear):
+class FastOp:
+    """What the fast path's modules share: the eager class whose place they took (`eager`), and the sizes
+    (`row_steps` of `op_rows`) at which they run on `packed`, their weight prepacked for oneDNN."""
+
+    def extra_repr(self) -> str:
+        steps = getattr(self, "steps", None)
+        return f"in place of {self.eager.__name__}" + (f", packed at rows {steps}" if steps else "")
+
+
+class PackedLinear(FastOp, nn.Linear):
     """The fast path's nn.Linear: the same parameters, and oneDNN's matmul on its weight prepacked (`packed`)
     at the row counts its `steps` take it at (`row_steps`); at the others nn.Linear's own matmul."""
 
@@ -783,7 +816,7 @@ class PackedLinear(nn.Linear):
         return super().forward(x)
 
 
-class PackedConv(nn.Module):
+class PackedConv(FastOp, nn.Module):
     """The fast path's codec.CausalConv (its `eager` class): on its weight prepacked for oneDNN at the sizes
     its `steps` take (a 1-kernel conv as one matmul), its input and output channels-last, (B, L, C) in
     memory; at the other sizes the eager conv."""
@@ -803,12 +836,12 @@ class PackedConv(nn.Module):
             return packed_matmul(x.mT, self.packed, conv.bias).mT if fast else conv(x)
         if not fast:  # the eager layout: a one-shot decode's long inputs take this
             return self.eager.forward(self, x, cache)
-        x = codec_module(self).with_past(cache, self, x, self.pad, channels_last=True)[:, :, None]
+        x = codec.with_past(cache, self, x, self.pad, channels_last=True)[:, :, None]
         y = torch.ops.mkldnn._convolution_pointwise(x, self.packed, conv.bias, *self.geo, "none", [], "")
         return y[:, :, 0]  # (B, C, 1, pad + L) in, (B, C', 1, L') out
 
 
-class PackedConvT(nn.Module):
+class PackedConvT(FastOp, nn.Module):
     """The fast path's codec.CausalConvT (its `eager` class): its one matmul on the weight prepacked for
     oneDNN at the sizes its `steps` take, the output channels-last; at the other sizes the eager one."""
 
@@ -820,15 +853,15 @@ class PackedConvT(nn.Module):
         y = y.unflatten(2, (1 + self.overlap, self.stride))
         out = y[:, :, 0]  # (B, L, stride, C'): what each input sample writes into its own block
         if self.overlap:  # ... plus what the one before it writes into the next block
-            out = out + codec_module(self).with_past(cache, self, y[:, :, 1], 1, dim=1)[:, :L]
+            out = out + codec.with_past(cache, self, y[:, :, 1], 1, dim=1)[:, :L]
         return out.reshape(B, L * self.stride, -1).mT + self.conv.bias[:, None]
 
 
-class CompiledSnake(nn.Module):
+class CompiledSnake(FastOp, nn.Module):
     """The fast path's codec.Snake (its `eager` class): one compiled kernel instead of five passes over x."""
 
     def forward(self, x, cache=None):
-        return fused_snake(codec_module(self).snake)(x, self.alpha.view(1, -1, 1))  # a view: a static shape
+        return fused_snake(codec.snake)(x, self.alpha.view(1, -1, 1))  # a view: a static shape
 
 
 @functools.cache
@@ -843,7 +876,7 @@ def eager_class(module):
     return getattr(module, "eager", type(module))
 
 
-def codec_fast_path(model, on=True, choices=None):
+def codec_fast_path(model, on=True, choices=None, copies=None):
     """The codec's faster CPU path (on=False: eager), equal to eager within 1e-5; returns the model. Snakes
     compiled (dynamic shapes: one kernel for all layers and chunk sizes); tensors stay channels-last; convs,
     linear layers and transposed convs (as one matmul each) run on weights prepacked once for oneDNN, where
@@ -851,16 +884,22 @@ def codec_fast_path(model, on=True, choices=None):
     layer's weight for a stream's few rows slowly on some CPUs (docs/speed.md). Each of these is taken only
     where it is faster on this machine: choices {`op_key`: True, False or, for a prepacked op, the sizes it
     runs prepacked at (`row_steps` of `op_rows`: a linear layer's rows, a conv's positions)} (a key left out:
-    True), by default this machine's (`machine_choices`)."""
+    True), by default this machine's (`machine_choices`). copies: {} that keeps each prepacked weight for
+    the next call given it (turning ops fast and eager again and again, as timing both sides does: making
+    and freeing hundreds of MB between timed calls churned the heap, so that a one-shot decode timed so lost
+    where a model kept fast won: docs/speed.md)."""
     pack = on and can_prepack(next(model.parameters()))
     if on and choices is None:
         choices = machine_choices(model)
-    for module in model.modules():
+
+    def fast_or_eager(module):
         key = op_key(module)
-        if key is not None:
-            takes = on and (pack or eager_class(module).__name__ == "Snake")
-            use_fast(module, choices.get(key, True) if takes else False)
-    return model
+        if key is None:
+            return None
+        takes = on and (pack or eager_class(module).__name__ == "Snake")
+        return use_fast(module, choices.get(key, True) if takes else False, copies) or module
+
+    return replaced(model, fast_or_eager)
 
 
 def op_key(module):
@@ -877,29 +916,23 @@ def op_key(module):
     return None
 
 
-def use_fast(module, on):
-    """One op fast (on: Snake compiled, another op on its prepacked weight) or eager; on, for a prepacked
-    op, can also be the sizes it runs prepacked at (`row_steps` of `op_rows`)."""
+def use_fast(module, on, copies: dict = None):
+    """One op (its eager or fast module) fast (on: Snake compiled, another op on its prepacked weight) or
+    eager -> the module to take its place (None: it is that already); on, for a prepacked op, can also be
+    the sizes it runs prepacked at (`row_steps` of `op_rows`). copies: as `codec_fast_path`'s."""
     eager = eager_class(module)
-    if eager.__name__ == "Snake":
-        swap_class(module, eager, CompiledSnake if on else eager)
-        return
     steps = on if isinstance(on, list) else [[0, bool(on)]]
     if not any(fast for _, fast in steps):  # a copy of the weight only where it is used
-        swap_class(module, eager, eager)
-        return
-    swap_class(module, eager, PackedLinear if eager is nn.Linear else FAST_CLASSES[eager.__name__])
-    module.steps, module.packed = steps, prepacked_copy(module)
-
-
-def swap_class(module, eager, cls):
-    """module's class -> cls (the same parameters and names), remembering its eager class."""
-    module.__class__ = cls
-    if cls is eager:
+        if type(module) is eager:
+            return None
+        new = rebuilt(eager, module)
         for name in ("eager", "steps", "packed"):
-            vars(module).pop(name, None)
-    else:
-        module.eager = eager
+            vars(new).pop(name, None)
+        return new
+    if eager.__name__ == "Snake":
+        return rebuilt(CompiledSnake, module, eager=eager)
+    cls = PackedLinear if eager is nn.Linear else FAST_CLASSES[eager.__name__]
+    return rebuilt(cls, module, eager=eager, steps=steps, packed=prepacked_copy(module, copies))
 
 
 def prepacked_weight(module):
@@ -914,32 +947,15 @@ def prepacked_weight(module):
                                                         [1, c.in_channels, 1, 1024])
 
 
-KEPT_COPIES = None  # inside `keeping_copies`: {module: its prepacked weight}, each made once
-
-
-def prepacked_copy(module):
-    if KEPT_COPIES is None:
+def prepacked_copy(module, copies: dict = None):
+    """`prepacked_weight`(module), made once per op in `copies` (keyed by the op's first parameter, which
+    its eager and fast modules share) where given."""
+    if copies is None:
         return prepacked_weight(module)
-    if module not in KEPT_COPIES:
-        KEPT_COPIES[module] = prepacked_weight(module)
-    return KEPT_COPIES[module]
-
-
-@contextlib.contextmanager
-def keeping_copies():
-    """Within: turning ops fast and eager again and again (timing both sides) reuses each prepacked weight,
-    made once. Making and freeing hundreds of MB of copies between timed calls churned the heap, so that a
-    one-shot decode timed so lost where a model kept fast won (docs/speed.md). After it the copies no op
-    uses are freed."""
-    global KEPT_COPIES
-    if KEPT_COPIES is not None:  # already inside one
-        yield
-        return
-    KEPT_COPIES = {}
-    try:
-        yield
-    finally:
-        KEPT_COPIES = None
+    key = id(next(module.parameters()))
+    if key not in copies:
+        copies[key] = prepacked_weight(module)
+    return copies[key]
 
 
 CODEC_KEY = "codec fast path"  # the decision's key, after the machine key: {op key: taken}
@@ -970,7 +986,6 @@ def is_choice(module, value):
 
 
 @torch.inference_mode()
-@keeping_copies()
 def timed_choices(model, repeats=3):
     """Each op eager and fast on the inputs it gets in an encode and in a stream of each PROBE_FRAMES chunk
     size (`probe_inputs`): Snake is kept fast only if it is no slower in any of them (all calls at once).
@@ -980,23 +995,22 @@ def timed_choices(model, repeats=3):
     p = next(model.parameters())
     inputs, pack = probe_inputs(model), can_prepack(p)
     by_rows = {op_key(m) for m in inputs if op_key(m) != "snake"}
-    codec_fast_path(model, on=False)
+    model, copies = codec_fast_path(model, on=False), {}
     times = {}  # (op key, probe; a prepacked op's: size) -> [eager seconds, fast seconds]
     for module, probes in inputs.items():
         key = op_key(module)
         if key != "snake" and not pack:
             continue
+        ways = {False: module, True: use_fast(module, True, copies)}
         for probe, shapes in probes.items():
             for shape in shapes:
                 where = op_rows(module, shape) if key in by_rows else probe
                 total = times.setdefault((key, where), [0.0, 0.0])
                 x, best = probe_tensor(module, shape, p), {}
                 for fast in (False, True, False, True):  # the first pair warms up (and compiles)
-                    use_fast(module, fast)
-                    best[fast] = min(seconds(module, x) for _ in range(repeats))
+                    best[fast] = min(seconds(ways[fast], x) for _ in range(repeats))
                 total[0] += best[False]
                 total[1] += best[True]
-        use_fast(module, False)
     wins = {}  # op key -> {probe or rows: fast no slower than eager}
     for (key, where), (eager, fast) in times.items():
         wins.setdefault(key, {})[where] = fast <= eager
@@ -1019,17 +1033,17 @@ ONE_SHOT_FRAMES = 64  # the one-shot decode the whole-path check times (3 s): it
 def probe_paths(model):
     """{path: run} of what `checked_choices` times whole: an encode in the codec's chunks, a stream of each
     PROBE_FRAMES chunk size (two chunks) and a one-shot decode of ONE_SHOT_FRAMES."""
-    cm, p, rows = codec_module(model), next(model.parameters()), model.config["n_codebooks"] + 1
-    wave = torch.zeros(2 * cm.CHUNK_FRAMES * model.hop, device=p.device)
+    p, rows = next(model.parameters()), model.config["n_codebooks"] + 1
+    wave = torch.zeros(2 * codec.CHUNK_FRAMES * model.hop, device=p.device)
 
     def stream(frames):
         codes = torch.zeros(1, rows, 2 * frames, dtype=torch.long, device=p.device)
-        collections.deque(cm.decode_stream(model, codes.split(frames, -1)), maxlen=0)
+        collections.deque(codec.decode_stream(model, codes.split(frames, -1)), maxlen=0)
 
-    paths = {"encode": lambda: cm.encode(model, wave)}
+    paths = {"encode": lambda: codec.encode(model, wave)}
     paths.update({f"stream {frames}": functools.partial(stream, frames) for frames in PROBE_FRAMES})
     one_shot = torch.zeros(1, rows, ONE_SHOT_FRAMES, dtype=torch.long, device=p.device)
-    paths["one shot"] = lambda: cm.decode(model, one_shot, chunk_frames=None)
+    paths["one shot"] = lambda: codec.decode(model, one_shot, chunk_frames=None)
     return paths
 
 
@@ -1042,20 +1056,19 @@ def fallbacks(choices):
 
 
 @torch.inference_mode()
-@keeping_copies()
 def checked_choices(model, choices, rounds=2):
     """Whole paths, not ops, decide at the end: each op can win alone and a path still lose (an eager op
     handed a fast one's channels-last tensor; a one-shot decode's convs at lengths no probe timed). Each of
     `probe_paths` is timed eager and with a candidate of `fallbacks`(choices) in turn (`rounds` times, the
     best kept; the candidate's first run warms up); the first candidate no slower on any path is kept, else
     every op eager. Leaves the model eager."""
-    paths, candidates = probe_paths(model), []
+    paths, candidates, copies = probe_paths(model), [], {}
     for candidate in fallbacks(choices):  # each one once (where no conv was fast, two are the same)
         candidates += [candidate] if candidate not in candidates else []
     for candidate in candidates[:-1]:
         best = {False: {}, True: {}}
         for turn in [True] + [False, True] * rounds:  # the candidate's first turn only warms up
-            codec_fast_path(model, choices=candidate) if turn else codec_fast_path(model, on=False)
+            codec_fast_path(model, turn, candidate, copies)
             for name, run in paths.items():
                 start = time.perf_counter()
                 run()
@@ -1074,7 +1087,7 @@ def checked_choices(model, choices, rounds=2):
 def probe_inputs(model):
     """{module: {probe: input shapes}} of an eager encode in the codec's chunks and of a decoding stream in
     chunks of each PROBE_FRAMES size (two chunks: the second has a past)."""
-    cm, seen, probe = codec_module(model), {}, [None]
+    seen, probe = {}, [None]
 
     def record(module, args):
         seen.setdefault(module, {}).setdefault(probe[0], set()).add(tuple(args[0].shape))
@@ -1084,12 +1097,12 @@ def probe_inputs(model):
     try:
         codec_fast_path(model, on=False)
         probe[0] = "encode"
-        cm.encode(model, torch.zeros(2 * cm.CHUNK_FRAMES * model.hop, device=p.device))
+        codec.encode(model, torch.zeros(2 * codec.CHUNK_FRAMES * model.hop, device=p.device))
         rows = model.config["n_codebooks"] + 1
         for frames in PROBE_FRAMES:
             probe[0] = f"stream {frames}"
             codes = torch.zeros(1, rows, 2 * frames, dtype=torch.long, device=p.device)
-            collections.deque(cm.decode_stream(model, codes.split(frames, -1)), maxlen=0)
+            collections.deque(codec.decode_stream(model, codes.split(frames, -1)), maxlen=0)
     finally:
         for hook in hooks:
             hook.remove()

@@ -12,8 +12,7 @@ How the file reads (sections, top to bottom):
                     and Block (3 ways each), flex-decoding
     model           DualAR: embeddings, slow and fast transformers, the head; prefill, forward_slow/fast
     loading         the checkpoint's tensors (HF names, common's reader) -> the model, ids from the tokenizer
-    quantization    which layers get which bits: int8/int4 on CPU (common.QuantLinear), torchao on GPU; and
-                    compile_model
+    compilation     compile_model (which layers get which bits, and how: quantize.py's, applied at `load`)
     prompt          upstream's chat template: system + references, user/assistant turns, dialogues
     sampling        upstream's top-k/top-p filter and exponential race, its random numbers
     one frame       sample_frame (slow token with repetition-aware sampling, then the codebooks), decode_step
@@ -44,11 +43,10 @@ from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from tqdm import tqdm
 
-from common import (DTYPES, ArgumentParser, EngineClosed, Job, QuantLinear, UserError, add_device_arg,
-                    byte_tokenizer, check_plain_text, check_seed, check_torchao, cli, default_compile_cache,
-                    load_tokenizer, new_voice, next_job, peak_memory_gb, pick_device, pick_dtype, queue_job,
-                    read_tensors, swap_linears, torchao_config, unreadable, use_compile_cache, voice_files,
-                    weight_files, write_growing_wav)
+from common import (DTYPES, ArgumentParser, EngineClosed, Job, UserError, add_device_arg, byte_tokenizer,
+                    check_plain_text, check_seed, cli, default_compile_cache, load_tokenizer,
+                    new_voice, next_job, peak_memory_gb, pick_device, pick_dtype, queue_job, read_tensors,
+                    unreadable, use_compile_cache, voice_files, weight_files, write_growing_wav)
 
 # The real fishaudio/s2-pro dimensions, with upstream's flat `dual_ar` key names.
 CONFIG = dict(
@@ -344,10 +342,10 @@ class DualAR(nn.Module):
         self.register_buffer("head_rows", None, persistent=False)  # those rows apart: `compile_model`
         self.tokenizer = None  # set by `load` (and `random_model`)
         self.compiled_step = None  # the frame step as one graph, set by `compile_model`
-        self.quant = None  # the quantization scheme, set by `quantize`
+        self.quant = None  # the quantization scheme, set by quantize.py
         # 9 fast passes a frame (`sample_frame`); off: fp32 rounds codebook 1's logits otherwise (speed.md)
         self.fast_prefill = False
-        self.removal_for = None  # top_k -> a faster `sorted_removal` (`top_removal`; cpu_fast.tune sets it)
+        self.top_filter = TopFilter()  # the sampler's top-k/top-p filter (cpu_fast.tune puts a faster one)
         self.engine = None  # a weak reference to the Scheduler that owns the KV caches
         self.make_rope()
 
@@ -475,12 +473,13 @@ def internal_name(key: str) -> str:
 
 
 # ----------------------------------------------------------------------------- loading
-def load_weights(model: DualAR, ckpt: Path, device, dtype, quant=None):
-    """The checkpoint's tensors into the meta-built model. CPU int8wo/int4wo: each transformer block is
-    quantized as soon as its last tensor is read, so the unquantized model never exists whole."""
+def load_weights(model: DualAR, ckpt: Path, device, dtype, as_read=None):
+    """The checkpoint's tensors into the meta-built model. as_read(block, fast): called on each transformer
+    block as soon as its last tensor is read (quantize.s2_blocks_as_read: CPU int8wo/int4wo quantize each
+    block so, and the unquantized model never exists whole)."""
     expected = {k: v.shape for k, v in model.state_dict().items()}
-    blocks = {}  # "layers.3." -> the names of its tensors, for the blocks quantized as they are read
-    if device.type == "cpu" and quant in CPU_BITS:
+    blocks = {}  # "layers.3." -> the names of its tensors, for the blocks handed over as they are read
+    if as_read:
         for name in expected:
             if block_prefix(name) != name:
                 blocks.setdefault(block_prefix(name), set()).add(name)
@@ -500,8 +499,7 @@ def load_weights(model: DualAR, ckpt: Path, device, dtype, quant=None):
         prefix = block_prefix(name)
         if prefix in blocks and not blocks[prefix] - seen:
             model.load_state_dict({k: state.pop(k) for k in blocks.pop(prefix)}, strict=False, assign=True)
-            fast = prefix.startswith("fast_")
-            swap_linears(model.get_submodule(prefix[:-1]), quant_linear(quant, fast))
+            as_read(model.get_submodule(prefix[:-1]), prefix.startswith("fast_"))
     missing = [k for k in expected if k not in seen]
     if missing:
         raise UserError(f"{ckpt}: missing tensor {hf_name(missing[0])!r} ({len(missing)} missing)")
@@ -532,12 +530,14 @@ def special_ids(tokenizer) -> dict:
 def load(checkpoint, device="cpu", dtype=torch.float32, quant=None, compile=False,
          compile_cache=None, fast_prefill=False) -> DualAR:
     """Load config.json, tokenizer.json and the weights of an S2-Pro checkpoint directory.
-    quant: one of QUANT_SCHEMES (torchao), compile: the frame step as one compiled graph, compile_cache:
-    the folder where compiled kernels are kept for the next process (default
+    quant: one of quantize.S2_SCHEMES (quantize.py), compile: the frame step as one compiled graph,
+    compile_cache: the folder where compiled kernels are kept for the next process (default
     `common.default_compile_cache()`), fast_prefill: 9 fast passes a frame instead of upstream's 10
     (`sample_frame`)."""
-    device = torch.device(device)
-    check_quant(quant, device, dtype)
+    device, quantizing = torch.device(device), quant not in (None, "none")
+    if quantizing:
+        import quantize  # only here: this file copied with common.py alone runs unquantized
+        quantize.check_s2(quant, device, dtype)
     ckpt = Path(checkpoint)
     if not ckpt.is_dir():
         raise UserError(f"checkpoint dir {ckpt} does not exist — download fishaudio/s2-pro (see README)")
@@ -549,7 +549,8 @@ def load(checkpoint, device="cpu", dtype=torch.float32, quant=None, compile=Fals
     cfg.update(special_ids(tokenizer))
     with torch.device("meta"):
         model = DualAR(cfg)
-    load_weights(model, ckpt, device, dtype, quant)
+    as_read = quantize.s2_blocks_as_read(quant, device) if quantizing else None
+    load_weights(model, ckpt, device, dtype, as_read)
     model.make_rope()
     model.tokenizer = tokenizer
     return optimize(model.requires_grad_(False).eval(), quant, compile, compile_cache, fast_prefill)
@@ -558,63 +559,16 @@ def load(checkpoint, device="cpu", dtype=torch.float32, quant=None, compile=Fals
 def optimize(model: DualAR, quant=None, compile=False, compile_cache=None, fast_prefill=False) -> DualAR:
     """Quantize and/or compile a loaded (or demo) model, and choose its frame step's fast passes (this CPU's
     faster matmuls are cpu_fast.tune's, applied after this)."""
-    check_quant(quant, model.embeddings.weight.device, model.embeddings.weight.dtype)
     model.fast_prefill = fast_prefill
-    if quant and quant != "none":
-        quantize(model, quant)
+    if quant not in (None, "none"):
+        import quantize  # as in `load`
+        quantize.quantize(model, quant)
     if compile:
         compile_model(model, compile_cache)
     return model
 
 
-# ----------------------------------------------------------------------------- quantization, compilation
-QUANT_SCHEMES = ("none", "int8wo", "int4wo", "fp8", "nvfp4")
-CPU_BITS = {"int8wo": 8, "int4wo": 4}  # on CPU: torch's own kernels (QuantLinear), any model dtype
-
-
-def check_quant(scheme, device: torch.device, dtype):
-    """What each scheme needs, said before any weight is read (torchao's: common.check_torchao)."""
-    if scheme is None or scheme == "none":
-        return
-    if scheme not in QUANT_SCHEMES:
-        raise UserError(f"quantization {scheme!r} is not one of {', '.join(QUANT_SCHEMES)}")
-    if not (device.type == "cpu" and scheme in CPU_BITS):
-        check_torchao(scheme, device, dtype)
-
-
-def block_scheme(scheme: str, fast: bool, cpu: bool) -> str:
-    """Group-wise int4 (tinygemm) breaks the fast transformer on GPU (reported): it gets int8 there. On CPU
-    int4 there costs about the logit error and codes of int4 in the slow transformer alone, and makes the
-    frame's linear layers faster than int8 there (docs/speed.md)."""
-    return "int8wo" if fast and scheme == "int4wo" and not cpu else scheme
-
-
-def quantize(model: DualAR, scheme: str):
-    """The linear layers of both transformers: on CPU int8wo/int4wo as QuantLinear (and the fast head in
-    int8), else through torchao. The embeddings and the slow head stay as they are."""
-    if model.embeddings.weight.device.type == "cpu" and scheme in CPU_BITS:
-        for fast, layers in ((False, model.layers), (True, model.fast_layers)):
-            for block in layers:  # block by block: one layer's fp32 copy at a time
-                swap_linears(block, quant_linear(scheme, fast))
-        quantize_fast_head(model)
-    else:
-        from torchao.quantization import quantize_
-        quantize_(model.layers, torchao_config(scheme))
-        quantize_(model.fast_layers, torchao_config(block_scheme(scheme, True, cpu=False)))
-    model.quant = scheme
-
-
-def quant_linear(scheme: str, fast: bool):
-    """What swap_linears makes of each linear layer of a block on CPU: a QuantLinear of the block's bits."""
-    return functools.partial(QuantLinear, bits=CPU_BITS[block_scheme(scheme, fast, cpu=True)])
-
-
-def quantize_fast_head(model: DualAR):
-    """CPU: the fast head in int8, one scale per row. It is read once per codebook, 9 times a frame: in fp32
-    it was a third of an int4 frame's weight bytes (docs/speed.md)."""
-    model.fast_output = QuantLinear(model.fast_output, 8)
-
-
+# ----------------------------------------------------------------------------- compilation
 RECOMPILE_GUARD = 64  # graphs of decode_step per process (dynamo's default, 8, is hit by a few cache sizes)
 
 
@@ -634,10 +588,9 @@ def compile_model(model: DualAR, cache=None, backend="inductor", step=None):
     cuda = model.embeddings.weight.device.type == "cuda"
     mode = "reduce-overhead" if cuda and backend == "inductor" else None
     # QuantLinear's cast to bf16 would become an epilogue of CPU flex-attention, which cannot take one
-    quant = not cuda and backend == "inductor" and any(isinstance(m, QuantLinear) for m in model.modules())
+    quant = not cuda and backend == "inductor" and model.quant not in (None, "none")
     model.compiled_step = torch.compile(step, fullgraph=True, dynamic=False, backend=backend, mode=mode,
                                         options={"epilogue_fusion": False} if quant else None)
-    model.compile_backend = backend
 
 
 # ----------------------------------------------------------------------------- prompt
@@ -717,7 +670,7 @@ def logits_to_probs(logits: Tensor, temperature: Tensor, top_p: Tensor, top_k: T
     """Upstream's filter, one row per request: top-k and top-p on the UNSCALED logits (the token that
     crosses top_p is dropped too, unlike HF), the best token always kept, then the temperature.
     removal(logits, top_p, top_k): which tokens the filter removes (default `sorted_removal`; one that finds
-    the same faster may be set on the model: `top_removal`)."""
+    the same faster: the model's `TopFilter.narrowed`)."""
     remove = (removal or sorted_removal)(logits, top_p, top_k)
     logits = torch.where(remove, float("-inf"), logits)
     return F.softmax(logits / torch.clip(temperature, min=1e-5)[:, None], dim=-1)
@@ -733,10 +686,16 @@ def sorted_removal(logits: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:
     return remove.scatter(-1, order, remove)  # back to vocabulary order
 
 
-def top_removal(model: "DualAR", top_k: int):
-    """The removal the sampler uses for rows of top_k at most: the model's `removal_for` (cpu_fast.tune sets
-    one that sorts only the best candidates, equal bit for bit), else None: `sorted_removal`."""
-    return model.removal_for(top_k) if model.removal_for else None
+class TopFilter(nn.Module):
+    """The sampler's top-k/top-p filter as the model's module (upstream's `sorted_removal`), so that one which
+    removes the same tokens faster can take its place (cpu_fast's sorts only the best candidates)."""
+
+    def forward(self, logits: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:
+        return sorted_removal(logits, top_p, top_k)
+
+    def narrowed(self, top_k: int):
+        """The removal for rows of top_k at most (this filter's: the same for any)."""
+        return sorted_removal
 
 
 def sample(logits: Tensor, noise: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor,
@@ -804,7 +763,7 @@ def decode_step(model: DualAR, frames: Tensor, pos: Tensor, recent: Tensor, p: d
 def sampling_params(model: DualAR, sampling: list) -> dict:
     """Per-row [(temperature, top_p, top_k)] -> fp32 device tensors (B,), the bias that lets the slow
     model say only a semantic token or <|im_end|> (over the sampling rows), and the sampler's removal
-    (`top_removal`)."""
+    (`TopFilter.narrowed`)."""
     cfg, device = model.config, model.embeddings.weight.device
     ids = torch.arange(*model.sampling_rows)
     allowed = is_semantic(ids, cfg) | (ids == cfg["im_end_id"])
@@ -817,7 +776,7 @@ def sampling_params(model: DualAR, sampling: list) -> dict:
     return dict(bias=torch.where(allowed, 0.0, float("-inf")).to(device), temperature=floats(temperature),
                 top_p=floats(top_p), top_k=torch.tensor(top_k, device=device),
                 ras_temperature=floats([RAS_TEMPERATURE] * rows), ras_top_p=floats([RAS_TOP_P] * rows),
-                removal=top_removal(model, max(top_k)))
+                removal=model.top_filter.narrowed(max(top_k)))
 
 
 # ----------------------------------------------------------------------------- requests
@@ -1075,7 +1034,7 @@ class Scheduler:
         for key in ("temperature", "top_p", "top_k"):
             self.params[key][row] = params[key][0]
         # every row runs the sampler, a free one with its last request's top_k
-        self.params["removal"] = top_removal(model, int(self.params["top_k"].max()))
+        self.params["removal"] = model.top_filter.narrowed(int(self.params["top_k"].max()))
         self.frames[row], self.pos[row], self.live[row] = frame[0], prompt.size(1), 1
         self.recent[row] = 0
         self.rows[row], request.row = request, row
@@ -1273,7 +1232,8 @@ def add_model_args(ap: argparse.ArgumentParser, more_quant: tuple = (), more_qua
     of another model the CLI also serves (app.py: OmniVoice's)."""
     add_device_arg(ap)
     ap.add_argument("--dtype", choices=list(DTYPES), help="default bf16 on CUDA, fp32 elsewhere")
-    ap.add_argument("--quant", choices=list(dict.fromkeys(QUANT_SCHEMES + tuple(more_quant))),
+    import quantize  # the CLIs' choices (a model copied with common.py alone: call `load` without quant)
+    ap.add_argument("--quant", choices=list(dict.fromkeys(quantize.S2_SCHEMES + tuple(more_quant))),
                     help="weight quantization of both transformers (int8wo, int4wo on CPU: torch's own"
                     " kernels, any dtype; on GPU torchao: int4wo bf16 and compute capability >= 8.0, fp8 >="
                     " 8.9, nvfp4 >= 10.0)" + more_quant_help)

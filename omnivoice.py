@@ -16,7 +16,7 @@ How the file reads (sections, top to bottom):
     building blocks  RMSNorm, RoPE, Attention (GQA, q/k norm), Block
     model            OmniVoice: text + summed audio embeddings, the Qwen3 stack, one head per codebook
     loading          the checkpoint folder -> model, tokenizer and audio tokenizer
-    quantization     int8/int4 weights on CPU (common.QuantLinear); the compiled forward (static buckets)
+    compilation      the compiled forward (static buckets); int8/int4 weights: quantize.py's, at `load`
     voices           a clone prompt from a clip (voice_prompt) or a generation's codes and text
                      (generation_voice, voice_of), saved and read back
     requests         the limits of a request (the CLI's and the server's), generate()'s arguments -> one
@@ -191,9 +191,6 @@ class OmniVoice(nn.Module):
         self.register_buffer("codebook_offsets", torch.arange(C) * V, persistent=False)
         self.tokenizer = self.audio_tokenizer = None  # set by load()
         self.compiled_hidden = None  # set by compile_forward()
-        # what the flat row's forward runs within: it need not round as upstream's rows do, so another
-        # matmul may serve its linears (cpu_fast.tune sets it); by default nothing changes
-        self.loose_matmuls = contextlib.nullcontext
 
     def embed(self, ids: Tensor, audio_mask: Tensor) -> Tensor:
         """Text rows embed codebook 0's id; audio positions sum the codebooks' embeddings."""
@@ -259,9 +256,11 @@ def load_weights(model: OmniVoice, ckpt: Path, device, dtype):
 def load(checkpoint=DEFAULT_CHECKPOINT, device="cpu", dtype=torch.float32, quant=None) -> OmniVoice:
     """The k2-fsa/OmniVoice folder (config.json, model.safetensors, tokenizer.json, audio_tokenizer/) -> the
     model with .tokenizer and .audio_tokenizer (which always runs in fp32, as upstream's); quant: one of
-    QUANT_SCHEMES."""
-    ckpt, device = Path(checkpoint), torch.device(device)
-    check_quant(quant, device)
+    quantize.OMNIVOICE_SCHEMES (quantize.py)."""
+    ckpt, device, quantizing = Path(checkpoint), torch.device(device), quant not in (None, "none")
+    if quantizing:
+        import quantize  # only here: this file copied without quantize.py runs unquantized
+        quantize.check_omnivoice(quant, device)
     if not ckpt.is_dir():
         raise UserError(f"checkpoint dir {ckpt} does not exist — download k2-fsa/OmniVoice (see README)")
     for name in ("config.json", "tokenizer.json"):
@@ -276,39 +275,11 @@ def load(checkpoint=DEFAULT_CHECKPOINT, device="cpu", dtype=torch.float32, quant
     load_weights(model, ckpt, device, dtype)
     model.tokenizer = tokenizer
     model.audio_tokenizer = omnivoice_codec.load(ckpt / "audio_tokenizer", device)
-    return quantize(model.requires_grad_(False).eval(), quant)
+    model.requires_grad_(False).eval()
+    return quantize.quantize(model, quant) if quantizing else model
 
 
-# ----------------------------------------------------------------------------- quantization
-QUANT_SCHEMES = ("none", "int8wo", "int4wo", "w8a8")
-CPU_LINEARS = {"int8wo": functools.partial(common.QuantLinear, bits=8, matmul_rows=1),
-               "int4wo": functools.partial(common.QuantLinear, bits=4, matmul_rows=1),
-               "w8a8": common.W8A8Linear}
-
-
-def check_quant(scheme, device: torch.device):
-    if scheme not in (None, *QUANT_SCHEMES):
-        raise UserError(f"quant {scheme!r}: use one of {', '.join(QUANT_SCHEMES)}")
-    if scheme in CPU_LINEARS and torch.device(device).type != "cpu":
-        raise UserError(f"{scheme} is built for CPU (torch's kernels); on a GPU use dtype bf16")
-
-
-def quantize(model: OmniVoice, scheme) -> OmniVoice:
-    """int8wo: the transformer's linear layers hold int8 weights (a scale per output row), converted to bf16
-    (fp32 on a CPU without bf16 matrix units) for each whole-sequence matmul (compute-bound: torch's int8
-    kernels are written for a few rows); int4wo: int4 weights (a scale and zero per 128 inputs) through
-    torch's int4 kernel, bf16 activations; w8a8: int8 weights and each row of their inputs rounded to int8,
-    int8 products (common.W8A8Linear), but for the MLP's down projection (as int8wo). Embeddings and heads
-    stay in the model's dtype."""
-    check_quant(scheme, model.audio_heads.weight.device)
-    if scheme in CPU_LINEARS:
-        for layer in model.layers:
-            if scheme == "w8a8":  # SwiGLU's products have the outliers a row's int8 clips worst (SmoothQuant)
-                layer.down_proj = CPU_LINEARS["int8wo"](layer.down_proj)
-            common.swap_linears(layer, CPU_LINEARS[scheme])
-    return model
-
-
+# ----------------------------------------------------------------------------- compilation
 LENGTH_BUCKET = 128  # a compiled forward's rows are padded to a multiple of this: a graph per bucket
 RECOMPILE_GUARD = 64  # graphs of the forward per process (dynamo's default, 8: 8 buckets of one batch size)
 
@@ -765,7 +736,7 @@ class Scheduler:
         # the flat row (packed guidance) does not round as upstream's rows anyway: its linears may take
         # another matmul (cpu_fast.tune's); upstream's rows keep F.linear, upstream's bits
         flat = not isinstance(rows["mask"], Tensor)
-        with model.loose_matmuls() if flat else contextlib.nullcontext():
+        with common.loose_matmuls() if flat else contextlib.nullcontext():
             hidden = self.forward(rows["ids"], rows["audio_mask"], rows["mask"], rows["positions"])
             for job, (c_row, c_at), (u_row, u_at) in zip(self.active, rows["cond"], rows["uncond"]):
                 k, T = job.schedule[job.step], job.item["target_len"]
@@ -1241,9 +1212,10 @@ def parse_args(argv=None):
     common.add_device_arg(ap)
     ap.add_argument("--dtype", choices=list(common.DTYPES), help="LM dtype (default bf16 on CUDA, else fp32;"
                     " bf16 on a CPU with AVX-512-BF16 or AMX is several times faster, see docs/omnivoice.md)")
-    ap.add_argument("--quant", choices=QUANT_SCHEMES, help="int8wo / int4wo: int8 / int4 weights (CPU),"
-                    " half / a quarter of bf16's memory; w8a8: int8 weights and activations, int8 products"
-                    " (CPU: the fastest, a little less faithful, see docs/omnivoice.md)")
+    import quantize  # the CLI's choices
+    ap.add_argument("--quant", choices=quantize.OMNIVOICE_SCHEMES, help="int8wo / int4wo: int8 / int4 weights"
+                    " (CPU), half / a quarter of bf16's memory; w8a8: int8 weights and activations, int8"
+                    " products (CPU: the fastest, a little less faithful, see docs/omnivoice.md)")
     ap.add_argument("--packed", action="store_true", help="packed guidance: faster, upstream's codes on every"
                     " golden but not its bits (see docs/omnivoice.md)")
     ap.add_argument("--compile", action="store_true", help="compile the LM's forward (torch.compile: minutes"
@@ -1273,7 +1245,8 @@ def main(argv=None):
     else:
         print("!" * 100 + f"\nNo checkpoint ({DEFAULT_CHECKPOINT} not found): DEMO on a tiny RANDOM model"
               " built in memory. The pipeline is real, the AUDIO IS NOISE.\n" + "!" * 100)
-        model = quantize(demo_model(device, dtype), args.quant)
+        import quantize
+        model = quantize.quantize(demo_model(device, dtype), args.quant)
     if args.compile:
         compile_forward(model)
     if not args.no_tune:

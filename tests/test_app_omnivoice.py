@@ -15,6 +15,7 @@ import torch
 import app
 import common
 import omnivoice
+import quantize
 from conftest import OV_CASES as CASES, OV_CKPT as CKPT, OV_GOLDEN as GOLDEN, ov_golden as golden
 from conftest import CKPT as S2_CKPT, running, save_s2_voice, serve, stop_server
 from test_app import browser_on, call, health, multipart, open_stream, sse_events, tree, wait_for
@@ -433,7 +434,7 @@ def test_omnivoices_w8a8_is_served_and_an_s2_checkpoint_refuses_it(tmp_path):
                                      "--voices", str(tmp_path / "prompt")]))
     try:
         assert served.health()["quant"] == "w8a8"
-        assert isinstance(served.model.model.layers[0].self_attn.q_proj, common.W8A8Linear)
+        assert isinstance(served.model.model.layers[0].self_attn.q_proj, quantize.W8A8Linear)
     finally:
         served.close()
     with pytest.raises(common.UserError, match="quantization 'w8a8' is not one of none, int8wo, int4wo, fp8"):

@@ -3,14 +3,19 @@ returns: it times nothing, writes nothing the caller did not ask for, and leaves
 import functools
 import json
 import os
+import shutil
 import subprocess
 import sys
 
+import torch
+
+import dualAR
+import omnivoice
 from conftest import CKPT, OV_CKPT, ROOT
 
 # the repository's modules
 FILES = ("common", "codec", "cpu_fast", "dualAR", "bench", "omnivoice", "omnivoice_codec", "omnivoice_text",
-         "app", "train_lora", "wyoming_server")
+         "app", "quantize", "train_lora", "wyoming_server")
 
 
 @functools.lru_cache(maxsize=None)  # each module's import is run once
@@ -30,7 +35,8 @@ def test_imports_point_one_way_common_below_the_models_and_nothing_imports_the_b
     assert imported_with("omnivoice_codec") == {"common"}
     assert imported_with("omnivoice_text") == {"common"}
     assert imported_with("omnivoice") == {"common", "omnivoice_codec", "omnivoice_text"}  # no S2 dragged in
-    assert imported_with("cpu_fast") == {"common"}  # it finds a model's own module through the model
+    assert imported_with("quantize") == {"common"}  # a model file imports it only where a scheme is asked
+    assert imported_with("cpu_fast") == {"common", "codec", "dualAR", "quantize"}  # from outside
     # the Wyoming server is given app.py's objects, and app.py imports it only for --wyoming-port
     assert imported_with("wyoming_server") == {"common", "omnivoice_text"}
     assert "wyoming_server" not in imported_with("app")
@@ -83,3 +89,34 @@ def test_library_calls_time_nothing_write_nothing_and_leave_the_process_as_it_wa
     assert "cpu_fast" not in run.stderr and "timing" not in run.stderr
     assert [p for p in (tmp_path / "home").rglob("*")] == []
     assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]
+
+
+COPIED_MODEL = """
+import sys
+import torch
+sys.path.insert(0, ".")
+import dualAR, omnivoice
+s2 = dualAR.generate(dualAR.load(sys.argv[1]), "Hi there.", seed=1, max_new_tokens=6)
+ov = omnivoice.generate(omnivoice.load(sys.argv[2]), "Hello there.", language="en", seed=0, num_step=4)
+modules = sorted(m for m in sys.modules if m.split(".")[0] in {files})
+torch.save(dict(s2=s2, ov=torch.as_tensor(ov), modules=modules), "out.pt")
+"""
+
+
+def test_a_model_file_copies_with_common_py_alone_and_generates_as_in_the_repository(tmp_path):
+    """dualAR.py with common.py, and omnivoice.py with its own two helpers and common.py, copied into an
+    empty folder, generate on the tiny checkpoints what they generate here (no quantize.py, cpu_fast.py
+    or codec.py needed, none imported)."""
+    copied = ["dualAR.py", "common.py", "omnivoice.py", "omnivoice_codec.py", "omnivoice_text.py",
+              "omnivoice_languages.tsv"]
+    for name in copied:
+        shutil.copy(ROOT / name, tmp_path / name)
+    script = COPIED_MODEL.format(files=set(FILES))
+    run = subprocess.run([sys.executable, "-c", script, str(CKPT), str(OV_CKPT)], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=300, env=dict(os.environ, PYTHONPATH=""))
+    assert run.returncode == 0, run.stderr[-3000:]
+    got = torch.load(tmp_path / "out.pt")
+    assert got["modules"] == ["common", "dualAR", "omnivoice", "omnivoice_codec", "omnivoice_text"]
+    assert torch.equal(got["s2"], dualAR.generate(dualAR.load(CKPT), "Hi there.", seed=1, max_new_tokens=6))
+    here = omnivoice.generate(omnivoice.load(OV_CKPT), "Hello there.", language="en", seed=0, num_step=4)
+    assert torch.equal(got["ov"], torch.as_tensor(here))

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import codec
-import common
 import cpu_fast
 import dualAR
+import quantize
 from conftest import CKPT, GOLDEN, ROOT, MatmulDtypes, chunk_sizes, golden, max_diff
 
 
@@ -26,7 +26,7 @@ def test_few_rows_linear_runs_onednn_at_the_rows_its_steps_take_and_torch_elsewh
     changes in place; other row counts and a call that records gradients are F.linear's own."""
     torch.manual_seed(0)
     layer = torch.nn.Linear(48, 40)
-    cpu_fast.use_few_rows_linears(layer, STEPS)
+    layer = cpu_fast.use_few_rows_linears(layer, STEPS)
     assert type(layer) is cpu_fast.FewRowsLinear and list(layer.state_dict()) == ["weight", "bias"]
     calls, packed_matmul = [], cpu_fast.packed_matmul
     monkeypatch.setattr(cpu_fast, "packed_matmul", lambda x, *a: calls.append(len(x)) or packed_matmul(x, *a))
@@ -81,7 +81,7 @@ def test_the_machines_row_steps_are_timed_once_and_kept_in_the_compile_cache(tmp
         assert cpu_fast.few_rows_steps() == steps
     assert len(timed) == 6 and json.loads(path.read_text()) == {machine: steps}
     layer = torch.nn.Linear(8, 4)
-    cpu_fast.use_few_rows_linears(layer, cpu_fast.few_rows_steps())
+    layer = cpu_fast.use_few_rows_linears(layer, cpu_fast.few_rows_steps())
     assert type(layer) is cpu_fast.FewRowsLinear and layer.steps == steps and len(timed) == 6
 
 
@@ -127,7 +127,7 @@ def test_half_linears_run_many_rows_in_fp32_where_the_cpu_has_no_half_matmul_uni
     torch.manual_seed(0)
     for dtype in (torch.float16, torch.bfloat16):
         for units in (True, False):
-            monkeypatch.setitem(common.HALF_UNITS, dtype, units)
+            monkeypatch.setitem(quantize.HALF_UNITS, dtype, units)
             layers = torch.nn.Sequential(torch.nn.Linear(48, 40), torch.nn.ReLU(), torch.nn.Linear(40, 8))
             layers, plain = layers.to(dtype), torch.nn.Linear(48, 8)
             cpu_fast.use_half_linears(layers), cpu_fast.use_half_linears(plain)
@@ -194,7 +194,7 @@ def test_compiled_one_row_linears_are_a_product_and_a_sum_where_the_machine_take
 
     def model():
         torch.manual_seed(0)
-        int8 = common.QuantLinear(torch.nn.Linear(48, 8), bits=8)
+        int8 = quantize.QuantLinear(torch.nn.Linear(48, 8), bits=8)
         return torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.SiLU(), int8)
 
     def reference(layers, x):
@@ -204,8 +204,8 @@ def test_compiled_one_row_linears_are_a_product_and_a_sum_where_the_machine_take
     for wins in (True, False):
         layers = model()
         cpu_fast.use_one_row_sums(layers, {torch.float32: wins, torch.int8: wins})
-        assert layers[0].one_row is wins
-        assert type(layers[2]) is (cpu_fast.OneRowQuantLinear if wins else common.QuantLinear)
+        assert getattr(layers[0], "one_row", False) is wins  # a plain layer is left as it was
+        assert type(layers[2]) is (cpu_fast.OneRowQuantLinear if wins else quantize.QuantLinear)
         assert type(layers[0]) is (cpu_fast.FewRowsLinear if wins else torch.nn.Linear)
         for rows, x in ((1, torch.rand(1, 1, 32)), (4, torch.rand(4, 32))):
             with torch.inference_mode():
@@ -218,11 +218,11 @@ def test_compiled_one_row_linears_are_a_product_and_a_sum_where_the_machine_take
             with torch.inference_mode():
                 assert torch.equal(layers(x), eager)  # eager: the matmuls
         assert not hasattr(layers[0].weight, "prepacked")
-    int4 = common.QuantLinear(torch.nn.Linear(64, 16), bits=4)
+    int4 = quantize.QuantLinear(torch.nn.Linear(64, 16), bits=4)
     others = torch.nn.Sequential(torch.nn.Linear(8, 8).bfloat16(), int4)
     cpu_fast.use_one_row_sums(others, {torch.float32: True, torch.int8: True})
     assert type(others[0]) is torch.nn.Linear and not hasattr(others[0], "one_row")
-    assert others[1].bits == 4 and type(others[1]) is common.QuantLinear
+    assert others[1].bits == 4 and type(others[1]) is quantize.QuantLinear
 
 
 FROZEN = [[0, False], [4, True], [8, False]]  # a Zen 4's frozen_rows_steps: 4-row graphs on frozen weights
@@ -291,7 +291,7 @@ def test_frozen_graphs_are_taken_only_for_cpu_fp32_unquantized_models_whose_copi
     monkeypatch.setattr(cpu_fast, "available_memory_bytes", lambda: 8 * (48 * 40 + 40 * 8) * 4 - 1)
     assert cpu_fast.frozen_rows(layers) == [[0, False]]
     monkeypatch.setattr(cpu_fast, "available_memory_bytes", lambda: 2 ** 40)
-    int8 = torch.nn.Sequential(torch.nn.Linear(48, 40), common.QuantLinear(torch.nn.Linear(40, 8), bits=8))
+    int8 = torch.nn.Sequential(torch.nn.Linear(48, 40), quantize.QuantLinear(torch.nn.Linear(40, 8), bits=8))
     for module in (int8, torch.nn.Sequential(torch.nn.Linear(48, 40).half()), torch.nn.SiLU()):
         assert cpu_fast.frozen_rows(module) == [[0, False]]
 
@@ -327,9 +327,9 @@ def test_the_compiled_one_row_choice_is_timed_once_per_weight_dtype_and_kept_bes
     layers = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.Linear(4, 4))
     cpu_fast.use_one_row_sums(layers)
     assert type(layers[0]) is cpu_fast.FewRowsLinear and layers[1].one_row and timed == [torch.float32]
-    int8 = common.QuantLinear(torch.nn.Linear(8, 4), bits=8)
+    int8 = quantize.QuantLinear(torch.nn.Linear(8, 4), bits=8)
     cpu_fast.use_one_row_sums(torch.nn.Sequential(torch.nn.Linear(8, 4), int8))
-    assert type(int8) is common.QuantLinear and timed == [torch.float32, torch.int8]
+    assert type(int8) is quantize.QuantLinear and timed == [torch.float32, torch.int8]
     assert cpu_fast.compiled_one_row_wins() is True and cpu_fast.compiled_one_row_wins(torch.int8) is False
     fp32, int8 = (f"{cpu_fast.machine_key(torch.device('cpu'), dtype)} {cpu_fast.ONE_ROW_KEY}"
                   for dtype in (torch.float32, torch.int8))
@@ -471,6 +471,10 @@ def fast_model():
 
 def runs_fast(module):  # swapped for its fast class (a compiled Snake, an op on its prepacked weight)
     return type(module) is not cpu_fast.eager_class(module)
+
+
+def same_op(a, b):  # one op's eager and fast modules: the same parameters
+    return next(a.parameters()) is next(b.parameters())
 
 
 def codec_key(model):  # the codec's entry in the decisions file
@@ -683,7 +687,7 @@ def test_timed_choices_time_every_op_in_every_probe_and_leave_the_model_eager(mo
     def fake_seconds(module, x):
         if cpu_fast.eager_class(module) in (codec.CausalConv, codec.CausalConvT):
             layouts.add((cpu_fast.eager_class(module).__name__, x.mT.is_contiguous()))
-        return 2.0 if runs_fast(module) and module is loser and tuple(x.shape) in losing else 1.0
+        return 2.0 if runs_fast(module) and same_op(module, loser) and tuple(x.shape) in losing else 1.0
 
     monkeypatch.setattr(cpu_fast, "seconds", fake_seconds)
     choices = cpu_fast.timed_choices(dac)
@@ -747,6 +751,7 @@ def test_a_conv_runs_prepacked_at_the_sizes_its_steps_say_even_within_one_stream
         limit[cpu_fast.op_key(m)] = min(limit.get(cpu_fast.op_key(m), 3 * frame[m]), 3 * frame[m])
     choices.update({key: [[0, True], [n, False]] for key, n in limit.items()})
     cpu_fast.codec_fast_path(dac, choices=choices)  # the linear layers and Snakes eager
+    convs = [m for m in dac.modules() if cpu_fast.op_key(m) and any(same_op(m, conv) for conv in convs)]
     calls = []  # (conv, positions, prepacked)
     conv_pointwise, matmul = torch.ops.mkldnn._convolution_pointwise, cpu_fast.packed_matmul
     for m in convs:
@@ -766,47 +771,43 @@ def test_a_conv_runs_prepacked_at_the_sizes_its_steps_say_even_within_one_stream
     assert calls and not any(packed for _, _, packed in calls)
 
 
-def test_timing_both_sides_makes_each_prepacked_weight_once_and_frees_the_unused_after():
-    """Inside keeping_copies (the choices' timing, the benchmark) an op turned fast, eager and fast again
-    gets the same prepacked weight back: no hundreds of MB made and freed between timed calls. Outside it,
-    each turn makes its own, and a copy no op holds is not kept."""
+def test_timing_both_sides_makes_each_prepacked_weight_once():
+    """Given one `copies` dict (the choices' timing, the benchmark), an op turned fast, eager and fast again
+    gets the same prepacked weight back: no hundreds of MB made and freed between timed calls. Without it,
+    each turn makes its own (equal) copy."""
     dac = codec.load(CKPT)
-    conv, linear = dac.decoder.model[0], dac.quantizer.post_module.layers[0].attention.wqkv
-    with cpu_fast.keeping_copies():
-        firsts = []
-        for module in (conv, linear):
-            cpu_fast.use_fast(module, True)
-            firsts.append(module.packed)
-            cpu_fast.use_fast(module, False)
-            assert not hasattr(module, "packed")
-            cpu_fast.use_fast(module, [[0, True], [8, False]])
-            assert module.packed is firsts[-1]
-        with cpu_fast.keeping_copies():  # nested: the same copies
-            cpu_fast.use_fast(conv, True)
-            assert conv.packed is firsts[0]
-        cpu_fast.use_fast(linear, False)
-    assert cpu_fast.KEPT_COPIES is None and conv.packed is firsts[0]  # in use: kept by the op
-    cpu_fast.use_fast(conv, False)
-    cpu_fast.use_fast(conv, True)
-    assert conv.packed is not None and conv.packed is not firsts[0]
-    assert torch.equal(conv.packed.to_dense(), firsts[0].to_dense())
+    copies = {}
+    for module in (dac.decoder.model[0], dac.quantizer.post_module.layers[0].attention.wqkv):
+        fast = cpu_fast.use_fast(module, True, copies)
+        eager = cpu_fast.use_fast(fast, False, copies)
+        assert type(eager) is type(module) and not hasattr(eager, "packed")
+        assert cpu_fast.use_fast(eager, [[0, True], [8, False]], copies).packed is fast.packed
+        alone = cpu_fast.use_fast(module, True).packed
+        assert alone is not fast.packed and torch.equal(alone.to_dense(), fast.packed.to_dense())
+    assert len(copies) == 2
 
 
-def test_an_op_turned_fast_and_eager_again_gets_its_own_class_back_with_the_same_parameters():
-    """use_fast swaps a module's class (the same parameters and names), remembering the eager one; eager
-    again, the class is restored and nothing of the fast path stays on the module."""
+def test_an_op_turned_fast_takes_its_place_with_the_same_parameters_and_says_so():
+    """use_fast gives the module that takes an op's place in the model (the same parameters and names, its
+    eager class remembered; `print(model)` names it); eager again, the eager class with nothing of the fast
+    path, and the eager module itself is never changed."""
     dac = codec.load(CKPT)
     ops = {"snake": dac.decoder.model[-2], "conv": dac.decoder.model[0],
            "linear": dac.quantizer.post_module.layers[0].attention.wqkv}
     fast = {"snake": cpu_fast.CompiledSnake, "conv": cpu_fast.PackedConv, "linear": cpu_fast.PackedLinear}
     for kind, module in ops.items():
         eager, names = type(module), list(module.state_dict())
-        cpu_fast.use_fast(module, True)
-        assert type(module) is fast[kind] and cpu_fast.eager_class(module) is eager
-        assert list(module.state_dict()) == names
-        cpu_fast.use_fast(module, False)
-        assert type(module) is eager and cpu_fast.eager_class(module) is eager, kind
-        assert not {"eager", "steps", "packed"} & set(vars(module)), kind
+        assert cpu_fast.use_fast(module, False) is None  # eager already
+        swapped = cpu_fast.use_fast(module, True)
+        assert type(swapped) is fast[kind] and cpu_fast.eager_class(swapped) is eager
+        assert same_op(swapped, module)
+        assert list(swapped.state_dict()) == names and f"in place of {eager.__name__}" in repr(swapped)
+        assert type(module) is eager and not {"eager", "steps", "packed"} & set(vars(module)), kind
+        back = cpu_fast.use_fast(swapped, False)
+        assert type(back) is eager and cpu_fast.eager_class(back) is eager and same_op(back, module), kind
+        assert not {"eager", "steps", "packed"} & set(vars(back)), kind
+    tuned = cpu_fast.codec_fast_path(dac, choices={})
+    assert tuned is dac and "CompiledSnake(in place of Snake)" in repr(dac)
 
 
 def test_only_weights_onednn_can_reorder_on_this_cpu_are_prepacked():
@@ -1013,7 +1014,7 @@ def test_ordering_only_the_best_candidates_samples_what_the_full_sort_samples(ki
             top_ks = torch.randint(0, top_k + 1, (16,), generator=generator)
             top_ks[0] = top_k
             params = torch.full((16,), 0.7), torch.full((16,), top_p), top_ks
-            got = dualAR.logits_to_probs(logits, *params, cpu_fast.candidate_removal("dualAR", top_k))
+            got = dualAR.logits_to_probs(logits, *params, cpu_fast.candidate_removal(top_k))
             assert torch.equal(got, probs_by_full_sort(sort, logits, *params)), (top_k, top_p)
             batches += 1
     if kind == "continuous":  # (top_p = 1 is near a cumulative probability wherever the tail is tiny)
@@ -1032,21 +1033,24 @@ def test_a_compiled_sampler_branches_in_one_graph_and_sorts_the_whole_row_only_w
     top_p, top_k = torch.full((16,), 0.7), torch.randint(0, 31, (16,), generator=generator)
     for kind, sorted_whole in (("continuous", []), ("grid", [1])):
         logits = random_logits(kind, 16, 4096, generator)
-        assert torch.equal(compiled(logits, top_p, top_k, 32, "dualAR"), sort(logits, top_p, top_k)), kind
+        assert torch.equal(compiled(logits, top_p, top_k, 32), sort(logits, top_p, top_k)), kind
         assert whole == sorted_whole, kind
 
 
-def test_the_sampler_op_names_the_model_file_also_where_it_runs_as_a_script(monkeypatch):
-    """The compiled step's sampler op takes the model file's name, so the name is in its graph: dualAR.py run
-    as a script (module __main__) must compile the graph a library call keeps in the compile cache, not a
-    second one (a cold cache showed it: tests/test_dualAR.py's second process compiled one more graph)."""
+def test_a_model_file_run_as_a_script_gets_the_same_filter_and_names_it(monkeypatch):
+    """dualAR.py run as a script (another module object, as __main__ is) is tuned as the imported one: its
+    sampler's filter is cpu_fast's CandidateFilter (`print(model)` says so), whose removal, an argument of the
+    compiled step, names no model file (so a script compiles the graph a library call keeps in the compile
+    cache: a cold cache showed a second graph once), and gives upstream's whole-row removal on ties."""
     spec = importlib.util.spec_from_file_location("not_dualAR", ROOT / "dualAR.py")
     script = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "not_dualAR", script)  # as sys.modules["__main__"] is a script
     spec.loader.exec_module(script)
-    monkeypatch.setitem(cpu_fast.MODEL_MODULES, "dualAR", dualAR)  # put back: later tests patch dualAR's
-    removal = cpu_fast.tune(script.load(CKPT), rows=1).removal_for(30)
-    assert removal.keywords["module"] == "dualAR" and cpu_fast.MODEL_MODULES["dualAR"] is script
+    model = cpu_fast.tune(script.load(CKPT), rows=1)
+    assert type(model.top_filter) is cpu_fast.CandidateFilter
+    assert "(top_filter): CandidateFilter()" in repr(model)
+    removal = model.top_filter.narrowed(30)
+    assert removal is cpu_fast.candidate_removal(30) and removal.keywords == {"candidates": 32}
     logits, top_p, top_k = torch.arange(64.0)[None] % 7, torch.tensor([0.9]), torch.tensor([30])  # ties
     assert torch.equal(removal(logits, top_p, top_k), script.sorted_removal(logits, top_p, top_k))
 
@@ -1058,8 +1062,8 @@ def probs_by_full_sort(sort, logits, temperature, top_p, top_k):
 
 def test_candidates_cover_every_busy_rows_top_k_and_a_tuned_model_samples_with_them():
     top_ks = (0, 1, 30, 32, 33, 4096)
-    assert [cpu_fast.candidate_removal("dualAR", k).keywords["candidates"] for k in top_ks] == [
+    assert [cpu_fast.candidate_removal(k).keywords["candidates"] for k in top_ks] == [
         32, 32, 32, 32, 64, 4096]
     model = cpu_fast.tune(dualAR.load(CKPT), rows=1)
     removal = dualAR.sampling_params(model, [(0.7, 0.7, 30), (0.7, 0.7, 100)])["removal"]
-    assert removal is cpu_fast.candidate_removal("dualAR", 100) and removal.keywords["candidates"] == 128
+    assert removal is cpu_fast.candidate_removal(100) and removal.keywords["candidates"] == 128

@@ -22,6 +22,7 @@ import codec
 import common
 import cpu_fast
 import dualAR
+import quantize
 from conftest import CASES, CKPT, GOLDEN, REAL, ROOT, MatmulDtypes, golden, run_main, run_script
 
 
@@ -328,8 +329,9 @@ def test_trimmed_head_draws_what_the_full_head_draws():
 
 def test_a_plain_model_sorts_the_whole_row_as_upstream():
     plain = dualAR.load(CKPT)
-    assert plain.removal_for is None and dualAR.top_removal(plain, 30) is None
-    assert dualAR.sampling_params(plain, [(0.7, 0.7, 30)])["removal"] is None
+    assert type(plain.top_filter) is dualAR.TopFilter
+    assert plain.top_filter.narrowed(30) is dualAR.sorted_removal
+    assert dualAR.sampling_params(plain, [(0.7, 0.7, 30)])["removal"] is dualAR.sorted_removal
 
 
 def test_bf16_model_samples_without_bias():
@@ -951,7 +953,7 @@ def test_a_compiled_one_row_step_sums_instead_of_its_matmuls_with_upstreams_code
         many = dualAR.generate_many(model, [case_request(CASES[n]["call"]) for n in names], slots=1,
                                     context=512)
         assert all(torch.equal(codes, golden(GOLDEN_RUNS[n])) for codes, n in zip(many, names, strict=True))
-        assert len(backend.calls) == 1 and model.fast_output.one_row is one_row
+        assert len(backend.calls) == 1 and getattr(model.fast_output, "one_row", False) is one_row
         calls[one_row] = backend.calls[0]
     fewer = calls[False].count("linear") - calls[True].count("linear")
     linears = sum(type(m) is cpu_fast.FewRowsLinear for m in model.modules())
@@ -978,6 +980,7 @@ def test_compiled_kernels_go_to_our_cache_folder_unless_the_user_chose_one(monke
         monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", given)
         dualAR.compile_model(dualAR.load(CKPT), backend="eager")
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(used)
+
 
 
 def test_a_second_process_loads_the_compiled_step_from_the_cache(model, tmp_path, decisions_kept):
@@ -1054,7 +1057,7 @@ def test_cpu_quantization_runs_eager_and_compiled_and_its_logits_stay_close(mode
     96) 18.2 / 17.0 at the prefill, 15.8 / 16.9 at a step. Bounds 3 % and 25 %. fp16, the CPU's half
     precision path (docs/speed.md), as on a CPU without fp16 matrix units (its prefill's linears in fp32:
     HalfLinear): 0.12 / 0.12 at the prefill, 0.09 / 0.09 at a step; bound 0.5 %."""
-    monkeypatch.setitem(common.HALF_UNITS, torch.float16, False)
+    monkeypatch.setitem(quantize.HALF_UNITS, torch.float16, False)
     quantized = cpu_fast.tune(dualAR.load(CKPT, dtype=dtype, quant=scheme))
     half = dtype == torch.float16
     assert (type(quantized.layers[0].attention.wqkv) is cpu_fast.HalfLinear) == half
@@ -1072,12 +1075,12 @@ def test_cpu_quantization_runs_eager_and_compiled_and_its_logits_stay_close(mode
 
 
 def test_an_int8_prefill_of_many_tokens_multiplies_converted_weights_and_stays_close(model):
-    """From common.INT8_MATMUL_ROWS rows (a long prompt's prefill) each int8 linear of the slow transformer is
-    one matmul of its exactly converted weight (torch's int8 kernel is 1.4-1.9x slower there on an AVX2 CPU);
-    one row fewer takes the kernel. The logits stay within int8wo's bound (3 % of the largest)."""
+    """From quantize.INT8_MATMUL_ROWS rows (a long prompt's prefill) each int8 linear of the slow transformer
+    is one matmul of its exactly converted weight (torch's int8 kernel is 1.4-1.9x slower there on an AVX2
+    CPU); one row fewer takes the kernel. The logits stay within int8wo's bound (3 % of the largest)."""
     quantized = dualAR.load(CKPT, quant="int8wo")
-    linears = sum(isinstance(m, common.QuantLinear) and m.bits == 8 for m in quantized.layers.modules())
-    prompt = golden("prompt_tokens.npy").repeat(1, 4)[:, :common.INT8_MATMUL_ROWS]
+    linears = sum(isinstance(m, quantize.QuantLinear) and m.bits == 8 for m in quantized.layers.modules())
+    prompt = golden("prompt_tokens.npy").repeat(1, 4)[:, :quantize.INT8_MATMUL_ROWS]
     counts = []
     with torch.inference_mode():
         for tokens in (prompt[:, :-1], prompt):
@@ -1098,7 +1101,7 @@ def test_quantized_weights_stay_small(model):
     once per codebook, is int8 in both."""
     def linear_bytes(layers):
         return sum(bench.tensor_bytes(p) for m in layers.modules()
-                   if isinstance(m, (torch.nn.Linear, common.QuantLinear)) for p in m.parameters())
+                   if isinstance(m, (torch.nn.Linear, quantize.QuantLinear)) for p in m.parameters())
 
     for scheme, slow, fast in (("int8wo", 3.7, 3.7), ("int4wo", 6.2, 5.2)):
         quantized = dualAR.load(CKPT, quant=scheme)
@@ -1112,7 +1115,7 @@ def test_cpu_quantization_while_loading_equals_quantizing_the_loaded_model(monke
     """load(quant=...) on CPU quantizes each block as soon as its last tensor is read, so the unquantized
     model never exists whole (the real size: 17.6 GB in fp32): the same weights as quantizing afterwards."""
     read, read_when_swapped = [], []
-    real_read, real_swap = dualAR.read_tensors, dualAR.swap_linears
+    real_read, real_swap = dualAR.read_tensors, quantize.swap_linears
 
     def counted_read(files):
         for name, tensor in real_read(files):
@@ -1125,13 +1128,13 @@ def test_cpu_quantization_while_loading_equals_quantizing_the_loaded_model(monke
         real_swap(module, make)
 
     monkeypatch.setattr(dualAR, "read_tensors", counted_read)
-    monkeypatch.setattr(dualAR, "swap_linears", counted_swap)
+    monkeypatch.setattr(quantize, "swap_linears", counted_swap)
     early = dualAR.load(CKPT, quant="int4wo")
     monkeypatch.undo()
     n_blocks = early.config["n_layer"] + early.config["n_fast_layer"]
     assert len(read_when_swapped) == n_blocks and read_when_swapped[0] < len(read) / 2
     late = dualAR.load(CKPT)
-    dualAR.quantize(late, "int4wo")
+    quantize.quantize(late, "int4wo")
     assert early.state_dict().keys() == late.state_dict().keys()
     for name, tensor in late.state_dict().items():
         assert torch.equal(early.state_dict()[name], tensor), name
@@ -1140,21 +1143,21 @@ def test_cpu_quantization_while_loading_equals_quantizing_the_loaded_model(monke
 def test_quantization_schemes_the_device_cannot_run_are_named(monkeypatch):
     for scheme, need in [("fp8", "capability >= 8.9"), ("nvfp4", ">= 10.0")]:
         with pytest.raises(common.UserError, match=need):
-            dualAR.check_quant(scheme, torch.device("cpu"), torch.bfloat16)
+            quantize.check_s2(scheme, torch.device("cpu"), torch.bfloat16)
     for scheme, dtype in [("int8wo", torch.float32), ("int4wo", torch.float32), ("int4wo", torch.bfloat16)]:
-        dualAR.check_quant(scheme, torch.device("cpu"), dtype)  # CPU: torch's own kernels, any model dtype
+        quantize.check_s2(scheme, torch.device("cpu"), dtype)  # CPU: torch's own kernels, any model dtype
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))  # a T4
     with pytest.raises(common.UserError, match="int4wo needs an NVIDIA GPU of compute capability >= 8.0"):
-        dualAR.check_quant("int4wo", torch.device("cuda"), torch.bfloat16)
+        quantize.check_s2("int4wo", torch.device("cuda"), torch.bfloat16)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H100
     for scheme in ("fp8", "int4wo"):  # torchao asserts bf16 for these: said before any weight is read
         with pytest.raises(common.UserError, match=f"--quant {scheme} needs bf16 weights"):
-            dualAR.check_quant(scheme, torch.device("cuda"), torch.float32)
-    dualAR.check_quant("fp8", torch.device("cuda"), torch.bfloat16)
+            quantize.check_s2(scheme, torch.device("cuda"), torch.float32)
+    quantize.check_s2("fp8", torch.device("cuda"), torch.bfloat16)
     monkeypatch.setitem(sys.modules, "torchao.quantization", None)  # a torchao that does not import
     with pytest.raises(common.UserError, match="torchao, which does not import here: ModuleNotFoundError"):
-        dualAR.check_quant("int8wo", torch.device("cuda"), torch.bfloat16)
-    dualAR.check_quant("int8wo", torch.device("cpu"), torch.float32)  # CPU needs no torchao
+        quantize.check_s2("int8wo", torch.device("cuda"), torch.bfloat16)
+    quantize.check_s2("int8wo", torch.device("cpu"), torch.float32)  # CPU needs no torchao
 
 
 def test_bench_prints_a_table_and_one_machine_readable_line_per_batch(capsys):

@@ -18,6 +18,7 @@ import cpu_fast
 import dualAR
 import omnivoice
 import omnivoice_text
+import quantize
 from conftest import CKPT as S2_CKPT, OV_CASES as CASES, OV_CKPT as CKPT, OV_GOLDEN as GOLDEN, OV_TINY as TINY
 from conftest import ROOT, ov_golden as golden, run_main
 
@@ -239,8 +240,9 @@ def test_upstreams_rows_are_the_default_and_packed_is_the_flat_row_on_cpu_only()
 @pytest.mark.parametrize("matmul", ["onednn", "mkl", "torch"])
 def test_a_tuned_models_linears_run_the_machines_matmul_within_loose_matmuls_alone(matmul, monkeypatch):
     """cpu_fast.tune: the layers' and heads' linears run the matmul this machine's timing chose
-    (`many_rows_matmul`: oneDNN's or MKL's on packed copies of the weights, or torch's) within the model's
-    `loose_matmuls` (the flat row), and torch's own F.linear outside it (upstream's rows, upstream's bits)."""
+    (`many_rows_matmul`: oneDNN's or MKL's on packed copies of the weights, or torch's) within
+    `common.loose_matmuls` (the flat row), and torch's own F.linear outside it (upstream's rows, upstream's
+    bits); `print(model)` names them."""
     calls = {"onednn": [], "mkl": []}
     for name, fn in (("onednn", "packed_matmul"), ("mkl", "mkl_packed_matmul")):
         real = getattr(cpu_fast, fn)
@@ -252,29 +254,36 @@ def test_a_tuned_models_linears_run_the_machines_matmul_within_loose_matmuls_alo
     linears = [m for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
     kind = torch.nn.Linear if matmul == "torch" else cpu_fast.ManyRowsLinear
     assert {type(m) for m in [*linears, model.audio_heads]} == {kind}
+    assert (f"ManyRowsLinear(in_features={model.cfg['dim']}" in repr(model)) == (matmul != "torch")
+    assert (f"matmul={matmul})" in repr(model)) == (matmul != "torch")
     rows = omnivoice.flat_row(model, items, True)
     with torch.inference_mode():
         model.hidden(rows["ids"], rows["audio_mask"], rows["mask"], rows["positions"])
         assert calls == {"onednn": [], "mkl": []}  # outside loose_matmuls: F.linear
-        with model.loose_matmuls():
+        with common.loose_matmuls():
             model.hidden(rows["ids"], rows["audio_mask"], rows["mask"], rows["positions"])
     assert {name: len(c) for name, c in calls.items()} == {
         name: len(linears) if name == matmul else 0 for name in calls}
 
 
 @pytest.mark.parametrize("packed", [True, False])
-def test_an_unmasking_step_runs_the_flat_row_within_loose_matmuls_and_upstreams_rows_without(
-        model, packed, monkeypatch):
+def test_an_unmasking_step_runs_the_flat_row_within_loose_matmuls_and_upstreams_rows_without(model, packed):
     """Each step of the flat row runs the LM's layers (the forward) and its audio heads (the target rows'
-    logits) within the model's loose_matmuls (where cpu_fast.tune may give them another matmul); upstream's
+    logits) within common.loose_matmuls (where cpu_fast.tune may give them another matmul); upstream's
     rows run without it (upstream's bits)."""
-    entered, loose = [], model.loose_matmuls
-    monkeypatch.setattr(model, "loose_matmuls", lambda: entered.append(1) or loose())
+    entered = []  # per call of the first layer and the heads: within loose_matmuls
+    hooks = [m.register_forward_pre_hook(lambda m, args: entered.append((m, common.LOOSE_MATMULS.get())))
+             for m in (model.layers[0], model.audio_heads)]
     voice = omnivoice.load_voice(GOLDEN / "prompt_ref24.pt")
     gen = dict(omnivoice.generation_config({}), num_step=3)
     items = omnivoice.plan(model, ["Hello there."], "en", None, None, [voice], None, None, None, gen)
-    omnivoice.unmask(model, items, gen, torch.Generator().manual_seed(0), packed=packed)
-    assert len(entered) == (3 if packed else 0)
+    try:
+        omnivoice.unmask(model, items, gen, torch.Generator().manual_seed(0), packed=packed)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert [loose for m, loose in entered if m is model.layers[0]] == [packed] * 3  # one forward a step
+    assert [loose for m, loose in entered if m is model.audio_heads] == [packed] * 6  # cond and uncond
 
 
 def test_the_flat_row_holds_every_sequence_once_as_a_span(model):
@@ -656,7 +665,7 @@ def test_bf16_int8_and_int4_keep_the_argmax_of_fp32_at_their_stated_share(model,
     (tested >= 95 %), w8a8 96-100 % (>= 95 %), int4wo 90-94 % (tested >= 88 %: it gives up what OpenVINO's
     W8A8 does). On a CPU with bf16 matrix units and on one without (whose bf16 linears and int8wo products
     then run in fp32)."""
-    monkeypatch.setitem(common.HALF_UNITS, torch.bfloat16, units)
+    monkeypatch.setitem(quantize.HALF_UNITS, torch.bfloat16, units)
     low = cpu_fast.tune(omnivoice.load(CKPT, dtype=dtype, quant=quant))
     half = dtype == torch.bfloat16 and not units
     assert (type(low.audio_heads) is cpu_fast.HalfLinear) == half
@@ -664,11 +673,11 @@ def test_bf16_int8_and_int4_keep_the_argmax_of_fp32_at_their_stated_share(model,
         assert not any(isinstance(m, torch.nn.Linear) for m in low.layers.modules())
         gate = low.layers[0].gate_proj
         if quant == "w8a8":  # but the MLP's down projection, int8 weights only
-            assert isinstance(gate, common.W8A8Linear) and gate.weight.dtype == torch.int8
+            assert isinstance(gate, quantize.W8A8Linear) and gate.weight.dtype == torch.int8
             down = low.layers[0].down_proj
-            assert isinstance(down, common.QuantLinear) and down.bits == 8
+            assert isinstance(down, quantize.QuantLinear) and down.bits == 8
         else:
-            assert isinstance(gate, common.QuantLinear) and gate.bits == dict(int8wo=8, int4wo=4)[quant]
+            assert isinstance(gate, quantize.QuantLinear) and gate.bits == dict(int8wo=8, int4wo=4)[quant]
     for case in ("clone", "design", "batch"):
         ids, audio_mask = golden(f"gen_{case}_fwd0_input_ids.npy"), golden(f"gen_{case}_fwd0_audio_mask.npy")
         mask = golden(f"gen_{case}_fwd0_attention_mask.npy")

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import bench  # noqa: E402  (the repository root, where this tool's models come from)
 import common  # noqa: E402
 from bench import synchronize  # noqa: E402
-from common import QuantLinear  # noqa: E402
+from quantize import QuantLinear  # noqa: E402
 from dualAR import DualAR, decode_attention  # noqa: E402
 
 

@@ -4,7 +4,7 @@ fidelity: the table there is this script's output, 1 thread, about 13 min.)
     python tools/quant_fidelity.py [--weights bench norms1 tailed outliers] [--frames 64]
 
 For the same s2-mid-b random weights, the quantized model's logits against fp32 computed
-  ours      : dualAR.quantize (common.QuantLinear, torch's int8/int4 kernels, bf16 activations)
+  ours      : quantize.quantize (quantize.QuantLinear, torch's int8/int4 kernels, bf16 activations)
   deq       : the same bits (our q, our bf16 scales/zeros) dequantized to fp32, F.linear in fp32
   deq32     : our q, fp32 scales/zeros (what bf16 scale rounding costs)
   ggml      : Q8_0 / Q4_0 (blocks of 32), fp32 matmul (fast head Q8_0 under Q4_0, as s2.cpp's file)
@@ -24,15 +24,15 @@ import torch.nn as nn  # noqa: E402
 
 torch.set_num_threads(1)
 import bench  # noqa: E402
-import dualAR  # noqa: E402
-from common import INT4_GROUP, KERNEL_LANES, int8_rows, swap_linears  # noqa: E402
+import quantize  # noqa: E402
+from quantize import INT4_GROUP, KERNEL_LANES, int8_rows, swap_linears  # noqa: E402
 
 CPU = torch.device("cpu")
 
 
 # ------------------------------------------------------------------ weight-only schemes in plain fp32
 def ours_bits(w, bits, scale_dtype=torch.bfloat16):
-    """common.QuantLinear's q and scales (same choices), dequantized in fp32."""
+    """quantize.QuantLinear's q and scales (same choices), dequantized in fp32."""
     out_f, in_f = w.shape
     group = math.gcd(INT4_GROUP, in_f)
     bits = 8 if group < 32 or out_f % KERNEL_LANES else bits
@@ -82,21 +82,21 @@ class Bf16Act(nn.Module):
 def scheme_funcs(scheme):
     """(slow-block deq, fast-block deq, fast-head deq) for `deq`-like variants, per scheme (CPU choices)."""
     bits = {"int8wo": 8, "int4wo": 4}[scheme]
-    fast_bits = dualAR.CPU_BITS[dualAR.block_scheme(scheme, True, cpu=True)]
+    fast_bits = quantize.CPU_BITS[quantize.block_scheme(scheme, True, cpu=True)]
     return bits, fast_bits
 
 
 def variant(model, scheme, kind, rel=None):
     m = copy.deepcopy(model)
     if kind == "ours":
-        dualAR.quantize(m, scheme)
+        quantize.quantize(m, scheme)
         return m
     if kind == "ours-head32":  # ours, the fast head left in fp32
-        dualAR.quantize(m, scheme)
+        quantize.quantize(m, scheme)
         m.fast_output = copy.deepcopy(model.fast_output)
         return m
     if kind == "headonly":  # only the fast head in int8 (QuantLinear), everything else fp32
-        dualAR.quantize_fast_head(m)
+        quantize.quantize_fast_head(m)
         return m
     bits, fast_bits = scheme_funcs(scheme)
     if kind in ("deq", "deq32"):

@@ -23,6 +23,7 @@ import cpu_fast  # noqa: E402
 import codec  # noqa: E402
 import common  # noqa: E402
 import dualAR  # noqa: E402
+import quantize  # noqa: E402
 
 TEXT = bench.BENCH_TEXT
 
@@ -92,7 +93,7 @@ def parse_args(argv=None):
 def main(argv=None) -> dict:
     args = parse_args(argv)
     device, dtype, compiled = dualAR.model_settings(args)
-    dualAR.check_quant(args.quant, device, dtype)
+    quantize.check_s2(args.quant, device, dtype)
     if args.checkpoint:
         model = dualAR.load(args.checkpoint, device, dtype, args.quant, compiled, args.compile_cache,
                             args.fast_prefill)

@@ -15,6 +15,7 @@ import contextvars
 import functools
 import glob
 import importlib
+import inspect
 import json
 import os
 import platform
@@ -284,6 +285,16 @@ def use_compile_cache(cache=None) -> Path:
     folder = cache_for_this_cpu(Path(cache).expanduser()) if cache is not None else compile_cache_folder()
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(folder)
     return folder
+
+
+def compiled(fn, recompile_limit: int, **options):
+    """torch.compile(fn, **options) allowed `recompile_limit` graphs (dynamo's default, 8, is a few
+    shapes): for fn alone where torch.compile takes the limit (torch 2.13 does); an older torch has only
+    dynamo's global limit, which is then raised to it for the process."""
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:
+        return torch.compile(fn, recompile_limit=recompile_limit, **options)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, recompile_limit)
+    return torch.compile(fn, **options)
 
 
 def write_atomic(path, write):

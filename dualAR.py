@@ -44,7 +44,7 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from tqdm import tqdm
 
 from common import (DTYPES, ArgumentParser, EngineClosed, Job, UserError, add_device_arg, byte_tokenizer,
-                    check_plain_text, check_seed, cli, default_compile_cache, load_tokenizer,
+                    check_plain_text, check_seed, cli, compiled, default_compile_cache, load_tokenizer,
                     new_voice, next_job, peak_memory_gb, pick_device, pick_dtype, queue_job, read_tensors,
                     unreadable, use_compile_cache, voice_files, weight_files, write_growing_wav)
 
@@ -576,11 +576,10 @@ def compile_model(model: DualAR, cache=None, backend="inductor", step=None):
     """The frame step as one graph per (rows, cache) shape (see `batch_bucket`, `cache_bucket`), with
     flex-decoding inside; on CUDA replayed as CUDA graphs. Inductor keeps what it compiles in `cache`
     (`common.use_compile_cache`): the next process with the same shapes loads it instead of compiling
-    again. Process-wide, for good: it sets $TORCHINDUCTOR_CACHE_DIR (unless the user did) and raises
-    dynamo's recompile limit to RECOMPILE_GUARD. backend="eager": the same graph capture, no codegen (smoke
-    runs). step: another function of (model, ...) compiled the same way (tests)."""
+    again: process-wide, it sets $TORCHINDUCTOR_CACHE_DIR (unless the user did: inductor has no other
+    setting for it). Up to RECOMPILE_GUARD graphs. backend="eager": the same graph capture, no codegen
+    (smoke runs). step: another function of (model, ...) compiled the same way (tests)."""
     use_compile_cache(cache)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_GUARD)
     # the head's rows as a tensor of their own (a slice of the embedding table is a view into it)
     model.register_buffer("head_rows", model.head_weight[slice(*model.sampling_rows)].clone(),
                           persistent=False)
@@ -589,8 +588,8 @@ def compile_model(model: DualAR, cache=None, backend="inductor", step=None):
     mode = "reduce-overhead" if cuda and backend == "inductor" else None
     # QuantLinear's cast to bf16 would become an epilogue of CPU flex-attention, which cannot take one
     quant = not cuda and backend == "inductor" and model.quant not in (None, "none")
-    model.compiled_step = torch.compile(step, fullgraph=True, dynamic=False, backend=backend, mode=mode,
-                                        options={"epilogue_fusion": False} if quant else None)
+    model.compiled_step = compiled(step, RECOMPILE_GUARD, fullgraph=True, dynamic=False, backend=backend,
+                                   mode=mode, options={"epilogue_fusion": False} if quant else None)
 
 
 # ----------------------------------------------------------------------------- prompt

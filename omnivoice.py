@@ -289,11 +289,11 @@ def compile_forward(model: OmniVoice, backend="inductor", cache=None) -> OmniVoi
     as packed_rows padded to a multiple of LENGTH_BUCKET positions, the padding attending to itself, so
     requests of different lengths within a bucket reuse the graph. backend="eager": the same capture, no
     codegen (tests). cache: where inductor keeps its kernels for the next process (use_compile_cache).
-    Process-wide, for good: it sets $TORCHINDUCTOR_CACHE_DIR (unless the user did) and raises dynamo's
-    recompile limit to RECOMPILE_GUARD."""
+    Process-wide, it sets $TORCHINDUCTOR_CACHE_DIR (unless the user did: inductor has no other setting for
+    it). Up to RECOMPILE_GUARD graphs."""
     common.use_compile_cache(cache)
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_GUARD)
-    model.compiled_hidden = torch.compile(model.hidden, fullgraph=True, dynamic=False, backend=backend)
+    model.compiled_hidden = common.compiled(model.hidden, RECOMPILE_GUARD, fullgraph=True, dynamic=False,
+                                            backend=backend)
     return model
 
 

@@ -257,18 +257,12 @@ def decisions_kept(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def process_state_restored():
-    """Each test gets back the process-wide state it started with: what `dualAR.compile_model` sets (the
-    inductor cache folder, dynamo's recompile limit), dynamo's and inductor's other options, and torch's
-    global random state (seeded by the demo models, `bench.random_model` and tests)."""
+    """Each test gets back the process-wide state it started with: the inductor cache folder (which
+    `dualAR.compile_model` sets: inductor has no other setting for it) and torch's global random state
+    (seeded by the demo models, `bench.random_model` and tests)."""
     cache_dir = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    configs = [(c, c.get_config_copy()) for c in (torch._dynamo.config, torch._inductor.config)]
     with torch.random.fork_rng(devices=[]):
         yield
-    for config, before in configs:
-        now = config.get_config_copy()
-        for key, value in before.items():
-            if now[key] is not value and now[key] != value:
-                setattr(config, key, value)
     if cache_dir is None:
         os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
     else:

@@ -204,3 +204,20 @@ def test_added_tokens_of_the_tokenizer_in_user_text_are_found_and_named():
     assert str(error.value) == ("input contains '<|im_end|>', a control token of the model's tokenizer: text"
                                 " may not hold one (write it otherwise)")
 
+
+def test_a_compiled_function_takes_its_own_recompile_limit_and_leaves_dynamos_as_it_was():
+    """common.compiled(fn, n): fn compiles a graph for each of n shapes (dynamo's default limit, 8, would
+    stop a full graph at the 9th) and the process's limit stays as it was."""
+    limit = torch._dynamo.config.recompile_limit
+
+    def double(x):
+        return x * 2
+
+    fn = common.compiled(double, limit + 2, fullgraph=True, dynamic=False, backend="eager")
+    for n in range(1, limit + 3):
+        assert torch.equal(fn(torch.ones(n)), torch.full((n,), 2.0))
+    assert torch._dynamo.config.recompile_limit == limit
+    plain = torch.compile(lambda x: x * 2, fullgraph=True, dynamic=False, backend="eager")
+    with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):  # torch.compile's default limit
+        for n in range(1, limit + 3):
+            plain(torch.ones(n))

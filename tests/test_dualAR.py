@@ -982,6 +982,14 @@ def test_compiled_kernels_go_to_our_cache_folder_unless_the_user_chose_one(monke
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(used)
 
 
+def test_a_compiled_step_takes_its_many_graphs_without_raising_dynamos_limit_for_the_process():
+    """compile_model allows its step RECOMPILE_GUARD graphs (a few batch and cache sizes pass dynamo's 8)
+    through torch.compile's own limit: dynamo's global one stays as it was (no test restores it)."""
+    limit = torch._dynamo.config.recompile_limit
+    model = dualAR.load(CKPT)
+    dualAR.compile_model(model, backend="eager")
+    assert torch._dynamo.config.recompile_limit == limit < dualAR.RECOMPILE_GUARD  # common.compiled's own
+
 
 def test_a_second_process_loads_the_compiled_step_from_the_cache(model, tmp_path, decisions_kept):
     """This process compiles a model's frame step (batch 1, a 256-position cache) into the session's

@@ -725,16 +725,17 @@ def draw_noise(model: DualAR, generators: list, uniform: Tensor = None) -> tuple
 
 
 # ----------------------------------------------------------------------------- one frame
-def sample_frame(model: DualAR, logits: Tensor, hidden: Tensor, recent: Tensor, p: dict,
+def sample_frame(model: DualAR, logits: Tensor, hidden: Tensor, recent: Tensor, sampling: dict,
                  slow_noise: Tensor, fast_noise: Tensor) -> Tensor:
     """Slow logits (B, sampling rows) and fast input (B, fast_dim) -> the frames (B, 1 + num_codebooks):
     the main token (repetition-aware), then codebook 0 from it and codebooks 1.. from the fast model."""
     cfg = model.config
     start = model.sampling_rows[0]
-    logits = logits.float() + p["bias"]
-    top_k, removal = p["top_k"], p["removal"]
-    main = start + sample(logits, slow_noise[:, 0], p["temperature"], p["top_p"], top_k, removal)
-    high = start + sample(logits, slow_noise[:, 1], p["ras_temperature"], p["ras_top_p"], top_k, removal)
+    logits = logits.float() + sampling["bias"]
+    temperature, top_p, top_k, removal = (sampling[k] for k in ("temperature", "top_p", "top_k", "removal"))
+    main = start + sample(logits, slow_noise[:, 0], temperature, top_p, top_k, removal)
+    high = start + sample(logits, slow_noise[:, 1], sampling["ras_temperature"], sampling["ras_top_p"], top_k,
+                          removal)
     # repetition-aware sampling: a semantic token among the recent ones is replaced by the hotter draw
     main = torch.where((recent == main[:, None]).any(-1) & is_semantic(main, cfg), high, main)
     code = torch.clamp(main - cfg["semantic_begin_id"], 0, cfg["codebook_size"] - 1)
@@ -745,18 +746,18 @@ def sample_frame(model: DualAR, logits: Tensor, hidden: Tensor, recent: Tensor, 
         model.forward_fast(hidden[:, None], 0, logits=False)  # fills the fast cache, output unused (upstream)
     for i in range(1, cfg["num_codebooks"]):
         fast_logits = model.forward_fast(x, i)
-        code = sample(fast_logits, fast_noise[:, i - 1], p["temperature"], p["top_p"], top_k, removal)
+        code = sample(fast_logits, fast_noise[:, i - 1], temperature, top_p, top_k, removal)
         codes.append(code)
         x = model.fast_embeddings(code)[:, None]
     return torch.stack(codes, dim=1)
 
 
-def decode_step(model: DualAR, frames: Tensor, pos: Tensor, recent: Tensor, p: dict,
+def decode_step(model: DualAR, frames: Tensor, pos: Tensor, recent: Tensor, sampling: dict,
                 slow_noise: Tensor, fast_noise: Tensor) -> Tensor:
     """One frame for every row: the last frames (B, 1 + num_codebooks) at positions pos (B,) -> the next.
     Static shapes, no host sync: this is the function `compile_model` compiles."""
     logits, hidden = model.forward_slow(frames, pos)
-    return sample_frame(model, logits, hidden, recent, p, slow_noise, fast_noise)
+    return sample_frame(model, logits, hidden, recent, sampling, slow_noise, fast_noise)
 
 
 def sampling_params(model: DualAR, sampling: list) -> dict:

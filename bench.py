@@ -428,7 +428,7 @@ def codec_speed(args):
     device = common.pick_device(args.device)
     dtype = common.pick_dtype(args.dtype, device, cuda="fp16")
     print(machine_line(device))
-    cpu_fast.keep_freed_memory()  # as cpu_fast.tune does for either path
+    cpu_fast.keep_freed_memory()  # as the CLIs do, for either path
     cfg = codec.read_config(args.config) if args.config else codec.CONFIG
     dac = random_codec(cfg, device, dtype)
     n_params = sum(p.numel() for p in dac.parameters())
@@ -496,7 +496,7 @@ OV_REF_SECONDS = 3  # every request clones a reference of this length (random co
 def ov_requests(model, args, gen: dict, batch: int) -> list:
     """`batch` clone requests of `--seconds` each (a fixed duration, so the length is exact)."""
     generator = torch.Generator().manual_seed(args.seed)
-    C, frames = model.cfg["num_codebooks"], OV_REF_SECONDS * model.frame_rate
+    C, frames = model.config["num_codebooks"], OV_REF_SECONDS * model.frame_rate
     codes = torch.randint(0, model.audio_tokenizer.codebook_size, (C, frames), generator=generator)
     voice = dict(codes=codes, text=(OV_TEXT * 2)[:OV_CHARS_PER_SECOND * OV_REF_SECONDS], rms=0.05)
     text = (OV_TEXT * math.ceil(args.seconds))[:round(OV_CHARS_PER_SECOND * args.seconds)]
@@ -568,8 +568,8 @@ def ov_bench_unmask(model, args, device, peak: float, batch: int):
     spans = None if isinstance(built["mask"], Tensor) else built["mask"]
     run = lambda: omnivoice.unmask(model, items, gen, generator, packed=ov_packed(args))  # noqa: E731
     walls, memory, first = ov_timed(run, device, args.rounds)
-    flops = args.num_step * ov_step_flops(model.cfg, len(model.layers), rows, length, targets, spans)
-    audio, codes = sum(targets) / model.frame_rate, sum(targets) * model.cfg["num_codebooks"]
+    flops = args.num_step * ov_step_flops(model.config, len(model.layers), rows, length, targets, spans)
+    audio, codes = sum(targets) / model.frame_rate, sum(targets) * model.config["num_codebooks"]
     gflops = [flops / w / 1e9 for w in walls]
     print(f"unmask: batch {batch}, {targets[0]} frames ({args.seconds:g} s) each, {rows} rows x {length}"
           f" positions ({getattr(layout, 'func', layout).__name__}), {args.num_step} steps,"

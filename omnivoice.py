@@ -181,7 +181,7 @@ class OmniVoice(nn.Module):
 
     def __init__(self, cfg: dict):
         super().__init__()
-        self.cfg = cfg
+        self.config = cfg
         C, V = cfg["num_codebooks"], cfg["audio_vocab_size"]
         self.embed_tokens = nn.Embedding(cfg["vocab_size"], cfg["dim"])
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg["n_layer"]))
@@ -204,7 +204,7 @@ class OmniVoice(nn.Module):
         (start, end) spans of a flat row's sequences; positions (B, L): each token's RoPE position (default
         0..L-1 in every row)."""
         x = self.embed(ids, audio_mask)
-        cos, sin = rope_tables(x.shape[1], self.cfg["head_dim"], self.cfg["rope_base"], x.device)
+        cos, sin = rope_tables(x.shape[1], self.config["head_dim"], self.config["rope_base"], x.device)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         if positions is not None:
             cos, sin = cos[positions][:, None], sin[positions][:, None]  # (B, 1, L, head_dim)
@@ -214,7 +214,7 @@ class OmniVoice(nn.Module):
 
     def heads(self, hidden: Tensor) -> Tensor:
         """(..., dim) -> (..., C, V) fp32 logits."""
-        return self.audio_heads(hidden).unflatten(-1, (self.cfg["num_codebooks"], -1)).float()
+        return self.audio_heads(hidden).unflatten(-1, (self.config["num_codebooks"], -1)).float()
 
     def forward(self, ids: Tensor, audio_mask: Tensor, mask: Tensor) -> Tensor:
         return self.heads(self.hidden(ids, audio_mask, mask)).permute(0, 2, 1, 3)  # (B, C, L, V)
@@ -249,7 +249,7 @@ def load_weights(model: OmniVoice, ckpt: Path, device, dtype):
     if wrong:
         raise UserError(f"{ckpt}: {wrong[0]}")
     model.load_state_dict(state, assign=True, strict=False)
-    C, V = model.cfg["num_codebooks"], model.cfg["audio_vocab_size"]
+    C, V = model.config["num_codebooks"], model.config["audio_vocab_size"]
     model.codebook_offsets = torch.arange(C, device=device) * V
 
 
@@ -407,7 +407,7 @@ def check_voice(voice, model: OmniVoice = None):
     if codes.ndim != 2 or codes.shape[1] == 0 or codes.is_floating_point():
         raise UserError(f"voice codes must be integers of shape (codebooks, frames), got {list(codes.shape)}")
     if model is not None:
-        C, size = model.cfg["num_codebooks"], model.audio_tokenizer.codebook_size
+        C, size = model.config["num_codebooks"], model.audio_tokenizer.codebook_size
         if codes.shape[0] != C or codes.min() < 0 or codes.max() >= size:
             raise UserError(f"voice codes {list(codes.shape)} in {codes.min()}..{codes.max()} do not fit this"
                             f" model ({C} codebooks of {size})")
@@ -490,7 +490,7 @@ def plan(model: OmniVoice, texts: list, language, ref_audio, ref_text, voice, in
             item["speed"] = estimate / item["target_len"]
         else:
             item["target_len"], item["speed"] = estimate, s or 1.0
-        limit = model.cfg["max_seq_len"]
+        limit = model.config["max_seq_len"]
         if item["target_len"] > limit:
             seconds = item["target_len"] / model.frame_rate
             raise UserError(f"{item['target_len']} frames ({seconds:.0f} s) is too long for the model"
@@ -521,14 +521,14 @@ def count_schedule(total: int, ts) -> list[int]:
 
 def item_ids(model: OmniVoice, item: dict, denoise: bool) -> Tensor:
     """One request's conditional sequence (C, L): style, text, reference codes, then the masked target."""
-    C, has_ref = model.cfg["num_codebooks"], item["ref_codes"] is not None
+    C, has_ref = model.config["num_codebooks"], item["ref_codes"] is not None
     style = tokenize(model.tokenizer, style_prefix(denoise, has_ref, item["language"], item["instruct"]))
     text = f"<|text_start|>{combine_text(item['ref_text'], item['text'])}<|text_end|>"
     words = tokenize_with_nonverbal_tags(model.tokenizer, text)
     parts = [torch.tensor(style + words).expand(C, -1)]
     if has_ref:
         parts.append(item["ref_codes"])
-    parts.append(torch.full((C, item["target_len"]), model.cfg["audio_mask_id"]))
+    parts.append(torch.full((C, item["target_len"]), model.config["audio_mask_id"]))
     return torch.cat(parts, 1)
 
 
@@ -538,7 +538,7 @@ def batch_rows(model: OmniVoice, items: list, denoise: bool, seqs: list = None) 
     audio_mask (2B, L), mask (2B, 1, L, L), positions None (0..L-1), cond / uncond: each request's (row,
     first target position)). seqs: the requests' sequences as they are now (default: item_ids')."""
     seqs = seqs or [item_ids(model, item, denoise) for item in items]
-    B, C, mask_id = len(items), model.cfg["num_codebooks"], model.cfg["audio_mask_id"]
+    B, C, mask_id = len(items), model.config["num_codebooks"], model.config["audio_mask_id"]
     L = max(s.shape[1] for s in seqs)
     rows = dict(ids=torch.full((2 * B, C, L), mask_id), audio_mask=torch.zeros(2 * B, L, dtype=torch.bool),
                 mask=torch.zeros(2 * B, 1, L, L, dtype=torch.bool), positions=None, cond=[], uncond=[])
@@ -561,7 +561,7 @@ def packed_rows(model: OmniVoice, items: list, denoise: bool, seqs: list = None,
     attention call a layer for the whole batch: the layout for GPUs and the compiled forward, whose rows are
     padded to a multiple of `bucket` positions (see row_layout)."""
     seqs = seqs or [item_ids(model, item, denoise) for item in items]
-    B, C, mask_id = len(items), model.cfg["num_codebooks"], model.cfg["audio_mask_id"]
+    B, C, mask_id = len(items), model.config["num_codebooks"], model.config["audio_mask_id"]
     L = max(s.shape[1] + item["target_len"] for s, item in zip(seqs, items))
     L = -(-L // bucket) * bucket
     rows = dict(ids=torch.full((B, C, L), mask_id), audio_mask=torch.zeros(B, L, dtype=torch.bool),
@@ -664,12 +664,12 @@ class Unmasking(common.Job):
 
     def __init__(self, model: OmniVoice, item: dict, gen: dict, generator):
         super().__init__()
-        C, T = model.cfg["num_codebooks"], item["target_len"]
+        C, T = model.config["num_codebooks"], item["target_len"]
         self.item, self.gen, self.generator = item, gen, generator
         self.seq = item_ids(model, item, gen["denoise"])  # style, text, reference, the masked target
         ts = time_steps(0.0, 1.0, gen["num_step"], gen["t_shift"]).tolist()
         self.schedule = count_schedule(T * C, ts)  # codes revealed at each of its steps
-        self.tokens = torch.full((C, T), model.cfg["audio_mask_id"])  # moved to the device when admitted
+        self.tokens = torch.full((C, T), model.config["audio_mask_id"])  # moved to the device when admitted
         self.step = 0
 
     def codes(self) -> Tensor:
@@ -694,7 +694,7 @@ class Scheduler:
         self.model, self.slots, self.packed = model, max_batch, packed
         # (ids, audio_mask, mask, positions) -> hidden states
         self.forward = model.compiled_hidden or model.hidden
-        self.device, self.mask_id = model.audio_heads.weight.device, model.cfg["audio_mask_id"]
+        self.device, self.mask_id = model.audio_heads.weight.device, model.config["audio_mask_id"]
         self.active, self.waiting, self.rows, self.closed = [], collections.deque(), None, False
         self.lock = threading.Lock()  # `waiting` is shared with the threads that submit (common.EngineThread)
 
@@ -822,7 +822,7 @@ def encode(model: OmniVoice, wave, sample_rate: int) -> Tensor:
 def decode(model: OmniVoice, codes) -> np.ndarray:
     """Codes (C, T) -> a 1-D float32 wave at model.sample_rate (upstream's decoder output, unclipped)."""
     codes = torch.as_tensor(codes)
-    tok, C = model.audio_tokenizer, model.cfg["num_codebooks"]
+    tok, C = model.audio_tokenizer, model.config["num_codebooks"]
     if codes.ndim != 2 or codes.shape[0] != C or codes.shape[1] == 0 or codes.is_floating_point():
         raise UserError(f"codes must be integers of shape ({C}, T), got {list(codes.shape)}")
     if codes.min() < 0 or codes.max() >= tok.codebook_size:

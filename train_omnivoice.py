@@ -744,7 +744,8 @@ def lm_hidden(model: omnivoice.OmniVoice, ids: Tensor, audio_mask: Tensor, mask:
               checkpointing=False) -> Tensor:
     """omnivoice's hidden(), each layer optionally checkpointed (its activations recomputed in backward)."""
     x = model.embed(ids, audio_mask)
-    cos, sin = omnivoice.rope_tables(x.shape[1], model.cfg["head_dim"], model.cfg["rope_base"], x.device)
+    config = model.config
+    cos, sin = omnivoice.rope_tables(x.shape[1], config["head_dim"], config["rope_base"], x.device)
     cos, sin = cos.to(x.dtype)[positions][:, None], sin.to(x.dtype)[positions][:, None]  # (B, 1, L, head_dim)
     for layer in model.layers:
         if checkpointing:  # the dropout draws are replayed from the saved RNG state in the recomputation
@@ -970,7 +971,7 @@ def model_state(model: omnivoice.OmniVoice) -> dict:
     for name, p in model.named_parameters():
         if ".lora_" not in name and ".base_layer." not in name:
             state[upstream_name(name)] = p
-    C, V = model.cfg["num_codebooks"], model.cfg["audio_vocab_size"]
+    C, V = model.config["num_codebooks"], model.config["audio_vocab_size"]
     state["codebook_layer_offsets"] = torch.arange(C) * V
     return {k: t.detach().float().cpu().contiguous() if t.is_floating_point() else t.cpu()
             for k, t in state.items()}
@@ -1087,11 +1088,11 @@ def start_run(args, rank: int, world: int, device: torch.device) -> dict:
         config = run_config(args)
     settings = config["train_config"]
     model = build_model(settings["init_from_checkpoint"], config["tokenizer"], device)
-    if settings["num_audio_codebook"] != model.cfg["num_codebooks"] or \
-            settings["audio_mask_id"] != model.cfg["audio_mask_id"]:  # upstream would skip every sample
+    if settings["num_audio_codebook"] != model.config["num_codebooks"] or \
+            settings["audio_mask_id"] != model.config["audio_mask_id"]:  # upstream would skip every sample
         raise UserError(f"train config: num_audio_codebook {settings['num_audio_codebook']} / audio_mask_id"
-                        f" {settings['audio_mask_id']}, the checkpoint's {model.cfg['num_codebooks']} /"
-                        f" {model.cfg['audio_mask_id']}: make them equal")
+                        f" {settings['audio_mask_id']}, the checkpoint's {model.config['num_codebooks']} /"
+                        f" {model.config['audio_mask_id']}: make them equal")
     if config["method"] == "lora":
         torch.manual_seed(config["lora_seed"])  # the stage seed: peft's A draws
         add_lora(model, config["lora"])

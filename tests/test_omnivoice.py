@@ -151,7 +151,7 @@ def test_step_zero_predictions_and_confidence(model, case):
     c_len, T = CASES["generate"][case]["fwd0"]["c_lens"][0], CASES["generate"][case]["fwd0"]["target_lens"][0]
     B = ids.shape[0] // 2
     pred, conf = omnivoice.predict(logits[:1, :, c_len - T:c_len], logits[B:B + 1, :, :T],
-                                   omnivoice.GENERATION, model.cfg["audio_mask_id"], None)
+                                   omnivoice.GENERATION, model.config["audio_mask_id"], None)
     assert torch.equal(pred, golden(f"gen_{case}_step0_pred_tokens.npy"))
     torch.testing.assert_close(conf, golden(f"gen_{case}_step0_confidence.npy"), atol=1e-4, rtol=1e-4)
 
@@ -254,7 +254,7 @@ def test_a_tuned_models_linears_run_the_machines_matmul_within_loose_matmuls_alo
     linears = [m for m in model.layers.modules() if isinstance(m, torch.nn.Linear)]
     kind = torch.nn.Linear if matmul == "torch" else cpu_fast.ManyRowsLinear
     assert {type(m) for m in [*linears, model.audio_heads]} == {kind}
-    assert (f"ManyRowsLinear(in_features={model.cfg['dim']}" in repr(model)) == (matmul != "torch")
+    assert (f"ManyRowsLinear(in_features={model.config['dim']}" in repr(model)) == (matmul != "torch")
     assert (f"matmul={matmul})" in repr(model)) == (matmul != "torch")
     rows = omnivoice.flat_row(model, items, True)
     with torch.inference_mode():
@@ -546,7 +546,7 @@ def test_a_checkpoint_without_its_weights_or_with_broken_ones_is_one_line_naming
     with pytest.raises(common.UserError, match="part-1.safetensors"):
         omnivoice.load(folder)
     (folder / "part-1.safetensors").write_bytes(weights)
-    assert omnivoice.load(folder).cfg == omnivoice.load(CKPT).cfg  # one shard of the index: the whole model
+    assert omnivoice.load(folder).config == omnivoice.load(CKPT).config  # one shard of the index: all of it
 
 
 # ----------------------------------------------------------------------------- CLI

@@ -373,7 +373,7 @@ def test_lora_export_merges_as_peft(trained, tmp_path, case):
     assert len(merged) == (14 if case == "lora_w1" else 0)
     for name in (T.ADAPTER_FILE, T.ADAPTER_CONFIG):
         assert (out / "adapter" / name).read_bytes() == (got["run_dir"] / "checkpoint-4" / name).read_bytes()
-    assert omnivoice.load(out).cfg["vocab_size"] == 1040
+    assert omnivoice.load(out).config["vocab_size"] == 1040
 
 
 # ----------------------------------------------------------------------------- resume

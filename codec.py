@@ -641,6 +641,7 @@ def run_files(args):
     model = load(args.checkpoint, device, common.pick_dtype(args.dtype, device, cuda="fp16"))
     if not encoding and not args.no_tune:  # encoding stays eager: reference codes exactly upstream's
         import cpu_fast
+        cpu_fast.keep_freed_memory()  # this process's allocator: the CLI's to set
         cpu_fast.tune(model)
     start, rate, chunk = time.perf_counter(), model.config["sample_rate"], args.chunk_frames or None
     for x, out in tqdm(list(zip(data, outputs)), desc=args.command, unit="file"):

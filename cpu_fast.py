@@ -92,8 +92,8 @@ def tune_omnivoice(model: nn.Module, rows: int = None, again: bool = False) -> n
 
 
 def tune_codec(model: nn.Module, rows: int = None, again: bool = False) -> nn.Module:
-    """The codec: `codec_fast_path` with this machine's choices; freed memory kept for reuse (glibc)."""
-    keep_freed_memory()
+    """The codec: `codec_fast_path` with this machine's choices. (Its decode runs faster still where freed
+    memory is kept for reuse, `keep_freed_memory`: process-wide, so the CLIs set it, not this.)"""
     return codec_fast_path(model, choices=machine_choices(model, again))
 
 

@@ -1390,6 +1390,7 @@ def speak_cli(args):
         import cpu_fast
         cpu_fast.tune(model, rows=1)
         if wav_path is not None:  # decode only: reference codes stay eager, upstream's
+            cpu_fast.keep_freed_memory()  # this process's allocator: the CLI's to set
             cpu_fast.tune(codec_model(args, device))
     request = Request(model, args.text, references, seed=args.seed, temperature=args.temperature,
                       top_p=args.top_p, top_k=args.top_k, max_new_tokens=args.max_new_tokens,

@@ -48,6 +48,16 @@ def test_imports_point_one_way_common_below_the_models_and_nothing_imports_the_b
             assert "import bench" not in path.read_text(), path.name
 
 
+
+def test_no_module_changes_its_class_at_run_time_or_reaches_back_into_the_module_that_loaded_it():
+    """What runs is what print(model) shows: faster modules take the plain ones' place (cpu_fast.replaced);
+    no file sets a module's __class__ or looks a model file up in sys.modules."""
+    for path in [*ROOT.glob("*.py"), *ROOT.glob("tools/*.py")]:
+        text = path.read_text()
+        assert ".__class__ =" not in text and "__class__, " not in text, path.name
+        assert "sys.modules[" not in text, path.name
+
+
 LIBRARY_CALLS = f"""
 import json, os, sys
 sys.path.insert(0, {str(ROOT)!r})

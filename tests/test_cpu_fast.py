@@ -20,6 +20,24 @@ STEPS = [[0, False], [4, True], [65, False]]  # a machine where oneDNN wins at 4
 MKL_PACK = cpu_fast.mkl_pack
 
 
+def test_a_tuned_model_holds_what_it_held_and_names_the_modules_that_run(monkeypatch):
+    """cpu_fast.tune adds no attribute to the model (its own are weights, buffers, config and what the model
+    reads: compiled_step, top_filter); each module it put in place is what print(model) and type() show,
+    with the same parameters as the plain model's."""
+    monkeypatch.setattr(cpu_fast, "few_rows_steps", lambda again=False: STEPS)  # whatever this machine says
+    plain, model = dualAR.load(CKPT), dualAR.load(CKPT)
+    before = set(vars(model))
+    cpu_fast.tune(model, rows=1)
+    assert set(vars(model)) == before
+    wqkv = model.layers[0].attention.wqkv
+    assert type(wqkv) is cpu_fast.FewRowsLinear and f"(wqkv): FewRowsLinear(in_features={wqkv.in_features}" \
+        f", out_features={wqkv.out_features}, bias=False, steps={STEPS}" in repr(model)
+    assert type(model.top_filter) is cpu_fast.CandidateFilter
+    assert "(top_filter): CandidateFilter()" in repr(model)
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), model.state_dict().values()))
+    assert list(plain.state_dict()) == list(model.state_dict())
+
+
 def test_few_rows_linear_runs_onednn_at_the_rows_its_steps_take_and_torch_elsewhere(monkeypatch):
     """A FewRowsLinear keeps nn.Linear's parameters; at the row counts its steps take (here 4-64) eager fp32
     inference multiplies by its weight prepacked once (within 1e-5 of F.linear), made again when the weight

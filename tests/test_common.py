@@ -205,9 +205,10 @@ def test_added_tokens_of_the_tokenizer_in_user_text_are_found_and_named():
                                 " may not hold one (write it otherwise)")
 
 
-def test_a_compiled_function_takes_its_own_recompile_limit_and_leaves_dynamos_as_it_was():
+def test_a_compiled_function_takes_its_own_recompile_limit_and_leaves_dynamos_as_it_was(monkeypatch):
     """common.compiled(fn, n): fn compiles a graph for each of n shapes (dynamo's default limit, 8, would
-    stop a full graph at the 9th) and the process's limit stays as it was."""
+    stop a full graph at the 9th) and the process's limit stays as it was; a torch.compile that takes no
+    limit of its own (an older torch) gets dynamo's raised instead."""
     limit = torch._dynamo.config.recompile_limit
 
     def double(x):
@@ -221,3 +222,8 @@ def test_a_compiled_function_takes_its_own_recompile_limit_and_leaves_dynamos_as
     with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):  # torch.compile's default limit
         for n in range(1, limit + 3):
             plain(torch.ones(n))
+    real = torch.compile
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", limit)  # put back after this test
+    monkeypatch.setattr(torch, "compile", lambda fn, **options: real(fn, **options))  # no limit of its own
+    common.compiled(double, 3 * limit, backend="eager")
+    assert torch._dynamo.config.recompile_limit == 3 * limit

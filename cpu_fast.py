@@ -40,7 +40,7 @@ import common
 import dualAR
 import quantize
 from common import UserError, available_memory_bytes, write_atomic
-from quantize import QuantLinear, W8A8Linear
+from quantize import QuantLinear, W8A8Linear, replaced
 
 
 # ----------------------------------------------------------------------------- the entry point
@@ -98,17 +98,6 @@ def tune_codec(model: nn.Module, rows: int = None, again: bool = False) -> nn.Mo
 
 
 # ----------------------------------------------------------------------------- modules in place of others
-def replaced(module: nn.Module, make) -> nn.Module:
-    """module, with each module inside it for which make(m) gives another put in m's place in its parent
-    (setattr, as gpt-fast's quantize.py swaps nn.Linear) -> module, or what make gave for module itself."""
-    new = make(module)
-    if new is not None:
-        return new
-    for name, child in list(module.named_children()):
-        setattr(module, name, replaced(child, make))
-    return module
-
-
 def rebuilt(cls, module: nn.Module, **settings) -> nn.Module:
     """A new cls holding module's own state (its parameters, buffers, submodules and attributes: nothing
     is copied) and `settings`: what takes module's place in its parent (`replaced`). cls reads no state

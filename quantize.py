@@ -154,13 +154,20 @@ class W8A8Linear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+def replaced(module: nn.Module, make) -> nn.Module:
+    """module, with each module inside it for which make(m) gives another put in m's place in its parent
+    (setattr: print(model) names what runs) -> module, or what make gave for module itself."""
+    new = make(module)
+    if new is not None:
+        return new
+    for name, child in list(module.named_children()):
+        setattr(module, name, replaced(child, make))
+    return module
+
+
 def swap_linears(module: nn.Module, make):
     """Every nn.Linear inside module -> make(linear): e.g. partial(QuantLinear, bits=4), W8A8Linear."""
-    for name, child in module.named_children():
-        if isinstance(child, nn.Linear):
-            setattr(module, name, make(child))
-        else:
-            swap_linears(child, make)
+    replaced(module, lambda m: make(m) if isinstance(m, nn.Linear) else None)
 
 
 # ----------------------------------------------------------------------------- GPU

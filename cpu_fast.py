@@ -12,7 +12,9 @@ sum, inductor's GEMM on frozen weights, fp32 sums of half weights), equal to the
 rounding, and each is taken only where this machine's timing says it wins: timed once, at the first `tune`
 that needs it, and kept in `decisions_file()` for every later process. A timing during which other
 processes used the CPU records nothing (it would be wrong for good). The CLIs, app.py and bench.py call
-`tune` after loading (`--no-tune` skips it); what it saves and costs: docs/speed.md.
+`tune` after loading (`--no-tune` skips it); what it saves and costs: docs/speed.md. This file imports the
+model files whose functions its modules call (codec's streaming past and snake, dualAR's whole-row sort);
+they import it only inside their CLIs, so a model file copies without it.
 
 Sections: the entry point, modules in place of others, decisions (a file, a key per machine, a busy
 machine), prepacked matmuls (oneDNN, MKL), S2's frame steps (few-row linears, one-row sums, frozen graphs),

@@ -15,6 +15,7 @@ voice read and written, submit, the waves of a request, its usage), so the handl
 but through them: a third model is a third class beside S2ProModel and OmniVoiceModel. GET /metrics is
 Prometheus' text format (Metrics), each request counted where it ends, HTTP's and Wyoming's.
 """
+import argparse
 import base64
 import collections
 import contextlib
@@ -99,6 +100,7 @@ MAX_SENTENCE = 60  # seconds one OmniVoice sentence may last: its attention grow
 MAX_INSTRUCTIONS = 200  # characters of OmniVoice's `instructions` (every attribute of the list fits in 70)
 MAX_MESSAGE = 1000  # characters of an error message: whatever it echoes, it is cut there
 S2_FIELDS = ("temperature", "top_p", "top_k", "max_new_tokens", "chunk_length")  # S2-Pro's sampling extras
+OMNIVOICE_FIELDS = ("num_step", "guidance_scale", "duration")  # OmniVoice's unmasking extras
 MAX_CODES = 8  # audios or token arrays in one /v1/vqgan request
 FISH_ROUTES = ("/v1/tts", "/v1/vqgan/encode", "/v1/vqgan/decode")  # upstream fish-speech's, S2-Pro's only
 DEMO_FRAMES = 200  # the demo model's length (the page's default, the API's for no limit): seconds of noise
@@ -216,7 +218,9 @@ def same_origin(origin: str, host, names: set) -> bool:
 
 
 def check_text(text, what="input", limit=MAX_TEXT) -> str:
-    if not isinstance(text, str) or not text.strip():
+    if text is not None and not isinstance(text, str):
+        raise common.UserError(f"{what} must be a string, not {type(text).__name__}")
+    if text is None or not text.strip():
         raise common.UserError(f"{what} is empty: give the text as a non-empty string")
     if len(text) > limit:
         raise common.UserError(f"{what} has {len(text)} characters, at most {limit} are allowed")
@@ -378,7 +382,12 @@ def check_format(fmt) -> str:
 
 
 def s2_options(body: dict) -> dict:
-    """S2-Pro's fields of a speech request: OpenAI's speed and instructions refused, our sampling extras."""
+    """S2-Pro's fields of a speech request: OpenAI's speed and instructions refused, OmniVoice's extras too,
+    our sampling extras."""
+    given = [key for key in OMNIVOICE_FIELDS if key in body]
+    if given:  # as OmniVoice refuses S2-Pro's: an option that does nothing is said, not dropped
+        raise common.UserError(f"{given[0]} is an OmniVoice option: S2-Pro takes seed, temperature, top_p,"
+                               " top_k, max_new_tokens and chunk_length (docs/api.md)")
     speed = body.get("speed", 1.0)
     if isinstance(speed, bool) or speed != 1:
         raise common.UserError("speed: only 1.0 is supported")
@@ -1767,7 +1776,8 @@ def parse_args(argv=None):
                     " /v1/vqgan items decoded or encoded at once, --queue more may wait, beyond that a 503"
                     " (default 2)")
     ap.add_argument("--max-connections", type=int, default=256, help="connections served at once (a"
-                    " thread each, idle ones too), beyond that a 503 at once (default 256)")
+                    " thread each, idle ones too), beyond that a 503 at once; the Wyoming port's too, counted"
+                    " apart, beyond that an error event (default 256)")
     ap.add_argument("--max-connections-per-client", type=int, default=128, metavar="N", help="connections"
                     " one client address may hold open, beyond that a 429 at once (default 128: one client"
                     " never takes every connection; behind a proxy every client is the proxy: raise it)")
@@ -1796,6 +1806,9 @@ def parse_args(argv=None):
     ap.add_argument("--wyoming-port", type=int, metavar="PORT", help="also serve Home Assistant's Wyoming"
                     " protocol on this port (e.g. 10200; needs pip install wyoming; docs/api.md, Wyoming)")
     ap.add_argument("--wyoming-host", help="address the Wyoming server binds (default: --host's)")
+    ap.add_argument("--wyoming-allow", type=client_networks, metavar="ADDRESSES", help="the only client"
+                    " addresses the Wyoming port answers, comma-separated addresses or networks, e.g."
+                    " 192.168.1.10,10.0.0.0/8 (default: any; the protocol has no authentication)")
     ap.add_argument("--no-http", action="store_true", help="serve the Wyoming protocol alone (with"
                     " --wyoming-port): no HTTP port, no page")
     args = ap.parse_args(argv)
@@ -1863,10 +1876,19 @@ def wyoming_module(args):
     return wyoming_server
 
 
+def client_networks(text: str) -> tuple:
+    """--wyoming-allow's "192.168.1.10,10.0.0.0/8" -> the networks (an address is a network of one)."""
+    try:
+        return tuple(ipaddress.ip_network(part.strip(), strict=False) for part in text.split(","))
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: {e}") from None
+
+
 def serve_wyoming(module, app: App, args):
     """The Wyoming server for `app`'s model, from a thread of its own (close() ends it)."""
     return module.start(app, args.wyoming_host or args.host, args.wyoming_port, check_text=check_text,
-                        pcm16=pcm16, error_answer=error_answer, max_text=MAX_TEXT)
+                        pcm16=pcm16, error_answer=error_answer, max_text=MAX_TEXT,
+                        max_connections=args.max_connections, allow=args.wyoming_allow)
 
 
 def main(argv=None):

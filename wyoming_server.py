@@ -18,6 +18,8 @@ given the App and the server's helpers.
 """
 import asyncio
 import contextlib
+import ipaddress
+import json
 import os
 import re
 import sys
@@ -26,6 +28,7 @@ import time
 
 from wyoming.audio import AudioChunk, AudioStart, AudioStop
 from wyoming.error import Error
+from wyoming.event import Event
 from wyoming.info import Attribution, Describe, Info, TtsProgram, TtsVoice, TtsVoiceSpeaker
 from wyoming.server import AsyncEventHandler, AsyncTcpServer
 from wyoming.tts import Synthesize, SynthesizeChunk, SynthesizeStart, SynthesizeStop, SynthesizeStopped
@@ -37,6 +40,10 @@ EVENTS = ("describe", "synthesize", "synthesize-start", "synthesize-chunk", "syn
 SAMPLES_PER_CHUNK = 1024  # samples an audio-chunk carries at most (wyoming-piper's)
 WIDTH = 2  # bytes a sample: 16-bit PCM, as the HTTP route's pcm
 WATCH = 1.0  # seconds between checks that the engine is alive while a request waits for audio
+# what one event may hold (a TTS server is sent text: its 4,096 characters are ~16 KB of JSON at most), and
+# how many a connection may have waiting before its reader stops reading (the client's writes then block)
+MAX_HEADER, MAX_DATA, MAX_PAYLOAD, MAX_WAITING = 64 * 1024, 256 * 1024, 64 * 1024, 16
+IDLE = 120  # seconds a client may send nothing while nothing of its is answered (HTTP's idle timeout)
 # what a synthesize event may carry besides text and voice: the speech API's extras, fishfast's own
 EXTRAS = ("seed", "temperature", "top_p", "top_k", "max_new_tokens", "chunk_length",  # S2-Pro's
           "num_step", "guidance_scale", "speed", "duration")  # OmniVoice's
@@ -125,7 +132,9 @@ class WyomingServer:
         self.app, self.model, self.host, self.port = app, app.model, host, port
         self.check_text, self.pcm16, self.error_answer = (helpers[key] for key in
                                                           ("check_text", "pcm16", "error_answer"))
-        self.max_text = helpers["max_text"]
+        self.max_text, self.max_connections = helpers["max_text"], helpers["max_connections"]
+        self.allow = helpers.get("allow")  # the client networks answered (None: any)
+        self.open = set()  # the connections open now (the loop's thread alone changes it)
         self.loop, self.stopping, self.failed = None, None, None
         self.ready = threading.Event()
         self.thread = threading.Thread(target=self.run, name="fishfast-wyoming", daemon=True)
@@ -144,6 +153,7 @@ class WyomingServer:
             return self.ready.set()
         self.ready.set()
         await self.stopping.wait()
+        await asyncio.gather(*(connection.refuse(SHUTDOWN) for connection in list(self.open)))
         await tcp.stop()  # every connection's reader ends: their requests are cancelled
 
     def start(self):
@@ -157,6 +167,18 @@ class WyomingServer:
         if self.loop is not None and self.thread.is_alive():
             self.loop.call_soon_threadsafe(self.stopping.set)
         self.thread.join(wait)
+
+    def allows(self, peer) -> bool:
+        """Whether a client at `peer` (asyncio's peername: (host, port, ...)) is in --wyoming-allow's
+        networks (any client where none are given)."""
+        if self.allow is None:
+            return True
+        try:
+            address = ipaddress.ip_address(peer[0].split("%")[0])  # an IPv6 scope id is not the address
+        except (TypeError, ValueError, IndexError):
+            return False
+        address = getattr(address, "ipv4_mapped", None) or address  # ::ffff:10.0.0.1 is 10.0.0.1
+        return any(address in network for network in self.allow)
 
     def info(self) -> Info:
         """What `describe` answers: one TTS program, the model's own voices (but those a saved voice's name
@@ -199,13 +221,79 @@ class Connection(AsyncEventHandler):
 
     def __init__(self, server: WyomingServer, reader, writer):
         super().__init__(reader, writer)
-        self.server, self.events = server, asyncio.Queue()
-        self.request, self.gone = None, False
+        self.server, self.events = server, asyncio.Queue(MAX_WAITING)
+        self.request, self.gone, self.answering = None, False, False
         self.stream = None  # the streaming form's: voice and options, the text not yet a sentence, failed
         self.worker = asyncio.create_task(self.work())
 
+    async def run(self):
+        """The package's loop, on `read_event`: an event that breaks the protocol or its bounds, a client
+        beyond --max-connections or one silent for IDLE seconds is one error event (code BadEvent, Busy or
+        Idle), then the connection closes; a hang-up ends it quietly."""
+        server = self.server
+        server.open.add(self)
+        try:
+            if not server.allows(self.writer.get_extra_info("peername")):
+                raise Refused("Forbidden", "this address may not use the server (--wyoming-allow)")
+            if len(server.open) > server.max_connections:
+                raise Refused("Busy", f"the server is busy: {server.max_connections} Wyoming connections are"
+                                      " open (--max-connections), try again later")
+            while (event := await self.read_event()) is not None:
+                await self.handle_event(event)
+        except Refused as e:
+            await self.refuse(e)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            server.open.discard(self)
+            await self.disconnect()
+            self.writer.close()
+
+    async def refuse(self, why: "Refused"):
+        """Its request cancelled (what it was sending stops at an event's end), then one error event saying
+        why the connection ends (a second at most: a client that reads nothing does not hold the close)."""
+        await self.disconnect()
+        with contextlib.suppress(ConnectionError, asyncio.TimeoutError):
+            await asyncio.wait_for(self.write_event(Error(text=str(why), code=why.code).event()), 1)
+
+    async def read(self, read, what: str):
+        """await read() (the reader's readline or readexactly: a cancelled one leaves what came in the
+        buffer), given up after IDLE seconds in which nothing of this client's was being answered."""
+        while True:
+            try:
+                return await asyncio.wait_for(read(), IDLE)
+            except asyncio.TimeoutError:
+                if self.events.empty() and not self.answering:
+                    raise Refused("Idle", f"nothing came for {IDLE} s ({what}): closed") from None
+
+    async def read_event(self):
+        """One event as the protocol sends it (a JSON header line, then data_length bytes of JSON data and
+        payload_length bytes of payload), each part checked before it is read; None at the end."""
+        try:
+            line = await self.read(self.reader.readline, "an event")
+        except (ValueError, asyncio.LimitOverrunError):  # asyncio's own limit, MAX_HEADER
+            raise BadEvent(f"an event's header line is over {MAX_HEADER} bytes") from None
+        if not line:
+            return None
+        header = json_object(line, "an event's header")
+        kind, data = header.get("type"), header.get("data", {})
+        if not isinstance(kind, str) or not isinstance(data, dict):
+            raise BadEvent("an event's header needs a string type and object data")
+        sizes = [header.get(key) or 0 for key in ("data_length", "payload_length")]
+        for key, size, most in zip(("data_length", "payload_length"), sizes, (MAX_DATA, MAX_PAYLOAD)):
+            if not isinstance(size, int) or isinstance(size, bool) or not 0 <= size <= most:
+                raise BadEvent(f"{key} must be an integer from 0 to {most}, got {str(size)[:20]}")
+        if sizes[0]:
+            raw = await self.read(lambda: self.reader.readexactly(sizes[0]), "the event's data")
+            data = dict(data, **json_object(raw, "an event's data"))
+        if sizes[1]:
+            payload = await self.read(lambda: self.reader.readexactly(sizes[1]), "the event's payload")
+        else:
+            payload = None
+        return Event(type=kind, data=data, payload=payload)
+
     async def handle_event(self, event) -> bool:
-        self.events.put_nowait(event)
+        await self.events.put(event)  # a full queue stops this reader: back-pressure on the client
         return True
 
     async def disconnect(self):
@@ -220,6 +308,7 @@ class Connection(AsyncEventHandler):
             event = await self.events.get()
             kind, status = event.type if event.type in EVENTS else "other", None  # None: the client left
             metrics.begin()
+            self.answering = True
             try:
                 await self.answer(event)
                 status = 200
@@ -232,10 +321,11 @@ class Connection(AsyncEventHandler):
                 with contextlib.suppress(ConnectionError):
                     await self.write_event(Error(text=message, code=type(e).__name__).event())
             finally:  # a hang-up cancels this task (disconnect): still counted
+                self.answering = False
                 metrics.end("wyoming", kind, status)
 
     async def answer(self, event):
-        data = event.data
+        data = event.data  # an object: `read_event` takes no other
         if Describe.is_type(event.type):
             await self.write_event(self.server.info().event())
         elif Synthesize.is_type(event.type) and self.stream is None:  # in a stream: the same text, again,
@@ -245,7 +335,7 @@ class Connection(AsyncEventHandler):
         elif SynthesizeStart.is_type(event.type):
             self.check_format(data)
             voice = self.server.options(data.get("voice"), self.extras(data))  # checked before any text
-            self.stream = dict(voice=voice, text="", failed=False)
+            self.stream = dict(voice=voice, text="", length=0, failed=False)
         elif SynthesizeChunk.is_type(event.type) and self.stream is not None:
             await self.stream_text(data.get("text"))
         elif SynthesizeStop.is_type(event.type) and self.stream is not None:
@@ -268,16 +358,18 @@ class Connection(AsyncEventHandler):
         return {key: data[key] for key in EXTRAS if key in data}
 
     async def stream_text(self, text):
-        """A synthesize-chunk: each sentence it completes is spoken now, the rest waits for more."""
+        """A synthesize-chunk: each sentence it completes is spoken now, the rest waits for more. A stream's
+        chunks together are one request's text: at most max_text characters, checked before any split."""
         stream = self.stream
         if not isinstance(text, str):
             raise common.UserError("synthesize-chunk's text must be a string")
         if stream["failed"]:
             return
+        stream["length"] += len(text)
+        if stream["length"] > self.server.max_text:
+            raise common.UserError(f"the stream's text has {stream['length']} characters so far, at most"
+                                   f" {self.server.max_text} are allowed (as in one synthesize)")
         sentences, stream["text"] = complete_sentences(stream["text"] + text)
-        if len(stream["text"]) > self.server.max_text:
-            raise common.UserError(f"the streamed text has {len(stream['text'])} characters without a"
-                                   f" sentence end, at most {self.server.max_text} are allowed")
         for sentence in sentences:
             await self.speak(self.server.job(sentence, stream["voice"]))
 
@@ -326,10 +418,39 @@ class Connection(AsyncEventHandler):
             try:
                 put(e)
             except RuntimeError:  # the loop is closed: the server is shutting down
-                print(f"fishfast: a Wyoming request ended while the server closed: {e}", file=sys.stderr)
+                line = f"fishfast: a Wyoming request ended while the server closed: {e}\n"
+                sys.stderr.write(line)  # one write: print's two could run into another thread's line
         finally:
             if request is not None:
                 request.cancel()  # a no-op once it has finished; frees the row if the client is gone
+
+
+class Refused(Exception):
+    """Why a connection is closed: answered with one error event of `code`, then the close."""
+
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+class BadEvent(Refused):
+    """An event that breaks the protocol or its bounds."""
+
+    def __init__(self, message: str):
+        super().__init__("BadEvent", message)
+
+
+SHUTDOWN = Refused("Shutdown", "the server is shutting down: its requests are cancelled")
+
+
+def json_object(raw: bytes, what: str) -> dict:
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError):  # RecursionError: a deeply nested value
+        raise BadEvent(f"{what} is not valid JSON") from None
+    if not isinstance(value, dict):
+        raise BadEvent(f"{what} must be a JSON object, not {type(value).__name__}")
+    return value
 
 
 def start(app, host: str, port: int, **helpers) -> WyomingServer:

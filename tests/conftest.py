@@ -148,6 +148,12 @@ def untimed_compile_cache(folder: Path) -> Path:
     return folder
 
 
+def wyoming_args(port: int, **flags) -> types.SimpleNamespace:
+    """What app.serve_wyoming reads of app.py's flags: their defaults on 127.0.0.1, but `flags`."""
+    return types.SimpleNamespace(**dict(dict(host="127.0.0.1", wyoming_host=None, wyoming_port=port,
+                                             max_connections=256, wyoming_allow=None), **flags))
+
+
 def serve(*flags):
     """app.py's server on CPU, on a free port of 127.0.0.1, with these flags, answering from a thread."""
     import app  # the server's tests alone need it

@@ -356,6 +356,8 @@ BAD = [
     ("POST", SPEECH, dict(input=""), 400),
     ("POST", SPEECH, dict(input="   "), 400),
     ("POST", SPEECH, dict(input="a" * 4097), 400),
+    ("POST", SPEECH, dict(input=["hi"]), 400),
+    ("POST", SPEECH, dict(input="hi", num_step=8), 400),  # OmniVoice's option (issue 58 item 8)
     ("POST", SPEECH, dict(model="tts-1"), 400),
     ("POST", SPEECH, dict(input="hi", references=[REF] * 5), 400),
     ("POST", SPEECH, dict(input="hi", voice="keep", references=[REF] * 4), 400),
@@ -1672,7 +1674,9 @@ def test_speech_without_response_format_is_an_mp3_as_openais_default(server):
                             " be >= 1, --queue and --shutdown-wait >= 0 and --max-context >= 2"),
     (["--wyoming-port", "99999"], "cannot listen on 127.0.0.1:99999 (Wyoming): a port is 0 to 65535 (0: any"
                                   " free one)"),
-    (["--voices", "app.py"], "--voices app.py: not a folder")])
+    (["--voices", "app.py"], "--voices app.py: not a folder"),
+    (["--wyoming-allow", "10.0.0.0/33"], "argument --wyoming-allow: '10.0.0.0/33': '10.0.0.0/33' does not"
+                                         " appear to be an IPv4 or IPv6 network")])
 def test_bad_flags_are_one_line_before_the_model_loads(monkeypatch, capsys, flags, message):
     monkeypatch.setattr(app, "App", lambda args: pytest.fail("the model was loaded"))
     with pytest.raises(SystemExit) as exit:

@@ -14,7 +14,7 @@ import soundfile as sf
 
 import app
 import wyoming_server
-from conftest import CKPT, OV_CKPT, free_port, serve, stop_server
+from conftest import CKPT, OV_CKPT, free_port, serve, stop_server, wyoming_args
 from test_app import call, wait_for
 from test_wyoming import exchange, pcm_of, synthesize
 
@@ -130,7 +130,7 @@ def both(request, tmp_path_factory):
     checkpoint = CKPT if request.param == "s2-pro" else OV_CKPT
     http = serve("--checkpoint", checkpoint, "--voices", tmp_path_factory.mktemp("voices"), "--slots", "1",
                  "--api-key", "secret")
-    args = types.SimpleNamespace(host="127.0.0.1", wyoming_host=None, wyoming_port=free_port())
+    args = wyoming_args(free_port())
     wyoming = app.serve_wyoming(wyoming_server, http.app, args)
     yield types.SimpleNamespace(http=http, port=wyoming.port, app=http.app, kind=request.param)
     wyoming.close()

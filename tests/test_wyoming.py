@@ -3,8 +3,10 @@ both models on the tiny checkpoints: describe/info, synthesize (the HTTP route's
 clients at once, a hang-up, a full queue, bad input; the flags of app.py."""
 import asyncio
 import contextlib
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,7 +21,8 @@ import codec
 import common
 import omnivoice
 import wyoming_server
-from conftest import CKPT, OV_CKPT, OV_GOLDEN, free_port, serve, stop_server, untimed_compile_cache
+from conftest import (CKPT, OV_CKPT, OV_GOLDEN, free_port, serve, stop_server, untimed_compile_cache,
+                      wyoming_args)
 from test_app import call, wait_for
 from wyoming.client import AsyncTcpClient
 from wyoming.event import Event
@@ -34,10 +37,10 @@ S2_SAY = dict(max_new_tokens=12)  # S2-Pro's tiny model: a short answer
 def servers(checkpoint, folder: Path, *flags):
     """app.py's HTTP server and its Wyoming server (app.serve_wyoming) for one App."""
     http = serve("--checkpoint", checkpoint, "--voices", folder, *flags)
-    args = types.SimpleNamespace(host="127.0.0.1", wyoming_host=None, wyoming_port=free_port())
+    args = wyoming_args(free_port(), max_connections=http.max_connections)
     wyoming = app.serve_wyoming(wyoming_server, http.app, args)
     try:
-        yield types.SimpleNamespace(http=http, port=wyoming.port, app=http.app)
+        yield types.SimpleNamespace(http=http, port=wyoming.port, app=http.app, wyoming=wyoming)
     finally:
         wyoming.close()
         stop_server(http)
@@ -345,6 +348,9 @@ S2_BAD = [
     (Event("synthesize", dict(text="Hi.", voice="keep")),
      "voice must be an object {name, language, speaker}"),
     (SynthesizeChunk(text="Hi.").event(), "synthesize-chunk without synthesize-start"),
+    (Event("synthesize", dict(text=["a"])), "text must be a string, not list"),  # issue 58 item 6
+    (synthesize("Hi.", num_step=8), "num_step is an OmniVoice option: S2-Pro takes seed, temperature, top_p,"
+     " top_k, max_new_tokens and chunk_length (docs/api.md)"),  # issue 58 item 8, as OmniVoice refuses
 ]
 OV_BAD = [
     (synthesize("Hi.", SynthesizeVoice(name="design", speaker="cheerful")),
@@ -367,13 +373,134 @@ def test_bad_input_is_one_error_event_with_one_line_and_the_connection_serves_on
     assert answer[0].data["code"] == "UserError"
 
 
+def raw_exchange(port: int, sent: bytes) -> bytes:
+    """`sent` on a plain socket, then everything the server sends until it closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+        sock.sendall(sent)
+        got = b""
+        while chunk := sock.recv(65536):
+            got += chunk
+    return got
+
+
+def error_of(got: bytes) -> dict:  # the one error event a refused connection gets, as raw bytes
+    header, _, rest = got.partition(b"\n")
+    header = json.loads(header)
+    assert header["type"] == "error" and len(rest) == header["data_length"], got[:300]
+    return json.loads(rest)
+
+
+HEADER_OVER = b'{"type": "' + b"a" * (wyoming_server.MAX_HEADER + 10) + b'"}\n'
+MAX_DATA, MAX_PAYLOAD = wyoming_server.MAX_DATA, wyoming_server.MAX_PAYLOAD
+BROKEN_EVENTS = [  # issue 58 items 2 and 4: what a client sends that is no event, or one out of bounds
+    (b"[1,2]\n", "an event's header must be a JSON object, not list"),
+    (b"5\n", "an event's header must be a JSON object, not int"),
+    (b"null\n", "an event's header must be a JSON object, not NoneType"),
+    (b'"str"\n', "an event's header must be a JSON object, not str"),
+    (b"not json\n", "an event's header is not valid JSON"),
+    (b"[" * 100000 + b"\n", f"an event's header line is over {wyoming_server.MAX_HEADER} bytes"),
+    (HEADER_OVER, f"an event's header line is over {wyoming_server.MAX_HEADER} bytes"),
+    (b'{"data": {}}\n', "an event's header needs a string type and object data"),
+    (b'{"type": "synthesize", "data": [1]}\n', "an event's header needs a string type and object data"),
+    (b'{"type": "synthesize", "data_length": "abc"}\n', f"data_length must be an integer from 0 to"
+     f" {MAX_DATA}, got abc"),
+    (b'{"type": "synthesize", "data_length": 1.5}\nx', f"data_length must be an integer from 0 to {MAX_DATA},"
+     " got 1.5"),  # it waited for a second byte for good
+    (b'{"type": "synthesize", "data_length": 2000000000}\n', f"data_length must be an integer from 0 to"
+     f" {MAX_DATA}, got 2000000000"),  # refused before any of it is read
+    (b'{"type": "synthesize", "payload_length": 2000000000}\n', f"payload_length must be an integer from 0 to"
+     f" {MAX_PAYLOAD}, got 2000000000"),
+    (b'{"type": "synthesize", "data_length": 3}\n[1]', "an event's data must be a JSON object, not list"),
+]
+
+
+@pytest.mark.parametrize("sent, message", BROKEN_EVENTS)
+def test_a_broken_event_is_one_error_event_then_the_close_and_no_traceback(s2, capfd, sent, message):
+    """No traceback in the log for anything a client sends: one error event (code BadEvent), the connection
+    closed, and the server answers the next client (Wyoming and HTTP)."""
+    assert error_of(raw_exchange(s2.port, sent)) == dict(text=message, code="BadEvent")
+    assert [e.type for e in exchange(s2.port, [Event("describe")], ("info",))] == ["info"]
+    assert call(s2.http, "GET", "/health")[0] == 200
+    err = capfd.readouterr().err
+    assert "Traceback" not in err and "exception" not in err, err[-2000:]
+
+
+def test_a_client_beyond_max_connections_gets_one_busy_event_and_the_others_are_served(s2, monkeypatch):
+    """Issue 58 item 2: the Wyoming port counts its connections against --max-connections (apart from
+    HTTP's): one beyond is refused at once with an error event (code Busy), and is closed."""
+    server = s2.wyoming
+    monkeypatch.setattr(server, "max_connections", 2)
+    held = [socket.create_connection(("127.0.0.1", s2.port)) for _ in range(2)]
+    try:
+        wait_for(lambda: len(server.open) == 2, 10, "two connections")
+        assert error_of(raw_exchange(s2.port, b"")) == dict(
+            text="the server is busy: 2 Wyoming connections are open (--max-connections), try again later",
+            code="Busy")
+    finally:
+        for sock in held:
+            sock.close()
+    wait_for(lambda: not server.open, 10, "the connections to close")
+    assert [e.type for e in exchange(s2.port, [Event("describe")], ("info",))] == ["info"]
+
+
+def test_a_silent_client_is_closed_after_the_idle_time_with_one_idle_event(s2, monkeypatch):
+    """Issue 58 item 2: a client that sends nothing (or a header and not its data) while nothing of its is
+    answered is closed after IDLE seconds, with one error event (code Idle)."""
+    monkeypatch.setattr(wyoming_server, "IDLE", 0.5)
+    assert error_of(raw_exchange(s2.port, b"")) == dict(text="nothing came for 0.5 s (an event): closed",
+                                                        code="Idle")
+    half = b'{"type": "synthesize", "data_length": 30}\n{"text": '
+    assert error_of(raw_exchange(s2.port, half)) == dict(
+        text="nothing came for 0.5 s (the event's data): closed", code="Idle")
+
+
+def test_a_client_that_reads_nothing_is_read_no_further_than_a_few_events(s2):
+    """Issue 58 item 3: events wait for their answer in a queue of MAX_WAITING; once it is full (the client
+    reads none of its answers) the server stops reading that client, whose writes then block, instead of
+    holding all it sends (500,000 describe events once took 120 MB that stayed after the close)."""
+    line = b'{"type": "describe"}\n'
+    flood = line * 2_000_000  # 42 MB: more than the socket buffers can hold (32 MB at most here)
+    with socket.create_connection(("127.0.0.1", s2.port), timeout=3) as sock:
+        sent = 0
+        with pytest.raises(TimeoutError):
+            while sent < len(flood):
+                sent += sock.send(flood[sent:sent + 65536])
+    assert sent < len(flood)
+    assert [e.type for e in exchange(s2.port, [Event("describe")], ("info",))] == ["info"]
+
+
+def test_only_the_allowed_client_addresses_are_answered(s2, monkeypatch):
+    """--wyoming-allow: a client outside its networks gets one error event (code Forbidden) and the close;
+    inside them (an address is a network of one) it is served."""
+    monkeypatch.setattr(s2.wyoming, "allow", app.client_networks("192.168.1.10,10.0.0.0/8"))
+    assert error_of(raw_exchange(s2.port, b'{"type": "describe"}\n')) == dict(
+        text="this address may not use the server (--wyoming-allow)", code="Forbidden")
+    monkeypatch.setattr(s2.wyoming, "allow", app.client_networks("10.0.0.0/8, 127.0.0.1"))
+    assert [e.type for e in exchange(s2.port, [Event("describe")], ("info",))] == ["info"]
+
+
 def test_a_stream_that_fails_drops_its_text_and_still_ends(s2):
     start = SynthesizeStart(voice=SynthesizeVoice(name="keep")).event()
     chunks = [SynthesizeChunk(text=text).event() for text in ("x" * 4097, "More. ")]
     events = exchange(s2.port, [start, *chunks, SynthesizeStop().event()], ("synthesize-stopped",))
     assert [e.type for e in events] == ["error", "synthesize-stopped"]
-    assert events[0].data["text"] == ("the streamed text has 4097 characters without a sentence end, at most"
-                                      " 4096 are allowed")
+    assert events[0].data["text"] == ("the stream's text has 4097 characters so far, at most 4096 are allowed"
+                                      " (as in one synthesize)")
+
+
+def test_a_streams_chunks_together_are_held_to_one_requests_text_limit(s2, monkeypatch):
+    """Issue 58 item 5: the text limit holds for a stream's chunks together, as for one synthesize (one
+    chunk of a megabyte of "Hi. " was spoken sentence by sentence until the client hung up): the sentences
+    within it are spoken, the chunk past it is an error, and the stop still ends the stream."""
+    monkeypatch.setattr(s2.wyoming, "max_text", 12)
+    start = SynthesizeStart(voice=SynthesizeVoice(name="keep")).event()
+    start.data.update(seed=1, **S2_SAY)
+    chunks = [SynthesizeChunk(text=text).event() for text in ("Hi. Yo. ", "Ok. Go. ")]  # 8, then 16 in all
+    events = exchange(s2.port, [start, *chunks, SynthesizeStop().event()], ("synthesize-stopped",))
+    kinds = [e.type for e in events]
+    assert kinds.count("audio-stop") == 2 and kinds[-2:] == ["error", "synthesize-stopped"]
+    assert events[-2].data["text"] == ("the stream's text has 16 characters so far, at most 12 are allowed (as"
+                                       " in one synthesize)")
 
 
 # ----------------------------------------------------------------------------- app.py's flags
@@ -396,10 +523,39 @@ def test_a_port_in_use_is_one_line(s2, capsys):
         app.parse_args(["--port", "0", "--wyoming-port", str(s2.port)])
     error = capsys.readouterr().err
     assert f"cannot listen on 127.0.0.1:{s2.port} (Wyoming): Address already in use" in error
-    args = types.SimpleNamespace(host="127.0.0.1", wyoming_host=None, wyoming_port=s2.port)
+    args = wyoming_args(s2.port)
     with pytest.raises(common.UserError, match=rf"^cannot listen on 127.0.0.1:{s2.port} \(Wyoming\): Address"
                                                r" already in use$"):
         app.serve_wyoming(wyoming_server, s2.app, args)
+
+
+def test_a_closing_server_ends_each_generating_and_waiting_request_with_one_shutdown_event(tmp_path,
+                                                                                          monkeypatch):
+    """Issue 58 item 7: closing the server (SIGTERM's first step) cancels each request, in a row or queued,
+    and sends its client one error event (code Shutdown) before the close: no bare EOF."""
+    with servers(CKPT, tmp_path, "--slots", "1", "--queue", "1") as server:
+        go, made = held(monkeypatch, server), submitted(monkeypatch, server)
+        answers = [[], []]
+
+        def client(got: list):
+            async def run():
+                async with AsyncTcpClient("127.0.0.1", server.port) as connection:
+                    await connection.write_event(synthesize("Hello there.", seed=1, **S2_SAY))
+                    while (event := await asyncio.wait_for(connection.read_event(), 30)) is not None:
+                        got.append(event.type if event.type != "error" else (event.data["code"],
+                                                                               event.data["text"]))
+            asyncio.run(run())
+
+        threads = [threading.Thread(target=client, args=(got,)) for got in answers]
+        for thread in threads:
+            thread.start()
+        wait_for(lambda: len(made) == 2, 30, "both requests to be submitted")
+        server.wyoming.close()
+        for thread in threads:
+            thread.join(30)
+        go.set()
+    shutdown = ("Shutdown", "the server is shutting down: its requests are cancelled")
+    assert answers == [[shutdown], [shutdown]]
 
 
 def test_no_http_serves_wyoming_alone_and_sigterm_ends_it(tmp_path):

@@ -919,6 +919,9 @@ def run_config(args, stored: dict = None) -> dict:
     for key in ("steps", "gradient_accumulation_steps", "batch_tokens", "num_workers", "save_steps"):
         if not isinstance(settings[key], int) or settings[key] < 1:
             raise UserError(f"{key} must be an integer >= 1 (it is {settings[key]!r})")
+    lr = settings["learning_rate"]
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+        raise UserError(f"learning_rate must be a number > 0 (it is {lr!r})")  # torch's own: a traceback
     data_config = args.data_config or stored.get("data_config")
     if data_config is None:
         raise UserError("train needs --data-config D.json (upstream's:"
@@ -1078,12 +1081,16 @@ def keep_metrics_up_to(path: Path, state: dict):
 def start_run(args, rank: int, world: int, device: torch.device) -> dict:
     """The run in --out, new or (--resume) read back -> model, trainable parameters, AdamW, loop state."""
     out = Path(args.out)
+    over = stopped_early(out)
     if args.resume:
+        if over:
+            raise UserError(f"--resume: {out}'s run stopped before its first checkpoint: run the same command"
+                            " without --resume to start it over")
         if not (out / RUN_CONFIG).is_file() or not checkpoints(out):
             raise UserError(f"--resume: {out} holds no run with a checkpoint ({RUN_CONFIG} + checkpoint-N/)")
         config = resumed_config(args, out)
     else:
-        if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        if out.exists() and (not out.is_dir() or any(out.iterdir())) and not over:
             raise UserError(f"--out {out} is not empty: pass --resume to continue its run, or another --out")
         config = run_config(args)
     settings = config["train_config"]
@@ -1111,9 +1118,19 @@ def start_run(args, rank: int, world: int, device: torch.device) -> dict:
         if world > 1:
             dist.barrier()  # every process has seen --out empty before rank 0 writes in it
         if rank == 0:
+            if over:
+                print(f"{out}: its run stopped before its first checkpoint: starting over", file=sys.stderr)
+                (out / METRICS).unlink(missing_ok=True)
             out.mkdir(parents=True, exist_ok=True)
             write_atomic(out / RUN_CONFIG, lambda tmp: tmp.write_text(json.dumps(config, indent=1)))
     return run
+
+
+def stopped_early(out: Path) -> bool:
+    """Whether `out` holds only a run that stopped before its first checkpoint (its config and metrics):
+    nothing to resume from, nothing lost by starting it over."""
+    names = {p.name for p in out.iterdir()} if out.is_dir() else set()
+    return RUN_CONFIG in names and names <= {RUN_CONFIG, METRICS} and not checkpoints(out)
 
 
 def epoch_iterator(run: dict, batches_for_epoch):
@@ -1207,7 +1224,11 @@ def train(args, batches_for_epoch=None):
     try:
         train_loop(run, batches_for_epoch or data_batches(run), out, log)
     except KeyboardInterrupt:
-        raise UserError(f"interrupted at step {run['state']['step']}: continue from the last checkpoint with"
+        last = checkpoints(out)
+        if not last:
+            raise UserError(f"interrupted at step {run['state']['step']}, before the first checkpoint: run"
+                            " the same command again to start over") from None
+        raise UserError(f"interrupted at step {run['state']['step']}: continue from {last[-1]} with"
                         " --resume") from None
     steps, dropped = run["state"]["step"] - started, set(run.get("dropped", ()))
     if rank == 0 and dropped:  # upstream's length filter, said rather than only logged

@@ -14,6 +14,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -477,6 +478,33 @@ def test_overlay_pads_the_tokenizer_to_the_embedding_as_the_fixtures_overlay(tmp
     T.build_model(CKPT, tmp_path / "overlay")  # trains without the size error
 
 
+def test_a_run_stopped_before_its_first_checkpoint_starts_over_and_resume_says_so(tmp_path, capsys):
+    """Issue 58 item 10: interrupted before its first checkpoint, a run leaves only its config and metrics;
+    --resume says to start it over, and the same command does so (it was refused as "not empty")."""
+    argv, run = case_argv("full_w1", tmp_path), tmp_path / "run"
+
+    def interrupted(epoch, base_seed):
+        raise KeyboardInterrupt
+        yield
+
+    with torch.random.fork_rng():
+        said = "^interrupted at step 0, before the first checkpoint: run the same command again to start"
+        with pytest.raises(UserError, match=said + " over$"):
+            T.train(T.parse_args(argv), interrupted)
+    assert sorted(p.name for p in run.iterdir()) == [T.RUN_CONFIG]
+    (run / T.METRICS).write_text('{"step": 1}\n')  # as a run stopped after its first logged step leaves it
+    said = f"^--resume: {re.escape(str(run))}'s run stopped before its first checkpoint: run the same"
+    with pytest.raises(UserError, match=said + " command without --resume to start it over$"):
+        T.train(T.parse_args(argv + ["--resume"]), golden_batches("full_w1"))
+    with torch.random.fork_rng():
+        T.train(T.parse_args(argv), golden_batches("full_w1"))
+    assert "its run stopped before its first checkpoint: starting over" in capsys.readouterr().err
+    (micro, steps), c = metrics(run), CASES["train"]["full_w1"]
+    assert [m["step"] for m in steps] == [o["step"] for o in c["optimizer_steps"]]  # the old line is gone
+    assert all(abs(m["loss"] - want["loss"]) <= 1e-5 for m, want in zip(micro, c["micro_steps"], strict=True))
+    assert T.checkpoints(run)
+
+
 def test_errors_are_one_line(trained, tmp_path):
     base = case_argv("full_w1", tmp_path / "a")
     without_overlay = [a for a in base if a not in ("--tokenizer", str(OVERLAY))]
@@ -491,6 +519,10 @@ def test_errors_are_one_line(trained, tmp_path):
     (tmp_path / "six.json").write_text(json.dumps({"num_audio_codebook": 6}))
     with pytest.raises(UserError, match="num_audio_codebook is 6, .*config.json's 8: leave it out"):
         T.run_config(T.parse_args(base[:2] + [str(tmp_path / "six.json")] + base[3:]))
+    for lr in ("-1", "nan", "0"):  # issue 58 item 12: torch's ValueError was a traceback
+        said = f"^learning_rate must be a number > 0 \\(it is {float(lr)!r}\\)$"
+        with pytest.raises(UserError, match=said):
+            T.run_config(T.parse_args(base + ["--lr", lr]))
     defaults = T.run_config(T.parse_args(base[:1] + base[3:]))["train_config"]  # no --train-config
     fields = ("audio_vocab_size", "audio_mask_id", "num_audio_codebook")
     assert [defaults[k] for k in fields] == [1025, 1024, 8]  # the checkpoint's

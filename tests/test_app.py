@@ -1182,6 +1182,7 @@ def check_connection_cap(server, status: int, flag: str, meanwhile=lambda: None)
     """A server capped at 2 connections (`flag`): with two idle ones open, a request is refused at once with
     `status`, a Retry-After and a message naming the flag; `meanwhile()` runs at the cap; once one idle
     connection closes, a request is served."""
+    wait_for(lambda: not server.connections, 10, "the connections of earlier tests to end")  # a shared server
     idle = [socket.create_connection(server.server_address[:2], timeout=30) for _ in range(2)]
     try:
         wait_for(lambda: len(server.connections) == 2, 10, "the server to hold both idle connections")

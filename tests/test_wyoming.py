@@ -499,8 +499,8 @@ def test_a_streams_chunks_together_are_held_to_one_requests_text_limit(s2, monke
     events = exchange(s2.port, [start, *chunks, SynthesizeStop().event()], ("synthesize-stopped",))
     kinds = [e.type for e in events]
     assert kinds.count("audio-stop") == 2 and kinds[-2:] == ["error", "synthesize-stopped"]
-    assert events[-2].data["text"] == ("the stream's text has 16 characters so far, at most 12 are allowed (as"
-                                       " in one synthesize)")
+    said = "the stream's text has 16 characters so far, at most 12 are allowed (as in one synthesize)"
+    assert events[-2].data["text"] == said
 
 
 # ----------------------------------------------------------------------------- app.py's flags

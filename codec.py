@@ -55,17 +55,17 @@ def with_past(cache, module, x, n, dim=-1, channels_last=False):  # (..., L, ...
     return x
 
 
-def snake(x, alpha):  # (B, C, L), (1, C, 1): five passes over x eager, one compiled (cpu_fast)
-    return x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)
-
-
 class Snake(nn.Module):
     def __init__(self, channels):
         super().__init__()
         self.alpha = nn.Parameter(torch.ones(1, channels, 1))
 
+    @staticmethod
+    def snake(x, alpha):  # (B, C, L), (1, C, 1): five passes over x eager, one compiled (cpu_fast)
+        return x + (alpha + 1e-9).reciprocal() * torch.sin(alpha * x).pow(2)
+
     def forward(self, x, cache=None):
-        return snake(x, self.alpha.view(1, -1, 1))
+        return self.snake(x, self.alpha.view(1, -1, 1))
 
 
 class CausalConv(nn.Module):
@@ -78,7 +78,10 @@ class CausalConv(nn.Module):
         self.pad = (kernel - 1) * dilation + 1 - stride
 
     def forward(self, x, cache=None):  # (B, C, L) -> (B, C', L / stride); L is whole frames, so divisible
-        return self.conv(with_past(cache, self, x, self.pad))
+        return self.conv(self.padded(x, cache))
+
+    def padded(self, x, cache, channels_last=False):  # (B, C, L) -> (B, C, pad + L): the kernel's reach
+        return with_past(cache, self, x, self.pad, channels_last=channels_last)
 
 
 class CausalConvT(nn.Module):
@@ -102,8 +105,11 @@ class CausalConvT(nn.Module):
         y = y.unflatten(2, (1 + self.overlap, self.stride))
         out = y[:, :, 0]  # (B, L, stride, C'): what each input sample writes into its own block
         if self.overlap:  # ... plus what the one before it writes into the next block
-            out = out + with_past(cache, self, y[:, :, 1], 1, dim=1)[:, :L]
+            out = out + self.overlap_from_before(y[:, :, 1], cache)
         return out.permute(0, 3, 1, 2).flatten(2) + self.conv.bias[:, None]
+
+    def overlap_from_before(self, overlaps, cache):  # (B, L, stride, C'): each sample's, the one before's
+        return with_past(cache, self, overlaps, 1, dim=1)[:, :overlaps.shape[1]]
 
 
 class Sequential(nn.Sequential):
@@ -380,6 +386,12 @@ class DAC(nn.Module):
         self.decoder = Decoder(cfg)
         self.hop = hop_length(cfg)
 
+    def encode_chunk(self, x, cache):  # (B, 1, n * hop) -> codes (B, 1 + n_codebooks, n), the cache updated
+        return self.quantizer.encode(self.encoder(x, cache), cache)
+
+    def decode_chunk(self, codes, cache):  # codes (B, 1 + n_codebooks, n) in range -> (B, 1, n * hop)
+        return self.decoder(self.quantizer.upsample(self.quantizer.decode(codes, cache), cache), cache)
+
 
 # ----------------------------------------------------------------------------- loading
 def read_config(path):
@@ -486,7 +498,7 @@ def encode(model, wave, chunk_frames=CHUNK_FRAMES):
     x = F.pad(x, (0, -x.shape[-1] % model.hop))  # upstream pads right with zeros to whole frames
     cache = {}
     chunks = x.split(chunk_frames * model.hop if chunk_frames else x.shape[-1], -1)
-    return torch.cat([model.quantizer.encode(model.encoder(c, cache), cache) for c in chunks], -1)
+    return torch.cat([model.encode_chunk(c, cache) for c in chunks], -1)
 
 
 @torch.inference_mode()
@@ -503,8 +515,7 @@ def decode_stream(model, chunks):
     The pieces joined equal decode() of all the codes (same clamping), to fp32 noise."""
     cache = {}
     for codes in chunks:
-        z = model.quantizer.decode(clamped_codes(model, codes), cache)  # (B, D, n)
-        yield model.decoder(model.quantizer.upsample(z, cache), cache)[:, 0].float()
+        yield model.decode_chunk(clamped_codes(model, codes), cache)[:, 0].float()
 
 
 def clamped_codes(model, codes):

@@ -12,16 +12,15 @@ sum, inductor's GEMM on frozen weights, fp32 sums of half weights), equal to the
 rounding, and each is taken only where this machine's timing says it wins: timed once, at the first `tune`
 that needs it, and kept in `decisions_file()` for every later process. A timing during which other
 processes used the CPU records nothing (it would be wrong for good). The CLIs, app.py and bench.py call
-`tune` after loading (`--no-tune` skips it); what it saves and costs: docs/speed.md. This file imports the
-model files whose functions its modules call (codec's streaming past and snake, dualAR's whole-row sort);
-they import it only inside their CLIs, so a model file copies without it.
+`tune` after loading (`--no-tune` skips it); what it saves and costs: docs/speed.md. It imports no model
+file (they import it inside their CLIs): a faster module calls what the plain one it replaced calls (its
+`eager` class's methods), and the codec's choices are timed through the model's own chunk methods.
 
 Sections: the entry point, modules in place of others, decisions (a file, a key per machine, a busy
 machine), prepacked matmuls (oneDNN, MKL), S2's frame steps (few-row linears, one-row sums, frozen graphs),
-S2's sampler, OmniVoice's flat row (many-row linears), half-precision linears, the codec's fast path, the CLI.
+OmniVoice's flat row (many-row linears), half-precision linears, the codec's fast path, the CLI.
 """
 import argparse
-import collections
 import ctypes
 import functools
 import json
@@ -37,9 +36,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-import codec
 import common
-import dualAR
 import quantize
 from common import UserError, available_memory_bytes, write_atomic
 from quantize import QuantLinear, W8A8Linear, replaced
@@ -64,8 +61,8 @@ def tune_s2(model: nn.Module, rows: int = None, again: bool = False) -> nn.Modul
     """S2-Pro: half linears where the CPU has no half matmul units; fp32 linears on oneDNN's prepacked
     weights at the row counts that win (eager and compiled); compiled graphs' one row as a fused sum;
     compiled batched steps on frozen weights (inductor's GEMM), if batches of their rows come; the sampler's
-    top-k/top-p filter orders only the best candidates (`CandidateFilter`)."""
-    model.top_filter = CandidateFilter()
+    top-k/top-p filter orders only the best candidates (`dualAR.TopFilter(candidates=True)`)."""
+    model.top_filter.candidates = True
     use_half_linears(model)
     if any(type(m) is nn.Linear and m.weight.dtype == torch.float32 for m in model.modules()):
         use_few_rows_linears(model, few_rows_steps(again))
@@ -513,7 +510,7 @@ def use_one_row_sums(module: nn.Module, wins: dict = None, again=False) -> nn.Mo
 
 
 FROZEN_KEY = "compiled frozen rows"  # the decision's key, after the machine key
-FROZEN_PROBES = (4, 8, 16)  # the batched frame steps' row counts (dualAR.batch_bucket) that are timed
+FROZEN_PROBES = (4, 8, 16)  # the batched frame steps' row counts (dualAR's batch_bucket) that are timed
 # Inductor's own GEMM (its CPP template: a register-blocked kernel on a copy of the weight it packs when it
 # compiles) takes only a graph's constants, so the weights are frozen; ATEN: a matmul the template cannot take
 FROZEN_GEMMS = dict(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP")
@@ -592,71 +589,6 @@ def use_frozen_gemms(module: nn.Module, steps: list) -> nn.Module:
     F.linear at the rows `steps` take (`row_steps`), for graphs compiled there within `frozen_gemms` ->
     module (or its FewRowsLinear, where module is such a linear layer itself)."""
     return replaced(module, lambda m: as_few_rows(m, frozen_steps=steps) if is_fp32_linear(m) else None)
-
-
-# ----------------------------------------------------------------------------- S2's sampler
-CUMULATIVE_SLACK = 1e-4  # far above the rounding of a cumulative probability summed in another order
-
-
-class CandidateFilter(dualAR.TopFilter):
-    """S2's top-k/top-p filter (in dualAR.TopFilter's place) that, for rows of top_k at most, orders only
-    the best candidates (`candidate_removal`): the same tokens removed, bit for bit."""
-
-    def narrowed(self, top_k: int):
-        return candidate_removal(top_k)
-
-
-@functools.lru_cache(maxsize=None)  # one object per count: a compiled step's guard sees the same removal
-def candidate_removal(top_k: int):
-    """S2's removal for rows of top_k at most: `top_candidates` over a power of two of candidates (one
-    compiled graph per count)."""
-    candidates = max(32, 1 << max(int(top_k) - 1, 0).bit_length())
-    return functools.partial(top_candidates, candidates=candidates)
-
-
-def top_candidates(logits: Tensor, top_p: Tensor, top_k: Tensor, candidates: int) -> Tensor:
-    """`sorted_removal` from the best candidates + 1 tokens alone: top-k drops every later rank, and what
-    is kept is a prefix of the order. Two things depend on more than the candidates, and for them the row
-    is sorted whole, as upstream: a tie across the kept prefix's end (which of the tied tokens upstream's
-    unstable sort puts first), and a cumulative probability within CUMULATIVE_SLACK of top_p (its softmax
-    sums the row in sorted order, rounding otherwise than in vocabulary order)."""
-    if candidates >= logits.size(-1):
-        return dualAR.sorted_removal(logits, top_p, top_k)
-    values, ids = torch.topk(logits, candidates + 1, dim=-1)  # (B, candidates + 1), best first
-    # softmax, not exp of the whole row: on CPU that one is split across threads, 100x slower for 4k values
-    cum_probs = torch.cumsum(F.softmax(logits, dim=-1).gather(-1, ids), dim=-1)
-    ranks = torch.arange(candidates + 1, device=logits.device)
-    remove = (cum_probs > top_p[:, None]) | (ranks >= top_k[:, None])
-    remove[:, 0] = False
-    kept = (~remove).sum(-1, keepdim=True)  # 1 .. candidates: rank `candidates` is past every top_k
-    last, first_out = values.gather(-1, kept - 1), values.gather(-1, kept)
-    tie = (last == first_out) & (last > float("-inf"))
-    near = (cum_probs - top_p[:, None]).abs() < CUMULATIVE_SLACK
-    args = logits, ids, remove, tie.any() | near.any(), top_p, top_k
-    if torch.compiler.is_compiling():
-        return candidates_or_sorted(*args)
-    return removal_in_vocabulary_order(*args)  # the op's body: the op's dispatch costs ~60 us a draw eager
-
-
-def removal_in_vocabulary_order(logits, ids, remove, unsure, top_p, top_k) -> Tensor:
-    """`top_candidates`' removal (B, vocabulary): from the candidates' `remove`, or upstream's
-    `sorted_removal` of the whole row where `unsure`."""
-    if unsure:
-        return dualAR.sorted_removal(logits, top_p, top_k)
-    return torch.ones_like(logits, dtype=torch.bool).scatter(-1, ids, remove)
-
-
-# One opaque op, so that a compiled step branches on the host: torch.cond here made inductor compile two
-# subgraphs per draw (22 a frame) and refuse to cache the graph ("Can't cache HigherOrderOperator: cond").
-@torch.library.custom_op("fishfast::candidates_or_sorted", mutates_args=())
-def candidates_or_sorted(logits: Tensor, ids: Tensor, remove: Tensor, unsure: Tensor, top_p: Tensor,
-                         top_k: Tensor) -> Tensor:
-    return removal_in_vocabulary_order(logits, ids, remove, unsure, top_p, top_k)
-
-
-@candidates_or_sorted.register_fake
-def _(logits, ids, remove, unsure, top_p, top_k):
-    return torch.empty_like(logits, dtype=torch.bool)
 
 
 # ----------------------------------------------------------------------------- OmniVoice's flat row
@@ -827,9 +759,12 @@ class PackedConv(FastOp, nn.Module):
             return packed_matmul(x.mT, self.packed, conv.bias).mT if fast else conv(x)
         if not fast:  # the eager layout: a one-shot decode's long inputs take this
             return self.eager.forward(self, x, cache)
-        x = codec.with_past(cache, self, x, self.pad, channels_last=True)[:, :, None]
+        x = self.padded(x, cache, channels_last=True)[:, :, None]
         y = torch.ops.mkldnn._convolution_pointwise(x, self.packed, conv.bias, *self.geo, "none", [], "")
         return y[:, :, 0]  # (B, C, 1, pad + L) in, (B, C', 1, L') out
+
+    def padded(self, x, cache, channels_last=False):  # the eager class's (its forward calls it on self)
+        return self.eager.padded(self, x, cache, channels_last)
 
 
 class PackedConvT(FastOp, nn.Module):
@@ -844,15 +779,18 @@ class PackedConvT(FastOp, nn.Module):
         y = y.unflatten(2, (1 + self.overlap, self.stride))
         out = y[:, :, 0]  # (B, L, stride, C'): what each input sample writes into its own block
         if self.overlap:  # ... plus what the one before it writes into the next block
-            out = out + codec.with_past(cache, self, y[:, :, 1], 1, dim=1)[:, :L]
+            out = out + self.overlap_from_before(y[:, :, 1], cache)
         return out.reshape(B, L * self.stride, -1).mT + self.conv.bias[:, None]
+
+    def overlap_from_before(self, overlaps, cache):  # the eager class's (its forward calls it on self)
+        return self.eager.overlap_from_before(self, overlaps, cache)
 
 
 class CompiledSnake(FastOp, nn.Module):
     """The fast path's codec.Snake (its `eager` class): one compiled kernel instead of five passes over x."""
 
     def forward(self, x, cache=None):
-        return fused_snake(codec.snake)(x, self.alpha.view(1, -1, 1))  # a view: a static shape
+        return fused_snake(self.eager.snake)(x, self.alpha.view(1, -1, 1))  # a view: a static shape
 
 
 @functools.cache
@@ -1019,22 +957,32 @@ def probe_tensor(module, shape, like):
 
 
 ONE_SHOT_FRAMES = 64  # the one-shot decode the whole-path check times (3 s): its convs see a clip's lengths
+ENCODE_FRAMES = 16  # the probes' encode chunks (codec.CHUNK_FRAMES: what its encode runs)
+
+
+@torch.inference_mode()
+def probe_encode(model, chunks=2):
+    """An encode of silence in `chunks` chunks of ENCODE_FRAMES, as the codec's `encode` runs it."""
+    p, cache = next(model.parameters()), {}
+    for _ in range(chunks):
+        model.encode_chunk(torch.zeros(1, 1, ENCODE_FRAMES * model.hop, device=p.device), cache)
+
+
+@torch.inference_mode()
+def probe_decode(model, frames, chunks=1):
+    """A decode of zero codes in `chunks` chunks of `frames`, as the codec's `decode_stream` runs it."""
+    p, cache = next(model.parameters()), {}
+    for _ in range(chunks):
+        model.decode_chunk(torch.zeros(1, model.config["n_codebooks"] + 1, frames, dtype=torch.long,
+                                       device=p.device), cache)
 
 
 def probe_paths(model):
     """{path: run} of what `checked_choices` times whole: an encode in the codec's chunks, a stream of each
     PROBE_FRAMES chunk size (two chunks) and a one-shot decode of ONE_SHOT_FRAMES."""
-    p, rows = next(model.parameters()), model.config["n_codebooks"] + 1
-    wave = torch.zeros(2 * codec.CHUNK_FRAMES * model.hop, device=p.device)
-
-    def stream(frames):
-        codes = torch.zeros(1, rows, 2 * frames, dtype=torch.long, device=p.device)
-        collections.deque(codec.decode_stream(model, codes.split(frames, -1)), maxlen=0)
-
-    paths = {"encode": lambda: codec.encode(model, wave)}
-    paths.update({f"stream {frames}": functools.partial(stream, frames) for frames in PROBE_FRAMES})
-    one_shot = torch.zeros(1, rows, ONE_SHOT_FRAMES, dtype=torch.long, device=p.device)
-    paths["one shot"] = lambda: codec.decode(model, one_shot, chunk_frames=None)
+    paths = {"encode": functools.partial(probe_encode, model)}
+    paths.update({f"stream {n}": functools.partial(probe_decode, model, n, 2) for n in PROBE_FRAMES})
+    paths["one shot"] = functools.partial(probe_decode, model, ONE_SHOT_FRAMES)
     return paths
 
 
@@ -1084,16 +1032,13 @@ def probe_inputs(model):
         seen.setdefault(module, {}).setdefault(probe[0], set()).add(tuple(args[0].shape))
 
     hooks = [m.register_forward_pre_hook(record) for m in model.modules() if op_key(m) is not None]
-    p = next(model.parameters())
     try:
         codec_fast_path(model, on=False)
         probe[0] = "encode"
-        codec.encode(model, torch.zeros(2 * codec.CHUNK_FRAMES * model.hop, device=p.device))
-        rows = model.config["n_codebooks"] + 1
+        probe_encode(model)
         for frames in PROBE_FRAMES:
             probe[0] = f"stream {frames}"
-            codes = torch.zeros(1, rows, 2 * frames, dtype=torch.long, device=p.device)
-            collections.deque(codec.decode_stream(model, codes.split(frames, -1)), maxlen=0)
+            probe_decode(model, frames, chunks=2)
     finally:
         for hook in hooks:
             hook.remove()

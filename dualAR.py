@@ -345,7 +345,7 @@ class DualAR(nn.Module):
         self.quant = None  # the quantization scheme, set by quantize.py
         # 9 fast passes a frame (`sample_frame`); off: fp32 rounds codebook 1's logits otherwise (speed.md)
         self.fast_prefill = False
-        self.top_filter = TopFilter()  # the sampler's top-k/top-p filter (cpu_fast.tune puts a faster one)
+        self.top_filter = TopFilter()  # the sampler's top-k/top-p filter (cpu_fast.tune: candidates=True)
         self.engine = None  # a weak reference to the Scheduler that owns the KV caches
         self.make_rope()
 
@@ -686,15 +686,79 @@ def sorted_removal(logits: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:
 
 
 class TopFilter(nn.Module):
-    """The sampler's top-k/top-p filter as the model's module (upstream's `sorted_removal`), so that one which
-    removes the same tokens faster can take its place (cpu_fast's sorts only the best candidates)."""
+    """The sampler's top-k/top-p filter as the model's module: upstream's `sorted_removal`, or with
+    candidates=True (cpu_fast.tune's, on CPU) the same tokens removed, bit for bit, from an order of only the
+    best candidates (`candidate_removal`): on a GPU its check of the candidates would cost a sync per draw."""
+
+    def __init__(self, candidates: bool = False):
+        super().__init__()
+        self.candidates = candidates
+
+    def extra_repr(self):
+        return f"candidates={self.candidates}"
 
     def forward(self, logits: Tensor, top_p: Tensor, top_k: Tensor) -> Tensor:
-        return sorted_removal(logits, top_p, top_k)
+        return self.narrowed(int(top_k.max()))(logits, top_p, top_k)
 
     def narrowed(self, top_k: int):
-        """The removal for rows of top_k at most (this filter's: the same for any)."""
-        return sorted_removal
+        """The removal for rows of top_k at most."""
+        return candidate_removal(top_k) if self.candidates else sorted_removal
+
+
+CUMULATIVE_SLACK = 1e-4  # far above the rounding of a cumulative probability summed in another order
+
+
+@functools.lru_cache(maxsize=None)  # one object per count: a compiled step's guard sees the same removal
+def candidate_removal(top_k: int):
+    """S2's removal for rows of top_k at most: `top_candidates` over a power of two of candidates (one
+    compiled graph per count)."""
+    candidates = max(32, 1 << max(int(top_k) - 1, 0).bit_length())
+    return functools.partial(top_candidates, candidates=candidates)
+
+
+def top_candidates(logits: Tensor, top_p: Tensor, top_k: Tensor, candidates: int) -> Tensor:
+    """`sorted_removal` from the best candidates + 1 tokens alone: top-k drops every later rank, and what
+    is kept is a prefix of the order. Two things depend on more than the candidates, and for them the row
+    is sorted whole, as upstream: a tie across the kept prefix's end (which of the tied tokens upstream's
+    unstable sort puts first), and a cumulative probability within CUMULATIVE_SLACK of top_p (its softmax
+    sums the row in sorted order, rounding otherwise than in vocabulary order)."""
+    if candidates >= logits.size(-1):
+        return sorted_removal(logits, top_p, top_k)
+    values, ids = torch.topk(logits, candidates + 1, dim=-1)  # (B, candidates + 1), best first
+    # softmax, not exp of the whole row: on CPU that one is split across threads, 100x slower for 4k values
+    cum_probs = torch.cumsum(F.softmax(logits, dim=-1).gather(-1, ids), dim=-1)
+    ranks = torch.arange(candidates + 1, device=logits.device)
+    remove = (cum_probs > top_p[:, None]) | (ranks >= top_k[:, None])
+    remove[:, 0] = False
+    kept = (~remove).sum(-1, keepdim=True)  # 1 .. candidates: rank `candidates` is past every top_k
+    last, first_out = values.gather(-1, kept - 1), values.gather(-1, kept)
+    tie = (last == first_out) & (last > float("-inf"))
+    near = (cum_probs - top_p[:, None]).abs() < CUMULATIVE_SLACK
+    args = logits, ids, remove, tie.any() | near.any(), top_p, top_k
+    if torch.compiler.is_compiling():
+        return candidates_or_sorted(*args)
+    return removal_in_vocabulary_order(*args)  # the op's body: the op's dispatch costs ~60 us a draw eager
+
+
+def removal_in_vocabulary_order(logits, ids, remove, unsure, top_p, top_k) -> Tensor:
+    """`top_candidates`' removal (B, vocabulary): from the candidates' `remove`, or upstream's
+    `sorted_removal` of the whole row where `unsure`."""
+    if unsure:
+        return sorted_removal(logits, top_p, top_k)
+    return torch.ones_like(logits, dtype=torch.bool).scatter(-1, ids, remove)
+
+
+# One opaque op, so that a compiled step branches on the host: torch.cond here made inductor compile two
+# subgraphs per draw (22 a frame) and refuse to cache the graph ("Can't cache HigherOrderOperator: cond").
+@torch.library.custom_op("fishfast::candidates_or_sorted", mutates_args=())
+def candidates_or_sorted(logits: Tensor, ids: Tensor, remove: Tensor, unsure: Tensor, top_p: Tensor,
+                         top_k: Tensor) -> Tensor:
+    return removal_in_vocabulary_order(logits, ids, remove, unsure, top_p, top_k)
+
+
+@candidates_or_sorted.register_fake
+def _(logits, ids, remove, unsure, top_p, top_k):
+    return torch.empty_like(logits, dtype=torch.bool)
 
 
 def sample(logits: Tensor, noise: Tensor, temperature: Tensor, top_p: Tensor, top_k: Tensor,

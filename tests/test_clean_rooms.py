@@ -1,5 +1,6 @@
 """Clean rooms: each model file copies alone (its imports point one way), and a library call computes and
 returns: it times nothing, writes nothing the caller did not ask for, and leaves the process as it was."""
+import ast
 import functools
 import json
 import os
@@ -36,7 +37,7 @@ def test_imports_point_one_way_common_below_the_models_and_nothing_imports_the_b
     assert imported_with("omnivoice_text") == {"common"}
     assert imported_with("omnivoice") == {"common", "omnivoice_codec", "omnivoice_text"}  # no S2 dragged in
     assert imported_with("quantize") == {"common"}  # a model file imports it only where a scheme is asked
-    assert imported_with("cpu_fast") == {"common", "codec", "dualAR", "quantize"}  # from outside
+    assert imported_with("cpu_fast") == {"common", "quantize"}  # the models import it (in their CLIs)
     # the Wyoming server is given app.py's objects, and app.py imports it only for --wyoming-port
     assert imported_with("wyoming_server") == {"common", "omnivoice_text"}
     assert "wyoming_server" not in imported_with("app")
@@ -47,6 +48,26 @@ def test_imports_point_one_way_common_below_the_models_and_nothing_imports_the_b
         if path.stem != "bench":
             assert "import bench" not in path.read_text(), path.name
 
+
+
+def test_no_import_circle_at_any_depth_not_even_inside_a_function():
+    """Every import of a repository module, wherever it stands in a file, is an arrow: they form no circle
+    (a file in a circle cannot be copied without the files that import it)."""
+    arrows = {}
+    for path in [*ROOT.glob("*.py"), *ROOT.glob("tools/*.py")]:
+        names = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names |= {alias.name for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                names.add(node.module)
+        arrows[path.stem] = names & set(FILES)
+    assert arrows["dualAR"] >= {"cpu_fast", "codec"} and arrows["cpu_fast"] == {"common", "quantize"}
+
+    def reaches(start, module, seen):
+        return any(other == start or other not in seen and (seen.add(other) or reaches(start, other, seen))
+                   for other in arrows.get(module, ()))
+    assert [module for module in arrows if reaches(module, module, set())] == []
 
 
 def test_no_module_changes_its_class_at_run_time_or_reaches_back_into_the_module_that_loaded_it():

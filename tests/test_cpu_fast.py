@@ -32,8 +32,8 @@ def test_a_tuned_model_holds_what_it_held_and_names_the_modules_that_run(monkeyp
     wqkv = model.layers[0].attention.wqkv
     assert type(wqkv) is cpu_fast.FewRowsLinear and f"(wqkv): FewRowsLinear(in_features={wqkv.in_features}" \
         f", out_features={wqkv.out_features}, bias=False, steps={STEPS}" in repr(model)
-    assert type(model.top_filter) is cpu_fast.CandidateFilter
-    assert "(top_filter): CandidateFilter()" in repr(model)
+    assert type(model.top_filter) is dualAR.TopFilter and model.top_filter.candidates
+    assert "(top_filter): TopFilter(candidates=True)" in repr(model)
     assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), model.state_dict().values()))
     assert list(plain.state_dict()) == list(model.state_dict())
 
@@ -1032,7 +1032,7 @@ def test_ordering_only_the_best_candidates_samples_what_the_full_sort_samples(ki
             top_ks = torch.randint(0, top_k + 1, (16,), generator=generator)
             top_ks[0] = top_k
             params = torch.full((16,), 0.7), torch.full((16,), top_p), top_ks
-            got = dualAR.logits_to_probs(logits, *params, cpu_fast.candidate_removal(top_k))
+            got = dualAR.logits_to_probs(logits, *params, dualAR.candidate_removal(top_k))
             assert torch.equal(got, probs_by_full_sort(sort, logits, *params)), (top_k, top_p)
             batches += 1
     if kind == "continuous":  # (top_p = 1 is near a cumulative probability wherever the tail is tiny)
@@ -1046,7 +1046,7 @@ def test_a_compiled_sampler_branches_in_one_graph_and_sorts_the_whole_row_only_w
     candidates for continuous logits and from the whole sorted row for logits with ties."""
     sort, whole = dualAR.sorted_removal, []
     monkeypatch.setattr(dualAR, "sorted_removal", lambda *args: whole.append(1) or sort(*args))
-    compiled = torch.compile(cpu_fast.top_candidates, fullgraph=True, backend="inductor")
+    compiled = torch.compile(dualAR.top_candidates, fullgraph=True, backend="inductor")
     generator = torch.Generator().manual_seed(0)
     top_p, top_k = torch.full((16,), 0.7), torch.randint(0, 31, (16,), generator=generator)
     for kind, sorted_whole in (("continuous", []), ("grid", [1])):
@@ -1056,19 +1056,18 @@ def test_a_compiled_sampler_branches_in_one_graph_and_sorts_the_whole_row_only_w
 
 
 def test_a_model_file_run_as_a_script_gets_the_same_filter_and_names_it(monkeypatch):
-    """dualAR.py run as a script (another module object, as __main__ is) is tuned as the imported one: its
-    sampler's filter is cpu_fast's CandidateFilter (`print(model)` says so), whose removal, an argument of the
-    compiled step, names no model file (so a script compiles the graph a library call keeps in the compile
-    cache: a cold cache showed a second graph once), and gives upstream's whole-row removal on ties."""
+    """dualAR.py run as a script (another module object, as __main__ is; cpu_fast imports no model file) is
+    tuned as the imported one: its sampler's filter orders only the best candidates (`print(model)` says
+    so), and gives upstream's whole-row removal on ties."""
     spec = importlib.util.spec_from_file_location("not_dualAR", ROOT / "dualAR.py")
     script = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, "not_dualAR", script)  # as sys.modules["__main__"] is a script
     spec.loader.exec_module(script)
     model = cpu_fast.tune(script.load(CKPT), rows=1)
-    assert type(model.top_filter) is cpu_fast.CandidateFilter
-    assert "(top_filter): CandidateFilter()" in repr(model)
+    assert type(model.top_filter) is script.TopFilter and model.top_filter.candidates
+    assert "(top_filter): TopFilter(candidates=True)" in repr(model)
     removal = model.top_filter.narrowed(30)
-    assert removal is cpu_fast.candidate_removal(30) and removal.keywords == {"candidates": 32}
+    assert removal is script.candidate_removal(30) and removal.keywords == {"candidates": 32}
     logits, top_p, top_k = torch.arange(64.0)[None] % 7, torch.tensor([0.9]), torch.tensor([30])  # ties
     assert torch.equal(removal(logits, top_p, top_k), script.sorted_removal(logits, top_p, top_k))
 
@@ -1080,8 +1079,8 @@ def probs_by_full_sort(sort, logits, temperature, top_p, top_k):
 
 def test_candidates_cover_every_busy_rows_top_k_and_a_tuned_model_samples_with_them():
     top_ks = (0, 1, 30, 32, 33, 4096)
-    assert [cpu_fast.candidate_removal(k).keywords["candidates"] for k in top_ks] == [
+    assert [dualAR.candidate_removal(k).keywords["candidates"] for k in top_ks] == [
         32, 32, 32, 32, 64, 4096]
     model = cpu_fast.tune(dualAR.load(CKPT), rows=1)
     removal = dualAR.sampling_params(model, [(0.7, 0.7, 30), (0.7, 0.7, 100)])["removal"]
-    assert removal is cpu_fast.candidate_removal(100) and removal.keywords["candidates"] == 128
+    assert removal is dualAR.candidate_removal(100) and removal.keywords["candidates"] == 128

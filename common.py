@@ -5,7 +5,7 @@ memory, the engine thread. It imports no model file, so a model file can be copi
 outside.)
 
 Sections: errors and the CLI wrapper, user input (voice names, seeds, control tokens: the CLIs' and the
-server's one rule each), devices and dtypes (and the trainers' torchrun processes), files (atomic writes,
+server's one rule each), devices and dtypes, files (atomic writes,
 a checkpoint's weights and tokenizer, audio, the compile cache), loose matmuls, memory, engines (Job, the
 queue, and EngineThread: the thread that steps either model's Scheduler).
 """
@@ -68,10 +68,6 @@ def cli(main, argv=None):
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
 
-
-def short_list(items: list, n=5) -> str:
-    """The first n items of a list a message names, and how many more."""
-    return ", ".join(map(str, items[:n])) + (f" and {len(items) - n} more" if len(items) > n else "")
 
 
 class ArgumentParser(argparse.ArgumentParser):
@@ -187,34 +183,6 @@ def device_name(text: str) -> str:
     if not re.fullmatch(r"auto|cpu|mps|(cuda|npu|xpu)(:\d+)?", text):
         raise argparse.ArgumentTypeError(f"{text}: use auto, cuda, cuda:N, npu, xpu, mps or cpu")
     return text
-
-
-def join_processes(device: torch.device) -> tuple:
-    """-> (rank, processes, device). Under torchrun (RANK set): NCCL on cuda:LOCAL_RANK, or gloo on CPU (the
-    trainers' several processes)."""
-    import torch.distributed as dist
-    if "RANK" not in os.environ:
-        return 0, 1, device
-    if device.type == "cuda":
-        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
-        torch.cuda.set_device(device)
-    if not dist.is_initialized():
-        # dynamo imports torch.distributed.nn.functional, whose 10 `group=group.WORLD` defaults would keep a
-        # group made before it (and gloo's threads) past destroy_process_group, into the teardown: an abort
-        importlib.import_module("torch._dynamo")
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-    return dist.get_rank(), dist.get_world_size(), device
-
-
-def run_command(commands: dict, args):
-    """A trainer's subcommand, commands[args.command](args); the process group `join_processes` made is left
-    afterwards, also when the command fails."""
-    import torch.distributed as dist
-    try:
-        commands[args.command](args)
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def add_device_arg(parser: argparse.ArgumentParser, more: str = ""):
@@ -452,14 +420,6 @@ def reset_peak_memory(device: torch.device):
             Path("/proc/self/clear_refs").write_text("5")
         except OSError:  # some containers forbid it: the peak is then the process's so far
             pass
-
-
-def available_memory_bytes() -> int:
-    """Linux's MemAvailable (0 where it cannot be read)."""
-    try:
-        return int(re.search(r"MemAvailable:\s+(\d+)", Path("/proc/meminfo").read_text())[1]) * 1024
-    except (OSError, TypeError):
-        return 0
 
 
 def peak_memory_gb(device: torch.device) -> float:

@@ -26,6 +26,7 @@ import functools
 import json
 import math
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -38,7 +39,7 @@ from torch import Tensor
 
 import common
 import quantize
-from common import UserError, available_memory_bytes, write_atomic
+from common import UserError, write_atomic
 from quantize import QuantLinear, W8A8Linear, replaced
 
 
@@ -107,6 +108,15 @@ def rebuilt(cls, module: nn.Module, **settings) -> nn.Module:
         new.__dict__[store] = dict(module.__dict__[store])  # the two modules leaves the other as it was
     new.__dict__.update(settings)
     return new
+
+
+# ----------------------------------------------------------------------------- memory
+def available_memory_bytes() -> int:
+    """Linux's MemAvailable (0 where it cannot be read)."""
+    try:
+        return int(re.search(r"MemAvailable:\s+(\d+)", Path("/proc/meminfo").read_text())[1]) * 1024
+    except (OSError, TypeError):
+        return 0
 
 
 # ----------------------------------------------------------------------------- decisions

@@ -32,7 +32,8 @@ from tqdm import tqdm
 import codec
 import common
 import dualAR
-from common import UserError, short_list, write_atomic
+import training
+from common import UserError, write_atomic
 
 SYSTEM_PROMPT = "Speak out the provided text."  # upstream's training system turn
 IGNORE = -100  # label of positions without loss (cross_entropy's ignore_index)
@@ -246,7 +247,7 @@ def find_clips(data_dir: Path, strict: bool, audio_only: bool) -> tuple:
         audio, codes = clip.get("audio"), clip.get("codes")
         clip["stale"] = audio is not None and (codes is None or codes.stat().st_mtime < audio.stat().st_mtime)
     if missing := [clip.get("audio") or clip["codes"] for clip in clips.values() if clip["text"] is None]:
-        files, listed = f"{len(missing)} file(s)", short_list(missing)
+        files, listed = f"{len(missing)} file(s)", training.short_list(missing)
         if strict:
             raise UserError(f"{files} have no .lab/.txt transcript (--strict): {listed}")
         print(f"warning: skipped {files} without a .lab/.txt transcript: {listed}", file=sys.stderr)
@@ -263,7 +264,7 @@ def sum_over_processes(values: list, device) -> list:
 
 def prepare_dataset(args):
     """`prepare`: each transcribed audio file -> <stem>.npy codes next to it, once (each process: a share)."""
-    rank, world, device = common.join_processes(common.pick_device(args.device))
+    rank, world, device = training.join_processes(common.pick_device(args.device))
     n_found, clips = find_clips(Path(args.data_dir), args.strict, audio_only=True)
     for clip in clips.values():  # check everything before writing anything
         codec.read_transcript(clip["text"])
@@ -297,7 +298,7 @@ def load_samples(data_dir: Path, model: dualAR.DualAR, strict=False, max_length=
     """Every prepared (codes + transcript) pair under data_dir, tokenized once -> [(name, inputs, labels)]."""
     _, clips = find_clips(data_dir, strict, audio_only=False)
     if stale := [clip["audio"] for clip in clips.values() if clip["stale"]]:
-        raise UserError(f"{len(stale)} audio file(s) have no up-to-date codes ({short_list(stale, 2)}):"
+        raise UserError(f"{len(stale)} audio file(s) have no up-to-date codes ({training.short_list(stale, 2)}):"
                         f" run `python train_lora.py prepare {data_dir}` first")
     samples, too_long = [], []
     for stem, clip in clips.items():
@@ -310,7 +311,7 @@ def load_samples(data_dir: Path, model: dualAR.DualAR, strict=False, max_length=
             samples.append((name, inputs, labels))
     if too_long:
         print(f"warning: skipped {len(too_long)} sample(s) longer than --max-length {max_length} tokens:"
-              f" {short_list(too_long)}", file=sys.stderr)
+              f" {training.short_list(too_long)}", file=sys.stderr)
     if not samples:
         raise UserError(f"no usable samples under {data_dir}")
     return samples
@@ -509,7 +510,7 @@ def optimizer_step(model, params, optimizer, run: dict, train_set: list, step: i
 
 def train(args):
     """`train`: the training loop, with validation, metrics and checkpoints."""
-    rank, world, device = common.join_processes(common.pick_device(args.device))
+    rank, world, device = training.join_processes(common.pick_device(args.device))
     run, model, params, optimizer, train_set, val_set, step = start_run(args, rank, world, device)
     out, first_step, vals, losses, tokens = Path(args.out), step, [], [], 0
 
@@ -667,7 +668,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    common.run_command(COMMANDS, parse_args(argv))
+    training.run_command(COMMANDS, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -47,7 +47,8 @@ from tqdm import tqdm
 import common
 import omnivoice
 import omnivoice_codec
-from common import AUDIO_EXTENSIONS, UserError, short_list, write_atomic
+import training
+from common import AUDIO_EXTENSIONS, UserError, write_atomic
 
 
 # ----------------------------------------------------------------------------- tokens
@@ -106,7 +107,7 @@ def folder_records(folder: Path) -> list:
             continue
         records.append(dict(id=clip.stem, audio_path=str(clip.resolve()), text=read_transcript(transcript)))
     if missing:
-        raise UserError(f"{len(missing)} clip(s) have no .lab/.txt transcript: {short_list(missing)}")
+        raise UserError(f"{len(missing)} clip(s) have no .lab/.txt transcript: {training.short_list(missing)}")
     return records
 
 
@@ -1207,7 +1208,7 @@ def data_batches(run: dict):
 def train(args, batches_for_epoch=None):
     """`train`: a run folder with config.json, metrics.jsonl and checkpoint-N/ (batches_for_epoch(epoch,
     base_seed) -> batches: the data config's loader by default)."""
-    rank, world, device = common.join_processes(common.pick_device(args.device))
+    rank, world, device = training.join_processes(common.pick_device(args.device))
     run = start_run(args, rank, world, device)
     out, started = Path(args.out), run["state"]["step"]
 
@@ -1367,7 +1368,7 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
-    common.run_command(COMMANDS, parse_args(argv))
+    training.run_command(COMMANDS, parse_args(argv))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ import ast
 import functools
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,7 +17,7 @@ from conftest import CKPT, OV_CKPT, ROOT
 
 # the repository's modules
 FILES = ("common", "codec", "cpu_fast", "dualAR", "bench", "omnivoice", "omnivoice_codec", "omnivoice_text",
-         "app", "quantize", "train_lora", "wyoming_server")
+         "app", "quantize", "train_lora", "train_omnivoice", "training", "wyoming_server")
 
 
 @functools.lru_cache(maxsize=None)  # each module's import is run once
@@ -48,6 +49,20 @@ def test_imports_point_one_way_common_below_the_models_and_nothing_imports_the_b
         if path.stem != "bench":
             assert "import bench" not in path.read_text(), path.name
 
+
+
+def test_common_holds_only_what_a_model_file_uses():
+    """Each name common.py defines is used by a model file (its CLI included) or by common.py itself: what
+    only the trainers share is training.py's, what only the CPU tuner needs is cpu_fast.py's."""
+    source = (ROOT / "common.py").read_text()
+    models = " ".join((ROOT / f"{m}.py").read_text() for m in ("dualAR", "codec", "omnivoice",
+                                                               "omnivoice_codec", "omnivoice_text"))
+    names = [node.name for node in ast.parse(source).body if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
+    assert len(names) > 20
+    unused = [name for name in names if not re.search(rf"\b{name}\b", models)
+              and len(re.findall(rf"\b{name}\b", source)) < 2]
+    assert unused == []
+    assert imported_with("training") == set()
 
 
 def test_no_import_circle_at_any_depth_not_even_inside_a_function():

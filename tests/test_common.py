@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 import common
+import training
 from common import write_atomic
 from conftest import free_port
 
@@ -36,8 +37,8 @@ def test_a_trainers_command_leaves_the_process_group_even_when_it_fails():
     for command in ("ok", "broken"):
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
         with pytest.raises(RuntimeError) if command == "broken" else contextlib.nullcontext():
-            common.run_command({"ok": lambda args: ran.append(args.command), "broken": broken},
-                               argparse.Namespace(command=command))
+            training.run_command({"ok": lambda args: ran.append(args.command), "broken": broken},
+                                 argparse.Namespace(command=command))
         assert not dist.is_initialized()
     assert ran == ["ok", "broken"]
 

@@ -422,9 +422,9 @@ def test_a_worker_ends_its_process_group_with_its_threads_once_the_model_is_load
     script = f"""if True:
         import os, sys, time, torch, torch.distributed as dist
         sys.path.insert(0, {str(ROOT)!r})
-        import common, dualAR
+        import dualAR, training
         before = len(os.listdir("/proc/self/task"))
-        common.join_processes(torch.device("cpu"))
+        training.join_processes(torch.device("cpu"))
         dualAR.load({str(CKPT)!r})
         dist.destroy_process_group()
         deadline = time.monotonic() + 5

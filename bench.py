@@ -16,6 +16,7 @@ on a device in bf16 / fp16 against CPU fp32 on the same weights and inputs (exit
 import argparse
 import copy
 import ctypes
+import functools
 import math
 import os
 import resource
@@ -364,6 +365,84 @@ def bench(args):
         print(f"time to first audio at batch 1 (prefill {prompt} tokens + first frames + their codec"
               f" decode): {1000 * ttfa:.0f} ms")
         print(f"bench ttfa_ms={1000 * ttfa:.0f} prompt_tokens={prompt}")
+
+
+# ------------------------------------------------------------------------- one-row linears (`bench.py rows`)
+def row_ways(shapes, layers: int) -> dict:
+    """{(precision, way): (run, weight bytes)}: one row through `shapes` linears `layers` times, each
+    precision's weights as the frame step holds them (fp32, fp16 / bf16 HalfLinear's, int8 / int4
+    QuantLinear's), run eager (torch's kernel, as eager frame steps run it; fp32 also oneDNN's prepacked) and
+    compiled as cpu_fast's fused one-row sum (`one_row_linear`; int8: `int8_one_row`)."""
+    xs = {k: torch.rand(1, k) for k in {k for _, k in shapes}}
+    ways = {}
+
+    def add(precision, weights, eager: dict, fused=None, fused_weights=None):
+        size = sum(w.numel() * w.element_size() for w in weights)
+        for name, run in eager.items():
+            ways[(precision, name)] = (functools.partial(run, weights), size)
+        if fused:
+            run = torch.compile(fused, fullgraph=True)
+            ways[(precision, "compiled sum")] = (functools.partial(run, fused_weights or weights), size)
+
+    def linears(dtype):
+        return lambda ws: [F.linear(xs[w.shape[1]].to(dtype), w) for w in ws]
+
+    def summed(ws):
+        return [cpu_fast.one_row_linear(xs[w.shape[1]], w) for w in ws]
+
+    fp32 = [torch.rand(shape) for _ in range(layers) for shape in shapes]
+    packed = {id(w): cpu_fast.prepack(w) for w in fp32}
+
+    def prepacked(ws):
+        return [cpu_fast.packed_matmul(xs[w.shape[1]], packed[id(w)]) for w in ws]
+    add("fp32", fp32, {"torch": linears(torch.float32), "packed": prepacked}, summed)
+    for dtype in (torch.float16, torch.bfloat16):
+        name = next(name for name, d in common.DTYPES.items() if d == dtype)
+        add(name, [w.to(dtype) for w in fp32], {"torch": linears(dtype)}, summed)
+    int8 = [quantize.QuantLinear(nn.Linear(k, n, bias=False), 8) for _ in range(layers) for n, k in shapes]
+    words = [cpu_fast.byte_columns(q.weight) for q in int8]  # as OneRowQuantLinear holds them
+    scales = {id(w): q.scales for q, w in [*zip(int8, words), *((q, q.weight) for q in int8)]}
+
+    def int8_kernel(ws):
+        return [torch.ops.aten._weight_int8pack_mm(xs[w.shape[1]].bfloat16(), w, scales[id(w)]) for w in ws]
+
+    def int8_summed(ws):
+        return [cpu_fast.int8_one_row(xs[w.shape[1]], w, scales[id(w)]) for w in ws]
+
+    add("int8", [q.weight for q in int8], {"torch": int8_kernel}, int8_summed, words)
+    int4 = [quantize.QuantLinear(nn.Linear(k, n, bias=False), 4) for _ in range(layers) for n, k in shapes]
+    add("int4", [q.weight for q in int4], {"torch": lambda ws: [q(xs[q.in_features]) for q in int4]})
+    return ways
+
+
+@torch.inference_mode()
+def rows_speed(args):
+    """`bench.py rows`: one row through a layer's linears (cpu_fast.PROBE_SHAPES, enough layers to read
+    them from memory) at each precision, eager and compiled, in interleaved rounds: GB/s of weight bytes
+    (min / median / max of the rounds) and the median's % of the measured copy bandwidth."""
+    torch.set_num_threads(args.threads or torch.get_num_threads())
+    cpu_fast.keep_freed_memory()
+    ways = row_ways(cpu_fast.PROBE_SHAPES, args.layers)
+    bandwidth = copy_bandwidth(torch.device("cpu"))
+    seconds = {key: [] for key in ways}
+    for run, _ in ways.values():
+        run()  # compiles
+    for _ in range(args.rounds):
+        for key, (run, _) in ways.items():
+            best = float("inf")
+            for _ in range(3):
+                start = time.perf_counter()
+                run()
+                best = min(best, time.perf_counter() - start)
+            seconds[key].append(best)
+    print(f"{machine_line(torch.device('cpu'))} ({' '.join(common.cpu_model())}), copy bandwidth"
+          f" {bandwidth:.1f} GB/s")
+    print(f"{'precision':9} {'way':12} {'MB':>6} {'GB/s min':>9} {'median':>7} {'max':>6} {'% bw':>5}")
+    for (precision, way), (_, size) in ways.items():
+        rates = sorted(size / t / 1e9 for t in seconds[(precision, way)])
+        median = statistics.median(rates)
+        print(f"{precision:9} {way:12} {size / 1e6:6.0f} {rates[0]:9.1f} {median:7.1f} {rates[-1]:6.1f}"
+              f" {100 * median / bandwidth:5.0f}")
 
 
 # ----------------------------------------------------------------------------- codec (`bench.py codec`)
@@ -986,8 +1065,9 @@ def batch_sizes(text: str) -> list:
     return sizes
 
 
-COMMANDS = ("s2", "codec", "omnivoice", "lora", "parity")
-RUNS = dict(s2=bench, codec=codec_speed, omnivoice=omnivoice_speed, lora=lora_speed, parity=parity)
+COMMANDS = ("s2", "rows", "codec", "omnivoice", "lora", "parity")
+RUNS = dict(s2=bench, rows=rows_speed, codec=codec_speed, omnivoice=omnivoice_speed, lora=lora_speed,
+            parity=parity)
 
 
 def add_parity_args(ap: argparse.ArgumentParser):
@@ -1038,6 +1118,12 @@ def main(argv=None):
     lora.add_argument("--batch-size", type=int, default=4, help="samples per step (default 4)")
     lora.add_argument("--seq-len", type=int, default=1024, help="tokens per sample (default 1024)")
     lora.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step (default 3)")
+    rows = sub.add_parser("rows", help="one row through a layer's linears at each precision, eager and"
+                          " compiled: GB/s and % of the copy bandwidth")
+    rows.add_argument("--layers", type=int, default=6, help="layers of weights read per pass (6:"
+                      " 289 MB in fp32)")
+    rows.add_argument("--rounds", type=int, default=5, help="interleaved rounds (5)")
+    rows.add_argument("--threads", type=int, help="torch threads (default: torch's)")
     add_parity_args(sub.add_parser("parity", help="each model on --device in --dtype vs CPU fp32: logits,"
                                    " greedy codes, unmasked tokens, the codec's decode; exit 1 past the"
                                    " limits"))

@@ -227,7 +227,7 @@ def show_decisions(argv=None):
     if args.again:
         fp32 = machine_key(torch.device("cpu"), torch.float32)
         few_rows_steps(again=True)
-        for dtype in (torch.float32, torch.int8):
+        for dtype in ONE_ROW_DTYPES:
             compiled_one_row_wins(dtype, again=True)
         many_rows_matmul(again=True)
         frozen_rows_steps(again=True)
@@ -437,50 +437,95 @@ def use_few_rows_linears(module: nn.Module, steps: list) -> nn.Module:
                     if m in linears else None)
 
 
+def realized(x: Tensor) -> Tensor:
+    """x as a buffer of its own in a compiled graph (an identity view, for which inductor must write x out).
+    A one-row sum reads x once per output row: left an expression, x's producer (a norm's rsqrt and gain) is
+    computed again there, which made int8 rows 1.7x slower (docs/speed.md). Realize the layer's input as
+    it comes: a conversion realized after an attention template became its epilogue, which inductor's flex
+    attention template cannot take."""
+    return x.as_strided(x.shape, x.stride())
+
+
 def one_row_linear(x: Tensor, weight: Tensor, bias: Tensor = None) -> Tensor:
     """F.linear of one row as a product and a sum: inductor fuses them into one pass over the weight, which
     read it faster than oneDNN's or MKL's matmul on some CPUs (docs/speed.md). Eager it would make the whole
     product: compiled graphs only."""
-    y = (x.unsqueeze(-2) * weight).sum(-1)
+    y = (realized(x).float().unsqueeze(-2) * weight).sum(-1)  # (half weights: fp32 sums)
     return y if bias is None else y + bias
 
 
+def int8_one_row(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
+    """One row x (K,) times an int8 weight (N, K) in `byte_columns` order, times the scales -> (N,), x and
+    the sums in fp32; in compiled graphs only (eager it would make the whole product). Inductor reads each 4
+    bytes as one fp32 word (int8 and int32 loads it copies through memory, 3x slower) and splits it in
+    registers: byte i of word j, moved to the top bits, converts exactly to its value times 2^24 and pairs
+    with x[i * K/4 + j]."""
+    words = weight.view(torch.float32).view(torch.int32)  # (N, K / 4)
+    xs, top = realized(x).float().reshape(4, -1), -(1 << 24)  # top: the high byte's bits
+    y = (xs[0] * (words << 24).float() + xs[1] * ((words << 16) & top).float()
+         + xs[2] * ((words << 8) & top).float() + xs[3] * (words & top).float()).sum(-1)
+    return y * (scales.float() * 2.0 ** -24)  # a power of two: the products round as the bytes' would
+
+
+def byte_columns(weight: Tensor) -> Tensor:
+    """An int8 weight (N, K) with its columns in the order `int8_one_row` reads them: column i * K/4 + j at
+    4 j + i (the reverse: `natural_columns`)."""
+    N, K = weight.shape
+    return weight.view(N, 4, K // 4).transpose(1, 2).reshape(N, K)
+
+
+def natural_columns(weight: Tensor) -> Tensor:
+    N, K = weight.shape
+    return weight.view(N, K // 4, 4).transpose(1, 2).reshape(N, K)
+
+
 class OneRowQuantLinear(QuantLinear):
-    """QuantLinear (int8) whose compiled graphs run one row as `one_row_linear` of the kernel's bf16 input in
-    fp32, then the scales; anything else QuantLinear's."""
+    """QuantLinear (int8) whose weight's columns are in `byte_columns` order: a compiled graph's one row is
+    `int8_one_row` (x in fp32, as inductor ran the kernel's bf16 rounding of it before: it drops a rounding
+    undone at once); anything else QuantLinear's, on x's columns put in the same order (the same products,
+    summed in another order)."""
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.compiler.is_compiling() and x.numel() == self.in_features and x.is_cpu:
-            x2 = x.reshape(1, self.in_features).to(torch.bfloat16)
-            y = one_row_linear(x2.float(), self.weight) * self.scales
+            y = int8_one_row(x.reshape(-1), self.weight, self.scales)
             y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
-        return super().forward(x)
+        K = self.in_features
+        return super().forward(x.unflatten(-1, (4, K // 4)).transpose(-1, -2).reshape(x.shape))
 
 
 ONE_ROW_KEY = "compiled one row"  # the decision's key, after the machine key
+ONE_ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8)  # weights a fused sum can read
+
+
+def one_row_key(dtype: torch.dtype) -> str:  # int8's times `int8_one_row` (a timing of an older sum is stale)
+    return f"{machine_key(torch.device('cpu'), dtype)} {ONE_ROW_KEY}" + (" as words" * (dtype == torch.int8))
 
 
 def compiled_one_row_wins(dtype: torch.dtype = torch.float32, again=False) -> bool:
-    """Whether this machine's compiled graphs run a one-row linear of `dtype` weights (fp32, or int8 as
-    QuantLinear's) faster as `one_row_linear` than the matmuls eager takes for it. Timed once
-    (`timed_one_row`: it compiles, 5-15 s)."""
-    return decision(f"{machine_key(torch.device('cpu'), dtype)} {ONE_ROW_KEY}",
+    """Whether this machine's compiled graphs run a one-row linear of `dtype` weights (fp32, fp16 / bf16 as
+    HalfLinear's, or int8 as QuantLinear's: `int8_one_row`) faster as a fused sum than the matmuls eager
+    takes for it. Timed once (`timed_one_row`: it compiles, 5-15 s)."""
+    return decision(one_row_key(dtype),
                     lambda value: isinstance(value, bool), lambda old: timed_one_row(dtype),
                     f"timing compiled one-row {dtype} linears", again)
 
 
 @torch.inference_mode()
 def timed_one_row(dtype: torch.dtype = torch.float32, repeats=5) -> bool:
-    """A layer's linears at one row, PROBE_LAYERS times for fp32 and 4x that for int8 (the same bytes):
-    `one_row_linear` compiled by inductor against torch's own matmul and, for fp32, oneDNN's prepacked one
-    (the best of `repeats` each, after a warm-up that compiles)."""
+    """A layer's linears at one row, PROBE_LAYERS times for fp32, 2x that for half and 4x for int8 (the same
+    bytes): the fused sum compiled by inductor against torch's own matmul and, for fp32, oneDNN's prepacked
+    one (the best of `repeats` each, after a warm-up that compiles)."""
     xs = {i: torch.rand(1, i) for i in {shape[1] for shape in PROBE_SHAPES}}
-    if dtype == torch.int8:
+    if dtype in (torch.float16, torch.bfloat16):
+        weights = [torch.rand(shape, dtype=dtype) for _ in range(2 * PROBE_LAYERS) for shape in PROBE_SHAPES]
+        fused = torch.compile(lambda ws: [one_row_linear(xs[w.shape[1]], w) for w in ws], fullgraph=True)
+        runs = {"torch": lambda: [F.linear(xs[w.shape[1]].to(dtype), w) for w in weights]}
+    elif dtype == torch.int8:
         weights = [torch.randint(-127, 128, shape, dtype=torch.int8)
                    for _ in range(4 * PROBE_LAYERS) for shape in PROBE_SHAPES]
         scales = {w.shape[0]: torch.rand(w.shape[0]).bfloat16() for w in weights}
-        fused = torch.compile(lambda ws: [one_row_linear(xs[w.shape[1]], w) * scales[w.shape[0]] for w in ws],
+        fused = torch.compile(lambda ws: [int8_one_row(xs[w.shape[1]], w, scales[w.shape[0]]) for w in ws],
                               fullgraph=True)
         kernel = torch.ops.aten._weight_int8pack_mm
         runs = {"torch": lambda: [kernel(xs[w.shape[1]].bfloat16(), w, scales[w.shape[0]]) for w in weights]}
@@ -495,12 +540,13 @@ def timed_one_row(dtype: torch.dtype = torch.float32, repeats=5) -> bool:
 
 
 def use_one_row_sums(module: nn.Module, wins: dict = None, again=False) -> nn.Module:
-    """For a module that runs compiled on CPU: its fp32 linear layers (as FewRowsLinear) and int8 QuantLinears
-    (as OneRowQuantLinear) run one row as `one_row_linear` in compiled graphs where `wins` ({torch.float32:
-    bool, torch.int8: bool}) says so; a dtype it lacks: this machine's `compiled_one_row_wins`, asked only
-    if the module has one -> module (or what takes its place, where it is such a layer itself)."""
-    layers = [m for m in module.modules() if is_fp32_linear(m)
-              or type(m) in (QuantLinear, OneRowQuantLinear) and m.bits == 8 and m.weight.is_cpu]
+    """For a module that runs compiled on CPU: its fp32 linear layers (as FewRowsLinear), HalfLinears and int8
+    QuantLinears (as OneRowQuantLinear) run one row as a fused sum in compiled graphs where `wins` ({weight
+    dtype: bool}) says so; a dtype it lacks: this machine's `compiled_one_row_wins`, asked only if the
+    module has one -> module (or what takes its place, where it is such a layer itself)."""
+    layers = [m for m in module.modules() if is_fp32_linear(m) or type(m) is HalfLinear and m.weight.is_cpu
+              or type(m) in (QuantLinear, OneRowQuantLinear) and m.bits == 8 and m.weight.is_cpu
+              and m.in_features % 4 == 0]
     wins = dict(wins or {})
     for m in layers:  # in the module's order: a dtype's timing asked for where the first of it is
         if m.weight.dtype not in wins:
@@ -511,9 +557,15 @@ def use_one_row_sums(module: nn.Module, wins: dict = None, again=False) -> nn.Mo
         if m not in members:
             return None
         win = wins[m.weight.dtype]
+        if type(m) is HalfLinear:
+            m.one_row = win
+            return None
         if isinstance(m, QuantLinear):
             kind = OneRowQuantLinear if win else QuantLinear
-            return rebuilt(kind, m) if type(m) is not kind else None
+            if type(m) is kind:
+                return None
+            m.weight.data = (byte_columns if win else natural_columns)(m.weight.data)
+            return rebuilt(kind, m)
         return as_few_rows(m, one_row=win) if win or type(m) is FewRowsLinear else None
 
     return replaced(module, one_row)
@@ -682,10 +734,21 @@ class HalfLinear(nn.Linear):
     """nn.Linear with fp16 or bf16 weights on a CPU without matrix units for them: from MANY_ROWS rows on
     (a prefill, OmniVoice's sequences: compute-bound) it runs in fp32, the weight upcast for the call and
     the output rounded back, so the sum is fp32 as in the half GEMM; fewer rows (memory-bound frames) read
-    half the bytes in half precision, which is why the weight stays half."""
+    half the bytes in half precision, which is why the weight stays half. A compiled graph's one row is
+    `one_row_linear` in fp32 where `one_row` says so (`use_one_row_sums`), rounded back as the GEMM's."""
+
+    one_row = False
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, one_row={self.one_row}"
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.numel() // self.in_features >= MANY_ROWS and x.is_cpu and x.dtype == self.weight.dtype:
+        rows = x.numel() // self.in_features
+        if torch.compiler.is_compiling() and self.one_row and rows == 1 and x.is_cpu \
+                and x.dtype == self.weight.dtype and not torch.is_grad_enabled():
+            bias = None if self.bias is None else self.bias.float()
+            return one_row_linear(x, self.weight, bias).to(x.dtype)
+        if rows >= MANY_ROWS and x.is_cpu and x.dtype == self.weight.dtype:
             bias = None if self.bias is None else self.bias.float()
             return F.linear(x.float(), self.weight.float(), bias).to(x.dtype)
         return F.linear(x, self.weight, self.bias)

@@ -125,10 +125,10 @@ def untimed_decisions() -> dict:
     try:
         for n in range(1, max(os.cpu_count() or 1, threads) + 1):
             torch.set_num_threads(n)
-            fp32, int8 = (cpu_fast.machine_key(torch.device("cpu"), t) for t in (torch.float32, torch.int8))
+            fp32 = cpu_fast.machine_key(torch.device("cpu"), torch.float32)
             known[fp32] = UNTIMED["few_rows"]
-            for machine in (fp32, int8):
-                known[f"{machine} {cpu_fast.ONE_ROW_KEY}"] = UNTIMED["one_row"]
+            for dtype in cpu_fast.ONE_ROW_DTYPES:
+                known[cpu_fast.one_row_key(dtype)] = UNTIMED["one_row"]
             known[f"{fp32} {cpu_fast.MANY_ROWS_KEY}"] = UNTIMED["many_rows"]
             known[f"{fp32} {cpu_fast.FROZEN_KEY}"] = UNTIMED["frozen"]
             known[f"{fp32} {cpu_fast.CODEC_KEY}"] = ops

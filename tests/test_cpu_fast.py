@@ -206,18 +206,21 @@ def graph_calls(layers, x) -> list:
 
 def test_compiled_one_row_linears_are_a_product_and_a_sum_where_the_machine_takes_them():
     """Where this machine's timing took `one_row_linear` (use_one_row_sums), a compiled graph multiplies one
-    row by each fp32 or int8 weight and sums: no matmul, no int8 kernel, within 1e-5 of the same arithmetic
-    as a matmul (int8: the dequantized weight times the kernel's bf16 x); 4 rows, eager calls and a machine
-    whose timing said no keep the matmuls, and only fp32 and int8 weights are touched."""
+    row (written out first: cpu_fast.realized) by each fp32 or int8 weight and sums: no matmul, no int8
+    kernel, within 1e-5 of the same arithmetic as a matmul (int8: the dequantized weight times x in fp32,
+    where the kernel takes a bf16 x); 4 rows, eager calls and a machine whose timing said no keep the
+    matmuls, and only fp32 and int8 weights are touched."""
 
     def model():
         torch.manual_seed(0)
         int8 = quantize.QuantLinear(torch.nn.Linear(48, 8), bits=8)
         return torch.nn.Sequential(torch.nn.Linear(32, 48), torch.nn.SiLU(), int8)
 
-    def reference(layers, x):
-        hidden = F.silu(F.linear(x, layers[0].weight, layers[0].bias)).bfloat16().float()
-        return F.linear(hidden, layers[2].weight.float()) * layers[2].scales.float() + layers[2].bias
+    def reference(layers, x):  # an int8 weight read by int8_one_row has its columns in byte order
+        hidden = F.silu(F.linear(x, layers[0].weight, layers[0].bias))
+        weight = layers[2].weight
+        weight = cpu_fast.natural_columns(weight) if type(layers[2]) is cpu_fast.OneRowQuantLinear else weight
+        return F.linear(hidden, weight.float()) * layers[2].scales.float() + layers[2].bias
 
     for wins in (True, False):
         layers = model()
@@ -233,6 +236,7 @@ def test_compiled_one_row_linears_are_a_product_and_a_sum_where_the_machine_take
             assert torch.allclose(y, want, atol=1e-5) if summed else torch.equal(y, eager)
             matmuls = (calls.count("linear"), calls.count("_weight_int8pack_mm"), calls.count("sum"))
             assert matmuls == ((0, 0, 2) if summed else (1, 1, 0)), calls
+            assert calls.count("as_strided") == (2 if summed else 0)  # each sum's input written out once
             with torch.inference_mode():
                 assert torch.equal(layers(x), eager)  # eager: the matmuls
         assert not hasattr(layers[0].weight, "prepacked")
@@ -241,6 +245,58 @@ def test_compiled_one_row_linears_are_a_product_and_a_sum_where_the_machine_take
     cpu_fast.use_one_row_sums(others, {torch.float32: True, torch.int8: True})
     assert type(others[0]) is torch.nn.Linear and not hasattr(others[0], "one_row")
     assert others[1].bits == 4 and type(others[1]) is quantize.QuantLinear
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_a_half_linear_runs_a_compiled_one_row_as_a_sum_in_fp32_rounded_back(dtype, monkeypatch):
+    """On a CPU without half matrix units (HalfLinear), where the timing took the fused sum for the dtype, a
+    compiled graph's one row is a product and a sum in fp32 (no matmul: inductor reads the half weight
+    once), rounded back to half as the GEMM's output; 4 rows and eager calls keep F.linear."""
+    monkeypatch.setitem(quantize.HALF_UNITS, dtype, False)
+    torch.manual_seed(0)
+    layers = cpu_fast.use_half_linears(torch.nn.Sequential(torch.nn.Linear(64, 32).to(dtype)))
+    cpu_fast.use_one_row_sums(layers, {dtype: True})
+    assert type(layers[0]) is cpu_fast.HalfLinear and "one_row=True" in repr(layers)
+    weight, bias = layers[0].weight.float(), layers[0].bias.float()
+    for rows in (1, 4):
+        x = torch.rand(rows, 64).to(dtype)
+        want = x.float() @ weight.T + bias
+        y, calls = graph_calls(layers, x)
+        assert (calls.count("linear"), calls.count("sum")) == ((0, 1) if rows == 1 else (1, 0)), calls
+        eps = torch.finfo(dtype).eps  # one rounding of the output
+        assert y.dtype == dtype and ((y.float() - want).abs() <= eps * want.abs() + 1e-6).all()
+    cpu_fast.use_one_row_sums(layers, {dtype: False})
+    assert "one_row=False" in repr(layers) and graph_calls(layers, x[:1])[1].count("linear") == 1
+
+
+def test_int8_one_row_reads_each_byte_of_a_word_as_its_value_and_a_layer_turned_back_is_as_before():
+    """int8_one_row (compiled: inductor reads the int8 weight as fp32 words and splits them) gives the
+    dequantized product to fp32 rounding for every byte value (the sign of each byte as it moves to the top
+    bits), its weight's columns in byte_columns' order, which natural_columns undoes. A QuantLinear made
+    OneRowQuantLinear holds that order (eager: x's columns put in it, the same outputs) and, turned back,
+    its weight as before."""
+    N, K = 64, 1024
+    weight = (torch.arange(N * K).view(N, K) * 7 % 256 - 128).to(torch.int8)  # every value in each row
+    x, scales = torch.rand(K), torch.rand(N).bfloat16()
+    want = (weight.float() @ x) * scales.float()
+    bound = 1e-6 * (weight.float().abs() @ x) * scales.float()  # fp32 sums in another order
+    words = cpu_fast.byte_columns(weight)
+    assert torch.equal(cpu_fast.natural_columns(words), weight) and not torch.equal(words, weight)
+    for run in (cpu_fast.int8_one_row, torch.compile(cpu_fast.int8_one_row, fullgraph=True)):
+        got = run(x, words, scales)
+        assert ((got - want).abs() <= bound).all()
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(quantize.QuantLinear(torch.nn.Linear(48, 32), bits=8))
+    natural, x = layers[0].weight.clone(), torch.rand(3, 48)
+    with torch.inference_mode():
+        before = layers(x)
+        cpu_fast.use_one_row_sums(layers, {torch.int8: True})
+        assert type(layers[0]) is cpu_fast.OneRowQuantLinear
+        assert torch.equal(layers[0].weight, cpu_fast.byte_columns(natural))
+        assert torch.allclose(layers(x), before, rtol=1e-6, atol=1e-6)
+        cpu_fast.use_one_row_sums(layers, {torch.int8: False})
+        assert type(layers[0]) is quantize.QuantLinear and torch.equal(layers[0].weight, natural)
+        assert torch.allclose(layers(x), before, rtol=1e-6, atol=1e-6)
 
 
 FROZEN = [[0, False], [4, True], [8, False]]  # a Zen 4's frozen_rows_steps: 4-row graphs on frozen weights
@@ -349,8 +405,8 @@ def test_the_compiled_one_row_choice_is_timed_once_per_weight_dtype_and_kept_bes
     cpu_fast.use_one_row_sums(torch.nn.Sequential(torch.nn.Linear(8, 4), int8))
     assert type(int8) is quantize.QuantLinear and timed == [torch.float32, torch.int8]
     assert cpu_fast.compiled_one_row_wins() is True and cpu_fast.compiled_one_row_wins(torch.int8) is False
-    fp32, int8 = (f"{cpu_fast.machine_key(torch.device('cpu'), dtype)} {cpu_fast.ONE_ROW_KEY}"
-                  for dtype in (torch.float32, torch.int8))
+    fp32, int8 = (cpu_fast.one_row_key(dtype) for dtype in (torch.float32, torch.int8))
+    assert int8 == f"{cpu_fast.machine_key(torch.device('cpu'), torch.int8)} compiled one row as words"
     assert json.loads(path.read_text()) == {machine: [[0, False]], fp32: True, int8: False}
     path.write_text(json.dumps({fp32: "yes"}))
     assert cpu_fast.compiled_one_row_wins() is True and timed == [torch.float32, torch.int8, torch.float32]
@@ -450,9 +506,9 @@ def test_timed_many_rows_takes_the_fastest_matmul_and_torchs_on_a_tie(monkeypatc
 
 
 def test_timed_one_row_takes_the_compiled_sum_only_where_it_beats_every_matmul(monkeypatch):
-    """The compiled product and sum against F.linear and the prepacked matmul (fp32 weights) or aten's int8
-    kernel (int8 ones) on the same one-row probes, a warm-up round first; the sum is taken only if faster
-    than each of them (a fake clock; compile made a no-op so that nothing compiles here)."""
+    """The compiled product and sum (int8: int8_one_row) against F.linear and the prepacked matmul (fp32
+    weights) or aten's int8 kernel (int8 ones) on the same one-row probes, a warm-up round first; the sum
+    is taken only if faster than each of them (a fake clock; compile made a no-op: nothing compiles)."""
     monkeypatch.setattr(cpu_fast, "PROBE_SHAPES", ((24, 16), (16, 24)))
     monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
     now, cost = [0.0], {}
@@ -464,6 +520,7 @@ def test_timed_one_row_takes_the_compiled_sum_only_where_it_beats_every_matmul(m
         return run
 
     monkeypatch.setattr(cpu_fast, "one_row_linear", timed("sum", cpu_fast.one_row_linear))
+    monkeypatch.setattr(cpu_fast, "int8_one_row", timed("sum", cpu_fast.int8_one_row))
     monkeypatch.setattr(cpu_fast.F, "linear", timed("torch", F.linear))
     monkeypatch.setattr(cpu_fast, "packed_matmul", timed("packed", cpu_fast.packed_matmul))
     int8_kernel = timed("int8", torch.ops.aten._weight_int8pack_mm)

@@ -34,6 +34,7 @@ import common
 import dualAR
 import training
 from common import UserError, write_atomic
+from training import short_list
 
 SYSTEM_PROMPT = "Speak out the provided text."  # upstream's training system turn
 IGNORE = -100  # label of positions without loss (cross_entropy's ignore_index)
@@ -247,7 +248,7 @@ def find_clips(data_dir: Path, strict: bool, audio_only: bool) -> tuple:
         audio, codes = clip.get("audio"), clip.get("codes")
         clip["stale"] = audio is not None and (codes is None or codes.stat().st_mtime < audio.stat().st_mtime)
     if missing := [clip.get("audio") or clip["codes"] for clip in clips.values() if clip["text"] is None]:
-        files, listed = f"{len(missing)} file(s)", training.short_list(missing)
+        files, listed = f"{len(missing)} file(s)", short_list(missing)
         if strict:
             raise UserError(f"{files} have no .lab/.txt transcript (--strict): {listed}")
         print(f"warning: skipped {files} without a .lab/.txt transcript: {listed}", file=sys.stderr)
@@ -298,7 +299,7 @@ def load_samples(data_dir: Path, model: dualAR.DualAR, strict=False, max_length=
     """Every prepared (codes + transcript) pair under data_dir, tokenized once -> [(name, inputs, labels)]."""
     _, clips = find_clips(data_dir, strict, audio_only=False)
     if stale := [clip["audio"] for clip in clips.values() if clip["stale"]]:
-        raise UserError(f"{len(stale)} audio file(s) have no up-to-date codes ({training.short_list(stale, 2)}):"
+        raise UserError(f"{len(stale)} audio file(s) have no up-to-date codes ({short_list(stale, 2)}):"
                         f" run `python train_lora.py prepare {data_dir}` first")
     samples, too_long = [], []
     for stem, clip in clips.items():
@@ -311,7 +312,7 @@ def load_samples(data_dir: Path, model: dualAR.DualAR, strict=False, max_length=
             samples.append((name, inputs, labels))
     if too_long:
         print(f"warning: skipped {len(too_long)} sample(s) longer than --max-length {max_length} tokens:"
-              f" {training.short_list(too_long)}", file=sys.stderr)
+              f" {short_list(too_long)}", file=sys.stderr)
     if not samples:
         raise UserError(f"no usable samples under {data_dir}")
     return samples

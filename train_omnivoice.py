@@ -49,6 +49,7 @@ import omnivoice
 import omnivoice_codec
 import training
 from common import AUDIO_EXTENSIONS, UserError, write_atomic
+from training import short_list
 
 
 # ----------------------------------------------------------------------------- tokens
@@ -107,7 +108,7 @@ def folder_records(folder: Path) -> list:
             continue
         records.append(dict(id=clip.stem, audio_path=str(clip.resolve()), text=read_transcript(transcript)))
     if missing:
-        raise UserError(f"{len(missing)} clip(s) have no .lab/.txt transcript: {training.short_list(missing)}")
+        raise UserError(f"{len(missing)} clip(s) have no .lab/.txt transcript: {short_list(missing)}")
     return records
 
 

@@ -57,7 +57,8 @@ def test_common_holds_only_what_a_model_file_uses():
     source = (ROOT / "common.py").read_text()
     models = " ".join((ROOT / f"{m}.py").read_text() for m in ("dualAR", "codec", "omnivoice",
                                                                "omnivoice_codec", "omnivoice_text"))
-    names = [node.name for node in ast.parse(source).body if isinstance(node, (ast.FunctionDef, ast.ClassDef))]
+    defined = (ast.FunctionDef, ast.ClassDef)
+    names = [node.name for node in ast.parse(source).body if isinstance(node, defined)]
     assert len(names) > 20
     unused = [name for name in names if not re.search(rf"\b{name}\b", models)
               and len(re.findall(rf"\b{name}\b", source)) < 2]

@@ -401,7 +401,7 @@ def row_ways(shapes, layers: int) -> dict:
         add(name, [w.to(dtype) for w in fp32], {"torch": linears(dtype)}, summed)
     int8 = [quantize.QuantLinear(nn.Linear(k, n, bias=False), 8) for _ in range(layers) for n, k in shapes]
     words = [cpu_fast.byte_columns(q.weight) for q in int8]  # as OneRowQuantLinear holds them
-    scales = {id(w): q.scales for q, w in [*zip(int8, words), *((q, q.weight) for q in int8)]}
+    scales = {id(w): q.scales for q, word in zip(int8, words) for w in (q.weight, word)}
 
     def int8_kernel(ws):
         return [torch.ops.aten._weight_int8pack_mm(xs[w.shape[1]].bfloat16(), w, scales[id(w)]) for w in ws]

@@ -5,9 +5,9 @@ memory, the engine thread. It imports no model file, so a model file can be copi
 outside.)
 
 Sections: errors and the CLI wrapper, user input (voice names, seeds, control tokens: the CLIs' and the
-server's one rule each), devices and dtypes, files (atomic writes,
-a checkpoint's weights and tokenizer, audio, the compile cache), loose matmuls, memory, engines (Job, the
-queue, and EngineThread: the thread that steps either model's Scheduler).
+server's one rule each), devices and dtypes, files (atomic writes, a checkpoint's weights and tokenizer,
+audio, the compile cache), loose matmuls, memory, engines (Job, the queue, and EngineThread: the thread that
+steps either model's Scheduler).
 """
 import argparse
 import contextlib
@@ -67,7 +67,6 @@ def cli(main, argv=None):
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-
 
 
 class ArgumentParser(argparse.ArgumentParser):

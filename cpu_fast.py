@@ -467,16 +467,14 @@ def int8_one_row(x: Tensor, weight: Tensor, scales: Tensor) -> Tensor:
     return y * (scales.float() * 2.0 ** -24)  # a power of two: the products round as the bytes' would
 
 
-def byte_columns(weight: Tensor) -> Tensor:
-    """An int8 weight (N, K) with its columns in the order `int8_one_row` reads them: column i * K/4 + j at
+def byte_columns(t: Tensor) -> Tensor:
+    """t (..., K) with its columns in the order `int8_one_row` reads an int8 weight's: column i * K/4 + j at
     4 j + i (the reverse: `natural_columns`)."""
-    N, K = weight.shape
-    return weight.view(N, 4, K // 4).transpose(1, 2).reshape(N, K)
+    return t.unflatten(-1, (4, t.shape[-1] // 4)).transpose(-1, -2).reshape(t.shape)
 
 
-def natural_columns(weight: Tensor) -> Tensor:
-    N, K = weight.shape
-    return weight.view(N, K // 4, 4).transpose(1, 2).reshape(N, K)
+def natural_columns(t: Tensor) -> Tensor:
+    return t.unflatten(-1, (t.shape[-1] // 4, 4)).transpose(-1, -2).reshape(t.shape)
 
 
 class OneRowQuantLinear(QuantLinear):
@@ -490,8 +488,7 @@ class OneRowQuantLinear(QuantLinear):
             y = int8_one_row(x.reshape(-1), self.weight, self.scales)
             y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
             return y if self.bias is None else y + self.bias
-        K = self.in_features
-        return super().forward(x.unflatten(-1, (4, K // 4)).transpose(-1, -2).reshape(x.shape))
+        return super().forward(byte_columns(x))
 
 
 ONE_ROW_KEY = "compiled one row"  # the decision's key, after the machine key
@@ -499,7 +496,8 @@ ONE_ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8)  # w
 
 
 def one_row_key(dtype: torch.dtype) -> str:  # int8's times `int8_one_row` (a timing of an older sum is stale)
-    return f"{machine_key(torch.device('cpu'), dtype)} {ONE_ROW_KEY}" + (" as words" * (dtype == torch.int8))
+    words = " as words" if dtype == torch.int8 else ""
+    return f"{machine_key(torch.device('cpu'), dtype)} {ONE_ROW_KEY}{words}"
 
 
 def compiled_one_row_wins(dtype: torch.dtype = torch.float32, again=False) -> bool:

@@ -322,17 +322,20 @@ def is_row_steps(value) -> bool:
     return starts[:1] == [0] and starts == sorted(set(starts)) and steps[-1][1] is False
 
 
-def beats_the_others(runs: dict, name: str, repeats: int) -> bool:
-    """Whether runs[name] is strictly faster than every other run of `runs` ({name: fn}), each the best of
-    `repeats` calls, the runs taking turns after a first round that warms up (and compiles)."""
-    best = {}
+def best_seconds(runs: dict, repeats: int, clock=time.perf_counter) -> dict:
+    """{name: the fastest of `repeats` calls of runs[name]()}: the runs take turns, after a first round that
+    only warms up (and compiles)."""
+    times = {name: [] for name in runs}
     for _ in range(1 + repeats):
-        for key, run in runs.items():
-            start = time.perf_counter()
+        for name, run in runs.items():
+            start = clock()
             run()
-            best.setdefault(key, []).append(time.perf_counter() - start)
-    fastest = min(best.pop(name)[1:])
-    return all(fastest < min(seconds[1:]) for seconds in best.values())
+            times[name].append(clock() - start)
+    return {name: min(seconds[1:]) for name, seconds in times.items()}
+
+
+def beats_the_others(best: dict, name: str) -> bool:  # best: `best_seconds`
+    return all(best[name] < seconds for other, seconds in best.items() if other != name)
 
 
 # ----------------------------------------------------------------------------- S2's frame steps
@@ -349,27 +352,36 @@ def few_rows_steps(again=False) -> list:
                     lambda old: timed_row_steps(), "timing oneDNN's few-row matmuls", again)
 
 
+def probe_weights(layers=PROBE_LAYERS, dtype=torch.float32) -> list:
+    """A layer's linears (PROBE_SHAPES) `layers` times, random weights of `dtype` (int8: bytes but -128)."""
+    if dtype == torch.int8:
+        return [torch.randint(-127, 128, shape, dtype=dtype) for _ in range(layers) for shape in PROBE_SHAPES]
+    return [torch.rand(shape, dtype=dtype) for _ in range(layers) for shape in PROBE_SHAPES]
+
+
+def probe_rows(weights: list, rows: int) -> dict:  # {in features: a random (rows, in) input}
+    return {i: torch.rand(rows, i) for i in {w.shape[1] for w in weights}}
+
+
+def matmul_runs(xs: dict, weights: list, packed: list = None) -> dict:
+    """{"torch": F.linear, "onednn": oneDNN's matmul on the `packed` weights} over every weight, each on its
+    xs; each run returns its products."""
+    runs = {"torch": lambda: [F.linear(xs[w.shape[1]], w) for w in weights]}
+    if packed is not None:
+        runs["onednn"] = lambda: [packed_matmul(xs[w.shape[1]], p) for w, p in zip(weights, packed)]
+    return runs
+
+
 @torch.inference_mode()
 def timed_row_steps(repeats=3) -> list:
     """A layer's linears PROBE_LAYERS times (random fp32 weights) at each of ROW_PROBES rows, F.linear and
-    prepacked in turn (the best of `repeats` each) -> `row_steps`."""
-    weights = [torch.rand(shape) for _ in range(PROBE_LAYERS) for shape in PROBE_SHAPES]
+    prepacked in turn (`best_seconds`) -> `row_steps`."""
+    weights = probe_weights()
     packed = [prepack(w) for w in weights]
-
-    def seconds(rows, matmul, ws):
-        xs = {i: torch.rand(rows, i) for i in {w.shape[1] for w in weights}}
-        start = time.perf_counter()
-        for w, plain in zip(ws, weights):
-            matmul(xs[plain.shape[1]], w)
-        return time.perf_counter() - start
-
     wins = {}
     for rows in ROW_PROBES:
-        best = {F.linear: [], packed_matmul: []}
-        for _ in range(1 + repeats):  # the first round warms up
-            for matmul, ws in ((F.linear, weights), (packed_matmul, packed)):
-                best[matmul].append(seconds(rows, matmul, ws))
-        wins[rows] = min(best[packed_matmul][1:]) <= min(best[F.linear][1:])
+        best = best_seconds(matmul_runs(probe_rows(weights, rows), weights, packed), repeats)
+        wins[rows] = best["onednn"] <= best["torch"]
     return row_steps(wins)
 
 
@@ -509,32 +521,37 @@ def compiled_one_row_wins(dtype: torch.dtype = torch.float32, again=False) -> bo
                     f"timing compiled one-row {dtype} linears", again)
 
 
+def one_row_runs(dtype: torch.dtype, compile=True) -> dict:
+    """A layer's linears at one row, PROBE_LAYERS times for fp32, 2x that for half and 4x for int8 (the same
+    bytes): {"fused": the sum (`one_row_linear`, int8's `int8_one_row`) compiled by inductor, "torch":
+    torch's own matmul, for fp32 "onednn": oneDNN's prepacked one}; each run returns its products."""
+    layers = PROBE_LAYERS * {torch.float16: 2, torch.bfloat16: 2, torch.int8: 4}.get(dtype, 1)
+    weights = probe_weights(layers, dtype)
+    xs = probe_rows(weights, 1)
+    reordered = [byte_columns(w) for w in weights] if dtype == torch.int8 else []  # as OneRowQuantLinear's
+    scales = {w.shape[0]: torch.rand(w.shape[0]).bfloat16() for w in weights}  # int8's
+    kernel = torch.ops.aten._weight_int8pack_mm
+
+    def fused():
+        if dtype == torch.int8:
+            return [int8_one_row(xs[w.shape[1]], w, scales[w.shape[0]]) for w in reordered]
+        return [one_row_linear(xs[w.shape[1]], w) for w in weights]
+
+    if dtype == torch.int8:
+        runs = {"torch": lambda: [kernel(xs[w.shape[1]].bfloat16(), w, scales[w.shape[0]]) for w in weights]}
+    elif dtype != torch.float32:
+        runs = {"torch": lambda: [F.linear(xs[w.shape[1]].to(dtype), w) for w in weights]}
+    else:
+        runs = matmul_runs(xs, weights, [prepack(w) for w in weights])
+    runs["fused"] = torch.compile(fused, fullgraph=True) if compile else fused
+    return runs
+
+
 @torch.inference_mode()
 def timed_one_row(dtype: torch.dtype = torch.float32, repeats=5) -> bool:
-    """A layer's linears at one row, PROBE_LAYERS times for fp32, 2x that for half and 4x for int8 (the same
-    bytes): the fused sum compiled by inductor against torch's own matmul and, for fp32, oneDNN's prepacked
-    one (the best of `repeats` each, after a warm-up that compiles)."""
-    xs = {i: torch.rand(1, i) for i in {shape[1] for shape in PROBE_SHAPES}}
-    if dtype in (torch.float16, torch.bfloat16):
-        weights = [torch.rand(shape, dtype=dtype) for _ in range(2 * PROBE_LAYERS) for shape in PROBE_SHAPES]
-        fused = torch.compile(lambda ws: [one_row_linear(xs[w.shape[1]], w) for w in ws], fullgraph=True)
-        runs = {"torch": lambda: [F.linear(xs[w.shape[1]].to(dtype), w) for w in weights]}
-    elif dtype == torch.int8:
-        weights = [torch.randint(-127, 128, shape, dtype=torch.int8)
-                   for _ in range(4 * PROBE_LAYERS) for shape in PROBE_SHAPES]
-        scales = {w.shape[0]: torch.rand(w.shape[0]).bfloat16() for w in weights}
-        fused = torch.compile(lambda ws: [int8_one_row(xs[w.shape[1]], w, scales[w.shape[0]]) for w in ws],
-                              fullgraph=True)
-        kernel = torch.ops.aten._weight_int8pack_mm
-        runs = {"torch": lambda: [kernel(xs[w.shape[1]].bfloat16(), w, scales[w.shape[0]]) for w in weights]}
-    else:
-        weights = [torch.rand(shape) for _ in range(PROBE_LAYERS) for shape in PROBE_SHAPES]
-        fused = torch.compile(lambda ws: [one_row_linear(xs[w.shape[1]], w) for w in ws], fullgraph=True)
-        packed = [prepack(w) for w in weights]
-        runs = {"torch": lambda: [F.linear(xs[w.shape[1]], w) for w in weights],
-                "packed": lambda: [packed_matmul(xs[w.shape[1]], p) for w, p in zip(weights, packed)]}
-    runs["fused"] = lambda: fused(weights)
-    return beats_the_others(runs, "fused", repeats)
+    """Whether the fused one-row sum of `one_row_runs` is strictly faster than each matmul (`best_seconds`:
+    its warm-up compiles)."""
+    return beats_the_others(best_seconds(one_row_runs(dtype), repeats), "fused")
 
 
 def use_one_row_sums(module: nn.Module, wins: dict = None, again=False) -> nn.Module:
@@ -604,16 +621,15 @@ def timed_frozen_rows(repeats=3) -> list:
 
     wins, modules = {1: False}, PyCodeCache.modules  # what inductor loads, kept for good
     for rows in FROZEN_PROBES:
-        xs, known = {i: torch.rand(rows, i) for i in {w.shape[1] for w in weights}}, len(modules)
+        xs, known = probe_rows(weights, rows), len(modules)
 
         def probe():
             return [m(xs[m.in_features]) for m in linears]
 
-        runs = {"frozen": torch.compile(probe, fullgraph=True, dynamic=False),
-                "torch": lambda: [F.linear(xs[w.shape[1]], w) for w in weights],
-                "packed": lambda: [packed_matmul(xs[w.shape[1]], p) for w, p in zip(weights, packed)]}
+        runs = matmul_runs(xs, weights, packed)
+        runs["frozen"] = torch.compile(probe, fullgraph=True, dynamic=False)
         with frozen_gemms():
-            wins[rows] = beats_the_others(runs, "frozen", repeats)
+            wins[rows] = beats_the_others(best_seconds(runs, repeats), "frozen")
         torch._C._dynamo.eval_frame.reset_code(probe.__code__)  # the graph and its weights' copies freed:
         for module in modules[known:]:  # inductor keeps each module it loads with constants, and them
             sys.modules.pop(module.__name__, None)
@@ -671,25 +687,26 @@ def mkl_packs() -> bool:
 
 @torch.inference_mode()
 def timed_many_rows(repeats=3) -> str:
-    """A layer's linears (random fp32 weights) at MANY_ROWS_PROBE rows on each matmul in turn, the best of
-    `repeats` each after a warm-up: compute-bound, so one copy of the layer is enough. A packed matmul is
-    taken only if strictly faster than torch's, each only where this torch has it, MKL's only where its packed
-    copy gives F.linear's products at other row counts too."""
-    weights = [torch.rand(shape) for shape in PROBE_SHAPES]
-    xs = [torch.rand(MANY_ROWS_PROBE, w.shape[1]) for w in weights]
-    runs = {"torch": lambda: [F.linear(x, w) for x, w in zip(xs, weights)]}
-    if torch.backends.mkldnn.is_available():
-        packed = [prepack(w) for w in weights]
-        runs["onednn"] = lambda: [packed_matmul(x, p) for x, p in zip(xs, packed)]
+    """The `fastest` of `many_rows_runs` (`best_seconds`): compute-bound, so one copy of the layer is
+    enough; a packed matmul is taken only if strictly faster than torch's."""
+    return fastest(best_seconds(many_rows_runs(), repeats))
+
+
+def fastest(best: dict) -> str:  # best: `best_seconds`; a tie goes to torch's
+    return min(best, key=lambda name: (best[name], name != "torch"))
+
+
+def many_rows_runs() -> dict:
+    """{matmul of MANY_ROWS_MATMULS: a run of it} on a layer's linears (random fp32 weights) at
+    MANY_ROWS_PROBE rows, each only where this torch has it; MKL's only where its copy packed for these rows
+    gives F.linear's products at other row counts. Each run returns its products."""
+    weights = probe_weights(layers=1)
+    xs = probe_rows(weights, MANY_ROWS_PROBE)
+    runs = matmul_runs(xs, weights, [prepack(w) for w in weights] if torch.backends.mkldnn.is_available()
+                       else None)
     if mkl_packs() and mkl_packs_any_rows(weights):
-        runs["mkl"] = lambda: [mkl_packed_matmul(x, w) for x, w in zip(xs, weights)]
-    best = {name: [] for name in runs}
-    for _ in range(1 + repeats):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            run()
-            best[name].append(time.perf_counter() - start)
-    return min(runs, key=lambda name: (min(best[name][1:]), name != "torch"))  # a tie: torch's
+        runs["mkl"] = lambda: [mkl_packed_matmul(xs[w.shape[1]], w) for w in weights]
+    return runs
 
 
 def mkl_packs_any_rows(weights: list) -> bool:
@@ -1066,7 +1083,7 @@ def fallbacks(choices):
 
 
 @torch.inference_mode()
-def checked_choices(model, choices, rounds=2):
+def checked_choices(model, choices, rounds=2, clock=time.perf_counter):
     """Whole paths, not ops, decide at the end: each op can win alone and a path still lose (an eager op
     handed a fast one's channels-last tensor; a one-shot decode's convs at lengths no probe timed). Each of
     `probe_paths` is timed eager and with a candidate of `fallbacks`(choices) in turn (`rounds` times, the
@@ -1080,9 +1097,9 @@ def checked_choices(model, choices, rounds=2):
         for turn in [True] + [False, True] * rounds:  # the candidate's first turn only warms up
             codec_fast_path(model, turn, candidate, copies)
             for name, run in paths.items():
-                start = time.perf_counter()
+                start = clock()
                 run()
-                best[turn].setdefault(name, []).append(time.perf_counter() - start)
+                best[turn].setdefault(name, []).append(clock() - start)
         codec_fast_path(model, on=False)
         ratios = {name: min(best[False][name]) / min(best[True][name][1:]) for name in paths}
         fast = sum(value is True or isinstance(value, list) and any(v for _, v in value)

@@ -40,8 +40,9 @@ SYSTEM_PROMPT = "Speak out the provided text."  # upstream's training system tur
 IGNORE = -100  # label of positions without loss (cross_entropy's ignore_index)
 RANK, ALPHA, DROPOUT = 8, 16, 0.01  # upstream's lora config r_8_alpha_16
 LR, WARMUP, BETAS, EPS, CLIP = 1e-4, 10, (0.9, 0.95), 1e-5, 1.0  # upstream's text2semantic_finetune
-HEAD_CHUNK = 1024  # positions per slice of the slow logits (positions x vocabulary: the largest activation)
-FAST_CHUNK = 1024  # semantic positions per slice of the fast model (each is a sequence of num_codebooks)
+# positions per slice, checkpointing: of the slow logits (positions x vocabulary: the largest activation) and
+# of the fast model's semantic positions (each a sequence of num_codebooks)
+CHECKPOINT_CHUNK = 1024
 SHARD_BYTES = 4 * 2**30  # per exported safetensors file: saving one holds a copy of its bytes in memory
 LORA_FILE, STATE_FILE, RUN_FILE, METRICS_FILE = "lora.safetensors", "state.pt", "run.json", "metrics.jsonl"
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "codec.pth",
@@ -194,9 +195,11 @@ def loss_sum(logits, states: Tensor, labels: Tensor) -> Tensor:  # its own funct
     return F.cross_entropy(logits(states).flatten(0, -2).float(), labels.flatten(), reduction="sum")
 
 
-def training_loss(model, inputs: Tensor, labels: Tensor, padding_mask=None, checkpointing=False) -> dict:
+def training_loss(model, inputs: Tensor, labels: Tensor, padding_mask=None, checkpointing=False,
+                  chunk=CHECKPOINT_CHUNK) -> dict:
     """Upstream's loss: slow logits on label row 0, plus fast logits on the codes of semantic labels. Causal
-    attention keeps right padding from real positions: padding_mask is only checked to be right padding."""
+    attention keeps right padding from real positions: padding_mask is only checked to be right padding.
+    Checkpointing runs the heads and the fast model `chunk` positions at a time."""
     if padding_mask is not None and (padding_mask[:, :-1] & ~padding_mask[:, 1:]).any():
         raise ValueError("padding_mask: padding must be at the end of each row (right padding)")
 
@@ -207,16 +210,16 @@ def training_loss(model, inputs: Tensor, labels: Tensor, padding_mask=None, chec
     token_labels = labels[:, 0]
     scored = token_labels != IGNORE
     x_scored, y_scored, n = x[scored], token_labels[scored], int(scored.sum())
-    chunk = HEAD_CHUNK if checkpointing else n
-    base_loss = sum(run(loss_sum, model.vocab_logits, x_scored[i:i + chunk], y_scored[i:i + chunk])
-                    for i in range(0, n, chunk)) / n
+    step = chunk if checkpointing else n
+    base_loss = sum(run(loss_sum, model.vocab_logits, x_scored[i:i + step], y_scored[i:i + step])
+                    for i in range(0, n, step)) / n
     semantic = dualAR.is_semantic(token_labels, model.config)
     hidden = model.fast_input(x[semantic])  # (N, fast_dim)
     codes = labels[:, 1:].transpose(1, 2)[semantic]  # (N, num_codebooks)
-    chunk, total = FAST_CHUNK if checkpointing else len(codes), 0.0
-    for i in range(0, len(codes), chunk):
-        y = torch.cat([hidden[i:i + chunk, None], model.fast_embeddings(codes[i:i + chunk, :-1])], dim=1)
-        total = total + run(loss_sum, model.fast_logits, model.fast_states(y, call=run), codes[i:i + chunk])
+    step, total = chunk if checkpointing else len(codes), 0.0
+    for i in range(0, len(codes), step):
+        y = torch.cat([hidden[i:i + step, None], model.fast_embeddings(codes[i:i + step, :-1])], dim=1)
+        total = total + run(loss_sum, model.fast_logits, model.fast_states(y, call=run), codes[i:i + step])
     semantic_loss = total / codes.numel()
     return dict(loss=base_loss + semantic_loss, base_loss=base_loss, semantic_loss=semantic_loss,
                 positions=n, codes=codes.numel())  # what base_loss and semantic_loss average over

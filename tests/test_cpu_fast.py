@@ -2,7 +2,6 @@
 import importlib.util
 import json
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -18,6 +17,14 @@ from conftest import CKPT, GOLDEN, ROOT, MatmulDtypes, chunk_sizes, golden, max_
 
 STEPS = [[0, False], [4, True], [65, False]]  # a machine where oneDNN wins at 4-64 rows (an Intel Xeon's)
 MKL_PACK = cpu_fast.mkl_pack
+
+
+@pytest.fixture
+def decisions(tmp_path, monkeypatch):
+    """A decisions file of this test's own, not there yet: cpu_fast keeps and reads its decisions in it."""
+    path = tmp_path / cpu_fast.DECISIONS
+    monkeypatch.setattr(cpu_fast, "decisions_file", lambda: path)
+    return path
 
 
 def test_a_tuned_model_holds_what_it_held_and_names_the_modules_that_run(monkeypatch):
@@ -82,14 +89,13 @@ def test_few_rows_linears_are_taken_only_where_some_rows_win_and_the_copies_fit_
     assert layers[0].steps == STEPS
 
 
-def test_the_machines_row_steps_are_timed_once_and_kept_in_the_compile_cache(tmp_path, monkeypatch):
+def test_the_machines_row_steps_are_timed_once_and_kept_in_the_compile_cache(decisions, monkeypatch):
     """few_rows_steps: timed on this machine's first call, then read from the compile cache's file beside
     other machines' (a next process alike); an unreadable file or an odd value is timed again, never a
     crash. use_few_rows_linears takes the machine's steps by default."""
-    monkeypatch.setattr(cpu_fast, "decisions_file", lambda: tmp_path / cpu_fast.DECISIONS)
     timed, steps = [], [[0, True], [8, False]]
     monkeypatch.setattr(cpu_fast, "timed_row_steps", lambda: timed.append(1) or steps)
-    path, machine = tmp_path / cpu_fast.DECISIONS, cpu_fast.machine_key(torch.device("cpu"), torch.float32)
+    path, machine = decisions, cpu_fast.machine_key(torch.device("cpu"), torch.float32)
     path.write_text(json.dumps({"another machine": [[0, False]]}))
     assert cpu_fast.few_rows_steps() == steps and cpu_fast.few_rows_steps() == steps and timed == [1]
     assert json.loads(path.read_text()) == {"another machine": [[0, False]], machine: steps}
@@ -114,28 +120,40 @@ def test_row_steps_give_each_timed_row_count_its_choice_and_torch_above_them():
     assert not any(cpu_fast.is_row_steps(s) for s in ([[0, True]], [], [[0, False], [0, False]], True))
 
 
-def test_timed_row_steps_time_both_matmuls_at_every_probed_row_count(monkeypatch):
-    """Each probe times F.linear and the prepacked matmul on the same weights, a warm-up round first: where
-    the prepacked one is no slower it is taken (a fake clock makes it win at 2 rows only)."""
+def test_best_seconds_take_turns_after_a_warm_up_round_and_keep_each_runs_fastest_call():
+    """Every timing of cpu_fast goes through best_seconds: the runs take turns (a drifting machine slows
+    each alike), the first round only warms up (and compiles), each keeps its fastest call (a fake clock)."""
+    now, order, costs = [0.0], [], {"a": [9, 3, 2, 4], "b": [1, 5, 5, 5]}
+
+    def run(name):
+        return lambda: order.append(name) or now.__setitem__(0, now[0] + costs[name][order.count(name) - 1])
+
+    best = cpu_fast.best_seconds({"a": run("a"), "b": run("b")}, repeats=3, clock=lambda: now[0])
+    assert order == ["a", "b"] * 4 and best == {"a": 2, "b": 5}  # b's 1 s was its warm-up
+    assert cpu_fast.beats_the_others(best, "a") and not cpu_fast.beats_the_others(best, "b")
+    assert not cpu_fast.beats_the_others({"a": 2, "b": 2}, "a")  # strictly: a tie keeps what runs today
+    assert cpu_fast.fastest({"onednn": 1, "torch": 2, "mkl": 3}) == "onednn"
+    assert cpu_fast.fastest({"onednn": 1, "mkl": 1, "torch": 1}) == "torch"  # a tie: torch's
+
+
+def products(run):
+    return torch.cat([y.float().flatten() for y in run()])
+
+
+@torch.inference_mode()
+def test_the_row_probes_time_matmuls_that_give_the_same_products_and_decide_each_row_count(monkeypatch):
+    """timed_row_steps times F.linear against oneDNN's prepacked matmul on the same weights and inputs (the
+    same products) at each of ROW_PROBES rows and gives `row_steps` (small shapes here: nothing is judged
+    by how fast it ran)."""
+    weights = cpu_fast.probe_weights(layers=2)
+    assert [tuple(w.shape) for w in weights] == list(cpu_fast.PROBE_SHAPES) * 2
+    for rows in (1, 3, 64):
+        runs = cpu_fast.matmul_runs(cpu_fast.probe_rows(weights, rows), weights,
+                                    [cpu_fast.prepack(w) for w in weights])
+        assert set(runs) == {"torch", "onednn"}
+        assert torch.allclose(products(runs["onednn"]), products(runs["torch"]), rtol=1e-5, atol=1e-4)
     monkeypatch.setattr(cpu_fast, "PROBE_SHAPES", ((24, 16), (16, 24)))
-    monkeypatch.setattr(cpu_fast, "ROW_PROBES", (1, 2, 4))
-    seen, now = [], [0.0]
-
-    def timed(kind, matmul):
-        def run(x, w, *rest):
-            seen.append((kind, len(x)))
-            now[0] += (1.0 if len(x) == 2 else 2.0) if kind == "packed" else 1.5
-            return matmul(x, w, *rest)
-        return run
-
-    monkeypatch.setattr(cpu_fast.F, "linear", timed("torch", F.linear))
-    monkeypatch.setattr(cpu_fast, "packed_matmul", timed("packed", cpu_fast.packed_matmul))
-    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
-    assert cpu_fast.timed_row_steps(repeats=2) == [[0, False], [2, True], [4, False]]  # 3 rows: as 2
-    for rows in (1, 2, 4):
-        for kind in ("torch", "packed"):  # a warm-up and 2 repeats, of 2 shapes PROBE_LAYERS times
-            assert seen.count((kind, rows)) == 3 * 2 * cpu_fast.PROBE_LAYERS
-
+    assert cpu_fast.is_row_steps(cpu_fast.timed_row_steps(repeats=1))
 
 def test_half_linears_run_many_rows_in_fp32_where_the_cpu_has_no_half_matmul_units(monkeypatch):
     """fp16 / bf16 on a CPU without matrix units for them (an AVX2 one): torch's many-row half matmuls are
@@ -370,31 +388,28 @@ def test_frozen_graphs_are_taken_only_for_cpu_fp32_unquantized_models_whose_copi
         assert cpu_fast.frozen_rows(module) == [[0, False]]
 
 
-def test_the_frozen_rows_choice_is_timed_once_and_kept_beside_the_row_steps(tmp_path, monkeypatch):
+def test_the_frozen_rows_choice_is_timed_once_and_kept_beside_the_row_steps(decisions, monkeypatch):
     """frozen_rows_steps: timed on this machine's first call, then read from the decisions file under its own
     key;
     a value that is not row steps is timed again."""
-    monkeypatch.setattr(cpu_fast, "decisions_file", lambda: tmp_path / cpu_fast.DECISIONS)
     timed = []
     monkeypatch.setattr(cpu_fast, "timed_frozen_rows", lambda: timed.append(1) or FROZEN)
     assert cpu_fast.frozen_rows_steps() == FROZEN and cpu_fast.frozen_rows_steps() == FROZEN and timed == [1]
     key = f"{cpu_fast.machine_key(torch.device('cpu'), torch.float32)} {cpu_fast.FROZEN_KEY}"
-    assert json.loads((tmp_path / cpu_fast.DECISIONS).read_text()) == {key: FROZEN}
-    (tmp_path / cpu_fast.DECISIONS).write_text(json.dumps({key: True}))
+    assert json.loads(decisions.read_text()) == {key: FROZEN}
+    decisions.write_text(json.dumps({key: True}))
     assert cpu_fast.frozen_rows_steps() == FROZEN and timed == [1, 1]
 
 
 def test_the_compiled_one_row_choice_is_timed_once_per_weight_dtype_and_kept_beside_the_row_steps(
-        tmp_path, monkeypatch):
+        decisions, monkeypatch):
     """compiled_one_row_wins: timed on this machine's first call for a weight dtype and kept in the decisions
-    file
-    under that dtype's key (the row steps' entry untouched); an odd value is timed again. use_one_row_sums
-    asks it only for the dtypes the module has."""
-    monkeypatch.setattr(cpu_fast, "decisions_file", lambda: tmp_path / cpu_fast.DECISIONS)
+    file under that dtype's key (the row steps' entry untouched); an odd value is timed again.
+    use_one_row_sums asks it only for the dtypes the module has."""
     timed = []
     monkeypatch.setattr(cpu_fast, "timed_one_row",
                         lambda dtype: timed.append(dtype) or dtype == torch.float32)
-    path, machine = tmp_path / cpu_fast.DECISIONS, cpu_fast.machine_key(torch.device("cpu"), torch.float32)
+    path, machine = decisions, cpu_fast.machine_key(torch.device("cpu"), torch.float32)
     path.write_text(json.dumps({machine: [[0, False]]}))
     cpu_fast.use_one_row_sums(torch.nn.Sequential(torch.nn.SiLU(), torch.nn.Linear(8, 4).bfloat16()))
     assert timed == []
@@ -412,14 +427,13 @@ def test_the_compiled_one_row_choice_is_timed_once_per_weight_dtype_and_kept_bes
     assert cpu_fast.compiled_one_row_wins() is True and timed == [torch.float32, torch.int8, torch.float32]
 
 
-def test_the_many_rows_choice_is_timed_once_and_kept_beside_the_row_steps(tmp_path, monkeypatch):
+def test_the_many_rows_choice_is_timed_once_and_kept_beside_the_row_steps(decisions, monkeypatch):
     """many_rows_matmul (OmniVoice's flat row): timed on this machine's first call, then read from the
-    decisions file
-    under its own key, the row steps' entry untouched; a value that names no matmul is timed again."""
-    monkeypatch.setattr(cpu_fast, "decisions_file", lambda: tmp_path / cpu_fast.DECISIONS)
+    decisions file under its own key, the row steps' entry untouched; a value that names no matmul is timed
+    again."""
     timed = []
     monkeypatch.setattr(cpu_fast, "timed_many_rows", lambda: timed.append(1) or "mkl")
-    path, machine = tmp_path / cpu_fast.DECISIONS, cpu_fast.machine_key(torch.device("cpu"), torch.float32)
+    path, machine = decisions, cpu_fast.machine_key(torch.device("cpu"), torch.float32)
     path.write_text(json.dumps({machine: [[0, False]]}))
     assert cpu_fast.many_rows_matmul() == "mkl" and cpu_fast.many_rows_matmul() == "mkl" and timed == [1]
     key = f"{machine} {cpu_fast.MANY_ROWS_KEY}"
@@ -476,64 +490,39 @@ def test_mkl_packs_any_rows_checks_the_products_at_other_row_counts(monkeypatch)
     assert not cpu_fast.mkl_packs_any_rows(weights)
 
 
-def test_timed_many_rows_takes_the_fastest_matmul_and_torchs_on_a_tie(monkeypatch):
-    """F.linear, oneDNN's and MKL's packed matmuls on MANY_ROWS_PROBE rows of a layer's shapes, a warm-up
-    round first: the fastest (a fake clock), torch's unless another is strictly faster; MKL's only where its
-    packed copy gives F.linear's products at other row counts."""
-    monkeypatch.setattr(cpu_fast, "PROBE_SHAPES", ((24, 16), (16, 24)))
-    monkeypatch.setattr(cpu_fast, "MANY_ROWS_PROBE", 8)
-    now, cost = [0.0], {}
-
-    def costs(kind, fn):
-        return lambda *args: now.__setitem__(0, now[0] + cost[kind]) or fn(*args)
-
-    monkeypatch.setattr(cpu_fast.F, "linear", costs("torch", F.linear))
-    monkeypatch.setattr(cpu_fast, "packed_matmul", costs("onednn", cpu_fast.packed_matmul))
-    monkeypatch.setattr(cpu_fast, "mkl_packed_matmul", costs("mkl", cpu_fast.mkl_packed_matmul))
-    monkeypatch.setattr(cpu_fast, "mkl_packs", lambda: True)
-    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
-    cases = (((2, 1, 3), "onednn"), ((2, 3, 1), "mkl"), ((1, 2, 2), "torch"), ((1, 1, 1), "torch"),
-             ((2, 1, 1), "onednn"))
-    for (torch_cost, onednn, mkl), fastest in cases:
-        cost.update(torch=torch_cost, onednn=onednn, mkl=mkl)
-        assert cpu_fast.timed_many_rows(repeats=2) == fastest, (torch_cost, onednn, mkl)
+@torch.inference_mode()
+def test_the_many_rows_probe_times_each_matmul_this_torch_has_on_the_same_products(monkeypatch):
+    """timed_many_rows takes the `fastest` of F.linear, oneDNN's and MKL's packed matmuls on MANY_ROWS_PROBE
+    rows of a layer's shapes: each gives F.linear's products; MKL's is timed only where its packed copy gives
+    them at other row counts too, oneDNN's only in a torch that has it."""
+    runs = cpu_fast.many_rows_runs()
+    assert set(runs) == {"torch", "onednn"} | ({"mkl"} if cpu_fast.mkl_packs() else set())
+    assert {len(y) for y in runs["torch"]()} == {cpu_fast.MANY_ROWS_PROBE}
+    for name in set(runs) - {"torch"}:
+        assert torch.allclose(products(runs[name]), products(runs["torch"]), rtol=1e-5, atol=1e-3), name
     monkeypatch.setattr(cpu_fast, "mkl_packs_any_rows", lambda weights: False)
-    assert cpu_fast.timed_many_rows(repeats=2) == "onednn"  # (2, 1, 1): MKL's copy wrong elsewhere, not taken
+    assert set(cpu_fast.many_rows_runs()) == {"torch", "onednn"}
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
-    prepacks = []
-    monkeypatch.setattr(cpu_fast, "prepack", lambda w: prepacks.append(w))
-    assert cpu_fast.timed_many_rows(repeats=2) == "torch" and prepacks == []  # a torch without oneDNN
+    monkeypatch.setattr(cpu_fast, "prepack", lambda w: pytest.fail("prepacked without oneDNN"))
+    assert set(cpu_fast.many_rows_runs()) == {"torch"}
+    assert cpu_fast.timed_many_rows(repeats=1) == "torch"
 
-
-def test_timed_one_row_takes_the_compiled_sum_only_where_it_beats_every_matmul(monkeypatch):
-    """The compiled product and sum (int8: int8_one_row) against F.linear and the prepacked matmul (fp32
-    weights) or aten's int8 kernel (int8 ones) on the same one-row probes, a warm-up round first; the sum
-    is taken only if faster than each of them (a fake clock; compile made a no-op: nothing compiles)."""
-    monkeypatch.setattr(cpu_fast, "PROBE_SHAPES", ((24, 16), (16, 24)))
-    monkeypatch.setattr(torch, "compile", lambda fn, **options: fn)
-    now, cost = [0.0], {}
-
-    def timed(kind, fn):
-        def run(*args, **kwargs):
-            now[0] += cost[kind]
-            return fn(*args, **kwargs)
-        return run
-
-    monkeypatch.setattr(cpu_fast, "one_row_linear", timed("sum", cpu_fast.one_row_linear))
-    monkeypatch.setattr(cpu_fast, "int8_one_row", timed("sum", cpu_fast.int8_one_row))
-    monkeypatch.setattr(cpu_fast.F, "linear", timed("torch", F.linear))
-    monkeypatch.setattr(cpu_fast, "packed_matmul", timed("packed", cpu_fast.packed_matmul))
-    int8_kernel = timed("int8", torch.ops.aten._weight_int8pack_mm)
-    monkeypatch.setattr(torch.ops.aten, "_weight_int8pack_mm", int8_kernel)
-    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
-    for sum_cost, torch_cost, packed_cost, wins in ((1, 2, 3, True), (2, 3, 1, False), (2, 1, 3, False),
-                                                    (2, 2, 2, False)):
-        cost.update(sum=sum_cost, torch=torch_cost, packed=packed_cost, int8=100)
-        assert cpu_fast.timed_one_row(torch.float32, repeats=2) is wins
-    for sum_cost, int8_cost, wins in ((1, 2, True), (2, 1, False), (2, 2, False)):
-        cost.update(sum=sum_cost, int8=int8_cost, torch=100, packed=100)
-        assert cpu_fast.timed_one_row(torch.int8, repeats=2) is wins
-
+@pytest.mark.parametrize("dtype", cpu_fast.ONE_ROW_DTYPES)
+@torch.inference_mode()
+def test_the_one_row_probe_times_the_fused_sum_against_the_matmuls_on_the_same_products(dtype):
+    """timed_one_row: the fused sum (compiled there; eager here) against torch's matmul (int8: aten's int8
+    kernel, bf16 activations) and, for fp32 weights, oneDNN's prepacked one, on the same bytes at each
+    precision (2x the layers of fp32 for half, 4x for int8): each gives the same products, to the rounding
+    of its activations (int8: x in fp32 in the sum, bf16 in the kernel)."""
+    runs = cpu_fast.one_row_runs(dtype, compile=False)
+    assert set(runs) == {"fused", "torch"} | ({"onednn"} if dtype == torch.float32 else set())
+    want = products(runs["torch"])
+    layers = cpu_fast.PROBE_LAYERS * 4 // torch.empty(0, dtype=dtype).element_size()  # fp32's bytes
+    assert want.numel() == layers * sum(out for out, _ in cpu_fast.PROBE_SHAPES)
+    rtol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.int8: 1e-2}[dtype]
+    for name in set(runs) - {"torch"}:
+        got = products(runs[name])
+        assert got.shape == want.shape and (got - want).abs().max() <= rtol * want.abs().max(), name
 
 # ----------------------------------------------------------------------------- the codec's fast path
 WAVE_ATOL = 1e-4  # fixture README: codec waveforms in fp32
@@ -595,15 +584,14 @@ def alternating_choices(model):
     return {key: i % 2 == 0 if key == "snake" else steps[i % 2 == 0] for i, key in enumerate(keys)}
 
 
-def test_fast_path_takes_a_cached_decision_files_choices_without_timing(one_shot, tmp_path, monkeypatch):
+def test_fast_path_takes_a_cached_decision_files_choices_without_timing(decisions, one_shot, monkeypatch):
     """A decision file for this machine decides each op (no timing), and any mix of fast and eager ops
     still decodes, streams and encodes as eager does."""
-    monkeypatch.setattr(cpu_fast, "decisions_file", lambda: tmp_path / cpu_fast.DECISIONS)
     monkeypatch.setattr(cpu_fast, "timed_choices", never_timed)
     mixed = codec.load(CKPT)
     choices = alternating_choices(mixed)
     other = {key: True for key in choices}
-    (tmp_path / cpu_fast.DECISIONS).write_text(json.dumps({codec_key(mixed): choices, "other": other}))
+    decisions.write_text(json.dumps({codec_key(mixed): choices, "other": other}))
     cpu_fast.codec_fast_path(mixed)
     fast = {key: choice if isinstance(choice, bool) else choice[0][1] for key, choice in choices.items()}
     for module in mixed.modules():
@@ -651,12 +639,11 @@ def test_a_machine_without_decisions_is_timed_once_and_added_to_the_file(tmp_pat
     (lambda entry, linear: dict(entry, snake=[[0, True], [8, False]]), True),
     (lambda entry, linear: dict(entry, **{next(k for k in entry if k.startswith("Causal")): True}), True),
     (lambda entry, linear: [entry], True)])
-def test_an_older_or_odd_decision_file_is_timed_again_and_replaced(tmp_path, monkeypatch, edit, timed_again):
+def test_an_older_or_odd_decision_file_is_timed_again_and_replaced(decisions, monkeypatch, edit, timed_again):
     """A decision file decides an op only with a value of its kind: a bool for Snake, size steps for a
     prepacked op (a linear layer, a conv). Anything else (the older format's bool for a linear layer or a
     conv, steps that leave sizes undecided or end prepacked, an entry that is not a dict) is timed again and
     replaced, never a crash."""
-    monkeypatch.setattr(cpu_fast, "decisions_file", lambda: tmp_path / cpu_fast.DECISIONS)
     dac = codec.load(CKPT)
     keys = sorted({cpu_fast.op_key(m) for m in dac.modules()} - {None})
     linear = next(key for key in keys if key.startswith("linear "))
@@ -666,9 +653,9 @@ def test_an_older_or_odd_decision_file_is_timed_again_and_replaced(tmp_path, mon
     monkeypatch.setattr(cpu_fast, "checked_choices", lambda model, choices: choices)
     decided = {key: True if key == "snake" else [[0, True], [16, False]] for key in keys}
     entry = edit(decided, linear)
-    (tmp_path / cpu_fast.DECISIONS).write_text(json.dumps({codec_key(dac): entry}))
+    decisions.write_text(json.dumps({codec_key(dac): entry}))
     cpu_fast.codec_fast_path(dac)
-    kept = json.loads((tmp_path / cpu_fast.DECISIONS).read_text())[codec_key(dac)]
+    kept = json.loads(decisions.read_text())[codec_key(dac)]
     assert kept == (timed if timed_again else entry)
     assert {str(m.steps) for m in dac.modules() if isinstance(m, cpu_fast.PackedLinear)} == {str(steps)}
 
@@ -708,10 +695,9 @@ def test_checked_choices_keep_the_first_fallback_no_slower_on_any_whole_path(mon
 
     paths = ["encode", "stream 1", "stream 4", "one shot"]
     monkeypatch.setattr(cpu_fast, "probe_paths", lambda model: {name: path(name) for name in paths})
-    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
     candidates = cpu_fast.fallbacks(choices)
     names = {"choices": 0, "convs eager": 1, "snake only": 2, "eager": 3}
-    assert cpu_fast.checked_choices(dac, choices) == candidates[names[kept]]
+    assert cpu_fast.checked_choices(dac, choices, clock=lambda: now[0]) == candidates[names[kept]]
     assert fast_kinds(dac) == frozenset()
     tried = min(names[kept] + 1, 3)
     assert len(runs) == 4 * 5 * tried  # 4 paths, 5 turns (a warm-up) per candidate tried
@@ -899,16 +885,15 @@ def test_only_weights_onednn_can_reorder_on_this_cpu_are_prepacked():
     assert not cpu_fast.can_prepack(torch.rand(16, 8, dtype=torch.float64))
 
 
-def test_a_linear_layer_runs_prepacked_at_the_row_counts_its_steps_say(one_shot, tmp_path, monkeypatch):
+def test_a_linear_layer_runs_prepacked_at_the_row_counts_its_steps_say(decisions, one_shot, monkeypatch):
     """A decision file's step between a stream's rows and an encode's: each linear layer's call takes the
     prepacked weight below it and nn.Linear's matmul from it on; the stream and the encode stay as eager's."""
-    monkeypatch.setattr(cpu_fast, "decisions_file", lambda: tmp_path / cpu_fast.DECISIONS)
     monkeypatch.setattr(cpu_fast, "timed_choices", never_timed)
     dac = codec.load(CKPT)
     keys = {cpu_fast.op_key(m): m for m in dac.modules()}
     choices = {key: [[0, True], [8, False]] if isinstance(m, torch.nn.Linear) else False if key == "snake"
                else [[0, False]] for key, m in keys.items() if key}
-    (tmp_path / cpu_fast.DECISIONS).write_text(json.dumps({codec_key(dac): choices}))
+    decisions.write_text(json.dumps({codec_key(dac): choices}))
     cpu_fast.codec_fast_path(dac)
     packed, eager = [], []  # rows of each linear layer's call (every other op is eager: no packed_matmul)
     packed_matmul, linear = cpu_fast.packed_matmul, torch.nn.Linear.forward
@@ -928,12 +913,11 @@ def test_a_linear_layer_runs_prepacked_at_the_row_counts_its_steps_say(one_shot,
 
 # ----------------------------------------------------------------------------- decisions and the busy rule
 @pytest.mark.parametrize("others, kept", [((0.0, 0.05), True), ((0.0, 3.0), False)], ids=["idle", "busy"])
-def test_a_timing_while_other_processes_use_the_cpu_is_used_once_and_not_kept(others, kept, tmp_path,
+def test_a_timing_while_other_processes_use_the_cpu_is_used_once_and_not_kept(decisions, others, kept,
                                                                              monkeypatch, capsys):
     """decision: the other processes' CPU seconds during the timing (here 0.05 or 3 core-seconds over a
     1-second timing, on a machine whose cores our threads all use): a busy machine's decision is used
     this once, said on stderr and not kept (the next call times again); an idle one's is kept and read."""
-    monkeypatch.setattr(cpu_fast, "decisions_file", lambda: tmp_path / cpu_fast.DECISIONS)
     monkeypatch.setattr(cpu_fast.os, "cpu_count", lambda: torch.get_num_threads())
     clock = iter([0.0, 1.0] * 2)
     monkeypatch.setattr(cpu_fast.time, "perf_counter", lambda: next(clock))
@@ -945,10 +929,10 @@ def test_a_timing_while_other_processes_use_the_cpu_is_used_once_and_not_kept(ot
         assert decided == "x"
     err = capsys.readouterr().err
     assert timed == ([1] if kept else [1, 1])
-    assert json.loads((tmp_path / cpu_fast.DECISIONS).read_text()) == {"key": "x"} if kept else \
-        not (tmp_path / cpu_fast.DECISIONS).exists()
+    assert json.loads(decisions.read_text()) == {"key": "x"} if kept else \
+        not decisions.exists()
     assert ("NOT kept: other processes used 300% of a core" in err) != kept
-    assert (f"kept in {tmp_path / cpu_fast.DECISIONS}" in err) == kept
+    assert (f"kept in {decisions}" in err) == kept
 
 
 def test_busy_share_leaves_the_cores_our_threads_do_not_use_to_others(monkeypatch):
@@ -959,9 +943,8 @@ def test_busy_share_leaves_the_cores_our_threads_do_not_use_to_others(monkeypatc
     assert cpu_fast.busy_share(0.0, 9.0, cpu_fast.BUSY_MIN_SECONDS / 2) is None  # too short to count in ticks
 
 
-def test_the_cli_lists_the_kept_decisions(tmp_path, monkeypatch, capsys):
-    path = tmp_path / cpu_fast.DECISIONS
-    monkeypatch.setattr(cpu_fast, "decisions_file", lambda: path)
+def test_the_cli_lists_the_kept_decisions(decisions, capsys):
+    path = decisions  
     cpu_fast.show_decisions([])
     assert capsys.readouterr().out == f"{path}: no decisions kept yet\n"
     path.write_text(json.dumps({"AVX512 fp32": [[0, False]], "AVX512 codec fast path": {"snake": True}}))
@@ -1014,20 +997,18 @@ def test_the_cpu_time_of_children_that_ended_counts_as_ours_not_as_other_process
     assert cpu_fast.family_ticks() - before >= 0.4 * os.sysconf("SC_CLK_TCK")
 
 
-def test_a_machine_without_proc_keeps_its_decisions(tmp_path, monkeypatch):
+def test_a_machine_without_proc_keeps_its_decisions(decisions, monkeypatch):
     """Where the other processes' CPU time cannot be read (no /proc: macOS), a timing is kept as on an idle
     machine, never a crash."""
-    monkeypatch.setattr(cpu_fast, "decisions_file", lambda: tmp_path / cpu_fast.DECISIONS)
     monkeypatch.setattr(cpu_fast, "others_cpu_seconds", lambda: None)
     assert cpu_fast.decision("key", lambda v: v == "x", lambda old: "x", "timing x") == "x"
-    assert json.loads((tmp_path / cpu_fast.DECISIONS).read_text()) == {"key": "x"}
+    assert json.loads(decisions.read_text()) == {"key": "x"}
 
 
-def test_again_times_a_kept_valid_decision_anew_and_keeps_the_new_value(tmp_path, monkeypatch):
+def test_again_times_a_kept_valid_decision_anew_and_keeps_the_new_value(decisions, monkeypatch):
     """`again` (python cpu_fast.py --again): decide runs even where the kept value is valid, is given that
     value, and what it returns replaces it; the other keys stay."""
-    path = tmp_path / cpu_fast.DECISIONS
-    monkeypatch.setattr(cpu_fast, "decisions_file", lambda: path)
+    path = decisions
     monkeypatch.setattr(cpu_fast, "others_cpu_seconds", lambda: None)  # no busy rule: a timing is kept
     path.write_text(json.dumps({"key": "x", "other": "y"}))
     given = []

@@ -813,7 +813,7 @@ def test_a_reused_row_starts_with_an_empty_repetition_window(model, solo):
     assert torch.equal(first.codes(), solo[0]) and torch.equal(second.codes(), solo[0])
 
 
-def test_a_partly_filled_engine_runs_the_smallest_batch_that_holds_its_rows(solo, monkeypatch):
+def test_a_partly_filled_engine_runs_the_smallest_batch_that_holds_its_rows(solo):
     model = dualAR.load(CKPT)  # its own, tuned as a Xeon's timing would (oneDNN at 4-64 rows)
     cpu_fast.use_few_rows_linears(model, [[0, False], [4, True], [65, False]])
     scheduler = dualAR.Scheduler(model, slots=8)
@@ -940,7 +940,7 @@ def test_a_compiled_model_compiles_each_shape_once_and_many_shapes_fit():
     assert len(backend.graphs) == 9
 
 
-def test_a_compiled_one_row_step_sums_instead_of_its_matmuls_with_upstreams_codes(monkeypatch):
+def test_a_compiled_one_row_step_sums_instead_of_its_matmuls_with_upstreams_codes():
     """Where this machine's timing takes `cpu_fast.one_row_linear`, a compiled batch-1 step runs each linear
     layer as a product and a sum: every matmul the graph loses is one sum more, and the goldens keep
     upstream's codes."""

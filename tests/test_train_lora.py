@@ -120,20 +120,18 @@ def test_batch_from_cases_matches_upstreams_golden_batch(model):
 
 @pytest.mark.upstream
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_training_loss_with_golden_lora_matches_upstream(checkpointing, monkeypatch):
-    monkeypatch.setattr(train_lora, "HEAD_CHUNK", 5)  # 18 scored positions: the head runs in 4 slices
-    monkeypatch.setattr(train_lora, "FAST_CHUNK", 5)  # 12 semantic positions: the fast model in 3
-    result = train_lora.training_loss(lora_model(), *golden_batch(), checkpointing=checkpointing)
+def test_training_loss_with_golden_lora_matches_upstream(checkpointing):
+    # chunk 5: the head runs its 18 scored positions in 4 slices, the fast model its 12 semantic ones in 3
+    result = train_lora.training_loss(lora_model(), *golden_batch(), checkpointing=checkpointing, chunk=5)
     assert_losses(result, "train_mode_dropout0")
 
 
-def test_gradient_checkpointing_gives_the_same_gradients(monkeypatch):
-    monkeypatch.setattr(train_lora, "HEAD_CHUNK", 5)
-    monkeypatch.setattr(train_lora, "FAST_CHUNK", 5)
+def test_gradient_checkpointing_gives_the_same_gradients():
     grads = []
     for checkpointing in (False, True):
         model = lora_model()
-        train_lora.training_loss(model, *golden_batch(), checkpointing=checkpointing)["loss"].backward()
+        loss = train_lora.training_loss(model, *golden_batch(), checkpointing=checkpointing, chunk=5)["loss"]
+        loss.backward()
         grads.append({n: p.grad for n, p in model.named_parameters() if p.requires_grad})
     assert len(grads[0]) == 38 and grads[0].keys() == grads[1].keys()
     for name, grad in grads[0].items():

@@ -281,10 +281,12 @@ def write_atomic(path, write):
 
 
 def usual_permissions(path: Path):
-    """safetensors makes files only their owner can read: give them the permissions of any new file."""
+    """safetensors makes files only their owner can read: give them (a folder's too) the permissions of any
+    new file."""
     umask = os.umask(0)
     os.umask(umask)
-    path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+    for p in [path, *(path.rglob("*") if path.is_dir() else [])]:
+        p.chmod((0o777 if p.is_dir() else 0o666) & ~umask)
 
 
 def weight_files(ckpt: Path, download: str, pth: bool = False) -> list:

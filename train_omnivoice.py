@@ -57,6 +57,7 @@ TRANSCRIPT_SUFFIXES = (".lab", ".txt")
 CODES_CACHE = ".omnivoice-codes"  # <clip stem> + this: the folder form's codes (np.save bytes), not a .npy
 SHARD = "shard-%06d"
 MAX_SAMPLE_TOKENS = 2000  # upstream's default max_sample_tokens: longer samples are skipped at training
+SHORT_CLIP = 0.5  # seconds: a clip this short is more likely a cut file than speech (said, not refused)
 
 
 def jsonl_records(path: Path) -> list:
@@ -240,9 +241,13 @@ def tokens_input(args) -> tuple:
     """-> (records in the reader's order, {id: clip path}, the count upstream sizes shards by)."""
     if (args.folder is None) == (args.input_jsonl is None):
         raise UserError("give either --input-jsonl DATA.jsonl or a FOLDER of clips with transcripts")
+    if args.language_id is not None and args.folder is None:
+        raise UserError("--language-id is for a FOLDER of clips: a JSONL's lines carry their own language_id")
     if args.folder is not None:
         folder = Path(args.folder)
         records, base, where = folder_records(folder), folder, str(folder)
+        if args.language_id is not None:  # what a JSONL line's language_id says: <|lang_start|>ID<|lang_end|>
+            records = [dict(r, language_id=args.language_id) for r in records]
         total = len(records)
         if not os.access(folder, os.W_OK):
             raise UserError(f"cannot cache codes in {folder}: the folder is not writable")
@@ -296,6 +301,9 @@ def make_tokens(args):
     if long := sum(label["num_tokens"] > MAX_SAMPLE_TOKENS for label, _ in samples):
         print(f"note: {long} clip(s) have more than {MAX_SAMPLE_TOKENS} frames: training skips them"
               " (upstream's max_sample_tokens)")
+    if short := [label["id"] for label, _ in samples if label["audio_duration"] < SHORT_CLIP]:
+        print(f"note: {len(short)} clip(s) last under {SHORT_CLIP} s ({training.short_list(short)}): check"
+              " them (training takes them as they are)")
     hours = sum(label["audio_duration"] for label, _ in samples) / 3600
     print(f"tokens: {len(samples)} clips ({hours:.3f} h) in {shards} shard(s) of up to {per_shard} -> {out}"
           f" ({encoded} encoded in {time.perf_counter() - start:.1f} s)")
@@ -628,7 +636,12 @@ def checkpoint_config(ckpt: Path) -> dict:
     if not (ckpt / "config.json").is_file():
         raise UserError(f"checkpoint dir {ckpt} has no config.json — download k2-fsa/OmniVoice"
                         " (see README)")
-    return omnivoice.read_config(ckpt / "config.json")  # an S2-Pro checkpoint: its one-line error
+    try:
+        return omnivoice.read_config(ckpt / "config.json")
+    except UserError as e:
+        if "S2-Pro" in str(e):  # the model file says how to run it; training it is train_lora.py's
+            raise UserError(f"{ckpt} is an S2-Pro checkpoint: fine-tune it with train_lora.py") from None
+        raise
 
 
 def build_model(checkpoint, tokenizer_dir=None, device="cpu") -> omnivoice.OmniVoice:
@@ -836,7 +849,7 @@ TRAIN_DEFAULTS = dict(
     lr_scheduler_type="cosine", warmup_type="ratio", warmup_ratio=0.01, warmup_steps=0, batch_tokens=8192,
     gradient_accumulation_steps=1, num_workers=2, mixed_precision="bf16", allow_tf32=True,
     max_sample_tokens=2000, min_sample_tokens=50, max_batch_size=64, save_steps=500,
-    keep_last_n_checkpoints=-1)
+    keep_last_n_checkpoints=3)  # upstream's -1 keeps all: 7.2 GB each at the real size, a disk in 5,000 steps
 # fields of upstream's config that do not apply here, and why (read, then left out)
 IGNORED_FIELDS = dict(
     llm_name_or_path="training starts from init_from_checkpoint (or --checkpoint)",
@@ -848,16 +861,19 @@ IGNORED_FIELDS = dict(
 RUN_CONFIG, METRICS, STATE = "config.json", "metrics.jsonl", "state.pt"
 CHECKPOINT_PREFIX = "checkpoint-"
 ADAPTER_FILE, ADAPTER_CONFIG = "adapter_model.safetensors", "adapter_config.json"
-RESUMABLE = ("checkpointing", "device")  # settings a resumed run may change: they do not change the numbers
+# settings a resumed run may change: they do not change the numbers
+RESUMABLE = ("checkpointing", "device", "train_config.keep_last_n_checkpoints")
 
 
 def read_json(path, what: str) -> dict:
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         raise UserError(f"{what} {path} does not exist")
+    if path.is_dir():
+        raise UserError(f"{what} {path} is a folder, not a JSON file")
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as e:
+    except (OSError, ValueError) as e:  # OSError: unreadable (permissions); ValueError: not JSON, not UTF-8
         raise common.unreadable(path, e) from None
     if not isinstance(data, dict):
         raise UserError(f"{what} {path} is not a JSON object")
@@ -901,9 +917,14 @@ def checkpoint_codebooks(settings: dict):
                             f" {cfg[ours]!r}: leave it out or give the checkpoint's")
 
 
+def absolute(path) -> str:  # what a run records: its paths then mean the same from any folder
+    return os.path.abspath(os.path.expanduser(str(path)))
+
+
 def run_config(args, stored: dict = None) -> dict:
     """What a run is: train settings (the config file, else the stored run's, then the flags), method,
-    LoRA, tokenizer, data config; `stored`: the run being resumed, whose choices fill what is not given."""
+    LoRA, tokenizer, data config; `stored`: the run being resumed, whose choices fill what is not given.
+    Paths given are recorded absolute (a stored run's as stored)."""
     stored = stored or {}
     if args.train_config:
         settings = train_settings(read_json(args.train_config, "--train-config"), args.train_config)
@@ -912,19 +933,23 @@ def run_config(args, stored: dict = None) -> dict:
         settings = train_settings(stored.get("train_config", {}), source)
     flags = dict(init_from_checkpoint=args.checkpoint, num_workers=args.num_workers, steps=args.max_steps,
                  gradient_accumulation_steps=args.grad_accum, batch_tokens=args.batch_tokens,
-                 learning_rate=args.lr, save_steps=args.save_steps)
+                 learning_rate=args.lr, save_steps=args.save_steps, keep_last_n_checkpoints=args.keep_last)
     settings.update({k: v for k, v in flags.items() if v is not None})
     if not settings["init_from_checkpoint"]:
         raise UserError("no checkpoint: give --checkpoint DIR or init_from_checkpoint in --train-config")
-    settings["init_from_checkpoint"] = str(settings["init_from_checkpoint"])
+    if settings["init_from_checkpoint"] != stored.get("train_config", {}).get("init_from_checkpoint"):
+        settings["init_from_checkpoint"] = absolute(settings["init_from_checkpoint"])
     checkpoint_codebooks(settings)
     for key in ("steps", "gradient_accumulation_steps", "batch_tokens", "num_workers", "save_steps"):
         if not isinstance(settings[key], int) or settings[key] < 1:
             raise UserError(f"{key} must be an integer >= 1 (it is {settings[key]!r})")
+    keep = settings["keep_last_n_checkpoints"]
+    if not isinstance(keep, int) or isinstance(keep, bool) or not (keep == -1 or keep >= 1):
+        raise UserError(f"keep_last_n_checkpoints must be -1 (all) or an integer >= 1 (it is {keep!r})")
     lr = settings["learning_rate"]
     if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
         raise UserError(f"learning_rate must be a number > 0 (it is {lr!r})")  # torch's own: a traceback
-    data_config = args.data_config or stored.get("data_config")
+    data_config = absolute(args.data_config) if args.data_config else stored.get("data_config")
     if data_config is None:
         raise UserError("train needs --data-config D.json (upstream's:"
                         " {\"train\": [{\"manifest_path\": [...]}]})")
@@ -937,7 +962,7 @@ def run_config(args, stored: dict = None) -> dict:
         lora = lora_config(given)
     lora_seed = args.lora_seed if args.lora_seed is not None else stored.get("lora_seed", settings["seed"])
     return dict(train_config=settings, method=method, lora=lora, lora_seed=lora_seed,
-                tokenizer=str(args.tokenizer) if args.tokenizer else stored.get("tokenizer"),
+                tokenizer=absolute(args.tokenizer) if args.tokenizer else stored.get("tokenizer"),
                 data_config=str(data_config), data=read_json(data_config, "--data-config"),
                 checkpointing=args.checkpointing, device=args.device)
 
@@ -946,12 +971,14 @@ def resumed_config(args, out: Path) -> dict:
     """--resume: the stored run's config; what the command line gives must not change it."""
     stored = read_json(out / RUN_CONFIG, "run config")
     config = run_config(args, stored)
+    changes = []  # (key, stored, given)
     for key in list(config) + [k for k in stored if k not in config]:
         old, new = stored.get(key), config.get(key)
         if key == "train_config" and isinstance(old, dict):
-            diff = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
-            if diff:
-                key, old, new = f"train_config.{diff[0]}", old.get(diff[0]), new.get(diff[0])
+            changes += [(f"train_config.{k}", old.get(k), new.get(k)) for k in sorted(set(old) | set(new))]
+        else:
+            changes.append((key, old, new))
+    for key, old, new in changes:
         if key not in RESUMABLE and old != new:
             raise UserError(f"--resume: {out} was started with {key}={old!r}, this command gives {new!r}:"
                             " resume with the same settings, or start a new run")
@@ -1031,6 +1058,11 @@ def save_checkpoint(run: dict, out: Path, state: dict):
             (tmp / ADAPTER_CONFIG).write_text(json.dumps(adapter_config(config), indent=2, sort_keys=True))
         torch.save(dict(state, optimizer=run["optimizer"].state_dict(), rng=rngs), tmp / STATE)
     folder = out / f"{CHECKPOINT_PREFIX}{state['step']}"
+    need = sum(p.numel() * 4 * 3 for _, p in run["trainable"])  # fp32 weights (adapters), AdamW's 2 moments
+    free = shutil.disk_usage(out).free
+    if free < need:
+        raise UserError(f"step {state['step']}: {out} has {free / 1e9:.2f} GB free, a checkpoint needs"
+                        f" {need / 1e9:.2f} GB: free some space (--keep-last N keeps fewer), then --resume")
     write_atomic(folder, write)
     keep = config["train_config"]["keep_last_n_checkpoints"]
     if keep > 0:
@@ -1112,7 +1144,8 @@ def start_run(args, rank: int, world: int, device: torch.device) -> dict:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     seed_everything(settings["seed"])  # as upstream's trainer, after the model is built
     if args.resume:
-        run["state"] = load_checkpoint(run, checkpoints(out)[-1])
+        run["resumed"] = checkpoints(out)[-1]
+        run["state"] = load_checkpoint(run, run["resumed"])
         if rank == 0:
             keep_metrics_up_to(out / METRICS, run["state"])
     else:
@@ -1168,8 +1201,8 @@ def train_loop(run: dict, batches_for_epoch, out: Path, log):
                     raise UserError(f"epoch {state['epoch']} has no batch: every sample was filtered out")
             state["position"] += 1
             record = dict(micro_step=state["micro_step"], epoch=state["epoch"])
-            if "ids" in batch:  # the loader's sample ids: which clips this micro-batch holds
-                record["ids"] = list(batch["ids"])
+            if "ids" in batch:  # the loader's sample ids: which clips this micro-batch holds, every process's
+                record["ids"] = [i for ids in from_every_process(list(batch["ids"]), run) for i in ids]
             batch = {k: v.to(device) for k, v in batch.items() if isinstance(v, Tensor)}
             with torch.autocast(device.type, torch.bfloat16, enabled=bf16):
                 loss = training_loss(model, batch, run["config"]["checkpointing"])
@@ -1189,6 +1222,14 @@ def train_loop(run: dict, batches_for_epoch, out: Path, log):
         bar.close()
 
 
+def from_every_process(value, run: dict) -> list:  # [rank 0's value, rank 1's, ...]
+    if run["world"] == 1:
+        return [value]
+    values = [None] * run["world"]
+    dist.all_gather_object(values, value)
+    return values
+
+
 def mean_over_processes(value: float, run: dict) -> float:
     if run["world"] == 1:
         return value
@@ -1204,6 +1245,19 @@ def data_batches(run: dict):
     tokenizer, workers, run["dropped"] = run["model"].tokenizer, settings["num_workers"], []
     return lambda epoch, base_seed: epoch_batches(shards, settings, tokenizer, epoch, base_seed, workers,
                                                   run["rank"], run["world"], dropped=run["dropped"])
+
+
+def run_notes(run: dict) -> list:
+    """What a user should know of the run before it starts: where a resumed one continues from, what of the
+    configs does not apply here."""
+    notes, config, settings = [], run["config"], run["settings"]
+    if "resumed" in run:
+        notes.append(f"resumed from {run['resumed']} (step {run['state']['step']} of {settings['steps']})")
+    if isinstance(config.get("data"), dict) and config["data"].get("dev"):
+        notes.append("the data config's 'dev' entries are not read (no dev-set evaluation)")
+    if settings["mixed_precision"] == "bf16" and run["device"].type != "cuda":
+        notes.append(f"mixed_precision bf16 applies on CUDA: this {run['device'].type} run trains in fp32")
+    return notes
 
 
 def train(args, batches_for_epoch=None):
@@ -1222,6 +1276,8 @@ def train(args, batches_for_epoch=None):
     if rank == 0:
         print(f"{run['config']['method']}: {n_params:.2f} M trained parameters, {world} x {device}",
               file=sys.stderr)
+        for note in run_notes(run):
+            print(f"note: {note}", file=sys.stderr)
     start = time.perf_counter()
     try:
         train_loop(run, batches_for_epoch or data_batches(run), out, log)
@@ -1232,11 +1288,13 @@ def train(args, batches_for_epoch=None):
                             " the same command again to start over") from None
         raise UserError(f"interrupted at step {run['state']['step']}: continue from {last[-1]} with"
                         " --resume") from None
-    steps, dropped = run["state"]["step"] - started, set(run.get("dropped", ()))
+    steps = run["state"]["step"] - started
+    dropped = set().union(*from_every_process(sorted(run.get("dropped", ())), run))  # every process's
     if rank == 0 and dropped:  # upstream's length filter, said rather than only logged
         low, high = run["settings"]["min_sample_tokens"], run["settings"]["max_sample_tokens"]
-        print(f"{len(dropped)} samples skipped by the length filter: outside {low}-{high} tokens with their"
-              " text (min_sample_tokens, max_sample_tokens)", file=sys.stderr)
+        print(f"{len(dropped)} samples skipped by the length filter ({training.short_list(sorted(dropped))}):"
+              f" outside {low}-{high} tokens with their text (min_sample_tokens, max_sample_tokens)",
+              file=sys.stderr)
     if rank == 0 and not steps:
         print(f"{out} is already at step {started} of {run['settings']['steps']}: nothing to do")
     elif rank == 0:
@@ -1267,6 +1325,10 @@ def export(args):
         raise UserError(f"--out {out} already exists and is not empty: choose a new folder")
     if not (ckpt / "audio_tokenizer").is_dir():
         raise UserError(f"{ckpt} has no audio_tokenizer/: the exported folder could not speak")
+    tokenizer_dir = Path(config["tokenizer"]) if config["tokenizer"] else ckpt
+    if not (tokenizer_dir / "tokenizer.json").is_file():  # never another tokenizer than the run's
+        raise UserError(f"the run's tokenizer {tokenizer_dir} has no tokenizer.json: the run was trained"
+                        " with it, the export needs it")
     if config["method"] == "lora":
         model = build_model(ckpt, config["tokenizer"])
         add_lora(model, config["lora"])
@@ -1275,7 +1337,6 @@ def export(args):
             for name, p in trainable_parameters(model):
                 p.copy_(adapter[peft_name(name)])
         state = model_state(model)
-    tokenizer_dir = Path(config["tokenizer"]) if config["tokenizer"] else ckpt
 
     def write(tmp: Path):
         shutil.rmtree(tmp, ignore_errors=True)
@@ -1322,6 +1383,8 @@ def tokens_parser(subparsers):
     p.add_argument("--shuffle-seed", type=int, default=42,
                    help="the seed of the list's shuffle (upstream's 42)")
     p.add_argument("--no-shuffle", action="store_true", help="keep the input's order")
+    p.add_argument("--language-id", help="the folder form's language_id for every clip (e.g. en, or a new"
+                   " language's own id; default none, as a JSONL line without one)")
     common.add_device_arg(p)
 
 
@@ -1333,18 +1396,19 @@ def parse_args(argv=None):
     sub = ap.add_subparsers(dest="command", required=True)
     tokens_parser(sub)
     o = sub.add_parser("overlay", help="a tokenizer overlay for --tokenizer: the checkpoint's tokenizer"
-                       " padded to its text embedding's rows (the public checkpoint needs one)")
+                       " padded to its text embedding's rows (where it has fewer tokens than rows)")
     o.add_argument("--checkpoint", required=True, help="the OmniVoice checkpoint to train")
     o.add_argument("--out", required=True, help="folder for the overlay's tokenizer.json")
     t = sub.add_parser("train", help="fine-tune (full or LoRA) on stage 0's tokens: a run folder")
-    t.add_argument("--train-config", help="upstream's train config JSON (default: its"
+    t.add_argument("--train-config", "--train_config", help="upstream's train config JSON (default: its"
                    " train_config_finetune_sdpa.json values); flags below override its fields")
-    t.add_argument("--data-config", help="upstream's data config JSON: {\"train\": [{\"manifest_path\":"
+    t.add_argument("--data-config", "--data_config",
+                   help="upstream's data config JSON: {\"train\": [{\"manifest_path\":"
                    " [\"tokens/data.lst\"]}]} (relative paths: from its folder)")
     t.add_argument("--out", required=True, help="run folder: config.json, metrics.jsonl, checkpoint-N/")
     t.add_argument("--checkpoint", help="OmniVoice checkpoint to start from (init_from_checkpoint)")
     t.add_argument("--tokenizer", help="folder whose tokenizer.json replaces the checkpoint's (an overlay"
-                   " whose size equals the text embedding's rows: the public checkpoint needs one)")
+                   " whose size equals the text embedding's rows, where the checkpoint's has fewer tokens)")
     t.add_argument("--method", choices=["full", "lora"], help="full fine-tuning (default) or LoRA")
     t.add_argument("--lora-config", help="peft LoraConfig keys as JSON: r, lora_alpha, lora_dropout,"
                    " target_modules, modules_to_save (default r 16, alpha 32, dropout 0.05, the seven"
@@ -1356,6 +1420,9 @@ def parse_args(argv=None):
     t.add_argument("--batch-tokens", type=int, help="tokens per padded micro-batch (batch_tokens)")
     t.add_argument("--lr", type=float, help="peak learning rate (learning_rate)")
     t.add_argument("--save-steps", type=int, help="a checkpoint every N steps (save_steps), and the last")
+    t.add_argument("--keep-last", type=int, help="checkpoints kept, the oldest removed"
+                   " (keep_last_n_checkpoints; default 3, upstream's all: -1): a full one is 7.2 GB at the"
+                   " real size")
     t.add_argument("--resume", action="store_true", help="continue the run in --out from its last"
                    " checkpoint, bit for bit (only --checkpointing and --device may change)")
     t.add_argument("--checkpointing", action="store_true",

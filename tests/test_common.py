@@ -17,12 +17,19 @@ from conftest import free_port
 
 
 def test_a_file_written_atomically_gets_the_usual_permissions_not_safetensors_owner_only(tmp_path):
+    def folder(tmp):  # a checkpoint folder's way: its files written inside it
+        tmp.mkdir()
+        save_file({"x": torch.zeros(1)}, str(tmp / "model.safetensors"))
+
     umask = os.umask(0o022)
     try:
         write_atomic(tmp_path / "x.safetensors", lambda tmp: save_file({"x": torch.zeros(1)}, str(tmp)))
+        write_atomic(tmp_path / "checkpoint-1", folder)
     finally:
         os.umask(umask)
     assert stat.S_IMODE((tmp_path / "x.safetensors").stat().st_mode) == 0o644  # safetensors makes 0o600
+    assert stat.S_IMODE((tmp_path / "checkpoint-1/model.safetensors").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "checkpoint-1").stat().st_mode) == 0o755
 
 
 def test_a_trainers_command_leaves_the_process_group_even_when_it_fails():

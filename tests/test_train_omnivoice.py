@@ -18,6 +18,7 @@ import re
 import shutil
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -191,14 +192,16 @@ def test_step1_gradients_match_upstream(trained, case):
     assert norms == pytest.approx(c["optimizer_steps"][0]["tensor_norms"], rel=1e-5, abs=1e-12)
 
 
-def test_cli_batch_source_is_the_data_sections_loader(trained, tmp_path, monkeypatch):
+def test_cli_batch_source_is_the_data_sections_loader(trained, tmp_path, monkeypatch, capsys):
     """Without a batch source, train reads the data config's shards (paths from its folder) and asks
-    epoch_batches for each epoch with the run's settings, tokenizer, base seed and --num-workers."""
+    epoch_batches for each epoch with the run's settings, tokenizer, base seed and --num-workers; the
+    samples its length filter skipped are counted and named at the end."""
     calls, source = [], golden_batches("full_w1")
 
     def epoch_batches(shards, settings, tokenizer, epoch, base_seed, num_workers, rank=0, world=1, **more):
         calls.append((shards, settings["batch_tokens"], tokenizer.get_vocab_size(), epoch, base_seed,
                       num_workers, rank, world))
+        more["dropped"].extend(["long_clip", "short_clip"])  # both epochs skip them: said once
         return source(epoch, base_seed)
     monkeypatch.setattr(T, "train_shards", lambda data, base: [data["train"], base])
     monkeypatch.setattr(T, "epoch_batches", epoch_batches)
@@ -209,6 +212,8 @@ def test_cli_batch_source_is_the_data_sections_loader(trained, tmp_path, monkeyp
     assert calls == [(shards, 320, 1040, e, seeds[e], 3, 0, 1) for e in (0, 1)]
     whole = trained("full_w1")["run_dir"]
     assert (tmp_path / "run" / T.METRICS).read_text() == (whole / T.METRICS).read_text()
+    assert "\n2 samples skipped by the length filter (long_clip, short_clip): outside 50-" in (
+        capsys.readouterr().err)
 
 
 # ----------------------------------------------------------------------------- LoRA
@@ -435,7 +440,7 @@ finally:
 def test_two_processes_give_one_process_update(trained, tmp_path):
     """torchrun, 2 CPU processes (gloo), 1 micro-batch each per step = 1 process accumulating 2: the same
     gradients (halved, then summed), so upstream's norms and this CPU's one-process weights, here bit for bit
-    (stated: 1e-6)."""
+    (stated: 1e-6); metrics.jsonl names both processes' samples (rank 0's, then rank 1's)."""
     script = tmp_path / "worker.py"
     argv = case_argv("full_w1", tmp_path, "--grad-accum", "1")
     script.write_text(WORKER.format(root=str(ROOT), tests=str(ROOT / "tests"), argv=argv))
@@ -445,7 +450,9 @@ def test_two_processes_give_one_process_update(trained, tmp_path):
     done = subprocess.run(command, capture_output=True, text=True, timeout=300,
                           env=env, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
-    _, steps = metrics(tmp_path / "run")
+    micro, steps = metrics(tmp_path / "run")
+    one = [m["ids"] for m in metrics(trained("full_w1")["run_dir"])[0]]
+    assert [m["ids"] for m in micro] == [a + b for a, b in zip(one[0::2], one[1::2])]
     want = CASES["train"]["full_w1"]["optimizer_steps"]
     assert [s["grad_norm"] for s in steps] == pytest.approx([o["grad_norm"] for o in want], rel=1e-5)
     state = load_file(tmp_path / "run/checkpoint-4/model.safetensors")
@@ -511,8 +518,20 @@ def test_errors_are_one_line(trained, tmp_path):
     with pytest.raises(UserError, match=r"has 733 tokens, .* 1040 rows: pass --tokenizer DIR, .* overlay"):
         T.train(T.parse_args(without_overlay), golden_batches("full_w1"))
     s2 = [str(ROOT / "tests/fixtures/s2-tiny/checkpoint") if a == str(CKPT) else a for a in base]
-    with pytest.raises(UserError, match="S2-Pro checkpoint"):
+    with pytest.raises(UserError, match="is an S2-Pro checkpoint: fine-tune it with train_lora.py$"):
         T.train(T.parse_args(s2), golden_batches("full_w1"))
+    with pytest.raises(UserError, match="is an S2-Pro checkpoint: fine-tune it with train_lora.py$"):
+        T.main(["overlay", "--checkpoint", s2[s2.index("--checkpoint") + 1], "--out", str(tmp_path / "o")])
+    with pytest.raises(UserError, match="^cannot read /dev/null: Expecting value"):  # it "did not exist"
+        T.run_config(T.parse_args(base + ["--method", "lora", "--lora-config", "/dev/null"]))
+    with pytest.raises(UserError, match=f"^--lora-config {tmp_path} is a folder, not a JSON file$"):
+        T.run_config(T.parse_args(base + ["--method", "lora", "--lora-config", str(tmp_path)]))
+    underscored = T.parse_args([a.replace("-config", "_config") for a in base])  # upstream's spelling too
+    assert (underscored.train_config, underscored.data_config) == (base[2], base[4])
+    for keep in ("0", "-2"):
+        said = f"keep_last_n_checkpoints must be -1 (all) or an integer >= 1 (it is {keep})"
+        with pytest.raises(UserError, match=f"^{re.escape(said)}$"):
+            T.run_config(T.parse_args(base + ["--keep-last", keep]))
     (tmp_path / "bad.json").write_text(json.dumps({"learning_rat": 1e-3}))
     with pytest.raises(UserError, match="unknown field 'learning_rat'"):
         T.run_config(T.parse_args(base[:2] + [str(tmp_path / "bad.json")] + base[3:]))
@@ -573,3 +592,74 @@ def test_the_three_commands_from_the_clips_give_upstreams_run(trained, tmp_path,
     else:
         exported = (tmp_path / "export/adapter" / T.ADAPTER_FILE).read_bytes()
         assert exported == (same_batches / T.ADAPTER_FILE).read_bytes()
+
+
+# ----------------------------------------------------------------------------- a run, as users run it
+def test_a_run_records_absolute_paths_so_export_and_resume_work_from_any_folder(tmp_path, monkeypatch,
+                                                                                capsys):
+    """Issue 58 item 9: trained with relative paths, as the docs show them, then exported and resumed from
+    another folder: the overlay's tokenizer ships (it was the checkpoint's 733 tokens), resume finds its data
+    config; a path given again is compared resolved; an export whose tokenizer is gone is one line."""
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    argv = case_argv("full_w1", work, "--save-steps", "2")
+    shutil.copytree(OVERLAY, work / "overlay")
+    data = json.loads((work / "data.json").read_text())
+    (work / "data.json").write_text(json.dumps(dict(data, dev=[{"manifest_path": ["dev/data.lst"]}])))
+    relative = {str(work / "train.json"): "train.json", str(work / "data.json"): "data.json",
+                str(CKPT): os.path.relpath(CKPT, work), str(OVERLAY): "overlay", str(work / "run"): "run"}
+    monkeypatch.chdir(work)
+    with torch.random.fork_rng():
+        T.train(T.parse_args([relative.get(a, a) for a in argv]), golden_batches("full_w1"))
+    config = json.loads((work / "run" / T.RUN_CONFIG).read_text())
+    assert [config["train_config"]["init_from_checkpoint"], config["tokenizer"], config["data_config"]] == [
+        str(CKPT), str(work / "overlay"), str(work / "data.json")]
+    assert "note: the data config's 'dev' entries are not read" in capsys.readouterr().err
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    T.main(["export", str(work / "run"), "--out", "export"])
+    assert (elsewhere / "export/tokenizer.json").read_bytes() == (OVERLAY / "tokenizer.json").read_bytes()
+    shutil.rmtree(work / "run/checkpoint-4")
+    resume = ["train", "--out", str(work / "run"), "--resume", "--device", "cpu"]
+    with torch.random.fork_rng():
+        T.train(T.parse_args(resume), golden_batches("full_w1"))
+    assert f"note: resumed from {work / 'run/checkpoint-2'} (step 2 of 4)\n" in capsys.readouterr().err
+    assert [p.name for p in T.checkpoints(work / "run")] == ["checkpoint-2", "checkpoint-4"]
+    (elsewhere / "data.json").write_text((work / "data.json").read_text())  # the same text, another file
+    said = (f"was started with data_config='{work / 'data.json'}', this command gives"
+            f" '{elsewhere / 'data.json'}'")
+    with pytest.raises(UserError, match=re.escape(said)):
+        T.train(T.parse_args(resume + ["--data-config", "data.json"]), golden_batches("full_w1"))
+    monkeypatch.chdir(work)  # here data.json is the run's own
+    T.train(T.parse_args(resume + ["--data-config", "data.json"]), golden_batches("full_w1"))
+    assert "is already at step 4 of 4: nothing to do" in capsys.readouterr().out
+    (work / "overlay/tokenizer.json").unlink()
+    with pytest.raises(UserError, match=f"^the run's tokenizer {re.escape(str(work / 'overlay'))} has no"
+                                        " tokenizer.json: the run was trained with it"):
+        T.main(["export", str(work / "run"), "--out", str(elsewhere / "again")])
+    assert not (elsewhere / "again").exists()
+
+
+def test_the_last_n_checkpoints_are_kept_and_a_full_disk_is_said_before_writing(tmp_path, monkeypatch,
+                                                                                 capsys):
+    """Issue 58 item 14: --keep-last N removes the oldest checkpoints (default 3, where upstream's -1 keeps
+    all: 7.2 GB each at the real size) and may change on --resume; a checkpoint the disk cannot hold stops
+    the run in one line before anything is written."""
+    argv = case_argv("full_w1", tmp_path / "a", "--save-steps", "1", "--keep-last", "2")
+    with torch.random.fork_rng():
+        T.train(T.parse_args(argv), golden_batches("full_w1"))
+    run = tmp_path / "a/run"
+    assert [p.name for p in T.checkpoints(run)] == ["checkpoint-3", "checkpoint-4"]
+    shutil.rmtree(run / "checkpoint-4")
+    with torch.random.fork_rng():
+        T.train(T.parse_args(argv[:-1] + ["1", "--resume"]), golden_batches("full_w1"))
+    assert [p.name for p in T.checkpoints(run)] == ["checkpoint-4"]
+    defaults = T.run_config(T.parse_args(argv[:1] + argv[3:-2]))["train_config"]  # no --train-config
+    assert defaults["keep_last_n_checkpoints"] == 3
+    free = types.SimpleNamespace(free=10**5)  # bytes: less than the tiny model's weights and AdamW state
+    monkeypatch.setattr(T.shutil, "disk_usage", lambda path: free)
+    with pytest.raises(UserError, match=r"^step 1: .*run has 0.00 GB free, a checkpoint needs 0.\d\d GB: free"
+                                        r" some space \(--keep-last N keeps fewer\), then --resume$"):
+        with torch.random.fork_rng():
+            T.train(T.parse_args(case_argv("full_w1", tmp_path / "b", "--save-steps", "1")),
+                    golden_batches("full_w1"))
+    assert sorted(p.name for p in (tmp_path / "b/run").iterdir()) == [T.RUN_CONFIG, T.METRICS]

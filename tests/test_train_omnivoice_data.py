@@ -216,6 +216,15 @@ def test_folder_form_builds_the_same_records_and_reuses_its_codes(tmp_path, monk
     stdout = tokens(clips, *fixture_args(out))
     assert len(encoded) == 1 and "11 clip(s) reused" in stdout
     assert members(out / "audios/shard-000000.tar")[1] == ("s05.npy", cache.read_bytes())
+    tokens(clips, *fixture_args(tmp_path / "xx"), "--language-id", "xx")  # a new language: every clip's label
+    assert {label.get("language_id") for shard in TOKENS["shards"]
+            for label in labels(tmp_path / "xx" / shard["jsonl"])} == {"xx"}
+    sf.write(clips / "cut.wav", np.full(8, 0.1), 24000)  # 8 samples: a cut file, named in a note
+    (clips / "cut.txt").write_text("Cut.")
+    assert "\nnote: 1 clip(s) last under 0.5 s (cut): check them" in tokens(clips, *fixture_args(tmp_path / "c"))
+    with pytest.raises(UserError, match="^--language-id is for a FOLDER of clips"):
+        T.main(["tokens", "--input-jsonl", str(TRAIN / "data/data.jsonl"), "--out", str(tmp_path / "j"),
+                "--language-id", "xx"])
 
 
 def bad_jsonl(tmp_path, change) -> Path:
@@ -412,6 +421,21 @@ def test_shards_per_epoch_node_and_worker(fixture_shards):
         T.worker_shards(fixture_shards, 0, 4, 0, 1)
     with pytest.raises(UserError, match=r"^3 shard\(s\) for 2 loader worker\(s\) x 2 process\(es\)"):
         T.worker_shards(fixture_shards, 0, 2, 1, 2)  # rank 1 holds one shard for two workers
+
+
+def test_n_processes_with_one_worker_each_read_what_one_process_reads_with_n(fixture_shards, tokenizer):
+    """The rule docs/omnivoice-fine-tuning.md states: rank r of 2 with one loader worker gets worker r's
+    shards and seed of one process with 2 workers, so the micro-batches taken in turn are that process's,
+    in its order (until the first worker runs out of batches in the epoch)."""
+    case = CASES["train"]["full_w1"]
+    settings, seed = case["train_config"], case["base_seeds"][0]
+    one = list(T.epoch_batches(fixture_shards, settings, tokenizer, 0, seed, 2))
+    ranks = [list(T.epoch_batches(fixture_shards, settings, tokenizer, 0, seed, 1, r, 2)) for r in (0, 1)]
+    taken_in_turn = [batch for pair in zip(*ranks) for batch in pair]
+    assert len(taken_in_turn) >= 4 and [b["worker"] for b in one[:4]] == [0, 1, 0, 1]
+    for a, b in zip(one, taken_in_turn):
+        assert a["ids"] == b["ids"]
+        assert all(torch.equal(a[k], b[k]) for k in a if isinstance(a[k], torch.Tensor))
 
 
 def test_data_config_reads_upstreams_files(tmp_path, fixture_shards):

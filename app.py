@@ -70,8 +70,11 @@ MAX_BODY = 48 << 20  # bytes: four 30 s 16-bit clips, base64 in JSON, fit with r
 EOF_EVENT = getattr(select, "POLLRDHUP", select.POLLIN)  # a peer's FIN; Linux's, without the bytes before it
 LINGER = 2  # seconds a closing connection reads what its client still sends (as Apache's lingering close)
 SAMPLE_RATE, HOP = codec.CONFIG["sample_rate"], codec.hop_length()  # S2-Pro's; HOP: samples per frame
-STREAMABLE = ("wav", "pcm")  # written piece by piece; the others are encoded from the whole waveform
+STREAMABLE = ("wav", "pcm")  # written piece by piece
+ENCODED_AS_MADE = ("mp3", "opus")  # encoded piece by piece (`StreamedFile`); flac from the whole waveform
 OPUS_RATES = (8000, 12000, 16000, 24000, 48000)  # the only rates opus exists at
+OUTPUT_RATES = (8000, 12000, 16000, 22050, 24000, 32000, 44100, 48000)  # what `sample_rate` may ask for
+OPENAI_PCM_RATE = 24000  # OpenAI's pcm is 24 kHz: its clients (Pipecat, LiveKit) play raw pcm at that rate
 
 
 def file_rate(fmt: str, rate: int) -> int:
@@ -94,7 +97,7 @@ UPSTREAM_RANGES = dict(top_p=(0.1, 1.0), temperature=(0.1, 1.0), repetition_pena
 UPSTREAM_CHOICES = dict(format=tuple(FORMATS), latency=("normal", "balanced"), use_memory_cache=("on", "off"))
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")  # names any server answers to, whatever --host
 AUTHORITY = re.compile(r"(?:\[([0-9a-f:.]+)\]|([a-z0-9._-]+))(?::([0-9]{1,5}))?")  # name[:port], [v6][:port]
-OPENAI_VOICES = set("alloy ash ballad coral echo fable nova onyx sage shimmer verse".split())
+OPENAI_VOICES = set("alloy ash ballad cedar coral echo fable marin nova onyx sage shimmer verse".split())
 MAX_DURATION = omnivoice.MAX_DURATION  # seconds of audio a request may make (both models): `duration`'s cap
 MAX_SENTENCE = 60  # seconds one OmniVoice sentence may last: its attention grows with its square
 MAX_INSTRUCTIONS = 200  # characters of OmniVoice's `instructions` (every attribute of the list fits in 70)
@@ -215,6 +218,11 @@ def same_origin(origin: str, host, names: set) -> bool:
     scheme, _, netloc = origin.partition("://")
     found = authority(netloc) if scheme in ("http", "https") else None
     return found is not None and found == authority(host or "") and is_served(found[0], names)
+
+
+def max_frames(job: dict, frame_rate: float) -> int:
+    """The frames a job may make: MAX_DURATION's, or fewer where the job says (a Wyoming stream's rest)."""
+    return min(int(MAX_DURATION * frame_rate), job.get("max_frames", math.inf))
 
 
 def check_text(text, what="input", limit=MAX_TEXT) -> str:
@@ -442,8 +450,23 @@ def openai_job(body: dict, options) -> dict:
         references += reference_clips([one], "ref_audio")
     fmt = check_format(body.get("response_format", OPENAI_FORMAT))
     return dict(text=check_text(body.get("input")), voice=common.voice_name(voice) if voice else None,
-                clips=references, options=options(body), format=fmt,
-                send="sse" if stream == "sse" else "chunked" if fmt in STREAMABLE else "whole")
+                clips=references, options=options(body), format=fmt, rate=output_rate(body, fmt),
+                send="sse" if stream == "sse" else "chunked" if fmt in STREAMABLE + ENCODED_AS_MADE
+                else "whole")
+
+
+def output_rate(body: dict, fmt: str):
+    """The OpenAI route's `sample_rate` (an extra): the rate the audio is sent at; by default pcm's 24 kHz
+    (OpenAI's), the model's own for a format whose header says its rate (None: the model's)."""
+    rate = body.get("sample_rate")
+    if rate is None:
+        return OPENAI_PCM_RATE if fmt == "pcm" else None
+    if isinstance(rate, bool) or rate not in OUTPUT_RATES:
+        raise common.UserError(f"sample_rate must be one of {', '.join(map(str, OUTPUT_RATES))} (Hz), got"
+                               f" {str(rate)[:20]}")
+    if fmt == "opus" and rate not in OPUS_RATES:
+        raise common.UserError(f"opus exists at {', '.join(map(str, OPUS_RATES))} Hz only, not {rate}")
+    return rate
 
 
 def json_input(value):
@@ -520,16 +543,63 @@ def pcm16(wave) -> bytes:
     return (wave.clamp(-1, 1) * 32767).round().to(torch.int16).numpy().astype("<i2").tobytes()
 
 
-def audio_file_bytes(wave, fmt: str, rate=SAMPLE_RATE) -> bytes:
-    """A whole wave at `rate` -> the bytes of a response_format file."""
-    if fmt in STREAMABLE:
-        data = pcm16(wave)
-        return data if fmt == "pcm" else wav_header(len(data), rate) + data
-    kind, subtype, _ = SOUNDFILE_FORMATS[fmt]
+def resampled(resampler, data: bytes, last=False) -> bytes:  # 16-bit PCM through soxr's stream
+    return resampler.resample_chunk(np.frombuffer(data, dtype="<i2"), last=last).astype("<i2").tobytes()
+
+
+class StreamedFile:
+    """mp3 or opus encoded as the audio comes: `write` gives the bytes the encoder has finished (mp3: a
+    frame at a time; ogg opus: a page, about a second). mp3 is constant-bitrate here: without a length
+    header players size a stream from its bytes, which only a constant rate makes right (soundfile read a
+    streamed 8 s variable-rate one as 4.6 s). LAME's first frame is left out: a placeholder, all zeros, that
+    it fills in (its Info tag) only at the end, which a stream cannot go back to."""
+
+    def __init__(self, fmt: str, rate: int):
+        kind, subtype, _ = SOUNDFILE_FORMATS[fmt]
+        self.fmt, self.out, self.sent = fmt, io.BytesIO(), 0
+        mp3 = dict(bitrate_mode="CONSTANT", compression_level=0.5) if fmt == "mp3" else {}  # ~85 kbps
+        self.file = sf.SoundFile(self.out, "w", rate, 1, format=kind, subtype=subtype, **mp3)
+
+    def write(self, data: bytes, last=False) -> bytes:  # 16-bit PCM -> the bytes finished since
+        if data:
+            self.file.write(np.frombuffer(data, dtype="<i2"))
+        if last:
+            self.file.close()
+        written = bytes(self.out.getbuffer()[self.sent:])
+        if self.sent == 0 and self.fmt == "mp3":
+            if len(written) < 4 or len(written) < mp3_frame_bytes(written[:4]):
+                return b""  # the first frame is not whole yet
+            first = written[:mp3_frame_bytes(written[:4])]
+            if not any(first[4:]) or b"Info" in first or b"Xing" in first:  # LAME's tag frame
+                self.sent, written = len(first), written[len(first):]
+        self.sent += len(written)
+        return written
+
+
+MPEG1_KBPS = (0, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320)  # by bitrate index
+MPEG2_KBPS = (0, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160)  # MPEG-2 and 2.5, layer III
+
+
+def mp3_frame_bytes(header) -> int:
+    """The length of the MPEG layer III frame that starts with these 4 bytes."""
+    version, index, rate_index, padding = (header[1] >> 3) & 3, header[2] >> 4, (header[2] >> 2) & 3, \
+        (header[2] >> 1) & 1  # version 3: MPEG-1, 2: MPEG-2, 0: MPEG-2.5
+    rate = (44100, 48000, 32000)[rate_index] >> {3: 0, 2: 1, 0: 2}[version]
+    kbps = (MPEG1_KBPS if version == 3 else MPEG2_KBPS)[index]
+    return (144 if version == 3 else 72) * kbps * 1000 // rate + padding
+
+
+def audio_file_bytes(wave, fmt: str, rate=SAMPLE_RATE, out_rate=None) -> bytes:
+    """A whole wave at `rate` -> the bytes of a response_format file at `out_rate` (default: `rate`, opus's
+    48 kHz where opus has no such rate)."""
     samples = np.frombuffer(pcm16(wave), dtype="<i2")  # the wav's very samples: flac is lossless of them
-    out_rate = file_rate(fmt, rate)
+    out_rate = out_rate or file_rate(fmt, rate)
     if out_rate != rate:
         samples = soxr.resample(samples, rate, out_rate)
+    if fmt in STREAMABLE:
+        data = samples.astype("<i2").tobytes()
+        return data if fmt == "pcm" else wav_header(len(data), out_rate) + data
+    kind, subtype, _ = SOUNDFILE_FORMATS[fmt]
     out = io.BytesIO()
     sf.write(out, samples, out_rate, format=kind, subtype=subtype)
     return out.getvalue()
@@ -769,7 +839,7 @@ class S2ProModel:
             sampling["max_new_tokens"] = DEMO_FRAMES
         return self.engine.submit(dualAR.Request(self.model, job["text"], references,
                                                  max_context=self.max_context,
-                                                 max_frames=MAX_DURATION * SAMPLE_RATE // HOP, **sampling))
+                                                 max_frames=max_frames(job, SAMPLE_RATE / HOP), **sampling))
 
     def waves(self, request):
         for wave in codec.decode_stream(self.dac, request):  # decoded as the codes come
@@ -868,7 +938,7 @@ class OmniVoiceModel:
     def submit(self, job: dict, references: list) -> omnivoice.Speech:
         voice = references[0] if references else None
         return omnivoice.Speech(self.model, self.engine, job["text"], voice=voice,
-                                max_frames=MAX_DURATION * self.model.frame_rate,
+                                max_frames=max_frames(job, self.model.frame_rate),
                                 max_sentence_frames=MAX_SENTENCE * self.model.frame_rate, **job["options"])
 
     def waves(self, request: omnivoice.Speech):
@@ -1542,7 +1612,7 @@ class Handler(BaseHTTPRequestHandler):
             if job["send"] == "whole":
                 wave = model.whole(request)  # a late error is still a clean 400
                 self.first_audio = time.perf_counter()
-                self.send_bytes(audio_file_bytes(wave, job["format"], model.sample_rate),
+                self.send_bytes(audio_file_bytes(wave, job["format"], model.sample_rate, job.get("rate")),
                                 MEDIA_TYPES[job["format"]])
                 samples = len(wave)
             else:
@@ -1558,23 +1628,34 @@ class Handler(BaseHTTPRequestHandler):
                              "Cache-Control": "no-cache", "Transfer-Encoding": "chunked"})
 
         def send(data: bytes):
+            if not data:  # a resampler's first piece may hold nothing yet; an empty chunk would end the body
+                return
             if sse:
                 data = sse_event(type="speech.audio.delta", audio=base64.b64encode(data).decode())
             self.write_chunk(data)
 
-        samples = 0
+        samples, rate = 0, job.get("rate") or file_rate(fmt, model.sample_rate)
+        resampler = soxr.ResampleStream(model.sample_rate, rate, 1, dtype="int16") \
+            if rate != model.sample_rate else None
+        encoder = StreamedFile(fmt, rate) if fmt in ENCODED_AS_MADE else None
+
+        def pcm_out(data: bytes, last=False) -> bytes:  # 16-bit PCM at the model's rate -> what is sent
+            data = data if resampler is None else resampled(resampler, data, last)
+            return data if encoder is None else encoder.write(data, last)
+
         try:
             if fmt == "wav":
-                send(wav_header(rate=model.sample_rate))
-            if fmt in STREAMABLE:
+                send(wav_header(rate=rate))
+            if fmt in STREAMABLE + ENCODED_AS_MADE:
                 for wave in model.waves(request):  # as they are made
                     self.first_audio = self.first_audio or time.perf_counter()
-                    send(pcm16(wave))
+                    send(pcm_out(pcm16(wave)))
                     samples += len(wave)
+                send(pcm_out(b"", last=True))  # what the resampler and the encoder still hold
             else:  # sse of a format that is encoded whole: one delta
                 wave = model.whole(request)
                 self.first_audio = time.perf_counter()
-                send(audio_file_bytes(wave, fmt, model.sample_rate))
+                send(audio_file_bytes(wave, fmt, model.sample_rate, job.get("rate")))
                 samples = len(wave)
             tokens_in, tokens_out = model.usage(request, samples)
             end = dict(type="speech.audio.done", usage=dict(input_tokens=tokens_in, output_tokens=tokens_out,
@@ -1887,7 +1968,7 @@ def client_networks(text: str) -> tuple:
 def serve_wyoming(module, app: App, args):
     """The Wyoming server for `app`'s model, from a thread of its own (close() ends it)."""
     return module.start(app, args.wyoming_host or args.host, args.wyoming_port, check_text=check_text,
-                        pcm16=pcm16, error_answer=error_answer, max_text=MAX_TEXT,
+                        pcm16=pcm16, error_answer=error_answer, max_text=MAX_TEXT, max_duration=MAX_DURATION,
                         max_connections=args.max_connections, allow=args.wyoming_allow)
 
 

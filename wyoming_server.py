@@ -133,6 +133,7 @@ class WyomingServer:
         self.check_text, self.pcm16, self.error_answer = (helpers[key] for key in
                                                           ("check_text", "pcm16", "error_answer"))
         self.max_text, self.max_connections = helpers["max_text"], helpers["max_connections"]
+        self.max_duration = helpers["max_duration"]  # seconds of audio a request (and a stream) may make
         self.allow = helpers.get("allow")  # the client networks answered (None: any)
         self.open = set()  # the connections open now (the loop's thread alone changes it)
         self.loop, self.stopping, self.failed = None, None, None
@@ -335,13 +336,13 @@ class Connection(AsyncEventHandler):
         elif SynthesizeStart.is_type(event.type):
             self.check_format(data)
             voice = self.server.options(data.get("voice"), self.extras(data))  # checked before any text
-            self.stream = dict(voice=voice, text="", length=0, failed=False)
+            self.stream = dict(voice=voice, text="", length=0, seconds=0.0, failed=False)
         elif SynthesizeChunk.is_type(event.type) and self.stream is not None:
             await self.stream_text(data.get("text"))
         elif SynthesizeStop.is_type(event.type) and self.stream is not None:
             stream, self.stream = self.stream, None
             if stream["text"].strip() and not stream["failed"]:
-                await self.speak(self.server.job(stream["text"], stream["voice"]))
+                await self.speak_in_stream(stream, stream["text"])
             await self.write_event(SynthesizeStopped().event())
         elif SynthesizeChunk.is_type(event.type) or SynthesizeStop.is_type(event.type):
             raise common.UserError(f"{event.type} without synthesize-start")
@@ -371,15 +372,26 @@ class Connection(AsyncEventHandler):
                                    f" {self.server.max_text} are allowed (as in one synthesize)")
         sentences, stream["text"] = complete_sentences(stream["text"] + text)
         for sentence in sentences:
-            await self.speak(self.server.job(sentence, stream["voice"]))
+            await self.speak_in_stream(stream, sentence)
+
+    async def speak_in_stream(self, stream: dict, text: str):
+        """A stream's sentence, within the audio one request may make less what the stream has made."""
+        model, most = self.server.model, self.server.max_duration
+        frames = int((most - stream["seconds"]) * model.sample_rate) // model.hop
+        if frames < 1:
+            raise common.UserError(f"the stream's audio has {stream['seconds']:.1f} s, at most {most} s are"
+                                   " allowed (as in one synthesize)")
+        samples = await self.speak(dict(self.server.job(text, stream["voice"]), max_frames=frames))
+        stream["seconds"] += samples / model.sample_rate
 
     async def speak(self, job: dict):
-        """audio-start, the request's audio as it is made (16-bit PCM chunks), audio-stop. Nothing is sent
-        before the request is taken: a full queue or an unknown voice is one error event."""
+        """audio-start, the request's audio as it is made (16-bit PCM chunks), audio-stop -> the samples
+        sent. Nothing is sent before the request is taken: a full queue or an unknown voice is one error
+        event."""
         loop, pieces, model = asyncio.get_running_loop(), asyncio.Queue(), self.server.model
         threading.Thread(target=self.produce, args=(job, lambda item: loop.call_soon_threadsafe(
             pieces.put_nowait, item)), name="fishfast-wyoming-request", daemon=True).start()
-        started, audio = False, dict(rate=model.sample_rate, width=WIDTH, channels=1)
+        started, audio, samples = False, dict(rate=model.sample_rate, width=WIDTH, channels=1), 0
         while True:
             try:
                 piece = await asyncio.wait_for(pieces.get(), WATCH)
@@ -393,7 +405,9 @@ class Connection(AsyncEventHandler):
                 await self.write_event(AudioStart(**audio).event())
                 started = True
             if piece is None:
-                return await self.write_event(AudioStop().event())
+                await self.write_event(AudioStop().event())
+                return samples
+            samples += len(piece) // WIDTH
             for at in range(0, len(piece), SAMPLES_PER_CHUNK * WIDTH):
                 chunk = piece[at:at + SAMPLES_PER_CHUNK * WIDTH]
                 await self.write_event(AudioChunk(audio=chunk, **audio).event())

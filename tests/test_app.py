@@ -76,6 +76,9 @@ def ref(model, dac):
     return model, dac
 
 
+NATIVE_PCM = dict(response_format="pcm", sample_rate=app.SAMPLE_RATE)  # the model's own samples, unresampled
+
+
 def expected_pcm(ref, text=TEXT, references=(), **kwargs) -> np.ndarray:
     model, dac = ref
     codes = dualAR.generate(model, text, list(references), **kwargs)
@@ -212,7 +215,7 @@ def sse_events(response):
 
 
 def test_eight_concurrent_clients_each_get_their_own_audio(server, ref):
-    bodies = [dict(input=f"Client number {i} speaks.", seed=100 + i, max_new_tokens=10, response_format="pcm")
+    bodies = [dict(input=f"Client number {i} speaks.", seed=100 + i, max_new_tokens=10, **NATIVE_PCM)
               for i in range(8)]
     results = [None] * 8
 
@@ -312,7 +315,7 @@ def test_the_voice_of_a_generation_is_kept_and_a_request_in_it_clones_it(server,
     assert torch.equal(codec.read_codes(root / "prompt" / "made up.npy"), codes)
     assert (root / "prompt" / "made up.txt").read_text() == TEXT + "\n"
     status, _, body = call(server, "POST", SPEECH, dict(input="Again.", voice="made up", seed=14,
-                                                        max_new_tokens=10, response_format="pcm"))
+                                                        max_new_tokens=10, **NATIVE_PCM))
     assert status == 200  # streamed: decoded chunk by chunk
     assert_close_pcm(np.frombuffer(body, "<i2"), expected_pcm(ref, "Again.", [(codes, TEXT)], seed=14,
                                                               max_new_tokens=10))
@@ -463,7 +466,7 @@ def server_process(folder: Path, *flags):
     process = subprocess.Popen(command, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                text=True, env=env)
     try:
-        host, port = process.stdout.readline().split("-> http://")[1].strip().rsplit(":", 1)
+        host, port = re.search(r"-> http://([^\s,]+):(\d+)", process.stdout.readline()).groups()
         yield process, types.SimpleNamespace(server_address=(host, int(port)))
     finally:
         process.kill()
@@ -1023,7 +1026,7 @@ def test_the_demo_models_api_stops_where_its_page_does(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # no ./s2-pro here
     server = app.make_server(app.parse_args(["--device", "cpu", "--port", "0"]))
     threading.Thread(target=server.serve_forever, daemon=True).start()
-    conn, response = open_stream(server, dict(input=TEXT, response_format="pcm", seed=3))
+    conn, response = open_stream(server, dict(input=TEXT, seed=3, **NATIVE_PCM))
     try:
         most, data = 2 * app.HOP * app.DEMO_FRAMES, b""
         while len(data) <= most and (piece := response.read1(65536)):
@@ -1273,6 +1276,57 @@ def test_sigterm_under_load_ends_every_request_cleanly_and_exits_0(tmp_path):
 
 
 # ----------------------------------------------------------------------------- OpenAI's client
+def test_pcm_is_openais_24_khz_streamed_and_the_models_own_rate_when_asked(server, ref):
+    """Issue 59: Pipecat and LiveKit play raw pcm at 24 kHz, as OpenAI documents it (S2-Pro's 44.1 kHz was
+    heard 1.84x too slow): resampled as it is made (soxr's stream), raw and in SSE deltas, it lasts what the
+    wav lasts within a frame. `sample_rate` asks for a rate: the model's own gives its very samples."""
+    body, want = dict(input=TEXT, seed=31, max_new_tokens=8), expected_pcm(ref, seed=31, max_new_tokens=8)
+    status, headers, raw = call(server, "POST", SPEECH, dict(body, response_format="pcm"))
+    assert status == 200 and headers["Content-Type"] == "audio/pcm"
+    assert abs(len(raw) / 2 / 24000 - len(want) / 44100) < app.HOP / 44100
+    conn, response = open_stream(server, dict(body, response_format="pcm", stream_format="sse"))
+    deltas = b"".join(base64.b64decode(e["audio"]) for e in sse_events(response)
+                      if e["type"] == "speech.audio.delta")
+    conn.close()
+    assert abs(len(deltas) - len(raw)) <= 4 and deltas[:2000] == raw[:2000]
+    status, _, native = call(server, "POST", SPEECH, dict(body, **NATIVE_PCM))
+    assert_close_pcm(np.frombuffer(native, "<i2"), want)
+    for fmt in ("wav", "flac"):
+        status, _, data = call(server, "POST", SPEECH, dict(body, response_format=fmt, sample_rate=16000))
+        samples, rate = sf.read(io.BytesIO(data), dtype="int16")
+        assert status == 200 and rate == 16000, fmt
+        assert abs(len(samples) / 16000 - len(want) / 44100) < app.HOP / 44100, fmt
+    rates = "8000, 12000, 16000, 22050, 24000, 32000, 44100, 48000"
+    refused = [(11025, "pcm", f"sample_rate must be one of {rates} (Hz), got 11025"),
+               (True, "pcm", f"sample_rate must be one of {rates} (Hz), got True"),
+               ("24000", "wav", f"sample_rate must be one of {rates} (Hz), got 24000")]
+    if "opus" in app.FORMATS:
+        refused.append((22050, "opus", "opus exists at 8000, 12000, 16000, 24000, 48000 Hz only"))
+    for given, fmt, message in refused:
+        status, _, data = call(server, "POST", SPEECH, dict(body, response_format=fmt, sample_rate=given))
+        assert status == 400 and message in json.loads(data)["error"]["message"], (given, data[:300])
+
+
+def test_livekit_and_pipecat_bodies_get_the_wavs_duration_and_livekits_mp3_as_it_is_made(server, ref):
+    """Issue 59: the bodies the voice-agent plugins send (a seed added): LiveKit's mp3 over SSE, its deltas
+    joined, lasts the wav within the encoder's delay and padding (two mp3 frames); Pipecat's pcm, heard at
+    24 kHz, lasts the wav within a frame (it was 1.84x too long)."""
+    want = expected_pcm(ref, seed=31, max_new_tokens=8)
+    livekit = dict(model="gpt-4o-mini-tts", voice="ash", input=TEXT, response_format="mp3", speed=1.0,
+                   stream_format="sse", seed=31, max_new_tokens=8)
+    conn, response = open_stream(server, livekit)
+    events = list(sse_events(response))
+    conn.close()
+    assert len(events) > 2 and events[-1]["type"] == "speech.audio.done"  # deltas as it was made
+    mp3 = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
+    samples, rate = sf.read(io.BytesIO(mp3), dtype="int16")
+    assert rate == 44100 and 0 <= len(samples) - len(want) <= 2 * 1152, len(samples) - len(want)
+    pipecat = dict(model="gpt-4o-mini-tts", voice="alloy", input=TEXT, response_format="pcm", seed=31,
+                   max_new_tokens=8)
+    status, _, raw = call(server, "POST", SPEECH, pipecat)
+    assert status == 200 and abs(len(raw) / 2 / 24000 - len(want) / 44100) < app.HOP / 44100
+
+
 def test_openai_client_builtin_voices_instructions_and_every_format(server, ref, root, monkeypatch):
     import openai  # requirements-test.txt; here, so that without it this test alone fails
     url = "http://%s:%d/v1" % server.server_address[:2]
@@ -1281,6 +1335,9 @@ def test_openai_client_builtin_voices_instructions_and_every_format(server, ref,
     want = expected_pcm(ref, seed=31, max_new_tokens=8)
     alloy = speech.create(model="tts-1", voice="alloy", input=TEXT, response_format="wav", extra_body=extra)
     assert_close_pcm(wav_samples(alloy.content), want)  # a built-in name: plain text-to-speech
+    for name in ("marin", "cedar"):  # OpenAI's newest two of its 13 (they were "unknown voice")
+        same = speech.create(model="tts-1", voice=name, input=TEXT, response_format="wav", extra_body=extra)
+        assert same.content == alloy.content
     with pytest.raises(openai.BadRequestError, match="inline tags"):
         speech.create(model="tts-1", voice="alloy", input=TEXT, instructions="Speak cheerfully.")
     for fmt in ("mp3", "opus", "aac", "flac", "wav", "pcm"):
@@ -1289,9 +1346,10 @@ def test_openai_client_builtin_voices_instructions_and_every_format(server, ref,
                 speech.create(model="tts-1", voice="alloy", input=TEXT, response_format=fmt, extra_body=extra)
             continue
         audio = speech.create(model="tts-1", voice="alloy", input=TEXT, response_format=fmt, extra_body=extra)
-        if fmt in ("wav", "pcm", "flac"):
-            got = np.frombuffer(audio.content, "<i2") if fmt == "pcm" else wav_samples(audio.content)
-            assert_close_pcm(got, want)
+        if fmt == "pcm":  # OpenAI's 24 kHz: what its clients play raw pcm at
+            assert abs(len(audio.content) / 2 / 24000 - len(want) / 44100) < app.HOP / 44100
+        elif fmt in ("wav", "flac"):
+            assert_close_pcm(wav_samples(audio.content), want)
         else:
             seconds = len(sf.read(io.BytesIO(audio.content))[0]) / app.SOUNDFILE_FORMATS[fmt][2]
             assert abs(seconds - len(want) / 44100) < 0.1, fmt

@@ -22,7 +22,7 @@ import dualAR
 import omnivoice
 import omnivoice_text
 from conftest import OV_CKPT, running, stop_server
-from test_app import (SPEECH, call, check_connection_cap, health, peak_mb, post_bytes, reset_peak,
+from test_app import (NATIVE_PCM, SPEECH, call, check_connection_cap, health, peak_mb, post_bytes, reset_peak,
                       server_process, start_server, wait_for)
 from test_app_omnivoice import CLIP_WAV, speeches, start_server as start_omnivoice
 from test_metrics import request_key, scrape, series
@@ -160,7 +160,7 @@ def test_the_s2_server_caps_a_request_at_the_duration_cap(monkeypatch, tmp_path)
     server = start_server(tmp_path)
     try:
         monkeypatch.setattr(app, "MAX_DURATION", 1)  # 21 frames of S2-Pro's 44.1 kHz / 2048
-        for path, body in [(SPEECH, dict(input="Hello.", seed=1, max_new_tokens=0, response_format="pcm")),
+        for path, body in [(SPEECH, dict(input="Hello.", seed=1, max_new_tokens=0, **NATIVE_PCM)),
                            ("/v1/tts", dict(text="Hello.", seed=1, max_new_tokens=4000, format="wav"))]:
             status, _, data = call(server, "POST", path, body)
             samples = (len(data) - (44 if path == "/v1/tts" else 0)) // 2  # the WAV's header

@@ -5,6 +5,7 @@ import base64
 import io
 import json
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -144,9 +145,23 @@ def test_every_format_and_stream_format(server, model):
     assert done["usage"]["total_tokens"] == done["usage"]["input_tokens"] + done["usage"]["output_tokens"]
 
 
-def test_audio_arrives_before_the_last_sentence_is_generated(server, model, monkeypatch):
+def decoded(data: bytes, fmt: str) -> np.ndarray:
+    """pcm as it is; a streamed mp3 or opus decoded whole (soundfile: constant-bitrate mp3 sizes right)."""
+    if fmt == "pcm":
+        return np.frombuffer(data[:len(data) // 2 * 2], "<i2")
+    samples, rate = sf.read(io.BytesIO(data), dtype="int16")
+    assert rate == 24000
+    return samples
+
+
+@pytest.mark.parametrize("fmt, stream_format", [("pcm", "audio"), ("mp3", "audio"), ("mp3", "sse"),
+                                                ("opus", "audio"), ("opus", "sse")])
+def test_audio_arrives_before_the_last_sentence_is_generated(server, model, monkeypatch, fmt, stream_format):
     """The engine is held once the first of three sentences is unmasked: its audio still arrives, so the
-    first audio comes after the first sentence, not after the whole text."""
+    first audio comes after the first sentence, not after the whole text. mp3 and opus too, raw and in SSE
+    deltas (LiveKit's default, mp3 over SSE, came whole at the end): encoded as they are made, their audio
+    lasts the pcm's, mp3 with its encoder's delay and last frame's padding (at most two of its frames)."""
+    assert fmt in app.FORMATS  # libsndfile >= 1.1 (requirements.txt's soundfile wheels bundle it)
     made, release = speeches(monkeypatch, server), threading.Event()
     scheduler = server.app.engine.scheduler
     forward = scheduler.forward
@@ -157,19 +172,39 @@ def test_audio_arrives_before_the_last_sentence_is_generated(server, model, monk
         return forward(*args)
 
     monkeypatch.setattr(scheduler, "forward", held)
-    text = "The first sentence is here. Is this the second one? Yes, and the third ends it."
-    conn, response = open_stream(server, dict(input=text, seed=33, num_step=8, response_format="pcm"))
+    text = "The first sentence is here, and it goes on for a while. Is this the second one? Yes, the third."
+    body = dict(input=text, seed=33, num_step=8, response_format=fmt, stream_format=stream_format)
+    conn, response = open_stream(server, body)
+    pieces = []  # the body as it arrives (SSE: each delta's audio), read by a thread of its own
+    if stream_format == "sse":
+        def read():
+            pieces.extend(base64.b64decode(e["audio"]) for e in sse_events(response) if "audio" in e)
+    else:
+        def read():
+            while piece := response.read1(65536):
+                pieces.append(piece)
+    reader = threading.Thread(target=read)
+    reader.start()
     try:
-        first = response.read(2)
+        wait_for(lambda: pieces, 60, "the first audio")
         speech = made[0]
-        assert len(first) == 2 and len(speech.texts) == 3
+        assert len(speech.texts) == 3
         assert len(speech.tokens) == 1 and not speech.job.done  # the second sentence is being unmasked
-        release.set()
-        data = first + response.read()
+        time.sleep(1)  # what the first sentence made, all sent while the engine is held
+        early = b"".join(list(pieces))
+        assert len(decoded(early, fmt)) > 24000, len(decoded(early, fmt))  # more than a second of audio
     finally:
         release.set()
+        reader.join(60)
         conn.close()
-    assert data == solo(model, text, seed=33, num_step=8) and len(speech.tokens) == 3
+    data = b"".join(pieces)
+    want = solo(model, text, seed=33, num_step=8)
+    assert len(speech.tokens) == 3
+    if fmt == "pcm":
+        assert data == want
+    else:
+        extra = len(decoded(data, fmt)) - len(want) // 2
+        assert 0 <= extra <= (2 * 576 if fmt == "mp3" else 0), extra  # 576: an MPEG-2 frame's samples
 
 
 @pytest.fixture(scope="module")
@@ -260,6 +295,9 @@ def test_openai_client_instructions_speed_builtin_voices_and_streaming(server, m
     audio = speech.create(model="tts-1", voice="alloy", input=text, instructions="female, high pitch",
                           speed=1.2, response_format="pcm", extra_body=extra)
     assert audio.content == solo(model, text, instruct="female, high pitch", speed=1.2, **extra)
+    for name in ("marin", "cedar"):  # OpenAI's newest two of its 13: plain speech, as alloy
+        plain = speech.create(model="tts-1", voice=name, input=text, response_format="pcm", extra_body=extra)
+        assert plain.content == solo(model, text, **extra)  # pcm: OpenAI's 24 kHz, OmniVoice's own
     design = r"unknown attribute 'speak cheerfully\.' .* use only: male, female"
     with pytest.raises(openai.BadRequestError, match=design):
         speech.create(model="tts-1", voice="alloy", input=text, instructions="Speak cheerfully.")

@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import types
 from pathlib import Path
 
@@ -23,7 +24,7 @@ import omnivoice
 import wyoming_server
 from conftest import (CKPT, OV_CKPT, OV_GOLDEN, free_port, serve, stop_server, untimed_compile_cache,
                       wyoming_args)
-from test_app import call, wait_for
+from test_app import call, peak_mb, reset_peak, server_process, wait_for
 from wyoming.client import AsyncTcpClient
 from wyoming.event import Event
 from wyoming.info import Info
@@ -89,8 +90,9 @@ def pcm_of(events: list) -> bytes:
     return b"".join(e.payload or b"" for e in events if e.type == "audio-chunk")
 
 
-def http_pcm(server, **body) -> bytes:
-    status, _, data = call(server.http, "POST", "/v1/audio/speech", dict(body, response_format="pcm"))
+def http_pcm(server, **body) -> bytes:  # at the model's own rate, as Wyoming sends it
+    body = dict(body, response_format="pcm", sample_rate=server.app.model.sample_rate)
+    status, _, data = call(server.http, "POST", "/v1/audio/speech", body)
     assert status == 200, data[:300]
     return data
 
@@ -425,6 +427,64 @@ def test_a_broken_event_is_one_error_event_then_the_close_and_no_traceback(s2, c
     assert "Traceback" not in err and "exception" not in err, err[-2000:]
 
 
+def send_until_refused(port: int, header: bytes, body: bytes, times: int):
+    """header, then body `times` times, on a plain socket, until the server stops reading (5 s) or closes."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        with contextlib.suppress(OSError):  # a refused connection is closed (reset), a full one times out
+            sock.sendall(header)
+            for _ in range(times):
+                sock.sendall(body)
+
+
+def idle_connections(port: int, n: int):
+    """n connections open at once that send nothing (beyond --max-connections: refused at once), closed."""
+    sockets = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(n)]
+    time.sleep(1)
+    for sock in sockets:
+        sock.close()
+
+
+def test_under_each_attack_the_servers_memory_holds_and_http_answers_within_a_second(tmp_path):
+    """Issue 58 items 1-3, as a client on the LAN sends them to app.py in a process of its own: a chunk of
+    60,000 dots (it froze every thread for 30 s), an event declaring 2 GB then sending 100 MB, 500,000
+    describes never read (10 MB), 500 idle connections. The server's peak memory grows by less than 40 MB
+    at each, and /health, asked ten times a second throughout, answers each time within a second."""
+    port, answered, done = free_port(), [], threading.Event()
+    start = SynthesizeStart(voice=SynthesizeVoice(name="keep")).event()
+    attacks = {
+        "60,000 dots": lambda: exchange(port, [start, SynthesizeChunk(text="." * 60000).event(),
+                                               SynthesizeStop().event()], ("synthesize-stopped",)),
+        "2 GB declared": lambda: send_until_refused(
+            port, b'{"type": "synthesize", "data_length": 2000000000}\n', b"x" * 2**20, 100),
+        "describes unread": lambda: send_until_refused(port, b"", b'{"type": "describe"}\n' * 5000, 100),
+        "500 idle": lambda: idle_connections(port, 500),
+    }
+
+    def poll(address):
+        while not done.is_set():
+            began = time.perf_counter()
+            status = call(address, "GET", "/health")[0]
+            answered.append((status, time.perf_counter() - began))
+            done.wait(0.1)
+
+    with server_process(tmp_path, "--wyoming-port", str(port)) as (process, address):
+        poller = threading.Thread(target=poll, args=(address,))
+        poller.start()
+        try:
+            for name, attack in attacks.items():
+                reset_peak(process)
+                before = peak_mb(process)
+                attack()
+                grew = peak_mb(process) - before
+                assert grew < 40, f"{name}: the server's peak memory grew by {grew:.0f} MB"
+            assert [e.type for e in exchange(port, [Event("describe")], ("info",))] == ["info"]
+        finally:
+            done.set()
+            poller.join()
+    assert len(answered) >= 10 and all(status == 200 for status, _ in answered)
+    assert max(seconds for _, seconds in answered) < 1.0
+
+
 def test_a_client_beyond_max_connections_gets_one_busy_event_and_the_others_are_served(s2, monkeypatch):
     """Issue 58 item 2: the Wyoming port counts its connections against --max-connections (apart from
     HTTP's): one beyond is refused at once with an error event (code Busy), and is closed."""
@@ -501,6 +561,23 @@ def test_a_streams_chunks_together_are_held_to_one_requests_text_limit(s2, monke
     assert kinds.count("audio-stop") == 2 and kinds[-2:] == ["error", "synthesize-stopped"]
     said = "the stream's text has 16 characters so far, at most 12 are allowed (as in one synthesize)"
     assert events[-2].data["text"] == said
+
+
+def test_a_streams_sentences_together_are_held_to_one_requests_audio_limit(s2, monkeypatch):
+    """A stream's audio is held to one request's cap (app.MAX_DURATION) over its sentences together, as its
+    text is: each sentence gets what the stream has left (here 0.8 s: 17 frames of the tiny S2-Pro's 21.5 a
+    second); the one that finds nothing left is an error event, and the stop still ends the stream."""
+    monkeypatch.setattr(s2.wyoming, "max_duration", 0.8)
+    start = SynthesizeStart(voice=SynthesizeVoice(name="keep")).event()
+    start.data.update(seed=1, **S2_SAY)  # 12 frames a sentence at most
+    chunks = [SynthesizeChunk(text="Hi. Yo. Ok. ").event()]
+    events = exchange(s2.port, [start, *chunks, SynthesizeStop().event()], ("synthesize-stopped",))
+    kinds = [e.type for e in events]
+    assert kinds.count("audio-stop") == 2 and kinds[-2:] == ["error", "synthesize-stopped"]
+    samples = len(pcm_of(events)) // 2
+    assert samples == 17 * app.HOP  # the first sentence's 12 frames, the second's 5 left
+    assert events[-2].data["text"] == ("the stream's audio has 0.8 s, at most 0.8 s are allowed (as in one"
+                                       " synthesize)")
 
 
 # ----------------------------------------------------------------------------- app.py's flags

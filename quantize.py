@@ -176,16 +176,19 @@ def swap_linears(module: nn.Module, make):
 TORCHAO_CAPABILITY = {"int4wo": (8, 0), "fp8": (8, 9), "nvfp4": (10, 0)}
 
 
-def check_torchao(scheme: str, device: torch.device, dtype):
-    """What torchao's `scheme` needs (torchao itself, the GPU, bf16), said before any weight is read."""
+def check_torchao(scheme: str, device: torch.device, dtype, capability: tuple = None):
+    """What torchao's `scheme` needs (torchao itself, the GPU, bf16), said before any weight is read.
+    capability: the CUDA device's (major, minor), by default the device's own."""
     try:
         importlib.import_module("torchao.quantization")  # only whether it imports
     except Exception as e:  # missing, or built for another torch
         raise UserError(f"--quant {scheme} needs torchao, which does not import here: {type(e).__name__}:"
                         f" {(str(e).splitlines() or [''])[0]} (pip install torchao==0.18.0)") from None
     cuda, need = device.type == "cuda", TORCHAO_CAPABILITY.get(scheme)
-    if need and not (cuda and torch.cuda.get_device_capability(device) >= need):
-        have = f"compute capability {torch.cuda.get_device_capability(device)}" if cuda else device.type
+    if need and cuda and capability is None:
+        capability = torch.cuda.get_device_capability(device)
+    if need and not (cuda and capability >= need):
+        have = f"compute capability {capability}" if cuda else device.type
         raise UserError(f"--quant {scheme} needs an NVIDIA GPU of compute capability >= {need[0]}.{need[1]}"
                         f" (this device: {have})")
     if need and dtype != torch.bfloat16:
@@ -210,14 +213,14 @@ S2_SCHEMES = ("none", "int8wo", "int4wo", "fp8", "nvfp4")
 CPU_BITS = {"int8wo": 8, "int4wo": 4}  # on CPU: torch's own kernels (QuantLinear), any model dtype
 
 
-def check_s2(scheme, device: torch.device, dtype):
+def check_s2(scheme, device: torch.device, dtype, capability: tuple = None):
     """What each S2-Pro scheme needs, said before any weight is read (torchao's: `check_torchao`)."""
     if scheme is None or scheme == "none":
         return
     if scheme not in S2_SCHEMES:
         raise UserError(f"quantization {scheme!r} is not one of {', '.join(S2_SCHEMES)}")
     if not (device.type == "cpu" and scheme in CPU_BITS):
-        check_torchao(scheme, device, dtype)
+        check_torchao(scheme, device, dtype, capability)
 
 
 def block_scheme(scheme: str, fast: bool, cpu: bool) -> str:

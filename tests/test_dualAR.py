@@ -1154,17 +1154,17 @@ def test_quantization_schemes_the_device_cannot_run_are_named(monkeypatch):
             quantize.check_s2(scheme, torch.device("cpu"), torch.bfloat16)
     for scheme, dtype in [("int8wo", torch.float32), ("int4wo", torch.float32), ("int4wo", torch.bfloat16)]:
         quantize.check_s2(scheme, torch.device("cpu"), dtype)  # CPU: torch's own kernels, any model dtype
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))  # a T4
-    with pytest.raises(common.UserError, match="int4wo needs an NVIDIA GPU of compute capability >= 8.0"):
-        quantize.check_s2("int4wo", torch.device("cuda"), torch.bfloat16)
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))  # an H100
+    t4, h100, cuda = (7, 5), (9, 0), torch.device("cuda")
+    said = r"int4wo needs an NVIDIA GPU of compute capability >= 8.0 \(this device: compute capability \(7, 5"
+    with pytest.raises(common.UserError, match=said):
+        quantize.check_s2("int4wo", cuda, torch.bfloat16, t4)
     for scheme in ("fp8", "int4wo"):  # torchao asserts bf16 for these: said before any weight is read
         with pytest.raises(common.UserError, match=f"--quant {scheme} needs bf16 weights"):
-            quantize.check_s2(scheme, torch.device("cuda"), torch.float32)
-    quantize.check_s2("fp8", torch.device("cuda"), torch.bfloat16)
+            quantize.check_s2(scheme, cuda, torch.float32, h100)
+    quantize.check_s2("fp8", cuda, torch.bfloat16, h100)
     monkeypatch.setitem(sys.modules, "torchao.quantization", None)  # a torchao that does not import
     with pytest.raises(common.UserError, match="torchao, which does not import here: ModuleNotFoundError"):
-        quantize.check_s2("int8wo", torch.device("cuda"), torch.bfloat16)
+        quantize.check_s2("int8wo", cuda, torch.bfloat16, h100)
     quantize.check_s2("int8wo", torch.device("cpu"), torch.float32)  # CPU needs no torchao
 
 

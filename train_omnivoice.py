@@ -1290,7 +1290,8 @@ def train(args, batches_for_epoch=None):
                         " --resume") from None
     steps = run["state"]["step"] - started
     dropped = set().union(*from_every_process(sorted(run.get("dropped", ())), run))  # every process's
-    if rank == 0 and dropped:  # upstream's length filter, said rather than only logged
+    if rank == 0 and dropped:  # upstream's length filter, said and logged rather than silent
+        log(dict(skipped=sorted(dropped)))
         low, high = run["settings"]["min_sample_tokens"], run["settings"]["max_sample_tokens"]
         print(f"{len(dropped)} samples skipped by the length filter ({training.short_list(sorted(dropped))}):"
               f" outside {low}-{high} tokens with their text (min_sample_tokens, max_sample_tokens)",

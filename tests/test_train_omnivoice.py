@@ -211,7 +211,8 @@ def test_cli_batch_source_is_the_data_sections_loader(trained, tmp_path, monkeyp
     seeds = CASES["train"]["full_w1"]["base_seeds"]
     assert calls == [(shards, 320, 1040, e, seeds[e], 3, 0, 1) for e in (0, 1)]
     whole = trained("full_w1")["run_dir"]
-    assert (tmp_path / "run" / T.METRICS).read_text() == (whole / T.METRICS).read_text()
+    logged = (tmp_path / "run" / T.METRICS).read_text()
+    assert logged == (whole / T.METRICS).read_text() + '{"skipped": ["long_clip", "short_clip"]}\n'
     assert "\n2 samples skipped by the length filter (long_clip, short_clip): outside 50-" in (
         capsys.readouterr().err)
 

@@ -221,7 +221,8 @@ def test_folder_form_builds_the_same_records_and_reuses_its_codes(tmp_path, monk
             for label in labels(tmp_path / "xx" / shard["jsonl"])} == {"xx"}
     sf.write(clips / "cut.wav", np.full(8, 0.1), 24000)  # 8 samples: a cut file, named in a note
     (clips / "cut.txt").write_text("Cut.")
-    assert "\nnote: 1 clip(s) last under 0.5 s (cut): check them" in tokens(clips, *fixture_args(tmp_path / "c"))
+    said = tokens(clips, *fixture_args(tmp_path / "c"))
+    assert "\nnote: 1 clip(s) last under 0.5 s (cut): check them" in said
     with pytest.raises(UserError, match="^--language-id is for a FOLDER of clips"):
         T.main(["tokens", "--input-jsonl", str(TRAIN / "data/data.jsonl"), "--out", str(tmp_path / "j"),
                 "--language-id", "xx"])

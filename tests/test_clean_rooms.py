@@ -21,6 +21,7 @@ FILES = ("common", "codec", "cpu_fast", "dualAR", "bench", "omnivoice", "omnivoi
 
 
 @functools.lru_cache(maxsize=None)  # each module's import is run once
+@functools.cache  # the same answer for the whole session: each module is asked once
 def imported_with(module: str) -> set:
     """The other repository modules that `import module` brings in, in a fresh process."""
     script = f"import sys, {module}; print(*(m for m in {FILES!r} if m in sys.modules and m != {module!r}))"
@@ -48,7 +49,6 @@ def test_imports_point_one_way_common_below_the_models_and_nothing_imports_the_b
     for path in ROOT.glob("*.py"):  # nor inside a function
         if path.stem != "bench":
             assert "import bench" not in path.read_text(), path.name
-
 
 
 def test_common_holds_only_what_a_model_file_uses():

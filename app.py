@@ -567,9 +567,10 @@ class StreamedFile:
             self.file.close()
         written = bytes(self.out.getbuffer()[self.sent:])
         if self.sent == 0 and self.fmt == "mp3":
-            if len(written) < 4 or len(written) < mp3_frame_bytes(written[:4]):
+            size = mp3_frame_bytes(written[:4]) if len(written) >= 4 else None
+            if size is None or len(written) < size:
                 return b""  # the first frame is not whole yet
-            first = written[:mp3_frame_bytes(written[:4])]
+            first = written[:size]
             if not any(first[4:]) or b"Info" in first or b"Xing" in first:  # LAME's tag frame
                 self.sent, written = len(first), written[len(first):]
         self.sent += len(written)

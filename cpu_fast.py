@@ -528,21 +528,20 @@ def one_row_runs(dtype: torch.dtype, compile=True) -> dict:
     layers = PROBE_LAYERS * {torch.float16: 2, torch.bfloat16: 2, torch.int8: 4}.get(dtype, 1)
     weights = probe_weights(layers, dtype)
     xs = probe_rows(weights, 1)
-    reordered = [byte_columns(w) for w in weights] if dtype == torch.int8 else []  # as OneRowQuantLinear's
-    scales = {w.shape[0]: torch.rand(w.shape[0]).bfloat16() for w in weights}  # int8's
-    kernel = torch.ops.aten._weight_int8pack_mm
-
-    def fused():
-        if dtype == torch.int8:
-            return [int8_one_row(xs[w.shape[1]], w, scales[w.shape[0]]) for w in reordered]
-        return [one_row_linear(xs[w.shape[1]], w) for w in weights]
-
     if dtype == torch.int8:
+        scales = {w.shape[0]: torch.rand(w.shape[0]).bfloat16() for w in weights}
+        reordered = [byte_columns(w) for w in weights]  # as OneRowQuantLinear holds them
+        kernel = torch.ops.aten._weight_int8pack_mm
         runs = {"torch": lambda: [kernel(xs[w.shape[1]].bfloat16(), w, scales[w.shape[0]]) for w in weights]}
-    elif dtype != torch.float32:
-        runs = {"torch": lambda: [F.linear(xs[w.shape[1]].to(dtype), w) for w in weights]}
+
+        def fused():
+            return [int8_one_row(xs[w.shape[1]], w, scales[w.shape[0]]) for w in reordered]
     else:
-        runs = matmul_runs(xs, weights, [prepack(w) for w in weights])
+        runs = matmul_runs(xs, weights, [prepack(w) for w in weights]) if dtype == torch.float32 else \
+            {"torch": lambda: [F.linear(xs[w.shape[1]].to(dtype), w) for w in weights]}
+
+        def fused():
+            return [one_row_linear(xs[w.shape[1]], w) for w in weights]
     runs["fused"] = torch.compile(fused, fullgraph=True) if compile else fused
     return runs
 

@@ -86,12 +86,12 @@ def config_from_json(data: dict) -> dict:
                 audio_mask_id=data["audio_mask_id"], num_codebooks=data["num_audio_codebook"])
 
 
-def read_config(path: Path) -> dict:
+def read_config(path: Path, s2_use="run it with dualAR.py") -> dict:  # s2_use: what an S2-Pro one is for
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
         kind = data.get("model_type")
         if kind in ("fish_qwen3_omni", "dual_ar"):
-            raise UserError(f"{path.parent} is an S2-Pro checkpoint ({kind}): run it with dualAR.py")
+            raise UserError(f"{path.parent} is an S2-Pro checkpoint ({kind}): {s2_use}")
         if kind != "omnivoice":
             raise UserError(f"{path}: model_type {kind!r} is not omnivoice — download k2-fsa/OmniVoice")
         if data["llm_config"].get("model_type", "qwen3") != "qwen3":

@@ -302,7 +302,7 @@ def make_tokens(args):
         print(f"note: {long} clip(s) have more than {MAX_SAMPLE_TOKENS} frames: training skips them"
               " (upstream's max_sample_tokens)")
     if short := [label["id"] for label, _ in samples if label["audio_duration"] < SHORT_CLIP]:
-        print(f"note: {len(short)} clip(s) last under {SHORT_CLIP} s ({training.short_list(short)}): check"
+        print(f"note: {len(short)} clip(s) last under {SHORT_CLIP} s ({short_list(short)}): check"
               " them (training takes them as they are)")
     hours = sum(label["audio_duration"] for label, _ in samples) / 3600
     print(f"tokens: {len(samples)} clips ({hours:.3f} h) in {shards} shard(s) of up to {per_shard} -> {out}"
@@ -636,12 +636,7 @@ def checkpoint_config(ckpt: Path) -> dict:
     if not (ckpt / "config.json").is_file():
         raise UserError(f"checkpoint dir {ckpt} has no config.json — download k2-fsa/OmniVoice"
                         " (see README)")
-    try:
-        return omnivoice.read_config(ckpt / "config.json")
-    except UserError as e:
-        if "S2-Pro" in str(e):  # the model file says how to run it; training it is train_lora.py's
-            raise UserError(f"{ckpt} is an S2-Pro checkpoint: fine-tune it with train_lora.py") from None
-        raise
+    return omnivoice.read_config(ckpt / "config.json", s2_use="fine-tune it with train_lora.py")
 
 
 def build_model(checkpoint, tokenizer_dir=None, device="cpu") -> omnivoice.OmniVoice:
@@ -1289,11 +1284,11 @@ def train(args, batches_for_epoch=None):
         raise UserError(f"interrupted at step {run['state']['step']}: continue from {last[-1]} with"
                         " --resume") from None
     steps = run["state"]["step"] - started
-    dropped = set().union(*from_every_process(sorted(run.get("dropped", ())), run))  # every process's
+    dropped = sorted(set().union(*from_every_process(sorted(run.get("dropped", ())), run)))  # every process's
     if rank == 0 and dropped:  # upstream's length filter, said and logged rather than silent
-        log(dict(skipped=sorted(dropped)))
+        log(dict(skipped=dropped))
         low, high = run["settings"]["min_sample_tokens"], run["settings"]["max_sample_tokens"]
-        print(f"{len(dropped)} samples skipped by the length filter ({training.short_list(sorted(dropped))}):"
+        print(f"{len(dropped)} samples skipped by the length filter ({short_list(dropped)}):"
               f" outside {low}-{high} tokens with their text (min_sample_tokens, max_sample_tokens)",
               file=sys.stderr)
     if rank == 0 and not steps:

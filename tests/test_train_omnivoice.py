@@ -519,9 +519,10 @@ def test_errors_are_one_line(trained, tmp_path):
     with pytest.raises(UserError, match=r"has 733 tokens, .* 1040 rows: pass --tokenizer DIR, .* overlay"):
         T.train(T.parse_args(without_overlay), golden_batches("full_w1"))
     s2 = [str(ROOT / "tests/fixtures/s2-tiny/checkpoint") if a == str(CKPT) else a for a in base]
-    with pytest.raises(UserError, match="is an S2-Pro checkpoint: fine-tune it with train_lora.py$"):
+    trains_elsewhere = r"is an S2-Pro checkpoint \(fish_qwen3_omni\): fine-tune it with train_lora.py$"
+    with pytest.raises(UserError, match=trains_elsewhere):
         T.train(T.parse_args(s2), golden_batches("full_w1"))
-    with pytest.raises(UserError, match="is an S2-Pro checkpoint: fine-tune it with train_lora.py$"):
+    with pytest.raises(UserError, match=trains_elsewhere):
         T.main(["overlay", "--checkpoint", s2[s2.index("--checkpoint") + 1], "--out", str(tmp_path / "o")])
     with pytest.raises(UserError, match="^cannot read /dev/null: Expecting value"):  # it "did not exist"
         T.run_config(T.parse_args(base + ["--method", "lora", "--lora-config", "/dev/null"]))

@@ -22,6 +22,7 @@ import contextlib
 import email.parser
 import email.policy
 import fcntl
+import functools
 import hmac
 import importlib.util
 import io
@@ -547,17 +548,20 @@ def resampled(resampler, data: bytes, last=False) -> bytes:  # 16-bit PCM throug
     return resampler.resample_chunk(np.frombuffer(data, dtype="<i2"), last=last).astype("<i2").tobytes()
 
 
+MP3_STREAM = dict(bitrate_mode="CONSTANT", compression_level=0.5)  # ~85 kbps
+
+
 class StreamedFile:
     """mp3 or opus encoded as the audio comes: `write` gives the bytes the encoder has finished (mp3: a
     frame at a time; ogg opus: a page, about a second). mp3 is constant-bitrate here: without a length
     header players size a stream from its bytes, which only a constant rate makes right (soundfile read a
-    streamed 8 s variable-rate one as 4.6 s). LAME's first frame is left out: a placeholder, all zeros, that
-    it fills in (its Info tag) only at the end, which a stream cannot go back to."""
+    streamed 8 s variable-rate one as 4.6 s). LAME's first frame is a placeholder, all zeros, that it fills
+    in (its Info tag) only at the end, which a stream cannot go back to: `stream_tag` takes its place."""
 
     def __init__(self, fmt: str, rate: int):
         kind, subtype, _ = SOUNDFILE_FORMATS[fmt]
-        self.fmt, self.out, self.sent = fmt, io.BytesIO(), 0
-        mp3 = dict(bitrate_mode="CONSTANT", compression_level=0.5) if fmt == "mp3" else {}  # ~85 kbps
+        self.fmt, self.rate, self.out, self.sent = fmt, rate, io.BytesIO(), 0
+        mp3 = MP3_STREAM if fmt == "mp3" else {}
         self.file = sf.SoundFile(self.out, "w", rate, 1, format=kind, subtype=subtype, **mp3)
 
     def write(self, data: bytes, last=False) -> bytes:  # 16-bit PCM -> the bytes finished since
@@ -572,9 +576,31 @@ class StreamedFile:
                 return b""  # the first frame is not whole yet
             first = written[:size]
             if not any(first[4:]) or b"Info" in first or b"Xing" in first:  # LAME's tag frame
-                self.sent, written = len(first), written[len(first):]
+                written = stream_tag(first[:4], self.rate) + written[size:]  # as long as LAME's
         self.sent += len(written)
         return written
+
+
+@functools.cache
+def lame_tag(rate: int) -> tuple:
+    """LAME's Info tag in a whole mp3 of ours at this rate: (its offset in the first frame, its LAME
+    extension: 36 bytes, the encoder delay and end padding in 3 of them)."""
+    out = io.BytesIO()
+    with sf.SoundFile(out, "w", rate, 1, format="MP3", subtype="MPEG_LAYER_III", **MP3_STREAM) as f:
+        f.write(np.zeros(rate // 10, "<i2"))
+    data = out.getvalue()
+    first = data[:mp3_frame_bytes(data[:4])]
+    return first.find(b"Info"), first[first.find(b"LAME"):][:36]
+
+
+def stream_tag(header: bytes, rate: int) -> bytes:
+    """A stream's first mp3 frame: an Info tag with LAME's encoder delay only (ffmpeg, which LiveKit and
+    browsers decode with, drops that much of the start), no frame count, length or end padding (unknown
+    until the end): a stream lasts its samples and at most one frame's padding more, instead of two frames."""
+    offset, lame = lame_tag(rate)
+    lame = lame[:22] + bytes([lame[22] & 0xF0, 0]) + lame[24:28] + bytes(8)  # no padding, length or CRCs
+    frame = header + bytes(offset - 4) + b"Info" + (2).to_bytes(4, "big") + b"\xff" * 4 + lame
+    return frame + bytes(mp3_frame_bytes(header) - len(frame))
 
 
 MPEG1_KBPS = (0, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320)  # by bitrate index

@@ -1312,8 +1312,9 @@ def test_pcm_is_openais_24_khz_streamed_and_the_models_own_rate_when_asked(serve
 
 
 def ffmpeg_decoded(mp3: bytes) -> tuple:
-    """An mp3 as LiveKit's OpenAI plugin hears it (ffmpeg's decoder, through PyAV) -> (float samples, rate).
-    Not soundfile's: libmpg123 leaves a stream's encoder delay in."""
+    """An mp3 as ffmpeg decodes it (PyAV: browsers' and most players' decoder) -> (float samples, rate).
+    Not soundfile's: libmpg123 leaves a stream's encoder delay in. (LiveKit's plugin opens it with
+    low-latency settings that read no tag and drop the first frame: docs/api.md.)"""
     import av  # requirements-test.txt
     with av.open(io.BytesIO(mp3), format="mp3") as container:
         frames = [frame.to_ndarray().ravel() for frame in container.decode(audio=0)]
@@ -1343,8 +1344,8 @@ def test_a_streamed_mp3_tells_players_its_encoder_delay(rate):
 
 def test_livekit_and_pipecat_bodies_get_the_wavs_duration_and_livekits_mp3_as_it_is_made(server, ref):
     """Issue 59: the bodies the voice-agent plugins send (a seed added): LiveKit's mp3 over SSE, its deltas
-    joined and decoded as LiveKit does (ffmpeg), lasts the wav and less than an mp3 frame's padding (< one
-    of the model's frames); Pipecat's pcm, heard at 24 kHz, lasts the wav within a frame (1.84x before)."""
+    joined and decoded by ffmpeg, lasts the wav and less than an mp3 frame's padding (< one of the model's
+    frames); Pipecat's pcm, heard at 24 kHz, lasts the wav within a frame (1.84x before)."""
     want = expected_pcm(ref, seed=31, max_new_tokens=8)
     livekit = dict(model="gpt-4o-mini-tts", voice="ash", input=TEXT, response_format="mp3", speed=1.0,
                    stream_format="sse", seed=31, max_new_tokens=8)

@@ -147,7 +147,7 @@ def test_every_format_and_stream_format(server, model):
 
 
 def decoded(data: bytes, fmt: str) -> np.ndarray:
-    """pcm as it is; a streamed mp3 as LiveKit decodes it (ffmpeg), opus by soundfile."""
+    """pcm as it is; a streamed mp3 as ffmpeg decodes it, opus by soundfile."""
     if fmt == "pcm":
         return np.frombuffer(data[:len(data) // 2 * 2], "<i2")
     samples, rate = ffmpeg_decoded(data) if fmt == "mp3" else sf.read(io.BytesIO(data), dtype="int16")

@@ -372,7 +372,7 @@ def row_ways(shapes, layers: int) -> dict:
     """{(precision, way): (run, weight bytes)}: one row through `shapes` linears `layers` times, each
     precision's weights as the frame step holds them (fp32, fp16 / bf16 HalfLinear's, int8 / int4
     QuantLinear's), run eager (torch's kernel, as eager frame steps run it; fp32 also oneDNN's prepacked) and
-    compiled as cpu_fast's fused one-row sum (`one_row_linear`; int8: `int8_one_row`)."""
+    compiled as cpu_fast's fused one-row sum (`one_row_linear`; `int8_one_row`; `int4_one_row`)."""
     xs = {k: torch.rand(1, k) for k in {k for _, k in shapes}}
     ways = {}
 
@@ -411,7 +411,14 @@ def row_ways(shapes, layers: int) -> dict:
 
     add("int8", [q.weight for q in int8], {"torch": int8_kernel}, int8_summed, words)
     int4 = [quantize.QuantLinear(nn.Linear(k, n, bias=False), 4) for _ in range(layers) for n, k in shapes]
-    add("int4", [q.weight for q in int4], {"torch": lambda ws: [q(xs[q.in_features]) for q in int4]})
+    nibbles = [cpu_fast.nibble_bytes(quantize.int4_values(q.weight)) for q in int4]  # as OneRowQuantLinear
+    held = {id(w): (cpu_fast.group_scales(q.scales), q.group) for q, w in zip(int4, nibbles)}  # holds them
+
+    def int4_summed(ws):
+        return [cpu_fast.int4_one_row(xs[w.shape[1] * 2], w, *held[id(w)]) for w in ws]
+
+    add("int4", [q.weight for q in int4], {"torch": lambda ws: [q(xs[q.in_features]) for q in int4]},
+        int4_summed, nibbles)
     return ways
 
 

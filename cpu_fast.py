@@ -69,7 +69,7 @@ def tune_s2(model: nn.Module, rows: int = None, again: bool = False) -> nn.Modul
         use_few_rows_linears(model, few_rows_steps(again))
     if model.compiled_step is None or getattr(model.compiled_step, "func", None) is frozen_graphs:
         return model  # eager, or tuned already
-    use_one_row_sums(model, again=again)
+    use_one_row_sums(model, again=again, rows=rows)
     frozen = frozen_rows(model, again) if rows is None or rows > 1 else [[0, False]]
     if any(on for _, on in frozen):
         use_frozen_gemms(model, frozen)
@@ -353,7 +353,11 @@ def few_rows_steps(again=False) -> list:
 
 
 def probe_weights(layers=PROBE_LAYERS, dtype=torch.float32) -> list:
-    """A layer's linears (PROBE_SHAPES) `layers` times, random weights of `dtype` (int8: bytes but -128)."""
+    """A layer's linears (PROBE_SHAPES) `layers` times, random weights of `dtype` (int8: bytes but -128;
+    uint8: int4 values, 0-15, as int32)."""
+    if dtype == torch.uint8:
+        return [torch.randint(0, 16, shape, dtype=torch.int32) for _ in range(layers)
+                for shape in PROBE_SHAPES]
     if dtype == torch.int8:
         return [torch.randint(-127, 128, shape, dtype=dtype) for _ in range(layers) for shape in PROBE_SHAPES]
     return [torch.rand(shape, dtype=dtype) for _ in range(layers) for shape in PROBE_SHAPES]
@@ -489,22 +493,83 @@ def natural_columns(t: Tensor) -> Tensor:
     return t.unflatten(-1, (t.shape[-1] // 4, 4)).transpose(-1, -2).reshape(t.shape)
 
 
+NIBBLE_PLACES = torch.tensor([2.0 ** (-4 * i) for i in range(7)] + [1.0])  # x's factor for nibble i in place
+
+
+def int4_one_row(x: Tensor, weight: Tensor, scales: Tensor, group: int) -> Tensor:
+    """One row x (K,) times an int4 weight in `nibble_bytes` order (N, K/2), w = (q - 8) * scale + zero per
+    `group` inputs (scales: `group_scales`) -> (N,), x and the sums in fp32; in compiled graphs only.
+    Inductor reads each 8 inputs' nibbles as one fp32 word (as `int8_one_row`) and masks each in place (q
+    2^4i, exactly; the top one shifted down), paired with x[8 j + i] 2^-4i; each group's sum is scaled, and
+    sum(x) over the group times (zero - 8 scale) added."""
+    n, k = weight.shape[0], weight.shape[1] * 2
+    words = weight.view(torch.float32).view(torch.int32).view(n, k // group, group // 8)  # (N, groups, j)
+    x = realized(x).float()
+    xs = x.view(k // group, group // 8, 8).permute(2, 0, 1) * NIBBLE_PLACES.view(8, 1, 1)
+    xs = realized(xs.contiguous())  # (nibble i, group, j): read whole vectors along j
+    scale, zero = scales
+    y = ((zero - 8 * scale) * x.view(-1, group).sum(-1)).sum(-1)
+    for nibbles in (range(4), range(4, 8)):  # two sums of four: one of eight inductor would write out whole
+        p = sum(xs[i] * ((words & (15 << 4 * i)) if i < 7 else (words >> 28) & 15).float() for i in nibbles)
+        y = y + (p * scale[..., None]).sum((-1, -2))
+    return y
+
+
+def nibble_bytes(q: Tensor) -> Tensor:
+    """int4 values q (N, K), 0-15 -> (N, K/2) uint8, input 2 b in byte b's low nibble and 2 b + 1 in its high
+    one (each 4 bytes then hold 8 inputs in order, as `int4_one_row` reads them; the reverse:
+    `nibble_values`)."""
+    return (q[:, 0::2] | q[:, 1::2] << 4).to(torch.uint8).contiguous()  # (q's strides may be permuted)
+
+
+def nibble_values(weight: Tensor) -> Tensor:  # (N, K) uint8
+    return torch.stack([weight & 15, weight >> 4], -1).view(weight.shape[0], -1)
+
+
+def group_scales(scales: Tensor) -> Tensor:
+    """QuantLinear's int4 scales (K / group, N, 2: scale, zero) in bf16, as the kernel reads them -> (2, N,
+    K / group) in fp32, as `int4_one_row` does (bf16 loads in its sum made inductor's vectors 16 lanes wide,
+    its words' reads 1.3x slower); the reverse: `kernel_scales`."""
+    return scales.float().permute(2, 1, 0).contiguous()
+
+
+def kernel_scales(scales: Tensor) -> Tensor:
+    return scales.permute(2, 1, 0).bfloat16().contiguous()
+
+
+def int4_weight(weight: Tensor, scales: Tensor, group: int) -> Tensor:  # `nibble_bytes` -> fp32 (N, K)
+    w = nibble_values(weight).float()
+    scale, zero = scales[..., None]
+    w.unflatten(-1, (-1, group)).sub_(8).mul_(scale).add_(zero)  # in place: a prefill's peak, 5 bytes a weight
+    return w
+
+
 class OneRowQuantLinear(QuantLinear):
-    """QuantLinear (int8) whose weight's columns are in `byte_columns` order: a compiled graph's one row is
-    `int8_one_row` (x in fp32, as inductor ran the kernel's bf16 rounding of it before: it drops a rounding
-    undone at once); anything else QuantLinear's, on x's columns put in the same order (the same products,
-    summed in another order)."""
+    """QuantLinear whose weight is held as a compiled one-row sum reads it: int8 with its columns in
+    `byte_columns` order, int4 in `nibble_bytes` order (its scales as `group_scales`). A compiled graph's
+    one row is `int8_one_row` or `int4_one_row` (x in fp32, as inductor ran the kernel's bf16 rounding of
+    it before: it drops a rounding undone at once); anything else int8: QuantLinear's, on x's columns put in
+    the same order (the same products, summed in another order); int4 (which no kernel reads so): the
+    dequantized weight's matmul."""
 
     def forward(self, x: Tensor) -> Tensor:
         if torch.compiler.is_compiling() and x.numel() == self.in_features and x.is_cpu:
-            y = int8_one_row(x.reshape(-1), self.weight, self.scales)
-            y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
-            return y if self.bias is None else y + self.bias
-        return super().forward(byte_columns(x))
+            row = x.reshape(-1)
+            y = int8_one_row(row, self.weight, self.scales) if self.bits == 8 else \
+                int4_one_row(row, self.weight, self.scales, self.group)
+        elif self.bits == 4:
+            w = int4_weight(self.weight, self.scales, self.group)
+            w = w if quantize.runs_in_fp32(torch.bfloat16, x.device) else w.bfloat16()
+            y = F.linear(x.to(w.dtype), w)
+        else:
+            return super().forward(byte_columns(x))
+        y = y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias
 
 
 ONE_ROW_KEY = "compiled one row"  # the decision's key, after the machine key
-ONE_ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8)  # weights a fused sum can read
+# weights a fused sum can read (uint8: int4, two values a byte)
+ONE_ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8)
 
 
 def one_row_key(dtype: torch.dtype) -> str:  # int8's times `int8_one_row` (a timing of an older sum is stale)
@@ -514,35 +579,49 @@ def one_row_key(dtype: torch.dtype) -> str:  # int8's times `int8_one_row` (a ti
 
 def compiled_one_row_wins(dtype: torch.dtype = torch.float32, again=False) -> bool:
     """Whether this machine's compiled graphs run a one-row linear of `dtype` weights (fp32, fp16 / bf16 as
-    HalfLinear's, or int8 as QuantLinear's: `int8_one_row`) faster as a fused sum than the matmuls eager
-    takes for it. Timed once (`timed_one_row`: it compiles, 5-15 s)."""
+    HalfLinear's, int8 or int4 (uint8) as QuantLinear's: `int8_one_row`, `int4_one_row`) faster as a fused
+    sum than the matmuls eager takes for it. Timed once (`timed_one_row`: it compiles, 5-15 s)."""
     return decision(one_row_key(dtype),
                     lambda value: isinstance(value, bool), lambda old: timed_one_row(dtype),
                     f"timing compiled one-row {dtype} linears", again)
 
 
 def one_row_runs(dtype: torch.dtype, compile=True) -> dict:
-    """A layer's linears at one row, PROBE_LAYERS times for fp32, 2x that for half and 4x for int8 (the same
-    bytes): {"fused": the sum (`one_row_linear`, int8's `int8_one_row`) compiled by inductor, "torch":
-    torch's own matmul, for fp32 "onednn": oneDNN's prepacked one}; each run returns its products."""
-    layers = PROBE_LAYERS * {torch.float16: 2, torch.bfloat16: 2, torch.int8: 4}.get(dtype, 1)
+    """A layer's linears at one row, PROBE_LAYERS times for fp32, 2x that for half, 4x for int8 and 8x for
+    int4 (uint8; the same bytes): {"fused": the sum (`one_row_linear`, `int8_one_row`, `int4_one_row`), a
+    layer's linears a graph compiled by inductor once and run on each layer's weights (one graph of them
+    all took 2 minutes to compile for int4), "torch": torch's own matmul (its int8 or int4 kernel), for
+    fp32 "onednn": oneDNN's prepacked one}; each run returns its products."""
+    layers = PROBE_LAYERS * {torch.float16: 2, torch.bfloat16: 2, torch.int8: 4, torch.uint8: 8}.get(dtype, 1)
     weights = probe_weights(layers, dtype)
     xs = probe_rows(weights, 1)
-    if dtype == torch.int8:
+    if dtype == torch.uint8:  # int4 values, 0-15, a scale and zero per group
+        group = quantize.INT4_GROUP
+        scales = [torch.rand(q.shape[1] // group, q.shape[0], 2).bfloat16() for q in weights]
+        packed = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1) for q in weights]
+        kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
+        runs = {"torch": lambda: [kernel(xs[q.shape[1]].bfloat16(), p, group, scale)
+                                  for q, p, scale in zip(weights, packed, scales)]}
+        one_row = int4_one_row  # on the weights and scales as OneRowQuantLinear holds them
+        calls = [(xs[q.shape[1]], nibble_bytes(q), group_scales(scale), group)
+                 for q, scale in zip(weights, scales)]
+    elif dtype == torch.int8:
         scales = {w.shape[0]: torch.rand(w.shape[0]).bfloat16() for w in weights}
-        reordered = [byte_columns(w) for w in weights]  # as OneRowQuantLinear holds them
         kernel = torch.ops.aten._weight_int8pack_mm
         runs = {"torch": lambda: [kernel(xs[w.shape[1]].bfloat16(), w, scales[w.shape[0]]) for w in weights]}
-
-        def fused():
-            return [int8_one_row(xs[w.shape[1]], w, scales[w.shape[0]]) for w in reordered]
+        one_row = int8_one_row
+        calls = [(xs[w.shape[1]], byte_columns(w), scales[w.shape[0]]) for w in weights]
     else:
         runs = matmul_runs(xs, weights, [prepack(w) for w in weights]) if dtype == torch.float32 else \
             {"torch": lambda: [F.linear(xs[w.shape[1]].to(dtype), w) for w in weights]}
+        one_row, calls = one_row_linear, [(xs[w.shape[1]], w) for w in weights]
 
-        def fused():
-            return [one_row_linear(xs[w.shape[1]], w) for w in weights]
-    runs["fused"] = torch.compile(fused, fullgraph=True) if compile else fused
+    def layer(calls):
+        return [one_row(*args) for args in calls]
+
+    layer = torch.compile(layer, fullgraph=True, dynamic=False) if compile else layer
+    per_layer = [calls[i:i + len(PROBE_SHAPES)] for i in range(0, len(calls), len(PROBE_SHAPES))]
+    runs["fused"] = lambda: [y for layer_calls in per_layer for y in layer(layer_calls)]
     return runs
 
 
@@ -553,24 +632,27 @@ def timed_one_row(dtype: torch.dtype = torch.float32, repeats=5) -> bool:
     return beats_the_others(best_seconds(one_row_runs(dtype), repeats), "fused")
 
 
-def use_one_row_sums(module: nn.Module, wins: dict = None, again=False) -> nn.Module:
+def use_one_row_sums(module: nn.Module, wins: dict = None, again=False, rows: int = None) -> nn.Module:
     """For a module that runs compiled on CPU: its fp32 linear layers (as FewRowsLinear), HalfLinears and int8
     QuantLinears (as OneRowQuantLinear) run one row as a fused sum in compiled graphs where `wins` ({weight
     dtype: bool}) says so; a dtype it lacks: this machine's `compiled_one_row_wins`, asked only if the
-    module has one -> module (or what takes its place, where it is such a layer itself)."""
+    module has one. int4 QuantLinears too where rows (the most rows a step runs) is 1: their order is no
+    kernel's, so more rows run the dequantized weight's matmul (a prefill's rows: fine; a batch's: slow)
+    -> module (or what takes its place, where it is such a layer itself)."""
     layers = [m for m in module.modules() if is_fp32_linear(m) or type(m) is HalfLinear and m.weight.is_cpu
-              or type(m) in (QuantLinear, OneRowQuantLinear) and m.bits == 8 and m.weight.is_cpu
-              and m.in_features % 4 == 0]
-    wins = dict(wins or {})
+              or type(m) in (QuantLinear, OneRowQuantLinear) and m.weight.is_cpu
+              and (m.bits == 8 and m.in_features % 4 == 0 or m.bits == 4 and reads_nibbles(m))]
+    wins, int4 = dict(wins or {}), rows == 1
     for m in layers:  # in the module's order: a dtype's timing asked for where the first of it is
         if m.weight.dtype not in wins:
-            wins[m.weight.dtype] = compiled_one_row_wins(m.weight.dtype, again)
+            timed = int4 or m.weight.dtype != torch.uint8
+            wins[m.weight.dtype] = timed and compiled_one_row_wins(m.weight.dtype, again)
     members = set(layers)
 
     def one_row(m):
         if m not in members:
             return None
-        win = wins[m.weight.dtype]
+        win = wins[m.weight.dtype] and (m.weight.dtype != torch.uint8 or int4)
         if type(m) is HalfLinear:
             m.one_row = win
             return None
@@ -578,11 +660,28 @@ def use_one_row_sums(module: nn.Module, wins: dict = None, again=False) -> nn.Mo
             kind = OneRowQuantLinear if win else QuantLinear
             if type(m) is kind:
                 return None
-            m.weight.data = (byte_columns if win else natural_columns)(m.weight.data)
+            m.weight.data, m.scales.data = held_for(m, win)
             return rebuilt(kind, m)
         return as_few_rows(m, one_row=win) if win or type(m) is FewRowsLinear else None
 
     return replaced(module, one_row)
+
+
+def reads_nibbles(m: QuantLinear) -> bool:  # whether an int4 layer's weight can be held in `nibble_bytes`
+    block = quantize.INT4_BLOCK
+    return type(m) is OneRowQuantLinear or m.out_features % block == 0 and \
+        quantize.int4_values(m.weight.data[:block]) is not None
+
+
+def held_for(m: QuantLinear, one_row: bool) -> tuple:
+    """m's weight and scales as OneRowQuantLinear (one_row) or QuantLinear holds them."""
+    weight, scales = m.weight.data, m.scales.data
+    if m.bits == 8:
+        return (byte_columns if one_row else natural_columns)(weight), scales
+    if one_row:
+        return nibble_bytes(quantize.int4_values(weight)), group_scales(scales)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibble_values(weight).int(), 1), \
+        kernel_scales(scales)
 
 
 FROZEN_KEY = "compiled frozen rows"  # the decision's key, after the machine key

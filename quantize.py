@@ -118,6 +118,23 @@ class QuantLinear(nn.Module):
         return y if self.bias is None else y + self.bias
 
 
+INT4_BLOCK = 32  # the int4 kernel's packing interleaves the output rows of blocks of this many
+
+
+def int4_values(packed: Tensor) -> Tensor:
+    """The int4 values (N, K) uint8, 0-15, that `_convert_weight_to_int4pack_for_cpu` packed into (N, K/2)
+    bytes, for N a whole number of INT4_BLOCKs: each block in lines of 8 inputs x 16 bytes, its row j in
+    the low nibbles and j + 16 in the high ones (torch 2.13's layout) -> None where torch packs otherwise
+    (its first block, packed again, differs) or N is not such a number."""
+    n, k = packed.shape[0], packed.shape[1] * 2
+    if n % INT4_BLOCK or k % 8:
+        return None
+    lines = packed.view(n // INT4_BLOCK, k // 8, 8, INT4_BLOCK // 2)  # (block, k / 8, k % 8, row)
+    q = torch.cat([lines & 15, lines >> 4], -1).permute(0, 3, 1, 2).reshape(n, k)
+    block = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q[:INT4_BLOCK].int(), 1)
+    return q if torch.equal(block, packed[:INT4_BLOCK]) else None
+
+
 def int_mm(a: Tensor, b: Tensor) -> Tensor:
     """torch._int_mm(a, b) (int8 (M, K) @ (K, N) -> int32, exact). On a CPU without int8 units, fp32
     matmuls of EXACT_TERMS inputs at a time: their sums are exact integers in any order, so the int32

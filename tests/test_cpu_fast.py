@@ -317,6 +317,55 @@ def test_int8_one_row_reads_each_byte_of_a_word_as_its_value_and_a_layer_turned_
         assert torch.allclose(layers(x), before, rtol=1e-6, atol=1e-6)
 
 
+def test_int4_one_row_masks_each_nibble_in_place_and_a_layer_turned_back_is_as_before():
+    """int4_one_row (compiled: inductor reads 8 nibbles as one fp32 word and masks each in place) gives the
+    dequantized product, w = (q - 8) scale + zero per group, to fp32 rounding for every nibble value, on the
+    weight in nibble_bytes order (which int4_values reads back out of the kernel's packing). A QuantLinear
+    made OneRowQuantLinear holds that order and fp32 scales only where steps run one row (eager: the
+    dequantized weight's matmul), sums one row in a compiled graph (no int4 kernel) and, turned back, holds
+    its weight and scales as before, to the bit."""
+    N, K, group = 96, 384, 128
+    q = (torch.arange(N * K).view(N, K) * 7 % 16).int()  # every value in each row and each group
+    scales = torch.rand(K // group, N, 2).bfloat16()  # as QuantLinear holds them: (groups, N, (scale, zero))
+    x, scale, zero = torch.rand(K), scales[..., 0].float().T, scales[..., 1].float().T
+    weight = (q.float() - 8).view(N, -1, group) * scale[..., None] + zero[..., None]
+    want = weight.view(N, K) @ x
+    bound = 1e-6 * (weight.abs().view(N, K) @ x)  # fp32 sums in another order
+    nibbles = cpu_fast.nibble_bytes(q)
+    values = q.to(torch.uint8)
+    assert torch.equal(cpu_fast.nibble_values(nibbles), values) and nibbles.shape == (N, K // 2)
+    assert torch.equal(quantize.int4_values(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)), values)
+    assert quantize.int4_values(torch.ops.aten._convert_weight_to_int4pack_for_cpu(q[:48], 1)) is None
+    held = cpu_fast.group_scales(scales)
+    assert torch.equal(cpu_fast.kernel_scales(held), scales)
+    for run in (cpu_fast.int4_one_row, torch.compile(cpu_fast.int4_one_row, fullgraph=True)):
+        got = run(x, nibbles, held, group)
+        assert ((got - want).abs() <= bound).all()
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(quantize.QuantLinear(torch.nn.Linear(256, 64), bits=4))
+    packed, kernel_held, x = layers[0].weight.clone(), layers[0].scales.clone(), torch.rand(3, 256)
+    with torch.inference_mode():
+        before = layers(x)
+        cpu_fast.use_one_row_sums(layers, {torch.uint8: True}, rows=4)
+        assert type(layers[0]) is quantize.QuantLinear  # batches: the kernel reads the weight
+        cpu_fast.use_one_row_sums(layers, {torch.uint8: True}, rows=1)
+        assert type(layers[0]) is cpu_fast.OneRowQuantLinear
+        assert torch.equal(layers[0].weight, cpu_fast.nibble_bytes(quantize.int4_values(packed)))
+        dequantized = cpu_fast.int4_weight(layers[0].weight, layers[0].scales, 128)
+        assert torch.allclose(layers(x), x @ dequantized.T + layers[0].bias, rtol=1e-6, atol=1e-6)
+        assert torch.allclose(layers(x), before, atol=1e-2)  # the kernel rounds x to bf16
+        y, calls = graph_calls(layers, x[:1])
+        assert "_weight_int4pack_mm_for_cpu" not in calls and calls.count("sum") == 4, calls
+        assert torch.allclose(y, x[:1] @ dequantized.T + layers[0].bias, rtol=1e-5, atol=1e-5)
+        cpu_fast.use_one_row_sums(layers, {torch.uint8: False}, rows=1)
+        assert type(layers[0]) is quantize.QuantLinear
+        assert torch.equal(layers[0].weight, packed) and torch.equal(layers[0].scales, kernel_held)
+        assert torch.equal(layers(x), before)
+    odd = torch.nn.Sequential(quantize.QuantLinear(torch.nn.Linear(256, 48), bits=4))
+    cpu_fast.use_one_row_sums(odd, {torch.uint8: True}, rows=1)
+    assert type(odd[0]) is quantize.QuantLinear  # 48 outputs: not whole blocks of the kernel's packing
+
+
 FROZEN = [[0, False], [4, True], [8, False]]  # a Zen 4's frozen_rows_steps: 4-row graphs on frozen weights
 
 
@@ -405,7 +454,7 @@ def test_the_compiled_one_row_choice_is_timed_once_per_weight_dtype_and_kept_bes
         decisions, monkeypatch):
     """compiled_one_row_wins: timed on this machine's first call for a weight dtype and kept in the decisions
     file under that dtype's key (the row steps' entry untouched); an odd value is timed again.
-    use_one_row_sums asks it only for the dtypes the module has."""
+    use_one_row_sums asks it only for the dtypes the module has, int4's (uint8) only for one-row steps."""
     timed = []
     monkeypatch.setattr(cpu_fast, "timed_one_row",
                         lambda dtype: timed.append(dtype) or dtype == torch.float32)
@@ -419,12 +468,17 @@ def test_the_compiled_one_row_choice_is_timed_once_per_weight_dtype_and_kept_bes
     int8 = quantize.QuantLinear(torch.nn.Linear(8, 4), bits=8)
     cpu_fast.use_one_row_sums(torch.nn.Sequential(torch.nn.Linear(8, 4), int8))
     assert type(int8) is quantize.QuantLinear and timed == [torch.float32, torch.int8]
+    int4 = torch.nn.Sequential(quantize.QuantLinear(torch.nn.Linear(128, 32), bits=4))
+    cpu_fast.use_one_row_sums(int4)  # steps of any rows: int4 stays on its kernel, untimed
+    assert timed == [torch.float32, torch.int8]
+    cpu_fast.use_one_row_sums(int4, rows=1)
+    assert type(int4[0]) is quantize.QuantLinear and timed == [torch.float32, torch.int8, torch.uint8]
     assert cpu_fast.compiled_one_row_wins() is True and cpu_fast.compiled_one_row_wins(torch.int8) is False
-    fp32, int8 = (cpu_fast.one_row_key(dtype) for dtype in (torch.float32, torch.int8))
+    fp32, int8, int4 = (cpu_fast.one_row_key(dtype) for dtype in (torch.float32, torch.int8, torch.uint8))
     assert int8 == f"{cpu_fast.machine_key(torch.device('cpu'), torch.int8)} compiled one row as words"
-    assert json.loads(path.read_text()) == {machine: [[0, False]], fp32: True, int8: False}
+    assert json.loads(path.read_text()) == {machine: [[0, False]], fp32: True, int8: False, int4: False}
     path.write_text(json.dumps({fp32: "yes"}))
-    assert cpu_fast.compiled_one_row_wins() is True and timed == [torch.float32, torch.int8, torch.float32]
+    assert cpu_fast.compiled_one_row_wins() is True and timed[-1] == torch.float32 and len(timed) == 4
 
 
 def test_the_many_rows_choice_is_timed_once_and_kept_beside_the_row_steps(decisions, monkeypatch):
@@ -510,16 +564,17 @@ def test_the_many_rows_probe_times_each_matmul_this_torch_has_on_the_same_produc
 @pytest.mark.parametrize("dtype", cpu_fast.ONE_ROW_DTYPES)
 @torch.inference_mode()
 def test_the_one_row_probe_times_the_fused_sum_against_the_matmuls_on_the_same_products(dtype):
-    """timed_one_row: the fused sum (compiled there; eager here) against torch's matmul (int8: aten's int8
-    kernel, bf16 activations) and, for fp32 weights, oneDNN's prepacked one, on the same bytes at each
-    precision (2x the layers of fp32 for half, 4x for int8): each gives the same products, to the rounding
-    of its activations (int8: x in fp32 in the sum, bf16 in the kernel)."""
+    """timed_one_row: the fused sum (compiled there; eager here) against torch's matmul (int8, int4: aten's
+    kernels, bf16 activations) and, for fp32 weights, oneDNN's prepacked one, on the same bytes at each
+    precision (2x the layers of fp32 for half, 4x for int8, 8x for int4): each gives the same products, to
+    the rounding of its activations (x in fp32 in the sums, bf16 in the kernels)."""
     runs = cpu_fast.one_row_runs(dtype, compile=False)
     assert set(runs) == {"fused", "torch"} | ({"onednn"} if dtype == torch.float32 else set())
     want = products(runs["torch"])
-    layers = cpu_fast.PROBE_LAYERS * 4 // torch.empty(0, dtype=dtype).element_size()  # fp32's bytes
+    weight_bytes = 0.5 if dtype == torch.uint8 else torch.empty(0, dtype=dtype).element_size()  # uint8: int4
+    layers = cpu_fast.PROBE_LAYERS * 4 / weight_bytes  # fp32's bytes
     assert want.numel() == layers * sum(out for out, _ in cpu_fast.PROBE_SHAPES)
-    rtol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2, torch.int8: 1e-2}[dtype]
+    rtol = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 1e-2}.get(dtype, 1e-2)
     for name in set(runs) - {"torch"}:
         got = products(runs[name])
         assert got.shape == want.shape and (got - want).abs().max() <= rtol * want.abs().max(), name

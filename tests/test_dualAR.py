@@ -1059,7 +1059,8 @@ def prefill_and_step_logits(model, step=None):
     ("int8wo", torch.float32, 0.03), ("int4wo", torch.float32, 0.25), ("none", torch.float16, 0.005)])
 def test_cpu_quantization_runs_eager_and_compiled_and_its_logits_stay_close(model, scheme, dtype, bound,
                                                                             monkeypatch):
-    """int8wo / int4wo on CPU (QuantLinear, torch's own kernels, bf16 activations; the fast head in int8),
+    """int8wo / int4wo on CPU (QuantLinear, torch's own kernels, bf16 activations; the fast head in int8;
+    compiled steps of one row: every one of them as a fused sum, int4's prefill on its dequantized weight),
     max error in % of the largest logit on this checkpoint, measured: int8wo 1.0 (slow) / 1.2 (fast) at the
     prefill, 0.9 / 1.3 at a frame step, eager and compiled alike; int4wo (groups of 32 here: dims of 32 to
     96) 18.2 / 17.0 at the prefill, 15.8 / 16.9 at a step. Bounds 3 % and 25 %. fp16, the CPU's half
@@ -1074,8 +1075,11 @@ def test_cpu_quantization_runs_eager_and_compiled_and_its_logits_stay_close(mode
     with torch.inference_mode():
         assert dualAR.generate(quantized, "Hi.", seed=0, max_new_tokens=6).shape == (10, 5)
     dualAR.compile_model(quantized, step=slow_and_fast_logits)  # one compile: the frame step's layers
-    cpu_fast.tune(quantized)  # the int8 head's one row compiled as a product and a sum (conftest: it wins)
-    assert (type(quantized.fast_output) is cpu_fast.OneRowQuantLinear) is (scheme != "none")
+    cpu_fast.tune(quantized, rows=1)  # one rows' sums compiled as a product and a sum (conftest: they win)
+    assert (type(quantized.fast_output) is cpu_fast.OneRowQuantLinear) is (scheme != "none")  # the int8 head
+    int4 = {type(m) for m in quantized.modules() if isinstance(m, quantize.QuantLinear) and m.bits == 4
+            and m.out_features % quantize.INT4_BLOCK == 0}  # (the others: the kernel's packing kept)
+    assert int4 == ({cpu_fast.OneRowQuantLinear} if scheme == "int4wo" else set())
     compiled = prefill_and_step_logits(quantized, quantized.compiled_step)
     for got in (eager, compiled):
         for ref, q in zip(reference, got, strict=True):

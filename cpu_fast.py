@@ -573,7 +573,7 @@ ONE_ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8, torc
 
 
 def one_row_key(dtype: torch.dtype) -> str:  # int8's times `int8_one_row` (a timing of an older sum is stale)
-    words = " as words" if dtype == torch.int8 else ""
+    words = {torch.int8: " as words", torch.uint8: " of int4, two a byte"}.get(dtype, "")
     return f"{machine_key(torch.device('cpu'), dtype)} {ONE_ROW_KEY}{words}"
 
 

@@ -41,7 +41,7 @@ import time
 import traceback
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Protocol
+from typing import Optional, Protocol
 from urllib.parse import parse_qs, unquote
 
 import numpy as np
@@ -582,24 +582,30 @@ class StreamedFile:
 
 
 @functools.cache
-def lame_tag(rate: int) -> tuple:
+def lame_tag(rate: int) -> Optional[tuple]:
     """LAME's Info tag in a whole mp3 of ours at this rate: (its offset in the first frame, its LAME
-    extension: 36 bytes, the encoder delay and end padding in 3 of them)."""
+    extension: 36 bytes, the encoder delay and end padding in 3 of them); None if it wrote none."""
     out = io.BytesIO()
     with sf.SoundFile(out, "w", rate, 1, format="MP3", subtype="MPEG_LAYER_III", **MP3_STREAM) as f:
         f.write(np.zeros(rate // 10, "<i2"))
     data = out.getvalue()
     first = data[:mp3_frame_bytes(data[:4])]
-    return first.find(b"Info"), first[first.find(b"LAME"):][:36]
+    offset, lame = first.find(b"Info"), first.find(b"LAME")
+    return (offset, first[lame:lame + 36]) if 0 < offset < lame and len(first) >= lame + 36 else None
 
 
 def stream_tag(header: bytes, rate: int) -> bytes:
-    """A stream's first mp3 frame: an Info tag with LAME's encoder delay only (ffmpeg, which LiveKit and
-    browsers decode with, drops that much of the start), no frame count, length or end padding (unknown
-    until the end): a stream lasts its samples and at most one frame's padding more, instead of two frames."""
-    offset, lame = lame_tag(rate)
+    """A stream's first mp3 frame (b"" where LAME writes no tag): an Info tag with LAME's encoder delay only,
+    no frame count or end padding (unknown until the end) and the size 0xFFFFFFFF (unknown, as the streamed
+    wav's: ffmpeg skips a tag frame only where it has a count or a size). ffmpeg (browsers, PyAV) then drops
+    the delay: a stream lasts its samples and 47 to 47 + a frame's samples more, instead of up to two
+    frames more."""
+    tag = lame_tag(rate)
+    if tag is None:
+        return b""
+    offset, lame = tag
     lame = lame[:22] + bytes([lame[22] & 0xF0, 0]) + lame[24:28] + bytes(8)  # no padding, length or CRCs
-    frame = header + bytes(offset - 4) + b"Info" + (2).to_bytes(4, "big") + b"\xff" * 4 + lame
+    frame = header + bytes(offset - 4) + b"Info" + (2).to_bytes(4, "big") + b"\xff" * 4 + lame  # flag 2: size
     return frame + bytes(mp3_frame_bytes(header) - len(frame))
 
 

@@ -540,7 +540,7 @@ def kernel_scales(scales: Tensor) -> Tensor:
 def int4_weight(weight: Tensor, scales: Tensor, group: int) -> Tensor:  # `nibble_bytes` -> fp32 (N, K)
     w = nibble_values(weight).float()
     scale, zero = scales[..., None]
-    w.unflatten(-1, (-1, group)).sub_(8).mul_(scale).add_(zero)  # in place: a prefill's peak, 5 bytes a weight
+    w.unflatten(-1, (-1, group)).sub_(8).mul_(scale).add_(zero)  # in place: a prefill's peak, 5 B a weight
     return w
 
 
@@ -642,17 +642,18 @@ def use_one_row_sums(module: nn.Module, wins: dict = None, again=False, rows: in
     layers = [m for m in module.modules() if is_fp32_linear(m) or type(m) is HalfLinear and m.weight.is_cpu
               or type(m) in (QuantLinear, OneRowQuantLinear) and m.weight.is_cpu
               and (m.bits == 8 and m.in_features % 4 == 0 or m.bits == 4 and reads_nibbles(m))]
-    wins, int4 = dict(wins or {}), rows == 1
+    wins = dict(wins or {})
+    if rows != 1:
+        wins[torch.uint8] = False  # int4 (two values a byte): its one-row order would slow batches
     for m in layers:  # in the module's order: a dtype's timing asked for where the first of it is
         if m.weight.dtype not in wins:
-            timed = int4 or m.weight.dtype != torch.uint8
-            wins[m.weight.dtype] = timed and compiled_one_row_wins(m.weight.dtype, again)
+            wins[m.weight.dtype] = compiled_one_row_wins(m.weight.dtype, again)
     members = set(layers)
 
     def one_row(m):
         if m not in members:
             return None
-        win = wins[m.weight.dtype] and (m.weight.dtype != torch.uint8 or int4)
+        win = wins[m.weight.dtype]
         if type(m) is HalfLinear:
             m.one_row = win
             return None

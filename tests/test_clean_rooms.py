@@ -1,6 +1,7 @@
 """Clean rooms: each model file copies alone (its imports point one way), and a library call computes and
 returns: it times nothing, writes nothing the caller did not ask for, and leaves the process as it was."""
 import ast
+import concurrent.futures
 import functools
 import json
 import os
@@ -20,15 +21,24 @@ FILES = ("common", "codec", "cpu_fast", "dualAR", "bench", "omnivoice", "omnivoi
          "app", "quantize", "train_lora", "train_omnivoice", "training", "wyoming_server")
 
 
-@functools.lru_cache(maxsize=None)  # each module's import is run once
-@functools.cache  # the same answer for the whole session: each module is asked once
 def imported_with(module: str) -> set:
     """The other repository modules that `import module` brings in, in a fresh process."""
-    script = f"import sys, {module}; print(*(m for m in {FILES!r} if m in sys.modules and m != {module!r}))"
-    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
-    assert run.returncode == 0, run.stderr[-2000:]
-    return set(run.stdout.split())
+    return every_import()[module]
+
+
+@functools.cache  # the same answers for the whole session
+def every_import() -> dict:
+    """{module: imported_with(module)} for every module of FILES, a fresh process each, as many at a time
+    as there are cores (each mostly imports torch, on one core)."""
+    def brought_in(module):
+        others = f"(m for m in {FILES!r} if m in sys.modules and m != {module!r})"
+        run = subprocess.run([sys.executable, "-c", f"import sys, {module}; print(*{others})"], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, run.stderr[-2000:]
+        return set(run.stdout.split())
+
+    with concurrent.futures.ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        return dict(zip(FILES, pool.map(brought_in, FILES)))
 
 
 def test_imports_point_one_way_common_below_the_models_and_nothing_imports_the_benchmark():

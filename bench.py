@@ -400,7 +400,7 @@ def row_ways(shapes, layers: int) -> dict:
         name = next(name for name, d in common.DTYPES.items() if d == dtype)
         add(name, [w.to(dtype) for w in fp32], {"torch": linears(dtype)}, summed)
     int8 = [quantize.QuantLinear(nn.Linear(k, n, bias=False), 8) for _ in range(layers) for n, k in shapes]
-    words = [cpu_fast.byte_columns(q.weight) for q in int8]  # as OneRowQuantLinear holds them
+    words = [cpu_fast.held_for(q, one_row=True)[0] for q in int8]  # as OneRowQuantLinear holds them
     scales = {id(w): q.scales for q, word in zip(int8, words) for w in (q.weight, word)}
 
     def int8_kernel(ws):
@@ -411,14 +411,13 @@ def row_ways(shapes, layers: int) -> dict:
 
     add("int8", [q.weight for q in int8], {"torch": int8_kernel}, int8_summed, words)
     int4 = [quantize.QuantLinear(nn.Linear(k, n, bias=False), 4) for _ in range(layers) for n, k in shapes]
-    nibbles = [cpu_fast.nibble_bytes(quantize.int4_values(q.weight)) for q in int4]  # as OneRowQuantLinear
-    held = {id(w): (cpu_fast.group_scales(q.scales), q.group) for q, w in zip(int4, nibbles)}  # holds them
+    held = [(*cpu_fast.held_for(q, one_row=True), q.group) for q in int4]  # as OneRowQuantLinear holds them
 
-    def int4_summed(ws):
-        return [cpu_fast.int4_one_row(xs[w.shape[1] * 2], w, *held[id(w)]) for w in ws]
+    def int4_summed(held):
+        return [cpu_fast.int4_one_row(xs[w.shape[1] * 2], w, scale, group) for w, scale, group in held]
 
     add("int4", [q.weight for q in int4], {"torch": lambda ws: [q(xs[q.in_features]) for q in int4]},
-        int4_summed, nibbles)
+        int4_summed, held)
     return ways
 
 

@@ -598,7 +598,7 @@ def one_row_runs(dtype: torch.dtype, compile=True) -> dict:
     if dtype == torch.uint8:  # int4 values, 0-15, a scale and zero per group
         group = quantize.INT4_GROUP
         scales = [torch.rand(q.shape[1] // group, q.shape[0], 2).bfloat16() for q in weights]
-        packed = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1) for q in weights]
+        packed = [quantize.int4_packed(q) for q in weights]
         kernel = torch.ops.aten._weight_int4pack_mm_for_cpu
         runs = {"torch": lambda: [kernel(xs[q.shape[1]].bfloat16(), p, group, scale)
                                   for q, p, scale in zip(weights, packed, scales)]}
@@ -681,8 +681,7 @@ def held_for(m: QuantLinear, one_row: bool) -> tuple:
         return (byte_columns if one_row else natural_columns)(weight), scales
     if one_row:
         return nibble_bytes(quantize.int4_values(weight)), group_scales(scales)
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(nibble_values(weight).int(), 1), \
-        kernel_scales(scales)
+    return quantize.int4_packed(nibble_values(weight)), kernel_scales(scales)
 
 
 FROZEN_KEY = "compiled frozen rows"  # the decision's key, after the machine key

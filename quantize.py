@@ -73,6 +73,12 @@ def int8_rows(t: Tensor) -> tuple:
     return torch.round(t / scale).to(torch.int8), scale
 
 
+def int4_packed(q: Tensor) -> Tensor:
+    """int4 values q (N, K), 0-15 -> (N, K/2) bytes as torch's CPU int4 kernel reads them (the reverse:
+    `int4_values`)."""
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.int(), 1)
+
+
 class QuantLinear(nn.Module):
     """nn.Linear with int8 weights (a scale per output row) or int4 ones (a scale and zero per INT4_GROUP
     inputs, w = (q - 8) * scale + zero), gpt-fast style, read by torch's own CPU kernels (aten
@@ -99,7 +105,7 @@ class QuantLinear(nn.Module):
             groups = w.view(self.out_features, -1, self.group)
             low, scale = groups.amin(-1), (groups.amax(-1) - groups.amin(-1)).clamp(min=1e-12) / 15
             q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, 15).to(torch.int32)
-            weight = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(w.shape), 1)  # (out, in / 2)
+            weight = int4_packed(q.view(w.shape))  # (out, in / 2)
             scale = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1)  # (in / group, out, 2)
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.scales = nn.Parameter(scale.to(torch.bfloat16).contiguous(), requires_grad=False)
@@ -122,16 +128,16 @@ INT4_BLOCK = 32  # the int4 kernel's packing interleaves the output rows of bloc
 
 
 def int4_values(packed: Tensor) -> Tensor:
-    """The int4 values (N, K) uint8, 0-15, that `_convert_weight_to_int4pack_for_cpu` packed into (N, K/2)
-    bytes, for N a whole number of INT4_BLOCKs: each block in lines of 8 inputs x 16 bytes, its row j in
-    the low nibbles and j + 16 in the high ones (torch 2.13's layout) -> None where torch packs otherwise
-    (its first block, packed again, differs) or N is not such a number."""
+    """The int4 values (N, K) uint8, 0-15, that `int4_packed` packed into (N, K/2) bytes, for N a whole
+    number of INT4_BLOCKs: each block in lines of 8 inputs x 16 bytes, its row j in the low nibbles and j +
+    16 in the high ones (torch 2.13's layout) -> None where torch packs otherwise (its first block, packed
+    again, differs) or N is not such a number."""
     n, k = packed.shape[0], packed.shape[1] * 2
     if n % INT4_BLOCK or k % 8:
         return None
     lines = packed.view(n // INT4_BLOCK, k // 8, 8, INT4_BLOCK // 2)  # (block, k / 8, k % 8, row)
     q = torch.cat([lines & 15, lines >> 4], -1).permute(0, 3, 1, 2).reshape(n, k)
-    block = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q[:INT4_BLOCK].int(), 1)
+    block = int4_packed(q[:INT4_BLOCK])
     return q if torch.equal(block, packed[:INT4_BLOCK]) else None
 
 

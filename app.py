@@ -556,15 +556,27 @@ class StreamedFile:
     frame at a time; ogg opus: a page, about a second). mp3 is constant-bitrate here: without a length
     header players size a stream from its bytes, which only a constant rate makes right (soundfile read a
     streamed 8 s variable-rate one as 4.6 s). LAME's first frame is a placeholder, all zeros, that it fills
-    in (its Info tag) only at the end, which a stream cannot go back to: `stream_tag` takes its place."""
+    in (its Info tag) only at the end, which a stream cannot go back to: `stream_tag` takes its place.
+    Nor can a stream say where its audio ends, so decoders play the last frame's padding: an mp3 stream ends
+    on the nearest frame boundary, a tail of at most half a frame cut (12 ms at 24 kHz, 13 at 44.1 kHz), not
+    padded to a whole frame. That keeps LiveKit's decoder within an OmniVoice frame at 24 kHz: it drops the
+    first frame as it probes the stream, and the decoder delay's skip with it (529 samples more)."""
 
     def __init__(self, fmt: str, rate: int):
         kind, subtype, _ = SOUNDFILE_FORMATS[fmt]
         self.fmt, self.rate, self.out, self.sent = fmt, rate, io.BytesIO(), 0
+        self.held, self.fed = b"", 0  # mp3: PCM bytes held back, and given to the encoder
         mp3 = MP3_STREAM if fmt == "mp3" else {}
         self.file = sf.SoundFile(self.out, "w", rate, 1, format=kind, subtype=subtype, **mp3)
 
     def write(self, data: bytes, last=False) -> bytes:  # 16-bit PCM -> the bytes finished since
+        if self.fmt == "mp3":  # whole mp3 frames, the rest held until the next piece or the end
+            data, frame = self.held + data, 2 * mp3_frame_samples(self.rate)
+            tail = len(data) % frame
+            self.held = b"" if last else data[len(data) - tail:]
+            cut = not last or 2 * tail <= frame and self.fed + len(data) > tail  # never cut to nothing
+            data = data[:len(data) - tail] if cut else data
+            self.fed += len(data)
         if data:
             self.file.write(np.frombuffer(data, dtype="<i2"))
         if last:
@@ -598,8 +610,7 @@ def stream_tag(header: bytes, rate: int) -> bytes:
     """A stream's first mp3 frame (b"" where LAME writes no tag): an Info tag with LAME's encoder delay only,
     no frame count or end padding (unknown until the end) and the size 0xFFFFFFFF (unknown, as the streamed
     wav's: ffmpeg skips a tag frame only where it has a count or a size). ffmpeg (browsers, PyAV) then drops
-    the delay: a stream lasts its samples and 47 to 47 + a frame's samples more, instead of up to two
-    frames more."""
+    the delay: the audio starts in time, not a frame late."""
     tag = lame_tag(rate)
     if tag is None:
         return b""
@@ -611,6 +622,10 @@ def stream_tag(header: bytes, rate: int) -> bytes:
 
 MPEG1_KBPS = (0, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320)  # by bitrate index
 MPEG2_KBPS = (0, 8, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 144, 160)  # MPEG-2 and 2.5, layer III
+
+
+def mp3_frame_samples(rate: int) -> int:
+    return 1152 if rate >= 32000 else 576  # MPEG-1 (32, 44.1, 48 kHz); MPEG-2 and 2.5 below
 
 
 def mp3_frame_bytes(header) -> int:

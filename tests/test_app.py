@@ -1311,41 +1311,66 @@ def test_pcm_is_openais_24_khz_streamed_and_the_models_own_rate_when_asked(serve
         assert status == 400 and message in json.loads(data)["error"]["message"], (given, data[:300])
 
 
-def ffmpeg_decoded(mp3: bytes) -> tuple:
-    """An mp3 as ffmpeg decodes it (PyAV: browsers' and most players' decoder) -> (float samples, rate).
-    Not soundfile's: libmpg123 leaves a stream's encoder delay in. (LiveKit's plugin opens it with
-    low-latency settings that read no tag and drop the first frame: docs/api.md.)"""
+# LiveKit's plugin (livekit-agents 1.8.9's AudioStreamDecoder) opens mp3 in a low-latency mode; these two of its
+# settings make ffmpeg drop the first frame as it probes, and the encoder delay's skip with it
+LIVEKIT_OPTIONS = {"probesize": "32", "fflags": "nobuffer"}
+
+
+def ffmpeg_decoded(mp3: bytes, options=None) -> tuple:
+    """An mp3 as ffmpeg decodes it (PyAV: browsers' and most players' decoder; LiveKit's with its
+    `options`) -> (float samples, rate). Not soundfile's: libmpg123 leaves a stream's encoder delay in."""
     import av  # requirements-test.txt
-    with av.open(io.BytesIO(mp3), format="mp3") as container:
+    with av.open(io.BytesIO(mp3), format="mp3", options=options or {}) as container:
         frames = [frame.to_ndarray().ravel() for frame in container.decode(audio=0)]
         return np.concatenate(frames), container.streams.audio[0].rate
+
+
+def streamed_mp3(wave: np.ndarray, rate: int) -> bytes:
+    encoder = app.StreamedFile("mp3", rate)
+    data = b"".join(encoder.write(piece.tobytes()) for piece in np.array_split(wave, 7))
+    return data + encoder.write(b"", last=True)
 
 
 @pytest.mark.parametrize("rate", [44100, 24000, 8000])
 def test_a_streamed_mp3_tells_players_its_encoder_delay(rate):
     """Issue 59: LAME's Info tag (its encoder delay, frame count, padding) is written at the end, where a
-    stream cannot go back to: `stream_tag` puts the delay in its place, so ffmpeg leaves it out and a
-    stream lasts its samples and less than one mp3 frame's padding (delay and padding before), in time."""
+    stream cannot go back to: `stream_tag` puts the delay in its place, so ffmpeg leaves it out and the
+    audio starts in time."""
     n = rate + 777
     t = np.arange(n) / rate
     wave = (np.sin(2 * np.pi * (200 + 1000 * t) * t) * 8000).astype("<i2")  # a chirp: one best lag
-    encoder = app.StreamedFile("mp3", rate)
-    data = b"".join(encoder.write(piece.tobytes()) for piece in np.array_split(wave, 7))
-    data += encoder.write(b"", last=True)
-    heard, heard_rate = ffmpeg_decoded(data)
-    mp3_frame = 1152 if rate > 24000 else 576  # MPEG-1's samples a frame; MPEG-2 and 2.5's
-    # LAME ends 576 samples or more past the audio, on a frame's end; ffmpeg's decoder delay takes 529 of them
-    assert heard_rate == rate and 47 <= len(heard) - n < 47 + mp3_frame, len(heard) - n
+    heard, heard_rate = ffmpeg_decoded(streamed_mp3(wave, rate))
     middle = wave[1000:n - 1000].astype(np.float64)
     lags = range(-40, 41)
     lag = max(lags, key=lambda lag: float(np.dot(heard[1000 + lag:n - 1000 + lag], middle)))
-    assert lag == 0
+    assert heard_rate == rate and lag == 0
+
+
+@pytest.mark.parametrize("rate", [44100, 24000, 8000])
+def test_a_streamed_mp3_ends_on_the_nearest_frame(rate):
+    """Issue 59: a stream cannot tell decoders its end padding, so it ends on the nearest mp3 frame
+    boundary: whatever the length, ffmpeg hears it within half an mp3 frame (LAME ends 576 samples past the
+    audio, ffmpeg's decoder delay takes 529 of them: 47 more), not up to a frame longer. LiveKit's decoder,
+    which also loses the decoder delay's skip, hears OmniVoice's 24 kHz within one of its 40 ms frames."""
+    mp3_frame = 1152 if rate > 24000 else 576  # MPEG-1's samples a frame; MPEG-2 and 2.5's
+    for n in range(rate, rate + mp3_frame, mp3_frame // 8 + 1):  # past the last whole frame by 0 ... 505
+        wave = (np.sin(np.arange(n) * 0.05) * 8000).astype("<i2")
+        data = streamed_mp3(wave, rate)
+        extra = len(ffmpeg_decoded(data)[0]) - n
+        assert abs(extra - 47) <= mp3_frame // 2, (n, extra)
+        livekit_extra = len(ffmpeg_decoded(data, LIVEKIT_OPTIONS)[0]) - n
+        assert livekit_extra == extra + 529 + 576 - mp3_frame  # its first frame, not the skip of 576 + 529
+        if rate == 24000:
+            assert 0 <= livekit_extra < rate // 25, (n, livekit_extra)
+    short = np.full(mp3_frame // 4, 8000, "<i2")  # never cut to nothing
+    assert len(ffmpeg_decoded(streamed_mp3(short, rate))[0]) == mp3_frame + 47  # padded to a whole frame
 
 
 def test_livekit_and_pipecat_bodies_get_the_wavs_duration_and_livekits_mp3_as_it_is_made(server, ref):
     """Issue 59: the bodies the voice-agent plugins send (a seed added): LiveKit's mp3 over SSE, its deltas
-    joined and decoded by ffmpeg, lasts the wav and less than an mp3 frame's padding (< one of the model's
-    frames); Pipecat's pcm, heard at 24 kHz, lasts the wav within a frame (1.84x before)."""
+    joined and decoded by ffmpeg (as players and as LiveKit's decoder do), lasts the wav within half an mp3
+    frame (< one of the model's frames); Pipecat's pcm, heard at 24 kHz, lasts the wav within a frame
+    (1.84x before)."""
     want = expected_pcm(ref, seed=31, max_new_tokens=8)
     livekit = dict(model="gpt-4o-mini-tts", voice="ash", input=TEXT, response_format="mp3", speed=1.0,
                    stream_format="sse", seed=31, max_new_tokens=8)
@@ -1354,8 +1379,10 @@ def test_livekit_and_pipecat_bodies_get_the_wavs_duration_and_livekits_mp3_as_it
     conn.close()
     assert len(events) > 2 and events[-1]["type"] == "speech.audio.done"  # deltas as it was made
     mp3 = b"".join(base64.b64decode(e["audio"]) for e in events[:-1])
-    samples, rate = ffmpeg_decoded(mp3)
-    assert rate == 44100 and 0 <= len(samples) - len(want) < 47 + 1152 < app.HOP, len(samples) - len(want)
+    for options in (None, LIVEKIT_OPTIONS):
+        samples, rate = ffmpeg_decoded(mp3, options)
+        extra = len(samples) - len(want)
+        assert rate == 44100 and abs(extra) <= 47 + 1152 // 2 < app.HOP, (options, extra)
     pipecat = dict(model="gpt-4o-mini-tts", voice="alloy", input=TEXT, response_format="pcm", seed=31,
                    max_new_tokens=8)
     status, _, raw = call(server, "POST", SPEECH, pipecat)

@@ -1311,8 +1311,8 @@ def test_pcm_is_openais_24_khz_streamed_and_the_models_own_rate_when_asked(serve
         assert status == 400 and message in json.loads(data)["error"]["message"], (given, data[:300])
 
 
-# LiveKit's plugin (livekit-agents 1.8.9's AudioStreamDecoder) opens mp3 in a low-latency mode; these two of its
-# settings make ffmpeg drop the first frame as it probes, and the encoder delay's skip with it
+# LiveKit's plugin (livekit-agents 1.8.9's AudioStreamDecoder) opens mp3 in a low-latency mode; these two
+# of its settings make ffmpeg drop the first frame as it probes, and the delays' skip with it
 LIVEKIT_OPTIONS = {"probesize": "32", "fflags": "nobuffer"}
 
 

@@ -126,7 +126,8 @@ def frame_bytes(model: DualAR) -> int:
 def random_model(config, device, dtype, quant=None) -> DualAR:
     """A config (or a BENCH_CONFIGS name) with torch.rand weights (randn differs between CPUs), and the
     demo tokenizer. quant (int8wo, int4wo, CPU): each block quantized as soon as it is drawn, so the
-    unquantized model never exists whole (the real size: 17.6 GB in fp32)."""
+    unquantized model never exists whole (the real size: 17.6 GB in fp32); in fp16 / bf16 each weight is
+    drawn in fp32 and cast at once."""
     cfg = BENCH_CONFIGS[config] if isinstance(config, str) else config
     tokenizer = demo_tokenizer(cfg["codebook_size"])
     with torch.device("meta"):
@@ -321,8 +322,9 @@ def bench(args):
     if args.checkpoint:
         model, name = dualAR.load(args.checkpoint, device, dtype), Path(args.checkpoint).name
     else:
-        # the real size quantized on CPU: drawn block by block, there is no unquantized model to compare with
-        direct = device.type == "cpu" and quant in CPU_BITS and args.config == "s2-pro"
+        # the real size quantized or in half on CPU: drawn block by block, there is no fp32 model to compare with
+        direct = device.type == "cpu" and args.config == "s2-pro" \
+            and (quant in CPU_BITS or dtype != torch.float32)
         half = dtype != torch.float32 and not direct  # judged against the same weights in fp32
         model = random_model(args.config, device, torch.float32 if half else dtype, quant if direct else None)
         name = args.config

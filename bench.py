@@ -322,7 +322,7 @@ def bench(args):
     if args.checkpoint:
         model, name = dualAR.load(args.checkpoint, device, dtype), Path(args.checkpoint).name
     else:
-        # the real size quantized or in half on CPU: drawn block by block, there is no fp32 model to compare with
+        # the real size quantized or in half on CPU: drawn block by block, no fp32 model to compare with
         direct = device.type == "cpu" and args.config == "s2-pro" \
             and (quant in CPU_BITS or dtype != torch.float32)
         half = dtype != torch.float32 and not direct  # judged against the same weights in fp32

@@ -565,7 +565,7 @@ class StreamedFile:
     def __init__(self, fmt: str, rate: int):
         kind, subtype, _ = SOUNDFILE_FORMATS[fmt]
         self.fmt, self.rate, self.out, self.sent = fmt, rate, io.BytesIO(), 0
-        self.held, self.fed = b"", 0  # mp3: PCM bytes held back, and given to the encoder
+        self.held = b""  # mp3: PCM bytes held back for the next piece
         mp3 = MP3_STREAM if fmt == "mp3" else {}
         self.file = sf.SoundFile(self.out, "w", rate, 1, format=kind, subtype=subtype, **mp3)
 
@@ -574,9 +574,8 @@ class StreamedFile:
             data, frame = self.held + data, 2 * mp3_frame_samples(self.rate)
             tail = len(data) % frame
             self.held = b"" if last else data[len(data) - tail:]
-            cut = not last or 2 * tail <= frame and self.fed + len(data) > tail  # never cut to nothing
+            cut = not last or 2 * tail <= frame and (self.file.frames or len(data) > tail)  # never to nothing
             data = data[:len(data) - tail] if cut else data
-            self.fed += len(data)
         if data:
             self.file.write(np.frombuffer(data, dtype="<i2"))
         if last:

@@ -378,12 +378,12 @@ def row_ways(shapes, layers: int) -> dict:
     xs = {k: torch.rand(1, k) for k in {k for _, k in shapes}}
     ways = {}
 
-    def add(precision, weights, eager: dict, fused=None, fused_weights=None):
+    def add(precision, weights, eager: dict, fused=None, fused_weights=None, options=None):
         size = sum(w.numel() * w.element_size() for w in weights)
         for name, run in eager.items():
             ways[(precision, name)] = (functools.partial(run, weights), size)
         if fused:
-            run = torch.compile(fused, fullgraph=True)
+            run = torch.compile(fused, fullgraph=True, options=options)
             ways[(precision, "compiled sum")] = (functools.partial(run, fused_weights or weights), size)
 
     def linears(dtype):
@@ -411,7 +411,8 @@ def row_ways(shapes, layers: int) -> dict:
     def int8_summed(ws):
         return [cpu_fast.int8_one_row(xs[w.shape[1]], w, scales[id(w)]) for w in ws]
 
-    add("int8", [q.weight for q in int8], {"torch": int8_kernel}, int8_summed, words)
+    add("int8", [q.weight for q in int8], {"torch": int8_kernel}, int8_summed, words,
+        quantize.CPU_COMPILE_OPTIONS)  # compiled as a quantized frame step is
     int4 = [quantize.QuantLinear(nn.Linear(k, n, bias=False), 4) for _ in range(layers) for n, k in shapes]
     held = [(*cpu_fast.held_for(q, one_row=True), q.group) for q in int4]  # as OneRowQuantLinear holds them
 
@@ -419,7 +420,7 @@ def row_ways(shapes, layers: int) -> dict:
         return [cpu_fast.int4_one_row(xs[w.shape[1] * 2], w, scale, group) for w, scale, group in held]
 
     add("int4", [q.weight for q in int4], {"torch": lambda ws: [q(xs[q.in_features]) for q in int4]},
-        int4_summed, held)
+        int4_summed, held, quantize.CPU_COMPILE_OPTIONS)
     return ways
 
 

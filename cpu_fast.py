@@ -619,7 +619,8 @@ def one_row_runs(dtype: torch.dtype, compile=True) -> dict:
     def layer(calls):
         return [one_row(*args) for args in calls]
 
-    layer = torch.compile(layer, fullgraph=True, dynamic=False) if compile else layer
+    options = quantize.CPU_COMPILE_OPTIONS if dtype in (torch.int8, torch.uint8) else None  # as the model's
+    layer = torch.compile(layer, fullgraph=True, dynamic=False, options=options) if compile else layer
     per_layer = [calls[i:i + len(PROBE_SHAPES)] for i in range(0, len(calls), len(PROBE_SHAPES))]
     runs["fused"] = lambda: [y for layer_calls in per_layer for y in layer(layer_calls)]
     return runs

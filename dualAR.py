@@ -586,10 +586,13 @@ def compile_model(model: DualAR, cache=None, backend="inductor", step=None):
     step = functools.partial(step or decode_step, model)
     cuda = model.embeddings.weight.device.type == "cuda"
     mode = "reduce-overhead" if cuda and backend == "inductor" else None
-    # QuantLinear's cast to bf16 would become an epilogue of CPU flex-attention, which cannot take one
-    quant = not cuda and backend == "inductor" and model.quant not in (None, "none")
+    options = None
+    if not cuda and backend == "inductor" and model.quant not in (None, "none"):
+        import quantize  # (loaded already: it set model.quant)
+        # QuantLinear's cast to bf16 would become an epilogue of CPU flex-attention, which cannot take one
+        options = dict(quantize.CPU_COMPILE_OPTIONS, epilogue_fusion=False)
     model.compiled_step = compiled(step, RECOMPILE_GUARD, fullgraph=True, dynamic=False, backend=backend,
-                                   mode=mode, options={"epilogue_fusion": False} if quant else None)
+                                   mode=mode, options=options)
 
 
 # ----------------------------------------------------------------------------- prompt

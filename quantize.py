@@ -64,6 +64,10 @@ INT8_MATMUL_ROWS = 128
 # torch's CPU kernels read whole vectors (16 lanes on AVX-512, 8 on AVX2) with no tail: the int8 one's inputs
 # and the int4 one's outputs must come in whole 16s, or they crash or return garbage (torch 2.13)
 KERNEL_LANES = 16
+# how a quantized model's graphs compile on CPU: inductor's C++ may contract a * b + c into one fused
+# multiply-add (its default: off), a rounding fewer; the one-row int4 sum (cpu_fast.int4_one_row), bound by
+# the instructions a weight takes on AVX2, runs 1.25x faster so, its frame step 1.2x (docs/speed.md)
+CPU_COMPILE_OPTIONS = {"cpp.enable_floating_point_contract_flag": "fast"}
 
 
 def int8_rows(t: Tensor) -> tuple:

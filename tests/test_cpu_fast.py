@@ -579,6 +579,28 @@ def test_the_one_row_probe_times_the_fused_sum_against_the_matmuls_on_the_same_p
         got = products(runs[name])
         assert got.shape == want.shape and (got - want).abs().max() <= rtol * want.abs().max(), name
 
+
+def test_quantized_frame_steps_and_their_probes_compile_with_fused_multiply_adds(monkeypatch):
+    """A quantized model's frame step and the one-row probe of its int8 / int4 sums compile with
+    quantize.CPU_COMPILE_OPTIONS (inductor's C++ contracts a * b + c into one FMA: int4's sum 1.25x faster on
+    AVX2), so the probe times the sums the step runs; fp32 and half graphs keep inductor's default."""
+    options = []
+
+    def recorded(fn, recompile_limit=None, **kw):  # (nothing runs: what it would compile with is kept)
+        options.append(kw.get("options"))
+        return fn
+    monkeypatch.setattr(torch, "compile", recorded)
+    monkeypatch.setattr(cpu_fast, "PROBE_SHAPES", ((64, 128),))
+    for scheme in ("none", "int8wo", "int4wo"):
+        dualAR.compile_model(dualAR.load(CKPT, quant=scheme))
+    for dtype in cpu_fast.ONE_ROW_DTYPES:
+        cpu_fast.one_row_runs(dtype, compile=True)
+    contracted = [o is not None and quantize.CPU_COMPILE_OPTIONS.items() <= o.items() for o in options]
+    quantized = [dtype in (torch.int8, torch.uint8) for dtype in cpu_fast.ONE_ROW_DTYPES]
+    assert contracted == [False, True, True] + quantized  # none, int8wo, int4wo; the probes
+    assert options[1]["epilogue_fusion"] is False  # (CPU flex-attention takes no epilogue)
+
+
 # ----------------------------------------------------------------------------- the codec's fast path
 WAVE_ATOL = 1e-4  # fixture README: codec waveforms in fp32
 

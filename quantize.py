@@ -66,7 +66,7 @@ INT8_MATMUL_ROWS = 128
 KERNEL_LANES = 16
 # how a quantized model's graphs compile on CPU: inductor's C++ may contract a * b + c into one fused
 # multiply-add (its default: off), a rounding fewer; the one-row int4 sum (cpu_fast.int4_one_row), bound by
-# the instructions a weight takes on AVX2, runs 1.25x faster so, its frame step 1.2x (docs/speed.md)
+# the instructions a weight takes on AVX2, runs 1.25x faster so, s2-mid-b's frame step 1.2x (docs/speed.md)
 CPU_COMPILE_OPTIONS = {"cpp.enable_floating_point_contract_flag": "fast"}
 
 

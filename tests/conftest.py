@@ -43,6 +43,18 @@ OV_CKPT, OV_GOLDEN = OV_TINY / "checkpoint", OV_TINY / "golden"
 OV_CASES = json.loads((OV_GOLDEN / "cases.json").read_text(encoding="utf-8"))
 
 
+def worker_threads() -> int:
+    """The threads each pytest-xdist worker (`-n auto`: the README's command) runs torch on: its share of the
+    cores. Two workers on 2 OpenMP threads each on 2 cores slow each other down many times."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))
+
+
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # a worker: torch, and every process it starts, on its share
+    torch.set_num_threads(worker_threads())
+    os.environ["OMP_NUM_THREADS"] = str(worker_threads())
+
+
 class MatmulDtypes(TorchDispatchMode):
     """The weight dtypes of the matrix products run inside it: aten linear (as inference mode leaves it), or
     mm / addmm / bmm (what it becomes where autograd records)."""

@@ -1,13 +1,17 @@
 """The README's Python API example runs as written, on the tiny checkpoint (copied to ./s2-pro) on the
-CPU: the only edits are the device and what CUDA alone can do; each text batch is cut to 8 frames."""
+CPU: the only edits are the device and what CUDA alone can do; each text batch is cut to 8 frames. CI runs
+the README's test command, each test worker on its share of the cores."""
+import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
 
 import dualAR
-from conftest import CKPT, CLIP, ROOT
+from conftest import CKPT, CLIP, ROOT, worker_threads
 
 
 def readme_python_blocks() -> list:
@@ -48,3 +52,20 @@ def test_the_readme_omnivoice_example_runs(tmp_path, monkeypatch):
     assert names["audio"].dtype == np.float32 and len(names["audios"]) == 2
     assert names["codes"].shape == names["tokens"][0].shape
     assert omnivoice.load_voice("prompt/me.omnivoice.safetensors")["text"] == "what me.wav says."
+
+
+def test_ci_runs_the_readmes_test_command():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    command = re.search(r"## Tests\n\n```bash\n(.*?)\n```", readme, re.S)[1].split(" && ")[-1]
+    assert command == "python -m pytest -q -n auto tests"
+    assert (ROOT / ".ci/run").read_text().rstrip().splitlines()[-1] == command
+
+
+def test_a_test_worker_and_the_processes_it_starts_run_on_its_share_of_the_cores():
+    """Under `-n auto` each worker's torch takes cores / workers threads, and so does a CLI or server a test
+    starts; run without workers, torch keeps its own default (a process started alike takes the same)."""
+    child = subprocess.run([sys.executable, "-c", "import torch; print(torch.get_num_threads())"],
+                           capture_output=True, text=True, check=True)
+    if "PYTEST_XDIST_WORKER_COUNT" in os.environ:
+        assert torch.get_num_threads() == worker_threads() == int(os.environ["OMP_NUM_THREADS"])
+    assert int(child.stdout) == torch.get_num_threads()

@@ -21,6 +21,7 @@ machine), prepacked matmuls (oneDNN, MKL), S2's frame steps (few-row linears, on
 OmniVoice's flat row (many-row linears), half-precision linears, the codec's fast path, the CLI.
 """
 import argparse
+import contextlib
 import ctypes
 import functools
 import json
@@ -692,10 +693,25 @@ FROZEN_PROBES = (4, 8, 16)  # the batched frame steps' row counts (dualAR's batc
 FROZEN_GEMMS = dict(freezing=True, max_autotune=True, max_autotune_gemm_backends="CPP")
 
 
+@contextlib.contextmanager
 def frozen_gemms():
     """Graphs compiled within it take their weights as constants and their fp32 matmuls as inductor's GEMM
     template where it applies. Only compiling reads it: a graph already compiled runs as it was compiled."""
-    return torch._inductor.config.patch(FROZEN_GEMMS)
+    with torch._inductor.config.patch(FROZEN_GEMMS), templates_parsed_once():
+        yield
+
+
+@contextlib.contextmanager
+def templates_parsed_once():
+    """Inductor parses a C++ template's Jinja source anew at each render, ~20 a linear on frozen weights
+    (a fifth of such a graph's compile: docs/speed.md); within it, once per source (the same template)."""
+    from torch._inductor.codegen.common import KernelTemplate
+    parse = KernelTemplate.__dict__["_template_from_string"]  # a staticmethod
+    KernelTemplate._template_from_string = staticmethod(functools.cache(parse.__func__))
+    try:
+        yield
+    finally:
+        KernelTemplate._template_from_string = parse
 
 
 def frozen_rows_steps(again=False) -> list:

@@ -423,6 +423,29 @@ def test_inductors_gemm_on_frozen_weights_multiplies_each_models_own_weights():
     assert counters["inductor"]["cpp_templated_kernel_counter"] - templated == 4  # 2 linears, 2 models
 
 
+def test_a_frozen_graphs_compile_parses_each_template_source_once(monkeypatch):
+    """Inductor renders its GEMM templates many times a linear: within frozen_gemms it parses each Jinja
+    source once (templates_parsed_once) and the graph computes as before; its parser is put back after."""
+    from torch._inductor.codegen.common import KernelTemplate
+    parse, parsed = KernelTemplate._template_from_string, []
+
+    def counted(source):
+        parsed.append(source)
+        return parse(source)
+
+    monkeypatch.setattr(KernelTemplate, "_template_from_string", staticmethod(counted))
+    layers = torch.nn.Sequential(torch.nn.Linear(48, 80), torch.nn.SiLU(), torch.nn.Linear(80, 16))
+    cpu_fast.use_frozen_gemms(layers, FROZEN)
+    x = torch.rand(4, 48)
+    torch._dynamo.reset()
+    with torch.inference_mode():
+        got = cpu_fast.frozen_graphs(torch.compile(layers, fullgraph=True, dynamic=False), FROZEN, x)
+        want = layers(x)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+    assert len(parsed) == len(set(parsed)) >= 2  # a source per template kind, each parsed once
+    assert KernelTemplate.__dict__["_template_from_string"].__func__ is counted
+
+
 def test_frozen_graphs_are_taken_only_for_cpu_fp32_unquantized_models_whose_copies_fit(monkeypatch):
     """frozen_rows: this machine's steps for a CPU fp32 model whose linear layers fit in an eighth of the
     memory available; none for a quantized or half-precision one, or where the copies would not fit."""

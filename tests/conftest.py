@@ -51,8 +51,8 @@ def worker_threads() -> int:
 
 
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # a worker: torch, and every process it starts, on its share
-    torch.set_num_threads(worker_threads())
     os.environ["OMP_NUM_THREADS"] = str(worker_threads())
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 class MatmulDtypes(TorchDispatchMode):

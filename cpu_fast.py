@@ -839,7 +839,7 @@ def mkl_packs_any_rows(weights: list) -> bool:
 class ManyRowsLinear(nn.Linear):
     """nn.Linear whose fp32 CPU inference within `common.loose_matmuls` runs `matmul` ("onednn" or "mkl") on
     a packed copy of its weight, made at its first such call and kept on the weight (twice its memory); any
-    other call is nn.Linear's."""
+    other call is nn.Linear's, a compiled graph's too (inductor's own matmul: the copy is opaque to it)."""
 
     matmul = "torch"
 
@@ -847,7 +847,8 @@ class ManyRowsLinear(nn.Linear):
         return f"{super().extra_repr()}, matmul={self.matmul}"
 
     def forward(self, x: Tensor) -> Tensor:
-        loose = common.LOOSE_MATMULS.get()
+        # dynamo cannot read a ContextVar: checked first, so that a compiled forward never reaches it
+        loose = not torch.compiler.is_compiling() and common.LOOSE_MATMULS.get()
         if loose and x.dtype == torch.float32 and x.is_cpu and not torch.is_grad_enabled():
             if self.matmul == "mkl":
                 return mkl_packed_matmul(x, self.weight, self.bias)

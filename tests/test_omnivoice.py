@@ -732,6 +732,23 @@ def test_a_compiled_forward_compiles_each_bucket_once_and_keeps_the_goldens_code
             assert torch.equal(got, golden(name)), name
 
 
+@pytest.mark.parametrize("matmul", ["onednn", "mkl"])
+def test_a_compiled_forward_of_a_tuned_model_traces_its_linears_as_torchs(matmul, monkeypatch):
+    """cpu_fast.tune's packed matmuls are eager calls: a compiled forward (dynamo) traces F.linear in their
+    place (what app.py --compile serves after tuning) and gives the goldens' codes."""
+    monkeypatch.setattr(cpu_fast, "many_rows_matmul", lambda again=False: matmul)
+    model = cpu_fast.tune(omnivoice.load(CKPT))
+    assert type(model.audio_heads) is cpu_fast.ManyRowsLinear
+    backend = CountingBackend()
+    omnivoice.compile_forward(model, backend=backend)
+    spec = CASES["generate"]["clone"]
+    _, tokens = omnivoice.generate(model, **api_kwargs("clone"), seed=spec["seed"], return_tokens=True,
+                                   packed=True)
+    for got, name in zip(order_tokens(tokens, spec["token_files"]), spec["token_files"]):
+        assert torch.equal(got, golden(name)), name
+    assert len(backend.graphs) == 1
+
+
 # ----------------------------------------------------------------------------- the benchmark
 def test_the_benchmark_counts_an_unmasking_steps_flops_by_hand():
     cfg = dict(dim=4, n_head=2, n_local_heads=1, head_dim=3, intermediate_size=5, num_codebooks=2,

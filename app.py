@@ -927,7 +927,7 @@ class OmniVoiceModel:
             self.model = quantize.quantize(omnivoice.demo_model(self.device, dtype), args.quant)
         else:
             self.model = omnivoice.load(self.checkpoint, self.device, dtype, args.quant)
-        if compiled:  # a graph per (rows, bucket of lengths), compiled as requests first need it
+        if compiled:  # CPU: one graph for every batch (the flat row); else a graph per (rows, length bucket)
             omnivoice.compile_forward(self.model, cache=args.compile_cache)
         if not args.no_tune:
             cpu_fast.tune(self.model)  # this CPU's faster matmuls (--packed's flat row)

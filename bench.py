@@ -653,7 +653,7 @@ def ov_bench_unmask(model, args, device, peak: float, batch: int):
     targets, layout = [item["target_len"] for item in items], omnivoice.row_layout(ov_packed(args), model)
     built = layout(model, items, gen["denoise"])  # what the LM runs on
     rows, length = built["ids"].shape[0], built["ids"].shape[2]
-    spans = None if isinstance(built["mask"], Tensor) else built["mask"]
+    spans = None if built["mask"].dtype == torch.bool else built["mask"].tolist()
     run = lambda: omnivoice.unmask(model, items, gen, generator, packed=ov_packed(args))  # noqa: E731
     walls, memory, first = ov_timed(run, device, args.rounds)
     flops = args.num_step * ov_step_flops(model.config, len(model.layers), rows, length, targets, spans)
@@ -706,6 +706,23 @@ def ov_compare_packed(model, args, device):
           f" vs {ov_spread([w / audio for w in walls[False]], '.3g')}, speed-up {ratio:.2f}x (medians)")
 
 
+def ov_compare_compiled(model, args, device):
+    """The compiled forward and the same model eager, both packed guidance (on CPU the flat row),
+    interleaved -> their RTFs and the speed-up (medians)."""
+    gen = dict(omnivoice.GENERATION, num_step=args.num_step)
+    items = ov_requests(model, args, gen, args.batch[0])
+    audio = sum(item["target_len"] for item in items) / model.frame_rate
+    eager = copy.copy(model)  # the same modules and weights, without the compiled forward
+    eager.compiled_hidden = None
+    runs = {m: lambda m=m: omnivoice.unmask(m, items, gen, torch.Generator().manual_seed(args.seed),
+                                            packed=True) for m in (model, eager)}
+    walls = ov_interleaved(runs, device, args.rounds)
+    ratio = statistics.median(walls[eager]) / statistics.median(walls[model])
+    rtf = {m: ov_spread([w / audio for w in walls[m]], ".3g") for m in (model, eager)}
+    print(f"compiled vs eager (packed), interleaved: RTF {rtf[model]} vs {rtf[eager]}, speed-up {ratio:.2f}x"
+          " (medians)")
+
+
 def ov_compare_quant(model, args, device):
     """The model as it is and a copy quantized with --compare-quant, interleaved (the same request and row
     layout) -> their RTFs, the speed-up (medians), and the share of (codebook, target position) of the
@@ -756,8 +773,11 @@ def add_omnivoice_args(ap: argparse.ArgumentParser):
     ap.add_argument("--compare-packed", action="store_true", help="also time both row layouts in"
                     " alternating rounds and print the packed speed-up")
     ap.add_argument("--rounds", type=int, default=3, help="timed runs of each measurement (3)")
-    ap.add_argument("--compile", action="store_true", help="the LM's forward compiled (torch.compile, rows"
-                    " padded to buckets of positions, omnivoice.compile_forward)")
+    ap.add_argument("--compile", action="store_true", help="the LM's forward compiled (torch.compile,"
+                    " on CPU the flat row, elsewhere rows padded to buckets of positions,"
+                    " omnivoice.compile_forward)")
+    ap.add_argument("--compare-compiled", action="store_true", help="with --compile: also time the"
+                    " model eager (packed guidance) against its compiled forward in alternating rounds")
     ap.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     ap.add_argument("--seed", type=int, default=0, help="seed of the weights, requests and sampling (0)")
     common.add_device_arg(ap)
@@ -771,6 +791,8 @@ def add_omnivoice_args(ap: argparse.ArgumentParser):
 
 def omnivoice_speed(args):
     """`python bench.py omnivoice`: OmniVoice's unmasking and audio tokenizer speed."""
+    if args.compare_compiled and not args.compile:
+        raise common.UserError("--compare-compiled times the compiled forward against eager: add --compile")
     if args.quant and args.compare_quant:
         raise common.UserError("--compare-quant times a quantized copy against the unquantized model: drop"
                                " --quant")
@@ -801,6 +823,8 @@ def omnivoice_speed(args):
         ov_bench_unmask(model, args, device, peak, batch)
     if args.compare_packed:
         ov_compare_packed(model, args, device)
+    if args.compare_compiled:
+        ov_compare_compiled(model, args, device)
     if args.compare_quant:
         ov_compare_quant(model, args, device)
     ov_bench_tokenizer(model, args, device)

@@ -296,6 +296,17 @@ def _(x, weight, bias):
     return x.new_empty(*x.shape[:-1], weight.shape[0])
 
 
+@torch.library.custom_op("fishfast::mkl_packed_linear", mutates_args=())
+def mkl_packed_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+    """`mkl_packed_matmul` as one opaque op for compiled graphs (packed_linear's reason)."""
+    return mkl_packed_matmul(x, weight, bias)
+
+
+@mkl_packed_linear.register_fake
+def _(x, weight, bias):
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
 def step_at(steps, rows):  # steps [[from rows, choice], ...], the first from 0 -> the choice for rows
     choice = steps[0][1]
     for start, value in steps:  # a plain loop: compiled graphs trace it as constants
@@ -837,9 +848,10 @@ def mkl_packs_any_rows(weights: list) -> bool:
 
 
 class ManyRowsLinear(nn.Linear):
-    """nn.Linear whose fp32 CPU inference within `common.loose_matmuls` runs `matmul` ("onednn" or "mkl") on
-    a packed copy of its weight, made at its first such call and kept on the weight (twice its memory); any
-    other call is nn.Linear's, a compiled graph's too (inductor's own matmul: the copy is opaque to it)."""
+    """nn.Linear whose fp32 CPU inference within `common.loose_matmuls` or a compiled forward (packed
+    guidance, never upstream's rows) runs `matmul` ("onednn" or "mkl") on a packed copy of its weight, made
+    at its first such call and kept on the weight (twice its memory), as one op; any other call is
+    nn.Linear's."""
 
     matmul = "torch"
 
@@ -848,12 +860,12 @@ class ManyRowsLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         # dynamo cannot read a ContextVar: checked first, so that a compiled forward never reaches it
-        loose = not torch.compiler.is_compiling() and common.LOOSE_MATMULS.get()
+        loose = torch.compiler.is_compiling() or common.LOOSE_MATMULS.get()
         if loose and x.dtype == torch.float32 and x.is_cpu and not torch.is_grad_enabled():
             if self.matmul == "mkl":
-                return mkl_packed_matmul(x, self.weight, self.bias)
+                return mkl_packed_linear(x, self.weight, self.bias)
             if self.matmul == "onednn":
-                return packed_matmul(x, prepacked(self.weight), self.bias)
+                return packed_linear(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

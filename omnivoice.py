@@ -13,10 +13,11 @@ on CPU fp32.
 
 How the file reads (sections, top to bottom):
     config           CONFIG (the real OmniVoice), GENERATION (upstream's defaults), config.json -> a flat dict
-    building blocks  RMSNorm, RoPE, Attention (GQA, q/k norm), Block
+    building blocks  RMSNorm, RoPE, span attention (a flat row's, one op), Attention (GQA, q/k norm), Block
     model            OmniVoice: text + summed audio embeddings, the Qwen3 stack, one head per codebook
     loading          the checkpoint folder -> model, tokenizer and audio tokenizer
-    compilation      the compiled forward (static buckets); int8/int4 weights: quantize.py's, at `load`
+    compilation      the compiled forward (CPU: the flat row, any length; else static buckets); int8/int4
+                     weights: quantize.py's, at `load`
     voices           a clone prompt from a clip (voice_prompt) or a generation's codes and text
                      (generation_voice, voice_of), saved and read back
     requests         the limits of a request (the CLI's and the server's), generate()'s arguments -> one
@@ -131,6 +132,20 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return (x * cos + rotated * sin).to(x.dtype)
 
 
+@torch.library.custom_op("fishfast::span_attention", mutates_args=())
+def span_attention(q: Tensor, k: Tensor, v: Tensor, spans: Tensor) -> Tensor:
+    """A flat row's attention: q (B, h, L, d), k and v (B, kv heads, L, d), spans (n, 2) int64 (start, end):
+    each sequence attends to itself alone, so nothing is masked and no pair of sequences costs a score ->
+    (B, h, L, d) contiguous. One op, so that a compiled graph takes any spans without a guard on them."""
+    attend = functools.partial(F.scaled_dot_product_attention, enable_gqa=True)
+    return torch.cat([attend(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]) for a, b in spans.tolist()], 2)
+
+
+@span_attention.register_fake
+def _(q: Tensor, k: Tensor, v: Tensor, spans: Tensor) -> Tensor:
+    return q.new_empty(q.shape)  # contiguous, as torch.cat's
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: dict):
         super().__init__()
@@ -149,13 +164,12 @@ class Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(B, L, self.n_local_heads, self.head_dim)).transpose(1, 2)
         v = self.v_proj(x).view(B, L, self.n_local_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if isinstance(mask, Tensor):  # (B, 1, L, L) bool: who sees whom, bidirectional
+        if mask.dtype == torch.bool:  # (B, 1, L, L): who sees whom, bidirectional
             repeat = self.n_head // self.n_local_heads  # kv head j serves query heads j*r .. j*r+r-1
             k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        else:  # a flat row's (start, end) spans: each sequence attends to itself alone, nothing is masked
-            attend = functools.partial(F.scaled_dot_product_attention, enable_gqa=True)
-            y = torch.cat([attend(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b]) for a, b in mask], 2)
+        else:  # a flat row's (start, end) spans
+            y = span_attention(q, k, v, mask)
         return self.o_proj(y.transpose(1, 2).reshape(B, L, -1))
 
 
@@ -201,8 +215,8 @@ class OmniVoice(nn.Module):
 
     def hidden(self, ids: Tensor, audio_mask: Tensor, mask: Tensor, positions: Tensor = None) -> Tensor:
         """(B, C, L) ids -> (B, L, dim) hidden states after the final norm; mask: (B, 1, L, L) bool, or the
-        (start, end) spans of a flat row's sequences; positions (B, L): each token's RoPE position (default
-        0..L-1 in every row)."""
+        (start, end) spans of a flat row's sequences, (n, 2) int64; positions (B, L): each token's RoPE
+        position (default 0..L-1 in every row)."""
         x = self.embed(ids, audio_mask)
         cos, sin = rope_tables(x.shape[1], self.config["head_dim"], self.config["rope_base"], x.device)
         cos, sin = cos.to(x.dtype), sin.to(x.dtype)
@@ -285,12 +299,13 @@ RECOMPILE_GUARD = 64  # graphs of the forward per process (dynamo's default, 8: 
 
 
 def compile_forward(model: OmniVoice, backend="inductor", cache=None) -> OmniVoice:
-    """The LM's forward (hidden) as one graph per (rows, bucket) shape: unmask then lays every batch out
-    as packed_rows padded to a multiple of LENGTH_BUCKET positions, the padding attending to itself, so
-    requests of different lengths within a bucket reuse the graph. backend="eager": the same capture, no
-    codegen (tests). cache: where inductor keeps its kernels for the next process (use_compile_cache).
-    Process-wide, it sets $TORCHINDUCTOR_CACHE_DIR (unless the user did: inductor has no other setting for
-    it). Up to RECOMPILE_GUARD graphs."""
+    """The LM's forward (hidden) compiled. On CPU unmask then lays every batch out as the flat row, whose
+    length and span count the graph leaves symbolic: one graph for every batch (see flat_row). Elsewhere one
+    graph per (rows, bucket) shape: packed_rows padded to a multiple of LENGTH_BUCKET positions, the padding
+    attending to itself, so requests of different lengths within a bucket reuse the graph (static shapes
+    for the GPU). backend="eager": the same capture, no codegen (tests). cache: where inductor keeps its
+    kernels for the next process (use_compile_cache). Process-wide, it sets $TORCHINDUCTOR_CACHE_DIR
+    (unless the user did: inductor has no other setting for it). Up to RECOMPILE_GUARD graphs."""
     common.use_compile_cache(cache)
     model.compiled_hidden = common.compiled(model.hidden, RECOMPILE_GUARD, fullgraph=True, dynamic=False,
                                             backend=backend)
@@ -583,7 +598,8 @@ def packed_rows(model: OmniVoice, items: list, denoise: bool, seqs: list = None,
 def flat_row(model: OmniVoice, items: list, denoise: bool, seqs: list = None) -> dict:
     """B requests -> ONE row: each request's whole sequence, then its target again, back to back with no
     padding, each sequence with positions from 0 and attending only to itself: mask = their (start, end)
-    spans, attended one by one (so nothing is masked, and no pair of sequences costs a score)."""
+    spans, (n, 2) int64, attended one by one (span_attention). Its length and span count are marked dynamic,
+    so that a compiled forward takes every flat row in one graph."""
     seqs = seqs or [item_ids(model, item, denoise) for item in items]
     ids, audio_mask, positions, rows = [], [], [], dict(mask=[], cond=[], uncond=[])
     start = 0
@@ -592,12 +608,15 @@ def flat_row(model: OmniVoice, items: list, denoise: bool, seqs: list = None) ->
         ids += [seq, seq[:, -T:]]
         audio_mask += [torch.arange(c_len) >= audio_start(item, c_len), torch.ones(T, dtype=torch.bool)]
         positions += [torch.arange(c_len), torch.arange(T)]
-        rows["mask"] += [(start, start + c_len), (start + c_len, start + c_len + T)]
+        rows["mask"] += [[start, start + c_len], [start + c_len, start + c_len + T]]
         rows["cond"].append((0, start + c_len - T))
         rows["uncond"].append((0, start + c_len))
         start += c_len + T
-    return dict(rows, ids=torch.cat(ids, 1)[None], audio_mask=torch.cat(audio_mask)[None],
-                positions=torch.cat(positions)[None])
+    rows = dict(rows, ids=torch.cat(ids, 1)[None], audio_mask=torch.cat(audio_mask)[None],
+                positions=torch.cat(positions)[None], mask=torch.tensor(rows["mask"]))
+    for name, dim in (("ids", 2), ("audio_mask", 1), ("positions", 1), ("mask", 0)):
+        torch._dynamo.maybe_mark_dynamic(rows[name], dim)
+    return rows
 
 
 def audio_start(item: dict, c_len: int) -> int:
@@ -648,13 +667,14 @@ def row_layout(packed: bool, model: OmniVoice):
     rows, bit for bit upstream's hidden states on CPU fp32. True: packed guidance, on CPU the flat row (each
     sequence attended alone), elsewhere a row per request (packed_rows: one masked attention call a layer);
     both round otherwise than upstream's rows (~1e-6: every golden's codes and audio unchanged, but a rare
-    near-tie could draw another code, so it is not the default). A compiled forward always runs packed_rows,
-    LENGTH_BUCKET at a time (its graphs have static shapes)."""
+    near-tie could draw another code, so it is not the default). A compiled forward always runs packed
+    guidance: on CPU the flat row, elsewhere packed_rows, LENGTH_BUCKET at a time (static shapes)."""
+    cpu = model.audio_heads.weight.device.type == "cpu"
     if model.compiled_hidden is not None:
-        return functools.partial(packed_rows, bucket=LENGTH_BUCKET)
+        return flat_row if cpu else functools.partial(packed_rows, bucket=LENGTH_BUCKET)
     if not packed:
         return batch_rows
-    return flat_row if model.audio_heads.weight.device.type == "cpu" else packed_rows
+    return flat_row if cpu else packed_rows
 
 
 class Unmasking(common.Job):
@@ -735,7 +755,7 @@ class Scheduler:
         rows, model = self.rows, self.model
         # the flat row (packed guidance) does not round as upstream's rows anyway: its linears may take
         # another matmul (cpu_fast.tune's); upstream's rows keep F.linear, upstream's bits
-        flat = not isinstance(rows["mask"], Tensor)
+        flat = rows["mask"].dtype != torch.bool
         with common.loose_matmuls() if flat else contextlib.nullcontext():
             hidden = self.forward(rows["ids"], rows["audio_mask"], rows["mask"], rows["positions"])
             for job, (c_row, c_at), (u_row, u_at) in zip(self.active, rows["cond"], rows["uncond"]):
@@ -1218,8 +1238,9 @@ def parse_args(argv=None):
                     " products (CPU: the fastest, a little less faithful, see docs/omnivoice.md)")
     ap.add_argument("--packed", action="store_true", help="packed guidance: faster, upstream's codes on every"
                     " golden but not its bits (see docs/omnivoice.md)")
-    ap.add_argument("--compile", action="store_true", help="compile the LM's forward (torch.compile: minutes"
-                    " the first time for each bucket of lengths; pays on GPU, see docs/omnivoice.md)")
+    ap.add_argument("--compile", action="store_true", help="compile the LM's forward"
+                    " (torch.compile: minutes the first time; on CPU one graph for every length, as fast as"
+                    " --packed eager; on GPU one per bucket of lengths; see docs/omnivoice.md)")
     ap.add_argument("--no-tune", action="store_true", help="CPU: the plain model, without cpu_fast.tune's"
                     " faster matmuls for --packed (timed once per machine and kept beside the compile cache)")
     return ap.parse_args(argv)

@@ -2,6 +2,7 @@
 forward, the unmasking loop step by step, voice prompts and all 14 generate() cases, through the Python API
 and the CLI.
 The fixture's README (tests/fixtures/omnivoice-tiny/README.md) says what each golden is."""
+import functools
 import hashlib
 import inspect
 import json
@@ -11,6 +12,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from torch._inductor.compile_fx import compile_fx
 
 import bench
 import common
@@ -198,6 +200,9 @@ def test_generate_gives_upstreams_tokens_and_audio(model, case):
 TUNED = {}  # matmul -> the tiny model tuned by cpu_fast as a machine whose timing took that matmul
 
 
+MATMUL_FUNCTIONS = {"onednn": "packed_matmul", "mkl": "mkl_packed_matmul"}  # cpu_fast's, per matmul
+
+
 def tuned_model(matmul: str, monkeypatch):
     if matmul not in TUNED:
         with monkeypatch.context() as patch:
@@ -295,9 +300,9 @@ def test_the_flat_row_holds_every_sequence_once_as_a_span(model):
     c0, c1 = (at + item["target_len"] for (_, at), item in zip(plain["cond"], items))  # cond lengths
     T0, T1 = items[0]["target_len"], items[1]["target_len"]
     s1 = c0 + T0  # where request 1 starts
-    assert flat["mask"] == [(0, c0), (c0, s1), (s1, s1 + c1), (s1 + c1, s1 + c1 + T1)]
-    assert flat["ids"].shape == (1, 8, s1 + c1 + T1)
-    for i, (start, end) in enumerate(flat["mask"]):  # span 2r + u: request r's upstream row, unpadded
+    assert flat["mask"].tolist() == [[0, c0], [c0, s1], [s1, s1 + c1], [s1 + c1, s1 + c1 + T1]]
+    assert flat["mask"].dtype == torch.int64 and flat["ids"].shape == (1, 8, s1 + c1 + T1)
+    for i, (start, end) in enumerate(flat["mask"].tolist()):  # span 2r + u: request r's upstream row
         row = i // 2 + len(items) * (i % 2)
         assert torch.equal(flat["ids"][0, :, start:end], plain["ids"][row, :, :end - start])
         assert torch.equal(flat["audio_mask"][0, start:end], plain["audio_mask"][row, :end - start])
@@ -700,21 +705,45 @@ def test_int8_generates_and_a_scheme_it_lacks_is_refused(model):
 # ----------------------------------------------------------------------------- the compiled forward
 class CountingBackend:
     """A torch.compile backend that records the input shapes of each graph dynamo hands it and runs it
-    eagerly: compile_forward's tracing, guards and recompiles in seconds (as test_dualAR's)."""
+    eagerly: compile_forward's tracing, guards and recompiles in seconds (as test_dualAR's); or compiles it
+    with `compile` (inductor's compile_fx: its code too)."""
 
-    def __init__(self):
-        self.graphs = []
+    def __init__(self, compile=None):
+        self.graphs, self.compile = [], compile
 
     def __call__(self, graph, example_inputs):
         self.graphs.append([tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)])
-        return graph.forward
+        return self.compile(graph, example_inputs) if self.compile else graph.forward
 
 
-def test_a_compiled_forward_compiles_each_bucket_once_and_keeps_the_goldens_codes():
-    """Requests of different lengths within one bucket of LENGTH_BUCKET positions share a graph; a longer one
-    adds one; running them all again adds none. The goldens' codes come out of the padded, compiled rows."""
+def test_a_compiled_forward_on_cpu_runs_every_flat_row_in_one_graph_and_keeps_the_goldens_codes():
+    """On CPU a compiled forward runs the flat row, its length and span count symbolic: texts of every
+    length, alone or batched, share one graph (no recompile in a server), inductor's code for symbolic
+    lengths. The goldens' codes come out."""
+    backend = CountingBackend(compile=compile_fx)
+    model = omnivoice.compile_forward(omnivoice.load(CKPT), backend=backend)
+    assert omnivoice.row_layout(False, model) is omnivoice.row_layout(True, model) is omnivoice.flat_row
+    texts = ["Hi.", "Hello there.", "Good morning, everyone.", "A somewhat longer sentence to say aloud."]
+    lengths = [omnivoice.generate(model, text, seed=1, num_step=2, return_tokens=True)[1][0].shape[1]
+               for text in texts]
+    omnivoice.generate(model, texts[:3], seed=1, num_step=2)
+    assert len(set(lengths)) == len(texts) and len(backend.graphs) == 1
+    for case in ("clone", "batch", "design"):
+        spec = CASES["generate"][case]
+        _, tokens = omnivoice.generate(model, **api_kwargs(case), seed=spec["seed"], return_tokens=True)
+        for got, name in zip(order_tokens(tokens, spec["token_files"]), spec["token_files"]):
+            assert torch.equal(got, golden(name)), name
+    assert len(backend.graphs) == 1
+
+
+def test_a_compiled_forward_off_cpu_compiles_each_bucket_once_and_keeps_the_goldens_codes(monkeypatch):
+    """Elsewhere (the GPU's layout, packed_rows, run here on CPU): requests of different lengths within one
+    bucket of LENGTH_BUCKET positions share a graph; a longer one adds one; running them all again adds none.
+    The goldens' codes come out of the padded, compiled rows."""
     backend = CountingBackend()
     model = omnivoice.compile_forward(omnivoice.load(CKPT), backend=backend)
+    layout = functools.partial(omnivoice.packed_rows, bucket=omnivoice.LENGTH_BUCKET)
+    monkeypatch.setattr(omnivoice, "row_layout", lambda packed, model: layout)
     texts = ["Hi.", "Hello there.", "Good morning, everyone.", "A somewhat longer sentence to say aloud."]
 
     def serve():  # three lengths within the first bucket, then one past it
@@ -733,20 +762,25 @@ def test_a_compiled_forward_compiles_each_bucket_once_and_keeps_the_goldens_code
 
 
 @pytest.mark.parametrize("matmul", ["onednn", "mkl"])
-def test_a_compiled_forward_of_a_tuned_model_traces_its_linears_as_torchs(matmul, monkeypatch):
-    """cpu_fast.tune's packed matmuls are eager calls: a compiled forward (dynamo) traces F.linear in their
-    place (what app.py --compile serves after tuning) and gives the goldens' codes."""
+def test_a_compiled_forward_of_a_tuned_model_runs_the_machines_matmul_as_one_op(matmul, monkeypatch):
+    """cpu_fast.tune's packed matmuls in a compiled forward (packed guidance: loose by construction, and
+    dynamo cannot read loose_matmuls' context variable): each linear one op on the packed copy, what
+    app.py --compile serves after tuning; the goldens' codes come out."""
+    calls = []
+    real = getattr(cpu_fast, MATMUL_FUNCTIONS[matmul])
+    monkeypatch.setattr(cpu_fast, MATMUL_FUNCTIONS[matmul], lambda *a: calls.append(1) or real(*a))
     monkeypatch.setattr(cpu_fast, "many_rows_matmul", lambda again=False: matmul)
     model = cpu_fast.tune(omnivoice.load(CKPT))
     assert type(model.audio_heads) is cpu_fast.ManyRowsLinear
     backend = CountingBackend()
     omnivoice.compile_forward(model, backend=backend)
     spec = CASES["generate"]["clone"]
-    _, tokens = omnivoice.generate(model, **api_kwargs("clone"), seed=spec["seed"], return_tokens=True,
-                                   packed=True)
+    _, tokens = omnivoice.generate(model, **api_kwargs("clone"), seed=spec["seed"], return_tokens=True)
     for got, name in zip(order_tokens(tokens, spec["token_files"]), spec["token_files"]):
         assert torch.equal(got, golden(name)), name
-    assert len(backend.graphs) == 1
+    linears = sum(isinstance(m, torch.nn.Linear) for m in model.layers.modules())
+    steps, heads = omnivoice.GENERATION["num_step"], 2  # the heads run eagerly: cond and uncond, each step
+    assert len(backend.graphs) == 1 and len(calls) == steps * (linears + heads)
 
 
 # ----------------------------------------------------------------------------- the benchmark
@@ -775,6 +809,19 @@ def test_the_benchmark_runs_on_the_tiny_checkpoint(capsys):
     assert re.search(r"packed vs upstream's rows, interleaved: RTF [\d.]+ / .* speed-up [\d.]+x", out)
     assert re.search(r"w8a8 vs unquantized, interleaved: RTF [\d.]+ / .* speed-up [\d.]+x \(medians\); the"
                      r" first forward's most likely code kept at (9\d|100)\.\d% of the target positions", out)
+
+
+def test_the_benchmark_times_the_compiled_forward_against_eager(capsys):
+    bench.main(["omnivoice", "--config", "tiny", "--rounds", "2", "--seconds", "1", "--num-step", "2",
+                "--compile", "--compare-compiled"])
+    out = capsys.readouterr().out
+    assert "(flat_row)" in out and "compiled forward: the first run" in out  # on CPU: the flat row
+    spread = r"[\d.]+ / [\d.]+ / [\d.]+"  # min / median / max
+    assert re.search(rf"compiled vs eager \(packed\), interleaved: RTF {spread} vs {spread}, speed-up [\d.]+x"
+                     r" \(medians\)", out)
+    with pytest.raises(common.UserError, match="--compare-compiled times the compiled forward against eager:"
+                                               " add --compile$"):
+        bench.main(["omnivoice", "--config", "tiny", "--compare-compiled"])
 
 
 def test_the_benchmark_compares_a_quantized_copy_only_against_the_unquantized_model():

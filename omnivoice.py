@@ -217,11 +217,20 @@ class OmniVoice(nn.Module):
         """(B, C, L) ids -> (B, L, dim) hidden states after the final norm; mask: (B, 1, L, L) bool, or the
         (start, end) spans of a flat row's sequences, (n, 2) int64; positions (B, L): each token's RoPE
         position (default 0..L-1 in every row)."""
-        x = self.embed(ids, audio_mask)
-        cos, sin = rope_tables(x.shape[1], self.config["head_dim"], self.config["rope_base"], x.device)
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        return self.stack(ids, audio_mask, mask, *self.rope(ids.shape[2], positions, ids.device))
+
+    def rope(self, length: int, positions: Tensor, device) -> tuple:
+        """fp32 cos, sin: (length, head_dim), or (B, 1, L, head_dim) at positions (B, L)."""
+        cos, sin = rope_tables(length, self.config["head_dim"], self.config["rope_base"], device)
         if positions is not None:
-            cos, sin = cos[positions][:, None], sin[positions][:, None]  # (B, 1, L, head_dim)
+            cos, sin = cos[positions][:, None], sin[positions][:, None]
+        return cos, sin
+
+    def stack(self, ids: Tensor, audio_mask: Tensor, mask: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """hidden() given RoPE's tables: the embeddings, the layers and the final norm (what compile_forward
+        compiles: inductor would recompute the tables' cos and sin inside every layer's kernels)."""
+        x = self.embed(ids, audio_mask)
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer in self.layers:
             x = layer(x, cos, sin, mask)
         return self.norm(x)
@@ -307,8 +316,16 @@ def compile_forward(model: OmniVoice, backend="inductor", cache=None) -> OmniVoi
     kernels for the next process (use_compile_cache). Process-wide, it sets $TORCHINDUCTOR_CACHE_DIR
     (unless the user did: inductor has no other setting for it). Up to RECOMPILE_GUARD graphs."""
     common.use_compile_cache(cache)
-    model.compiled_hidden = common.compiled(model.hidden, RECOMPILE_GUARD, fullgraph=True, dynamic=False,
-                                            backend=backend)
+    stack = common.compiled(model.stack, RECOMPILE_GUARD, fullgraph=True, dynamic=False, backend=backend)
+
+    def hidden(ids: Tensor, audio_mask: Tensor, mask: Tensor, positions: Tensor = None) -> Tensor:
+        cos, sin = model.rope(ids.shape[2], positions, ids.device)  # eagerly: see OmniVoice.stack
+        if mask.dtype != torch.bool:  # a flat row: the tables' length is its length, symbolic
+            for table in (cos, sin):
+                torch._dynamo.maybe_mark_dynamic(table, 2)
+        return stack(ids, audio_mask, mask, cos, sin)
+
+    model.compiled_hidden = hidden
     return model
 
 

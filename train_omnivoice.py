@@ -754,9 +754,7 @@ def lm_hidden(model: omnivoice.OmniVoice, ids: Tensor, audio_mask: Tensor, mask:
               checkpointing=False) -> Tensor:
     """omnivoice's hidden(), each layer optionally checkpointed (its activations recomputed in backward)."""
     x = model.embed(ids, audio_mask)
-    config = model.config
-    cos, sin = omnivoice.rope_tables(x.shape[1], config["head_dim"], config["rope_base"], x.device)
-    cos, sin = cos.to(x.dtype)[positions][:, None], sin.to(x.dtype)[positions][:, None]  # (B, 1, L, head_dim)
+    cos, sin = (table.to(x.dtype) for table in model.rope(ids.shape[2], positions, x.device))
     for layer in model.layers:
         if checkpointing:  # the dropout draws are replayed from the saved RNG state in the recomputation
             x = checkpoint(layer, x, cos, sin, mask, use_reentrant=False)

@@ -736,6 +736,21 @@ def test_a_compiled_forward_on_cpu_runs_every_flat_row_in_one_graph_and_keeps_th
     assert len(backend.graphs) == 1
 
 
+def test_a_compiled_forward_makes_ropes_tables_eagerly_outside_its_graph(monkeypatch):
+    """Inside the graph inductor would recompute the tables' cos and sin in every layer's kernels (6 % of a
+    4-layer forward at the real dims): they are made before it, and the graph takes them as inputs."""
+    made, real = [], omnivoice.rope_tables
+    monkeypatch.setattr(omnivoice, "rope_tables", lambda *a: made.append(torch.compiler.is_compiling())
+                        or real(*a))
+    backend = CountingBackend()
+    model = omnivoice.compile_forward(omnivoice.load(CKPT), backend=backend)
+    omnivoice.generate(model, "Hello there.", seed=1, num_step=2)
+    assert made == [False, False]  # one forward a step, its tables made eagerly
+    (ids, *inputs), = backend.graphs  # one graph; its inputs: ids first, cos and sin (1, 1, L, head_dim)
+    tables = (1, 1, ids[2], model.config["head_dim"])
+    assert inputs.count(tables) == 2
+
+
 def test_a_compiled_forward_off_cpu_compiles_each_bucket_once_and_keeps_the_goldens_codes(monkeypatch):
     """Elsewhere (the GPU's layout, packed_rows, run here on CPU): requests of different lengths within one
     bucket of LENGTH_BUCKET positions share a graph; a longer one adds one; running them all again adds none.

@@ -693,58 +693,54 @@ def ov_interleaved(runs: dict, device, rounds: int) -> dict:
     return walls
 
 
-def ov_compare_packed(model, args, device):
-    """upstream's two rows and packed guidance, interleaved -> their RTFs and the speed-up (medians)."""
+def ov_race(model, args, device, contenders: list) -> tuple:
+    """`model`'s --batch[0] requests unmasked by each (model, packed) of `contenders` in alternating rounds
+    (ov_interleaved, in that order) -> (their RTF spreads, their median walls, the requests)."""
     gen = dict(omnivoice.GENERATION, num_step=args.num_step)
     items = ov_requests(model, args, gen, args.batch[0])
     audio = sum(item["target_len"] for item in items) / model.frame_rate
-    runs = {packed: lambda packed=packed: omnivoice.unmask(model, items, gen, torch.Generator().manual_seed(
-        args.seed), packed=packed) for packed in (False, True)}
-    walls = ov_interleaved(runs, device, args.rounds)
-    ratio = statistics.median(walls[False]) / statistics.median(walls[True])
-    print(f"packed vs upstream's rows, interleaved: RTF {ov_spread([w / audio for w in walls[True]], '.3g')}"
-          f" vs {ov_spread([w / audio for w in walls[False]], '.3g')}, speed-up {ratio:.2f}x (medians)")
+    runs = {i: lambda m=m, packed=packed: omnivoice.unmask(m, items, gen, torch.Generator().manual_seed(
+        args.seed), packed=packed) for i, (m, packed) in enumerate(contenders)}
+    walls = ov_interleaved(runs, device, args.rounds).values()
+    rtfs = [ov_spread([w / audio for w in ws], ".3g") for ws in walls]
+    return rtfs, [statistics.median(ws) for ws in walls], items
+
+
+def ov_compare_packed(model, args, device):
+    """upstream's two rows and packed guidance, interleaved -> their RTFs and the speed-up (medians)."""
+    (upstream, packed), medians, _ = ov_race(model, args, device, [(model, False), (model, True)])
+    print(f"packed vs upstream's rows, interleaved: RTF {packed} vs {upstream}, speed-up"
+          f" {medians[0] / medians[1]:.2f}x (medians)")
 
 
 def ov_compare_compiled(model, args, device):
     """The compiled forward and the same model eager, both packed guidance (on CPU the flat row),
     interleaved -> their RTFs and the speed-up (medians)."""
-    gen = dict(omnivoice.GENERATION, num_step=args.num_step)
-    items = ov_requests(model, args, gen, args.batch[0])
-    audio = sum(item["target_len"] for item in items) / model.frame_rate
     eager = copy.copy(model)  # the same modules and weights, without the compiled forward
     eager.compiled_hidden = None
-    runs = {m: lambda m=m: omnivoice.unmask(m, items, gen, torch.Generator().manual_seed(args.seed),
-                                            packed=True) for m in (model, eager)}
-    walls = ov_interleaved(runs, device, args.rounds)
-    ratio = statistics.median(walls[eager]) / statistics.median(walls[model])
-    rtf = {m: ov_spread([w / audio for w in walls[m]], ".3g") for m in (model, eager)}
-    print(f"compiled vs eager (packed), interleaved: RTF {rtf[model]} vs {rtf[eager]}, speed-up {ratio:.2f}x"
-          " (medians)")
+    (compiled, plain), medians, _ = ov_race(model, args, device, [(model, True), (eager, True)])
+    print(f"compiled vs eager (packed), interleaved: RTF {compiled} vs {plain}, speed-up"
+          f" {medians[1] / medians[0]:.2f}x (medians)")
 
 
 def ov_compare_quant(model, args, device):
     """The model as it is and a copy quantized with --compare-quant, interleaved (the same request and row
     layout) -> their RTFs, the speed-up (medians), and the share of (codebook, target position) of the
     first forward whose most likely code is unchanged."""
-    scheme, gen = args.compare_quant, dict(omnivoice.GENERATION, num_step=args.num_step)
+    scheme = args.compare_quant
     low = quantize.quantize(copy.deepcopy(model), scheme)
     low = low if args.no_tune else cpu_fast.tune(low)
-    items = ov_requests(model, args, gen, args.batch[0])
-    audio = sum(item["target_len"] for item in items) / model.frame_rate
-    runs = {m: lambda m=m: omnivoice.unmask(m, items, gen, torch.Generator().manual_seed(args.seed),
-                                            packed=ov_packed(args)) for m in (model, low)}
-    walls = ov_interleaved(runs, device, args.rounds)
-    rows = omnivoice.batch_rows(model, items, gen["denoise"])
+    (high_rtf, low_rtf), medians, items = ov_race(model, args, device,
+                                                  [(model, ov_packed(args)), (low, ov_packed(args))])
+    rows = omnivoice.batch_rows(model, items, omnivoice.GENERATION["denoise"])
     with torch.inference_mode():
         codes = [m(rows["ids"], rows["audio_mask"], rows["mask"]).argmax(-1) for m in (model, low)]
     targets = [(row, slice(start, start + item["target_len"]))
                for (row, start), item in zip(rows["cond"], items)]
     same = [(codes[0][row, :, span] == codes[1][row, :, span]).float().mean().item() for row, span in targets]
-    ratio = statistics.median(walls[model]) / statistics.median(walls[low])
-    rtf = {m: ov_spread([w / audio for w in walls[m]], ".3g") for m in (model, low)}
-    print(f"{scheme} vs unquantized, interleaved: RTF {rtf[low]} vs {rtf[model]}, speed-up {ratio:.2f}x"
-          f" (medians); the first forward's most likely code kept at {min(same):.1%} of the target positions")
+    print(f"{scheme} vs unquantized, interleaved: RTF {low_rtf} vs {high_rtf}, speed-up"
+          f" {medians[0] / medians[1]:.2f}x (medians); the first forward's most likely code kept at"
+          f" {min(same):.1%} of the target positions")
 
 
 def ov_bench_tokenizer(model, args, device):

@@ -249,7 +249,7 @@ def test_a_tuned_models_linears_run_the_machines_matmul_within_loose_matmuls_alo
     `common.loose_matmuls` (the flat row), and torch's own F.linear outside it (upstream's rows, upstream's
     bits); `print(model)` names them."""
     calls = {"onednn": [], "mkl": []}
-    for name, fn in (("onednn", "packed_matmul"), ("mkl", "mkl_packed_matmul")):
+    for name, fn in MATMUL_FUNCTIONS.items():
         real = getattr(cpu_fast, fn)
         monkeypatch.setattr(cpu_fast, fn, lambda *a, real=real, name=name: calls[name].append(1) or real(*a))
     model = tuned_model(matmul, monkeypatch)

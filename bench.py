@@ -370,33 +370,36 @@ def bench(args):
 
 
 # ------------------------------------------------------------------------- one-row linears (`bench.py rows`)
-def row_ways(shapes, layers: int) -> dict:
-    """{(precision, way): (run, weight bytes)}: one row through `shapes` linears `layers` times, each
+def row_ways(shapes, layers: int, repeats: int = 1) -> dict:
+    """{(precision, way): (run, weight bytes it reads)}: one row through `shapes` linears `layers` times,
+    the whole pass `repeats` times over the same weights (more than once: from cache, where they fit), each
     precision's weights as the frame step holds them (fp32, fp16 / bf16 HalfLinear's, int8 / int4
     QuantLinear's), run eager (torch's kernel, as eager frame steps run it; fp32 also oneDNN's prepacked) and
-    compiled as cpu_fast's fused one-row sum (`one_row_linear`; `int8_one_row`; `int4_one_row`)."""
-    xs = {k: torch.rand(1, k) for k in {k for _, k in shapes}}
+    compiled as cpu_fast's fused one-row sum (`one_row_linear`; `int8_one_row`; `int4_one_row`); a run
+    returns each pass's products in turn."""
+    # a row of its own for each pass: a compiled graph would compute the same sums over the same row once
+    rows = [{k: torch.rand(1, k) for k in {k for _, k in shapes}} for _ in range(repeats)]
     ways = {}
 
     def add(precision, weights, eager: dict, fused=None, fused_weights=None, options=None):
-        size = sum(w.numel() * w.element_size() for w in weights)
+        size = repeats * sum(w.numel() * w.element_size() for w in weights)
         for name, run in eager.items():
-            ways[(precision, name)] = (functools.partial(run, weights), size)
+            ways[(precision, name)] = (functools.partial(run, rows, weights), size)
         if fused:
             run = torch.compile(fused, fullgraph=True, options=options)
-            ways[(precision, "compiled sum")] = (functools.partial(run, fused_weights or weights), size)
+            ways[(precision, "compiled sum")] = (functools.partial(run, rows, fused_weights or weights), size)
 
     def linears(dtype):
-        return lambda ws: [F.linear(xs[w.shape[1]].to(dtype), w) for w in ws]
+        return lambda rows, ws: [F.linear(xs[w.shape[1]].to(dtype), w) for xs in rows for w in ws]
 
-    def summed(ws):
-        return [cpu_fast.one_row_linear(xs[w.shape[1]], w) for w in ws]
+    def summed(rows, ws):
+        return [cpu_fast.one_row_linear(xs[w.shape[1]], w) for xs in rows for w in ws]
 
     fp32 = [torch.rand(shape) for _ in range(layers) for shape in shapes]
     packed = {id(w): cpu_fast.prepack(w) for w in fp32}
 
-    def prepacked(ws):
-        return [cpu_fast.packed_matmul(xs[w.shape[1]], packed[id(w)]) for w in ws]
+    def prepacked(rows, ws):
+        return [cpu_fast.packed_matmul(xs[w.shape[1]], packed[id(w)]) for xs in rows for w in ws]
     add("fp32", fp32, {"torch": linears(torch.float32), "packed": prepacked}, summed)
     for dtype in (torch.float16, torch.bfloat16):
         name = next(name for name, d in common.DTYPES.items() if d == dtype)
@@ -405,33 +408,48 @@ def row_ways(shapes, layers: int) -> dict:
     words = [cpu_fast.held_for(q, one_row=True)[0] for q in int8]  # as OneRowQuantLinear holds them
     scales = {id(w): q.scales for q, word in zip(int8, words) for w in (q.weight, word)}
 
-    def int8_kernel(ws):
-        return [torch.ops.aten._weight_int8pack_mm(xs[w.shape[1]].bfloat16(), w, scales[id(w)]) for w in ws]
+    def int8_kernel(rows, ws):
+        return [torch.ops.aten._weight_int8pack_mm(xs[w.shape[1]].bfloat16(), w, scales[id(w)])
+                for xs in rows for w in ws]
 
-    def int8_summed(ws):
-        return [cpu_fast.int8_one_row(xs[w.shape[1]], w, scales[id(w)]) for w in ws]
+    def int8_summed(rows, ws):
+        return [cpu_fast.int8_one_row(xs[w.shape[1]], w, scales[id(w)]) for xs in rows for w in ws]
 
     add("int8", [q.weight for q in int8], {"torch": int8_kernel}, int8_summed, words,
         quantize.CPU_COMPILE_OPTIONS)  # compiled as a quantized frame step is
     int4 = [quantize.QuantLinear(nn.Linear(k, n, bias=False), 4) for _ in range(layers) for n, k in shapes]
     held = [(*cpu_fast.held_for(q, one_row=True), q.group) for q in int4]  # as OneRowQuantLinear holds them
+    layer = {id(q.weight): q for q in int4}
 
-    def int4_summed(held):
-        return [cpu_fast.int4_one_row(xs[w.shape[1] * 2], w, scale, group) for w, scale, group in held]
+    def int4_kernel(rows, ws):
+        return [layer[id(w)](xs[layer[id(w)].in_features]) for xs in rows for w in ws]
 
-    add("int4", [q.weight for q in int4], {"torch": lambda ws: [q(xs[q.in_features]) for q in int4]},
-        int4_summed, held, quantize.CPU_COMPILE_OPTIONS)
+    def int4_summed(rows, held):
+        return [cpu_fast.int4_one_row(xs[w.shape[1] * 2], w, scale, group)
+                for xs in rows for w, scale, group in held]
+
+    add("int4", [q.weight for q in int4], {"torch": int4_kernel}, int4_summed, held,
+        quantize.CPU_COMPILE_OPTIONS)
     return ways
+
+
+CACHE_SPLIT = 4  # the set read from cache: one layer of PROBE_SHAPES with a quarter of their outputs
 
 
 @torch.inference_mode()
 def rows_speed(args):
     """`bench.py rows`: one row through a layer's linears (cpu_fast.PROBE_SHAPES, enough layers to read
     them from memory) at each precision, eager and compiled, in interleaved rounds: GB/s of weight bytes
-    (min / median / max of the rounds) and the median's % of the measured copy bandwidth."""
+    (min / median / max of the rounds) and the median's % of the measured copy bandwidth; beside it the
+    same way's median on a set that stays in cache (`CACHE_SPLIT`), read over and over: the rate its own
+    loop allows. A way that reads from memory about as fast as from cache is bound by its loop, not by
+    memory."""
     torch.set_num_threads(args.threads or torch.get_num_threads())
     cpu_fast.keep_freed_memory()
-    ways = row_ways(cpu_fast.PROBE_SHAPES, args.layers)
+    cached = tuple((n // CACHE_SPLIT, k) for n, k in cpu_fast.PROBE_SHAPES)
+    sets = {"memory": row_ways(cpu_fast.PROBE_SHAPES, args.layers),
+            "cache": row_ways(cached, 1, repeats=2 * args.layers)}  # half the memory set's bytes a run
+    ways = {(where, *key): run_size for where, set_ways in sets.items() for key, run_size in set_ways.items()}
     bandwidth = copy_bandwidth(torch.device("cpu"))
     seconds = {key: [] for key in ways}
     for run, _ in ways.values():
@@ -444,14 +462,16 @@ def rows_speed(args):
                 run()
                 best = min(best, time.perf_counter() - start)
             seconds[key].append(best)
+    rates = {key: sorted(size / t / 1e9 for t in seconds[key]) for key, (_, size) in ways.items()}
     print(f"{machine_line(torch.device('cpu'))} ({' '.join(common.cpu_model())}), copy bandwidth"
           f" {bandwidth:.1f} GB/s")
-    print(f"{'precision':9} {'way':12} {'MB':>6} {'GB/s min':>9} {'median':>7} {'max':>6} {'% bw':>5}")
-    for (precision, way), (_, size) in ways.items():
-        rates = sorted(size / t / 1e9 for t in seconds[(precision, way)])
-        median = statistics.median(rates)
-        print(f"{precision:9} {way:12} {size / 1e6:6.0f} {rates[0]:9.1f} {median:7.1f} {rates[-1]:6.1f}"
-              f" {100 * median / bandwidth:5.0f}")
+    print(f"{'precision':9} {'way':12} {'MB':>6} {'GB/s min':>9} {'median':>7} {'max':>6} {'% bw':>5}"
+          f" {'in cache':>8} {'of cache':>8}")
+    for (precision, way), (_, size) in sets["memory"].items():
+        memory, cache = rates[("memory", precision, way)], rates[("cache", precision, way)]
+        median, in_cache = statistics.median(memory), statistics.median(cache)
+        print(f"{precision:9} {way:12} {size / 1e6:6.0f} {memory[0]:9.1f} {median:7.1f} {memory[-1]:6.1f}"
+              f" {100 * median / bandwidth:5.0f} {in_cache:8.1f} {median / in_cache:8.2f}")
 
 
 # ----------------------------------------------------------------------------- codec (`bench.py codec`)
@@ -1148,7 +1168,7 @@ def main(argv=None):
     lora.add_argument("--seq-len", type=int, default=1024, help="tokens per sample (default 1024)")
     lora.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step (default 3)")
     rows = sub.add_parser("rows", help="one row through a layer's linears at each precision, eager and"
-                          " compiled: GB/s and % of the copy bandwidth")
+                          " compiled: GB/s, % of the copy bandwidth, and GB/s from cache")
     rows.add_argument("--layers", type=int, default=6, help="layers of weights read per pass (6:"
                       " 289 MB in fp32)")
     rows.add_argument("--rounds", type=int, default=5, help="interleaved rounds (5)")

@@ -579,7 +579,8 @@ class OneRowQuantLinear(QuantLinear):
         return y if self.bias is None else y + self.bias
 
 
-ONE_ROW_KEY = "compiled one row"  # the decision's key, after the machine key
+ONE_ROW_KEY = "compiled one row in one graph"  # the decision's key, after the machine key (an older
+# timing, a graph a layer, is stale)
 # weights a fused sum can read (uint8: int4, two values a byte)
 ONE_ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8)
 
@@ -592,7 +593,8 @@ def one_row_key(dtype: torch.dtype) -> str:  # int8's times `int8_one_row` (a ti
 def compiled_one_row_wins(dtype: torch.dtype = torch.float32, again=False) -> bool:
     """Whether this machine's compiled graphs run a one-row linear of `dtype` weights (fp32, fp16 / bf16 as
     HalfLinear's, int8 or int4 (uint8) as QuantLinear's: `int8_one_row`, `int4_one_row`) faster as a fused
-    sum than the matmuls eager takes for it. Timed once (`timed_one_row`: it compiles, 5-15 s)."""
+    sum than the matmuls eager takes for it. Timed once (`timed_one_row`: it compiles, cold 3-25 s, int4's
+    96 sums 95 s on a 2-core Zen 3)."""
     return decision(one_row_key(dtype),
                     lambda value: isinstance(value, bool), lambda old: timed_one_row(dtype),
                     f"timing compiled one-row {dtype} linears", again)
@@ -600,10 +602,11 @@ def compiled_one_row_wins(dtype: torch.dtype = torch.float32, again=False) -> bo
 
 def one_row_runs(dtype: torch.dtype, compile=True) -> dict:
     """A layer's linears at one row, PROBE_LAYERS times for fp32, 2x that for half, 4x for int8 and 8x for
-    int4 (uint8; the same bytes): {"fused": the sum (`one_row_linear`, `int8_one_row`, `int4_one_row`), a
-    layer's linears a graph compiled by inductor once and run on each layer's weights (one graph of them
-    all took 2 minutes to compile for int4), "torch": torch's own matmul (its int8 or int4 kernel), for
-    fp32 "onednn": oneDNN's prepacked one}; each run returns its products."""
+    int4 (uint8; the same bytes): {"fused": the sum (`one_row_linear`, `int8_one_row`, `int4_one_row`), every
+    layer's linears in one graph compiled by inductor, as a frame step's graph runs them (a graph a layer
+    paid ~0.3 ms a call: fp16's sum then timed as torch's matmul on a Zen 3 where it made the frame step
+    1.2x faster), "torch": torch's own matmul (its int8 or int4 kernel), for fp32 "onednn": oneDNN's
+    prepacked one}; each run returns its products."""
     layers = PROBE_LAYERS * {torch.float16: 2, torch.bfloat16: 2, torch.int8: 4, torch.uint8: 8}.get(dtype, 1)
     weights = probe_weights(layers, dtype)
     xs = probe_rows(weights, 1)
@@ -628,13 +631,12 @@ def one_row_runs(dtype: torch.dtype, compile=True) -> dict:
             {"torch": lambda: [F.linear(xs[w.shape[1]].to(dtype), w) for w in weights]}
         one_row, calls = one_row_linear, [(xs[w.shape[1]], w) for w in weights]
 
-    def layer(calls):
+    def layers(calls):
         return [one_row(*args) for args in calls]
 
     options = quantize.CPU_COMPILE_OPTIONS if dtype in (torch.int8, torch.uint8) else None  # as the model's
-    layer = torch.compile(layer, fullgraph=True, dynamic=False, options=options) if compile else layer
-    per_layer = [calls[i:i + len(PROBE_SHAPES)] for i in range(0, len(calls), len(PROBE_SHAPES))]
-    runs["fused"] = lambda: [y for layer_calls in per_layer for y in layer(layer_calls)]
+    layers = torch.compile(layers, fullgraph=True, dynamic=False, options=options) if compile else layers
+    runs["fused"] = lambda: layers(calls)
     return runs
 
 

@@ -593,8 +593,8 @@ def one_row_key(dtype: torch.dtype) -> str:  # int8's times `int8_one_row` (a ti
 def compiled_one_row_wins(dtype: torch.dtype = torch.float32, again=False) -> bool:
     """Whether this machine's compiled graphs run a one-row linear of `dtype` weights (fp32, fp16 / bf16 as
     HalfLinear's, int8 or int4 (uint8) as QuantLinear's: `int8_one_row`, `int4_one_row`) faster as a fused
-    sum than the matmuls eager takes for it. Timed once (`timed_one_row`: it compiles, cold 3-25 s, int4's
-    96 sums 95 s on a 2-core Zen 3)."""
+    sum than the matmuls eager takes for it. Timed once (`timed_one_row`: it compiles, cold 1-25 s, int4's
+    96 sums ~100 s on a 2-core Zen 3)."""
     return decision(one_row_key(dtype),
                     lambda value: isinstance(value, bool), lambda old: timed_one_row(dtype),
                     f"timing compiled one-row {dtype} linears", again)

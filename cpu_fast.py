@@ -579,8 +579,8 @@ class OneRowQuantLinear(QuantLinear):
         return y if self.bias is None else y + self.bias
 
 
-ONE_ROW_KEY = "compiled one row in one graph"  # the decision's key, after the machine key (an older
-# timing, a graph a layer, is stale)
+ONE_ROW_KEY = "compiled one row in one graph"  # the decision's key, after the machine key (a timing
+# under the older key compiled a graph a layer: stale)
 # weights a fused sum can read (uint8: int4, two values a byte)
 ONE_ROW_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int8, torch.uint8)
 

@@ -18,7 +18,7 @@ def test_each_precisions_ways_compute_the_same_product_from_the_bytes_they_are_t
                                    ("fp16", "torch"), ("fp16", "compiled sum"), ("bf16", "torch"),
                                    ("bf16", "compiled sum"), ("int8", "torch"), ("int8", "compiled sum"),
                                    ("int4", "torch"), ("int4", "compiled sum")])
-    weights = 2 * 2 * sum(n * k for n, k in SHAPES)  # 2 layers, each pass read twice
+    weights = 2 * 2 * sum(n * k for n, k in SHAPES)  # 2 layers, the whole pass run twice
     bytes_per_weight = dict(fp32=4, fp16=2, bf16=2, int8=1, int4=0.5)
     # how far a way may be from the precision's first: its output's rounding (the int8 and int4 kernels'
     # bf16; the half ones' own dtype; fp32 sums in another order)
